@@ -1,0 +1,56 @@
+"""The exception tree of swarmfd.
+
+Every error subclasses both :class:`SwarmfdError` and the builtin it most
+resembles, so callers can write ``except TimeoutError`` or ``except
+swarmfd.SwarmfdError`` as they prefer.
+"""
+
+from __future__ import annotations
+
+
+class SwarmfdError(Exception):
+    """Base class of every error swarmfd raises on purpose."""
+
+
+class ConfigError(SwarmfdError, ValueError):
+    """The process-group configuration (arguments or environment) is invalid."""
+
+
+class NotInitializedError(SwarmfdError, RuntimeError):
+    """A collective or query was called before :func:`swarmfd.init`."""
+
+
+class AlreadyInitializedError(SwarmfdError, RuntimeError):
+    """:func:`swarmfd.init` was called while a process group is active."""
+
+
+class CollectiveError(SwarmfdError, RuntimeError):
+    """A collective failed; the message names the collective and the peer."""
+
+
+class CollectiveTimeout(CollectiveError, TimeoutError):
+    """A collective waited longer than the group's timeout for a peer."""
+
+
+class PeerLostError(CollectiveError, ConnectionError):
+    """A peer process disappeared (its connection closed) during a collective."""
+
+
+class MismatchError(CollectiveError):
+    """Ranks called different collectives, or the same one with different arguments."""
+
+
+class AbortedError(CollectiveError):
+    """Another rank failed and told this rank to abort the collective."""
+
+
+class ProtocolError(SwarmfdError, ConnectionError):
+    """A peer spoke another protocol version or sent a malformed message."""
+
+
+class RendezvousError(SwarmfdError, RuntimeError):
+    """The ranks could not form a group (wrong world size, duplicate rank, timeout)."""
+
+
+class RendezvousTimeout(RendezvousError, TimeoutError):
+    """Rendezvous did not complete within the timeout."""
