@@ -1,0 +1,687 @@
+"""The local launcher behind ``swarmfd run``: start N ranks on this host, supervise them.
+
+``swarmfd run -n N [options] [--] COMMAND...`` starts N copies of COMMAND (a first
+word ending in ``.py`` runs with the current Python, ``sys.executable``). Each copy
+(a *rank*) gets the environment contract of :mod:`swarmfd.config`:
+
+``WORLD_SIZE``             N
+``RANK``, ``LOCAL_RANK``   0..N-1 (every rank is local, so both are equal)
+``LOCAL_WORLD_SIZE``       N
+``MASTER_ADDR``            ``--master-addr`` (default ``127.0.0.1``)
+``MASTER_PORT``            ``--master-port``, or a free port picked by binding port 0
+                           on MASTER_ADDR (a new one on every restart)
+``SWARMFD_TIMEOUT``        ``--timeout``, when given
+``SWARMFD_RESTART_COUNT``  0 on the first attempt, then 1, 2, ... on each restart
+``PYTHONUNBUFFERED``       1 (so Python ranks stream their output promptly)
+
+plus the launcher's own environment and any ``-e KEY=VALUE``. The contract
+variables cannot be set with ``-e``: the launcher owns them.
+
+Output. Every line a rank writes goes to the same stream (stdout or stderr) of
+the launcher, prefixed with ``[rank R] `` (unless ``prefix`` is off). Lines are
+written whole, under one lock, so ranks never interleave mid-line. A final line
+without a newline is still printed (the prefix mode adds the newline). Output is
+handled as bytes and never decoded, so binary or non-UTF-8 output cannot break
+the launcher. A line longer than 64 KiB is cut into 64 KiB pieces.
+
+Failure. The first rank to exit non-zero (a rank killed by signal S counts as
+exit code 128+S, as shells report it) fails the group: the launcher prints
+``swarmfd run: rank R exited with code C; stopping the other ranks`` on stderr,
+sends SIGTERM to every rank, waits ``grace`` seconds and then sends SIGKILL.
+With ``max_restarts=K`` the whole group is then started again, up to K times;
+the exit code is the last attempt's.
+
+Interruption. SIGINT (Ctrl-C), SIGTERM or SIGHUP to the launcher is forwarded
+to every rank; after ``grace`` seconds (or at a second signal) the ranks are
+killed. The launcher then exits with 128+signal (130 for Ctrl-C). It never
+restarts after an interruption.
+
+No orphans. Each rank runs in its own session and process group, and the
+launcher signals the whole group, so processes a rank started are stopped too,
+even after a successful run. If the launcher itself is SIGKILLed, each rank
+gets SIGKILL from the kernel (``PR_SET_PDEATHSIG``, Linux), and a small guardian
+process, which notices the launcher's end when its pipe closes, stops whatever
+is left in the ranks' process groups.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import FrameType, MappingProxyType
+from typing import IO, Any
+
+__all__ = [
+    "DEFAULT_GRACE",
+    "DEFAULT_MASTER_ADDR",
+    "RESERVED_ENV",
+    "LaunchConfig",
+    "exit_code_of",
+    "find_free_port",
+    "launch",
+    "resolve_command",
+]
+
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_GRACE = 3.0
+
+#: Variables the launcher sets for every rank; ``-e`` may not override them.
+RESERVED_ENV = frozenset(
+    {
+        "WORLD_SIZE",
+        "RANK",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "SWARMFD_RESTART_COUNT",
+    }
+)
+_ENV_TIMEOUT = "SWARMFD_TIMEOUT"
+
+_MAX_LINE = 64 * 1024
+_POLL = 0.05
+_READER_DRAIN = 1.0  # seconds to wait for a rank's output after its group is gone
+_HANDLED_SIGNALS = tuple(
+    s for s in (getattr(signal, n, None) for n in ("SIGINT", "SIGTERM", "SIGHUP")) if s is not None
+)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """What ``swarmfd run`` should start; validated on creation (``ValueError``/``TypeError``).
+
+    ``command`` is the argv of every rank; ``env`` adds variables to the
+    launcher's environment; ``master_port=None`` picks a free port per attempt;
+    ``grace`` is how long ranks get between SIGTERM (or a forwarded Ctrl-C) and
+    SIGKILL; ``timeout`` (seconds) becomes ``SWARMFD_TIMEOUT`` for the ranks.
+    """
+
+    nproc: int
+    command: Sequence[str]
+    master_addr: str = DEFAULT_MASTER_ADDR
+    master_port: int | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    timeout: float | None = None
+    prefix: bool = True
+    max_restarts: int = 0
+    grace: float = DEFAULT_GRACE
+
+    def __post_init__(self) -> None:
+        _check_int("nproc", self.nproc, minimum=1, what="the number of ranks to start")
+        if isinstance(self.command, (str, bytes)) or not isinstance(self.command, Iterable):
+            raise TypeError(
+                f"command must be a sequence of strings (an argv), got {self.command!r}"
+            )
+        command = tuple(self.command)
+        if not command:
+            raise ValueError("command is empty: expected the program (and its arguments) to run")
+        for word in command:
+            if not isinstance(word, str):
+                raise TypeError(f"command words must be strings, got {word!r} in {command!r}")
+            if "\0" in word:
+                raise ValueError(f"command word {word!r} contains a NUL byte")
+        if command[0] == "":
+            raise ValueError("command starts with an empty word: expected a program name")
+        object.__setattr__(self, "command", command)
+
+        if (
+            not isinstance(self.master_addr, str)
+            or not self.master_addr.strip()
+            or any(c.isspace() for c in self.master_addr)
+        ):
+            raise ValueError(
+                f"master_addr must be a host name or IP address without spaces, "
+                f"got {self.master_addr!r}"
+            )
+        if self.master_port is not None:
+            _check_int("master_port", self.master_port, minimum=1, what="a TCP port")
+            if self.master_port > 65535:
+                raise ValueError(f"master_port must be a TCP port 1..65535, got {self.master_port}")
+
+        if not isinstance(self.env, Mapping):
+            raise TypeError(f"env must be a mapping of str to str, got {type(self.env).__name__}")
+        env = dict(self.env)
+        for key, value in env.items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise TypeError(f"env entries must be str=str, got {key!r}={value!r}")
+            if not key or "=" in key or "\0" in key:
+                raise ValueError(
+                    f"env name {key!r} is invalid: expected a non-empty name without '=' or NUL"
+                )
+            if "\0" in value:
+                raise ValueError(f"env value of {key} contains a NUL byte")
+            if key in RESERVED_ENV:
+                raise ValueError(
+                    f"env may not set {key}: the launcher sets it for every rank "
+                    "(use -n/--nproc, --master-addr or --master-port instead)"
+                )
+            if key == _ENV_TIMEOUT and self.timeout is not None:
+                raise ValueError(
+                    f"{_ENV_TIMEOUT} is given both in env and as timeout={self.timeout!r}: "
+                    "give it once"
+                )
+        object.__setattr__(self, "env", MappingProxyType(env))
+
+        if self.timeout is not None:
+            _check_seconds("timeout", self.timeout, allow_zero=False)
+        if not isinstance(self.prefix, bool):
+            raise TypeError(f"prefix must be a bool, got {self.prefix!r}")
+        _check_int("max_restarts", self.max_restarts, minimum=0, what="a number of restarts")
+        _check_seconds("grace", self.grace, allow_zero=True)
+
+
+def _check_int(name: str, value: object, *, minimum: int, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer ({what}), got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum} ({what}), got {value}")
+
+
+def _check_seconds(name: str, value: object, *, allow_zero: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {value!r}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be a finite number of seconds {bound}, got {value!r}")
+
+
+# --- small pure helpers -------------------------------------------------------
+
+
+def exit_code_of(returncode: int) -> int:
+    """Map a :class:`subprocess.Popen` return code to a shell exit code (signal S -> 128+S)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _describe_exit(returncode: int) -> str:
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    return f"was killed by {name} (exit code {exit_code_of(returncode)})"
+
+
+def resolve_command(command: Sequence[str], path: str | None = None) -> list[str]:
+    """Turn the user's COMMAND into the argv to execute, checking that it can start.
+
+    A first word ending in ``.py`` runs with ``sys.executable``. Raises
+    :class:`FileNotFoundError` when the program or script does not exist (so the
+    user gets one clear message instead of N failing ranks) and
+    :class:`PermissionError` when it is not executable. ``path`` is the PATH
+    to search (default: the launcher's).
+    """
+    argv = list(command)
+    if not argv:
+        raise ValueError("command is empty: expected the program (and its arguments) to run")
+    first = argv[0]
+    if first.endswith(".py"):
+        if not os.path.isfile(first):
+            raise FileNotFoundError(f"script not found: {first!r} (no such file)")
+        return [sys.executable, *argv]
+    if os.sep in first or (os.altsep and os.altsep in first):
+        if not os.path.exists(first):
+            raise FileNotFoundError(f"command not found: {first!r} (no such file)")
+        if os.path.isdir(first) or not os.access(first, os.X_OK):
+            raise PermissionError(f"command is not executable: {first!r}")
+        return argv
+    if shutil.which(first, path=path) is None:
+        raise FileNotFoundError(f"command not found: {first!r} (not an executable on PATH)")
+    return argv
+
+
+def find_free_port(host: str = DEFAULT_MASTER_ADDR) -> int:
+    """Return a TCP port that is free on ``host`` right now (bind port 0, read it, close).
+
+    Another process may take the port before rank 0 binds it; that race is
+    small, and a restart picks a new port anyway.
+    """
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise ValueError(f"master_addr {host!r} does not resolve to an address: {exc}") from None
+    family, socktype, proto, _, sockaddr = infos[0]
+    with socket.socket(family, socktype, proto) as sock:
+        try:
+            sock.bind(sockaddr)
+        except OSError:
+            # Not an address of this host (a launcher for a remote master, say):
+            # any free local port is as good a guess as we can make.
+            sock.bind(("::", 0) if family == socket.AF_INET6 else ("0.0.0.0", 0))
+        return int(sock.getsockname()[1])
+
+
+# --- output -------------------------------------------------------------------
+
+
+class _Output:
+    """Serializes whole lines from many reader threads onto two binary streams."""
+
+    def __init__(self, stdout: IO[bytes], stderr: IO[bytes]) -> None:
+        self._streams = {1: stdout, 2: stderr}
+        self._broken: set[int] = set()
+        self._lock = threading.Lock()
+
+    def write(self, fd: int, data: bytes) -> None:
+        with self._lock:
+            if fd in self._broken:
+                return  # e.g. `swarmfd run ... | head`: keep draining the ranks, drop output
+            stream = self._streams[fd]
+            try:
+                stream.write(data)
+                stream.flush()
+            except (OSError, ValueError):
+                self._broken.add(fd)
+
+    def note(self, message: str) -> None:
+        """A launcher message on stderr: ``swarmfd run: <message>``."""
+        self.write(2, f"swarmfd run: {message}\n".encode(errors="replace"))
+
+
+def _pump(pipe: IO[bytes], fd: int, prefix: bytes, output: _Output) -> None:
+    """Copy one rank's pipe to the output line by line until EOF."""
+    try:
+        with pipe:
+            while True:
+                line = pipe.readline(_MAX_LINE)
+                if not line:
+                    return
+                if prefix:
+                    if not line.endswith(b"\n"):
+                        line += b"\n"
+                    line = prefix + line
+                output.write(fd, line)
+    except (OSError, ValueError):
+        return  # the pipe broke; nothing more to copy
+
+
+# --- process groups -----------------------------------------------------------
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _group_alive(pgid: int) -> bool:
+    """True while a live (non-zombie) process is in process group ``pgid``."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # kill(0) also succeeds for zombies nobody has reaped yet (in a container
+    # whose init does not reap); on Linux, look at the real states.
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return True
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+            return True
+    return False
+
+
+def _make_preexec() -> Callable[[], None] | None:
+    """A ``preexec_fn`` asking the kernel to SIGKILL the rank when the launcher dies."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.restype = ctypes.c_int
+    pr_set_pdeathsig = 1
+    sigkill = int(signal.SIGKILL)
+    launcher = os.getpid()
+
+    def preexec() -> None:  # runs in the child between fork and exec: keep it tiny
+        prctl(pr_set_pdeathsig, sigkill, 0, 0, 0)
+        if os.getppid() != launcher:  # the launcher died before prctl took effect
+            os.kill(os.getpid(), sigkill)
+
+    return preexec
+
+
+_GUARDIAN_CODE = r"""
+import os, signal, sys, time
+for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(s, signal.SIG_IGN)
+grace = float(sys.argv[1])
+groups = set()
+for line in sys.stdin.buffer:
+    op, _, arg = line.strip().partition(b" ")
+    if op == b"add":
+        groups.add(int(arg))
+    elif op == b"del":
+        groups.discard(int(arg))
+def alive(g):
+    try:
+        os.killpg(g, 0)
+        return True
+    except OSError:
+        return False
+for sig in (signal.SIGTERM, signal.SIGKILL):
+    for g in groups:
+        try:
+            os.killpg(g, sig)
+        except OSError:
+            pass
+    deadline = time.monotonic() + grace
+    while any(alive(g) for g in groups) and time.monotonic() < deadline:
+        time.sleep(0.05)
+"""
+
+
+class _Guardian:
+    """A helper process that stops the ranks' process groups if the launcher dies.
+
+    The launcher tells it each group (``add``) and each group it has cleaned up
+    (``del``) over a pipe. When the pipe closes, because the launcher finished
+    or was killed, the guardian stops the groups still on its list: SIGTERM,
+    ``grace``, SIGKILL. It ignores SIGINT/SIGTERM/SIGHUP and runs in its own
+    session, so a Ctrl-C or a group kill aimed at the launcher leaves it to
+    do its job.
+    """
+
+    def __init__(self, grace: float) -> None:
+        self._proc: subprocess.Popen[bytes] | None = None
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _GUARDIAN_CODE, repr(float(grace))],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        except OSError:
+            self._proc = None  # degrade to PDEATHSIG alone
+
+    def _send(self, line: str) -> None:
+        if self._proc is None or self._proc.stdin is None:
+            return
+        try:
+            self._proc.stdin.write(line.encode() + b"\n")
+            self._proc.stdin.flush()
+        except (OSError, ValueError):
+            pass
+
+    def add(self, pgid: int) -> None:
+        self._send(f"add {pgid}")
+
+    def forget(self, pgid: int) -> None:
+        self._send(f"del {pgid}")
+
+    def close(self) -> None:
+        if self._proc is None:
+            return
+        try:
+            if self._proc.stdin is not None:
+                self._proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+
+class _Signals:
+    """Records SIGINT/SIGTERM/SIGHUP sent to the launcher while installed (main thread only)."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in _HANDLED_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received.append(signum)
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+@dataclass
+class _Outcome:
+    code: int
+    interrupted: bool = False
+
+
+class _Attempt:
+    """One start of the N ranks: spawn, copy output, supervise, stop."""
+
+    def __init__(
+        self,
+        config: LaunchConfig,
+        argv: list[str],
+        env: dict[str, str],
+        output: _Output,
+        guardian: _Guardian,
+        signals: _Signals,
+    ) -> None:
+        self.config = config
+        self.argv = argv
+        self.env = env
+        self.output = output
+        self.guardian = guardian
+        self.signals = signals
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.readers: list[list[threading.Thread]] = []
+
+    def run(self) -> _Outcome:
+        try:
+            self._spawn()
+            self._start_readers()
+            return self._supervise()
+        finally:
+            self._cleanup()
+
+    def _spawn(self) -> None:
+        preexec = _make_preexec()
+        n = self.config.nproc
+        for rank in range(n):
+            env = dict(self.env)
+            env.update(RANK=str(rank), LOCAL_RANK=str(rank))
+            # Reader threads start only after every rank is spawned: preexec_fn
+            # is only safe to run while this process has no other threads.
+            proc = subprocess.Popen(
+                self.argv,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                preexec_fn=preexec,
+            )
+            self.procs.append(proc)
+            self.guardian.add(proc.pid)
+
+    def _start_readers(self) -> None:
+        for rank, proc in enumerate(self.procs):
+            prefix = f"[rank {rank}] ".encode() if self.config.prefix else b""
+            threads = []
+            for fd, pipe in ((1, proc.stdout), (2, proc.stderr)):
+                assert pipe is not None
+                t = threading.Thread(
+                    target=_pump,
+                    args=(pipe, fd, prefix, self.output),
+                    name=f"swarmfd-run-rank{rank}-fd{fd}",
+                    daemon=True,
+                )
+                t.start()
+                threads.append(t)
+            self.readers.append(threads)
+
+    def _supervise(self) -> _Outcome:
+        n = self.config.nproc
+        while True:
+            if self.signals.received:
+                sig = self.signals.received[0]
+                self.output.note(f"received {signal.Signals(sig).name}; stopping all {n} rank(s)")
+                self._stop(sig)
+                return _Outcome(128 + sig, interrupted=True)
+            running = False
+            failed: tuple[int, int] | None = None
+            for rank, proc in enumerate(self.procs):
+                rc = proc.poll()
+                if rc is None:
+                    running = True
+                elif rc != 0 and failed is None:
+                    failed = (rank, rc)
+            if failed is not None:
+                rank, rc = failed
+                self._drain(rank)  # its last words (a traceback) before our message
+                others = "; stopping the other ranks" if n > 1 else ""
+                self.output.note(f"rank {rank} {_describe_exit(rc)}{others}")
+                self._stop(signal.SIGTERM)
+                return _Outcome(exit_code_of(rc))
+            if not running:
+                return _Outcome(0)
+            time.sleep(_POLL)
+
+    def _drain(self, rank: int) -> None:
+        deadline = time.monotonic() + 0.5
+        for t in self.readers[rank] if rank < len(self.readers) else ():
+            t.join(max(0.0, deadline - time.monotonic()))
+
+    def _alive(self) -> bool:
+        return any(p.poll() is None for p in self.procs) or any(
+            _group_alive(p.pid) for p in self.procs
+        )
+
+    def _stop(self, sig: int) -> None:
+        """Signal every rank's group, wait ``grace`` (cut short by a new signal), then SIGKILL."""
+        if not self.procs:
+            return
+        seen = len(self.signals.received)
+        for proc in self.procs:
+            _killpg(proc.pid, sig)
+        deadline = time.monotonic() + self.config.grace
+        while self._alive():
+            if time.monotonic() >= deadline or len(self.signals.received) > seen:
+                break
+            time.sleep(_POLL)
+        else:
+            return
+        for proc in self.procs:
+            _killpg(proc.pid, signal.SIGKILL)
+        for proc in self.procs:
+            # A process in uninterruptible sleep may outlive even SIGKILL for a while.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+
+    def _cleanup(self) -> None:
+        # Ranks that exited 0 may have left processes in their groups: stop them
+        # too. Also covers an exception in this module after a partial spawn.
+        if self._alive():
+            leftovers = [r for r, p in enumerate(self.procs) if _group_alive(p.pid)]
+            if leftovers:
+                self.output.note(
+                    f"stopping processes left running by rank(s) {', '.join(map(str, leftovers))}"
+                )
+            self._stop(signal.SIGTERM)
+        for proc in self.procs:
+            if proc.poll() is None:  # only after a failed _stop; keep Popen from leaking
+                proc.kill()
+                proc.wait()
+        deadline = time.monotonic() + _READER_DRAIN
+        for threads in self.readers:
+            for t in threads:
+                t.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
+            self.guardian.forget(proc.pid)
+
+
+def _rank_env(config: LaunchConfig, port: int, restart: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(config.env)
+    env.update(
+        WORLD_SIZE=str(config.nproc),
+        LOCAL_WORLD_SIZE=str(config.nproc),
+        MASTER_ADDR=config.master_addr,
+        MASTER_PORT=str(port),
+        SWARMFD_RESTART_COUNT=str(restart),
+    )
+    if config.timeout is not None:
+        env[_ENV_TIMEOUT] = repr(float(config.timeout))
+    return env
+
+
+def launch(
+    config: LaunchConfig,
+    *,
+    stdout: IO[bytes] | None = None,
+    stderr: IO[bytes] | None = None,
+) -> int:
+    """Run ``config.command`` as ``config.nproc`` ranks until they finish; return the exit code.
+
+    0 when every rank exits 0; else the first failing rank's code (128+S for a
+    rank killed by signal S), from the last attempt under ``max_restarts``;
+    128+S when the launcher got signal S (130 for Ctrl-C). Rank output goes to
+    ``stdout``/``stderr`` (binary streams; default: this process's). Raises
+    :class:`FileNotFoundError`/:class:`PermissionError` when the command cannot
+    be started, before any rank starts. Signal handlers for SIGINT, SIGTERM and
+    SIGHUP are installed for the duration when called from the main thread.
+    """
+    argv = resolve_command(config.command, path=os.environ.get("PATH"))
+    for stream in (sys.stdout, sys.stderr):  # keep earlier text output in order
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            stream.flush()
+    output = _Output(
+        stdout if stdout is not None else sys.stdout.buffer,
+        stderr if stderr is not None else sys.stderr.buffer,
+    )
+    guardian = _Guardian(config.grace)
+    try:
+        with _Signals() as signals:
+            restart = 0
+            while True:
+                port = config.master_port or find_free_port(config.master_addr)
+                env = _rank_env(config, port, restart)
+                outcome = _Attempt(config, argv, env, output, guardian, signals).run()
+                if outcome.code == 0 or outcome.interrupted:
+                    return outcome.code
+                if restart >= config.max_restarts:
+                    if config.max_restarts:
+                        output.note(
+                            f"no restarts left (max_restarts={config.max_restarts}); "
+                            f"exiting with code {outcome.code}"
+                        )
+                    return outcome.code
+                restart += 1
+                output.note(
+                    f"restart {restart} of {config.max_restarts}: starting {config.nproc} "
+                    "rank(s) again"
+                )
+    finally:
+        guardian.close()
