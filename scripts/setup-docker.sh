@@ -1,0 +1,273 @@
+#!/usr/bin/env bash
+# Prepare this machine for swarmfd's Docker Swarm tests, offline from container
+# registries. Idempotent and fast when everything already exists. Run as root.
+#
+# Usage: scripts/setup-docker.sh [STEP...]
+#   engine      install Debian's docker.io if no dockerd exists, start dockerd if it
+#               is not running, `docker swarm init` if the swarm is inactive
+#   base        build the base image ($SWARMFD_BASE_IMAGE) with mmdebstrap from the
+#               host's own apt sources file, unless it exists (FORCE_BASE=1 rebuilds)
+#   wheelhouse  download manylinux cp311 wheels of the runtime deps into wheelhouse/
+#               (skipped when wheelhouse/.stamp matches the dependency list)
+#   image       build the swarmfd image ($SWARMFD_IMAGE) from the Dockerfile with
+#               --build-arg BASE_IMAGE=$SWARMFD_BASE_IMAGE (layer cache keeps it fast)
+#   all         engine base wheelhouse image (the default)
+#   status      print engine, swarm and image state; change nothing
+# The last line printed by `image` (and `all`) is `SWARMFD_IMAGE_ID=sha256:...`.
+#
+# Environment:
+#   SWARMFD_IMAGE        image tag to build (default swarmfd:latest)
+#   SWARMFD_BASE_IMAGE   local base image tag (default swarmfd-base:<suite>-1)
+#   SWARMFD_APT_SOURCES  apt sources file for mmdebstrap (default: the host's
+#                        /etc/apt/sources.list.d/debian.sources, else /etc/apt/sources.list)
+#   SWARMFD_SUITE        Debian suite (default: VERSION_CODENAME of the host)
+#   DOCKERD_LOG          dockerd log file (default /var/log/swarmfd-dockerd.log)
+#   DOCKER_WAIT          seconds to wait for the engine to answer (default 60)
+#   FORCE_BASE=1         rebuild the base image even if it exists
+#
+# The mirror is never written in this file: mmdebstrap reads the host's sources file.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+SUITE="${SWARMFD_SUITE:-$(. /etc/os-release && echo "${VERSION_CODENAME:-bookworm}")}"
+BASE_RECIPE=1   # bump when the base package list or options below change
+BASE_IMAGE="${SWARMFD_BASE_IMAGE:-swarmfd-base:${SUITE}-${BASE_RECIPE}}"
+IMAGE="${SWARMFD_IMAGE:-swarmfd:latest}"
+DOCKERD_LOG="${DOCKERD_LOG:-/var/log/swarmfd-dockerd.log}"
+DOCKER_WAIT="${DOCKER_WAIT:-60}"
+WHEELHOUSE="$ROOT/wheelhouse"
+BASE_PKGS="python3,python3-venv,ca-certificates"
+# Wheels for the image's CPython 3.11 on x86_64 (Debian bookworm and python:3.11-slim).
+WHEEL_PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64)
+
+die() { echo "setup-docker: ERROR: $*" >&2; exit 1; }
+log() { echo "setup-docker: $*"; }
+now() { date +%s.%N; }
+since() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1fs", b - a }'; }
+
+# The engine's own client (/usr/bin/docker from docker.io) matches the daemon's API;
+# /usr/local/bin/docker on this host is a newer client only (it also works, by
+# downgrading the API). Prefer the engine's client; an explicit $DOCKER wins.
+pick_client() {
+  if [ -n "${DOCKER:-}" ]; then return; fi
+  if [ -x /usr/bin/docker ]; then DOCKER=/usr/bin/docker
+  elif command -v docker >/dev/null 2>&1; then DOCKER="$(command -v docker)"
+  else DOCKER=""; fi
+}
+
+need_root() { [ "$(id -u)" = 0 ] || die "$1 needs root (run: sudo $0 $1)"; }
+
+apt_install() {
+  need_root "installing $*"
+  export DEBIAN_FRONTEND=noninteractive
+  if [ -z "${_APT_UPDATED:-}" ]; then
+    apt-get update -qq || die "apt-get update failed"
+    _APT_UPDATED=1
+  fi
+  apt-get install -y -qq --no-install-recommends "$@" >/dev/null || die "apt-get install $* failed"
+}
+
+engine_running() { [ -n "$DOCKER" ] && "$DOCKER" info >/dev/null 2>&1; }
+
+step_engine() {
+  local t0; t0=$(now)
+  pick_client
+  if ! command -v dockerd >/dev/null 2>&1 && [ ! -x /usr/sbin/dockerd ] && [ ! -x /usr/bin/dockerd ]; then
+    log "no dockerd found: installing Debian's docker.io"
+    apt_install docker.io
+    DOCKER=""; pick_client
+    log "installed docker.io in $(since "$t0")"
+  fi
+  [ -n "$DOCKER" ] || die "no docker client found after installing docker.io"
+  if engine_running; then
+    log "engine already answering ($("$DOCKER" version -f '{{.Server.Version}} API {{.Server.APIVersion}}'))"
+  else
+    need_root "starting dockerd"
+    local dockerd; dockerd="$(command -v dockerd || echo /usr/sbin/dockerd)"
+    if ! pgrep -x dockerd >/dev/null 2>&1; then
+      # A dockerd killed without cleanup leaves its pid file, and a new one refuses to start.
+      if [ -e /var/run/docker.pid ]; then
+        log "removing stale /var/run/docker.pid (no dockerd process runs)"
+        rm -f /var/run/docker.pid
+      fi
+      log "starting $dockerd (log: $DOCKERD_LOG)"
+      mkdir -p "$(dirname "$DOCKERD_LOG")"
+      # setsid + nohup: the daemon outlives this script and its terminal.
+      setsid nohup "$dockerd" >>"$DOCKERD_LOG" 2>&1 </dev/null &
+    else
+      log "a dockerd process exists but does not answer yet; waiting for it"
+    fi
+    local deadline=$(( $(date +%s) + DOCKER_WAIT ))
+    until engine_running; do
+      if [ "$(date +%s)" -ge "$deadline" ]; then
+        tail -n 20 "$DOCKERD_LOG" >&2 || true
+        die "the engine did not answer \`docker info\` within ${DOCKER_WAIT}s (log: $DOCKERD_LOG)"
+      fi
+      if ! pgrep -x dockerd >/dev/null 2>&1; then
+        tail -n 20 "$DOCKERD_LOG" >&2 || true
+        die "dockerd exited during start-up (log: $DOCKERD_LOG)"
+      fi
+      sleep 0.3
+    done
+    log "engine up in $(since "$t0") ($("$DOCKER" version -f '{{.Server.Version}} API {{.Server.APIVersion}}'))"
+  fi
+  local state; state="$("$DOCKER" info -f '{{.Swarm.LocalNodeState}}')"
+  case "$state" in
+    active) log "swarm already active" ;;
+    inactive)
+      "$DOCKER" swarm init --advertise-addr 127.0.0.1 >/dev/null || die "docker swarm init failed"
+      log "swarm initialised (advertise 127.0.0.1)" ;;
+    *) die "swarm is in state '$state' (expected active or inactive); see \`$DOCKER info\`" ;;
+  esac
+  [ "$("$DOCKER" info -f '{{.Swarm.ControlAvailable}}')" = true ] \
+    || die "this node is not a swarm manager: the tests need a manager node"
+}
+
+require_engine() {
+  pick_client
+  engine_running || die "no Docker engine answers; run: $0 engine"
+}
+
+apt_sources_file() {
+  local f
+  if [ -n "${SWARMFD_APT_SOURCES:-}" ]; then
+    [ -s "$SWARMFD_APT_SOURCES" ] || die "SWARMFD_APT_SOURCES=$SWARMFD_APT_SOURCES is not a readable file"
+    echo "$SWARMFD_APT_SOURCES"; return
+  fi
+  for f in /etc/apt/sources.list.d/debian.sources /etc/apt/sources.list; do
+    if [ -s "$f" ] && grep -Eq '^[[:space:]]*(URIs:|deb )' "$f"; then echo "$f"; return; fi
+  done
+  die "no usable apt sources file (looked at /etc/apt/sources.list.d/debian.sources and /etc/apt/sources.list); set SWARMFD_APT_SOURCES"
+}
+
+step_base() {
+  require_engine
+  if [ "${FORCE_BASE:-0}" != 1 ] && "$DOCKER" image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
+    log "base image $BASE_IMAGE exists (FORCE_BASE=1 rebuilds it)"
+    return
+  fi
+  need_root "building the base image"
+  command -v mmdebstrap >/dev/null 2>&1 || { log "installing mmdebstrap"; apt_install mmdebstrap; }
+  local src; src="$(apt_sources_file)"
+  local work; work="$(mktemp -d /tmp/swarmfd-base.XXXXXX)"
+  # shellcheck disable=SC2064
+  trap "rm -rf '$work'" RETURN
+  log "building $BASE_IMAGE: mmdebstrap $SUITE from $src ($BASE_PKGS)"
+  local t0 t1; t0=$(now)
+  # Check-Valid-Until false: the host's mirror may be a dated snapshot whose Release
+  # files are past Valid-Until; mmdebstrap does not read the host's apt.conf.d.
+  mmdebstrap --quiet \
+    --variant=apt --mode=root --format=tar \
+    --include="$BASE_PKGS" \
+    --aptopt='Acquire::Check-Valid-Until "false"' \
+    --aptopt='Acquire::Languages "none"' \
+    --dpkgopt='path-exclude=/usr/share/man/*' \
+    --dpkgopt='path-exclude=/usr/share/doc/*' \
+    --dpkgopt='path-include=/usr/share/doc/*/copyright' \
+    --dpkgopt='path-exclude=/usr/share/locale/*' \
+    --dpkgopt='path-exclude=/usr/share/info/*' \
+    --customize-hook='rm -f "$1"/etc/apt/sources.list "$1"/etc/apt/sources.list.d/* "$1"/var/cache/apt/*.bin' \
+    --customize-hook='rm -rf "$1"/var/lib/apt/lists/*' \
+    "$SUITE" "$work/rootfs.tar" "$src" \
+    || die "mmdebstrap failed (apt sources: $src, suite: $SUITE)"
+  t1=$(now)
+  "$DOCKER" import \
+    --change 'ENV LANG=C.UTF-8 PYTHONUNBUFFERED=1' \
+    --change 'CMD ["python3"]' \
+    "$work/rootfs.tar" "$BASE_IMAGE" >/dev/null || die "docker import of the base rootfs failed"
+  log "base image $BASE_IMAGE built in $(since "$t0") (mmdebstrap" \
+      "$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1fs", b - a }'), import $(since "$t1")):" \
+      "$("$DOCKER" image inspect -f '{{.Size}}' "$BASE_IMAGE" | awk '{printf "%.0f MB", $1/1e6}')"
+}
+
+# Requirement list: the project's runtime dependencies (read from pyproject.toml) plus
+# the build backend, so the image can build swarmfd's wheel with --no-index.
+wheel_requirements() {
+  python3 - "$ROOT/pyproject.toml" <<'EOF'
+import sys, tomllib
+with open(sys.argv[1], "rb") as f:
+    data = tomllib.load(f)
+reqs = list(data["project"].get("dependencies", [])) + list(data["build-system"]["requires"])
+reqs.append("wheel")
+print("\n".join(sorted(set(reqs))))
+EOF
+}
+
+step_wheelhouse() {
+  local t0; t0=$(now)
+  mkdir -p "$WHEELHOUSE"
+  local reqs stamp
+  reqs="$(wheel_requirements)" || die "could not read dependencies from $ROOT/pyproject.toml"
+  stamp="$(printf '%s\n%s\n' "$reqs" "${WHEEL_PLATFORMS[*]}" | sha256sum | cut -c1-16)"
+  if [ -f "$WHEELHOUSE/.stamp" ] && [ "$(cat "$WHEELHOUSE/.stamp")" = "$stamp" ] \
+     && ls "$WHEELHOUSE"/*.whl >/dev/null 2>&1; then
+    log "wheelhouse up to date ($(ls "$WHEELHOUSE"/*.whl | wc -l) wheels)"
+    return
+  fi
+  log "downloading wheels into $WHEELHOUSE: $(echo "$reqs" | tr '\n' ' ')"
+  rm -f "$WHEELHOUSE"/*.whl "$WHEELHOUSE/.stamp"
+  local plat=() p
+  for p in "${WHEEL_PLATFORMS[@]}"; do plat+=(--platform "$p"); done
+  # PIP_FIND_LINKS (set on this machine) is unset so only index wheels land here.
+  # shellcheck disable=SC2086
+  env -u PIP_FIND_LINKS python3 -m pip download --quiet --disable-pip-version-check \
+    --dest "$WHEELHOUSE" --only-binary=:all: \
+    --python-version 3.11 --implementation cp --abi cp311 "${plat[@]}" \
+    $(echo "$reqs" | tr '\n' ' ') \
+    || die "pip download failed (needs access to the package index)"
+  echo "$stamp" > "$WHEELHOUSE/.stamp"
+  log "wheelhouse: $(ls "$WHEELHOUSE"/*.whl | wc -l) wheels, $(du -sh "$WHEELHOUSE" | cut -f1), in $(since "$t0")"
+}
+
+step_image() {
+  require_engine
+  "$DOCKER" image inspect "$BASE_IMAGE" >/dev/null 2>&1 || die "base image $BASE_IMAGE is missing; run: $0 base"
+  ls "$WHEELHOUSE"/*.whl >/dev/null 2>&1 || die "the wheelhouse is empty; run: $0 wheelhouse"
+  local t0; t0=$(now)
+  local out
+  # Classic builder (DOCKER_BUILDKIT=0): needs no buildx plugin and behaves like the
+  # SDK's images.build; the layer cache makes an unchanged rebuild take about a second.
+  if ! out="$(DOCKER_BUILDKIT=0 "$DOCKER" build --quiet --build-arg "BASE_IMAGE=$BASE_IMAGE" \
+                -t "$IMAGE" -f "$ROOT/Dockerfile" "$ROOT" 2>&1)"; then
+    echo "$out" >&2
+    die "docker build of $IMAGE failed (run without --quiet to see all steps: DOCKER_BUILDKIT=0 $DOCKER build --build-arg BASE_IMAGE=$BASE_IMAGE -t $IMAGE $ROOT)"
+  fi
+  local id size
+  id="$("$DOCKER" image inspect -f '{{.Id}}' "$IMAGE")"
+  size="$("$DOCKER" image inspect -f '{{.Size}}' "$IMAGE" | awk '{printf "%.0f MB", $1/1e6}')"
+  log "image $IMAGE built in $(since "$t0"): ${id:0:19} $size"
+  echo "SWARMFD_IMAGE_ID=$id"
+}
+
+step_status() {
+  pick_client
+  echo "client: ${DOCKER:-none}   dockerd: $(command -v dockerd || echo none)"
+  if engine_running; then
+    "$DOCKER" info -f 'engine {{.ServerVersion}}  swarm {{.Swarm.LocalNodeState}}  manager {{.Swarm.ControlAvailable}}'
+    "$DOCKER" image ls --format '{{.Repository}}:{{.Tag}} {{.ID}} {{.Size}}' | grep -E '^swarmfd' || echo "no swarmfd images"
+  else
+    echo "engine not answering"
+  fi
+}
+
+main() {
+  local steps=("$@")
+  [ ${#steps[@]} -gt 0 ] || steps=(all)
+  local t0; t0=$(now)
+  local s
+  for s in "${steps[@]}"; do
+    case "$s" in
+      engine) step_engine ;;
+      base) step_base ;;
+      wheelhouse) step_wheelhouse ;;
+      image) step_image ;;
+      all) step_engine; step_base; step_wheelhouse; step_image ;;
+      status) step_status ;;
+      -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; return 0 ;;
+      *) die "unknown step '$s' (expected engine, base, wheelhouse, image, all or status)" ;;
+    esac
+  done
+  log "done in $(since "$t0")"
+}
+
+main "$@"

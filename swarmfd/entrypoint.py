@@ -1,0 +1,279 @@
+"""The container entrypoint: a Swarm task's place in the job -> the env contract -> exec.
+
+The swarmfd image runs ``python -m swarmfd.entrypoint COMMAND...``. Each replica of a
+Swarm service is one rank. Swarm cannot compute ``RANK`` itself, but it expands
+templates in a service's environment and hostname, so the service (``swarmfd deploy``
+or a stack file) sets:
+
+``SWARMFD_TASK_SLOT``  ``{{.Task.Slot}}``: the task's slot, 1..replicas (1-based)
+``WORLD_SIZE``         the number of replicas
+``MASTER_ADDR``        ``{{.Service.Name}}-1``: the host name of slot 1 (rank 0)
+``MASTER_PORT``        optional; rank 0's rendezvous port (default 29500)
+hostname              ``{{.Service.Name}}-{{.Task.Slot}}`` (a service setting, not a variable)
+
+and this entrypoint, before it runs the command:
+
+1. sets ``RANK = SWARMFD_TASK_SLOT - 1`` unless ``RANK`` is already set, and checks
+   that the slot is within ``WORLD_SIZE`` (a service with more replicas than
+   ``WORLD_SIZE`` is a deployment error, reported with exit code 2);
+2. sets ``LOCAL_RANK=0`` and ``LOCAL_WORLD_SIZE=1`` when unset (one rank per container);
+3. waits until ``MASTER_ADDR`` resolves, at most ``SWARMFD_RESOLVE_TIMEOUT`` seconds
+   (default 60; exit code 3 on timeout), because rank 0's name exists in DNS only once
+   its container has started;
+4. replaces itself with the command (``os.execvp``), so signals from ``docker stop``
+   or service removal reach the command directly (run the service with ``init=True``
+   so that a PID-1 init forwards them). A first word ending in ``.py`` runs with this
+   Python: ``train.py --epochs 3`` means ``python train.py --epochs 3``.
+
+Why ``{{.Service.Name}}-1``: Swarm registers a task's hostname as a DNS alias of the
+task on each of its networks (``docker inspect`` shows it under ``Aliases``), so with
+the hostname template above, ``<service>-1`` resolves from every task on the job's
+overlay network to slot 1's address. This was checked on Docker 20.10 with a
+``dnsrr`` service and with a ``docker stack deploy`` stack (whose service names are
+``<stack>_<service>``, so rank 0 is ``<stack>_<service>-1``); ``MASTER_ADDR:
+"{{.Service.Name}}-1"`` works in both because Swarm expands templates in the
+environment. Names Swarm does not resolve: ``<service>.1`` and ``tasks.<service>.1``;
+``tasks.<service>`` lists every task in no slot order (no way to tell rank 0).
+Use ``mode=replicated`` with restart condition ``none`` for one-shot jobs: in
+``replicated-job`` mode ``{{.Task.Slot}}`` is not 1..N (tasks get a node ID instead),
+which this entrypoint rejects.
+
+Exit codes when the command does not start: 2 bad environment or usage,
+3 ``MASTER_ADDR`` did not resolve in time, 126 command not executable, 127 not found.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from .config import (
+    ENV_LOCAL_RANK,
+    ENV_LOCAL_WORLD_SIZE,
+    ENV_MASTER_ADDR,
+    ENV_RANK,
+    ENV_WORLD_SIZE,
+)
+from .errors import ConfigError, RendezvousTimeout
+
+ENV_TASK_SLOT = "SWARMFD_TASK_SLOT"
+ENV_RESOLVE_TIMEOUT = "SWARMFD_RESOLVE_TIMEOUT"
+DEFAULT_RESOLVE_TIMEOUT = 60.0
+
+EXIT_USAGE = 2
+EXIT_UNRESOLVED = 3
+EXIT_NOT_EXECUTABLE = 126
+EXIT_NOT_FOUND = 127
+
+PROG = "swarmfd-entrypoint"
+USAGE = f"""\
+usage: python -m swarmfd.entrypoint COMMAND [ARG...]
+
+Container entrypoint of the swarmfd image: maps the Swarm task slot to RANK, waits
+until MASTER_ADDR resolves, then execs COMMAND (a first word ending in .py runs
+with this Python).
+
+Environment (set by the service):
+  {ENV_TASK_SLOT}        {{{{.Task.Slot}}}}, 1-based; RANK = slot - 1 unless RANK is set
+  {ENV_WORLD_SIZE}               number of replicas (slot must be <= WORLD_SIZE)
+  {ENV_MASTER_ADDR}              rank 0's host name, e.g. {{{{.Service.Name}}}}-1
+  MASTER_PORT              rank 0's port (default 29500)
+  {ENV_RESOLVE_TIMEOUT}  seconds to wait for MASTER_ADDR to resolve (default 60)
+"""
+
+
+def _int_var(environ: Mapping[str, str], name: str, *, minimum: int, hint: str = "") -> int | None:
+    """Parse the integer variable ``name``; ``None`` when unset or empty."""
+    raw = environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = int(raw.strip(), 10)
+    except ValueError:
+        raise ConfigError(
+            f"environment variable {name}={raw!r} is not an integer: expected an integer "
+            f">= {minimum}{hint}"
+        ) from None
+    if value < minimum:
+        raise ConfigError(
+            f"environment variable {name}={raw!r} is invalid: expected an integer >= {minimum}"
+            f"{hint}"
+        )
+    return value
+
+
+_SLOT_HINT = (
+    f" (Swarm sets {ENV_TASK_SLOT}={{{{.Task.Slot}}}} to 1..replicas in 'replicated' mode; "
+    "'global' and 'replicated-job' services get a node ID instead, and templates are "
+    "expanded only in a Swarm service, not by `docker run`)"
+)
+
+
+def task_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """Return the environment the command should run with: ``environ`` plus the derived
+    ``RANK``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` (see the module docstring).
+
+    Pure: reads only ``environ`` and returns a new dict. Raises :class:`ConfigError`
+    (a ``ValueError``) naming the variable when the task's place cannot be determined.
+    """
+    env = dict(environ)
+    slot = _int_var(env, ENV_TASK_SLOT, minimum=1, hint=_SLOT_HINT)
+    world_size = _int_var(env, ENV_WORLD_SIZE, minimum=1)
+    if slot is not None:
+        if world_size is None:
+            raise ConfigError(
+                f"{ENV_TASK_SLOT}={slot} is set but {ENV_WORLD_SIZE} is not: the service must "
+                f"set {ENV_WORLD_SIZE} to its number of replicas"
+            )
+        if slot > world_size:
+            raise ConfigError(
+                f"{ENV_TASK_SLOT}={slot} exceeds {ENV_WORLD_SIZE}={world_size}: the service "
+                f"runs more replicas than {ENV_WORLD_SIZE}; set replicas = {ENV_WORLD_SIZE}"
+            )
+        if not env.get(ENV_RANK, "").strip():
+            env[ENV_RANK] = str(slot - 1)
+    if world_size is not None and world_size > 1 and not env.get(ENV_MASTER_ADDR, "").strip():
+        raise ConfigError(
+            f"{ENV_WORLD_SIZE}={world_size} but {ENV_MASTER_ADDR} is not set: expected the host "
+            "name of rank 0 (in a Swarm service: {{.Service.Name}}-1 with the hostname "
+            "template {{.Service.Name}}-{{.Task.Slot}})"
+        )
+    if not env.get(ENV_LOCAL_RANK, "").strip():
+        env[ENV_LOCAL_RANK] = "0"
+    if not env.get(ENV_LOCAL_WORLD_SIZE, "").strip():
+        env[ENV_LOCAL_WORLD_SIZE] = "1"
+    return env
+
+
+def resolve_timeout(environ: Mapping[str, str]) -> float:
+    """Seconds to wait for ``MASTER_ADDR`` to resolve (``SWARMFD_RESOLVE_TIMEOUT``, default 60)."""
+    raw = environ.get(ENV_RESOLVE_TIMEOUT)
+    if raw is None or raw.strip() == "":
+        return DEFAULT_RESOLVE_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(
+            f"environment variable {ENV_RESOLVE_TIMEOUT}={raw!r} is invalid: expected a positive "
+            "number of seconds"
+        )
+    return value
+
+
+def command_argv(args: Sequence[str], python: str = sys.executable) -> list[str]:
+    """The argv to exec for ``args``: a first word ending in ``.py`` runs with ``python``."""
+    argv = list(args)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv:
+        raise ConfigError("no command given: expected COMMAND [ARG...] after the entrypoint")
+    if argv[0].endswith(".py"):
+        argv.insert(0, python)
+    return argv
+
+
+def wait_for_host(
+    host: str,
+    timeout: float,
+    *,
+    interval: float = 0.25,
+    resolve: Callable[[str], object] | None = None,
+) -> float:
+    """Block until ``host`` resolves, at most ``timeout`` seconds; return the seconds waited.
+
+    Each lookup runs in a daemon thread so a resolver that hangs cannot stretch the
+    wait past ``timeout``. Raises :class:`RendezvousTimeout` (a ``TimeoutError``)
+    naming ``MASTER_ADDR`` and the last resolver error.
+    """
+    lookup = resolve or (lambda name: socket.getaddrinfo(name, None, type=socket.SOCK_STREAM))
+    start = time.monotonic()
+    deadline = start + timeout
+    last_error = "no answer yet"
+    any_answer = False
+    while True:
+        outcome: dict[str, object] = {}
+
+        def attempt(result: dict[str, object] = outcome) -> None:
+            try:
+                lookup(host)
+                result["ok"] = True
+            except OSError as exc:  # socket.gaierror and friends
+                result["error"] = exc
+
+        worker = threading.Thread(target=attempt, name="swarmfd-resolve", daemon=True)
+        worker.start()
+        worker.join(max(0.0, deadline - time.monotonic()))
+        if outcome.get("ok"):
+            return time.monotonic() - start
+        if "error" in outcome:
+            last_error = str(outcome["error"])
+        elif worker.is_alive() and not any_answer:
+            last_error = "the resolver did not answer"
+        any_answer = any_answer or "error" in outcome
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RendezvousTimeout(
+                f"{ENV_MASTER_ADDR}={host!r} did not resolve within {timeout:g} s "
+                f"({ENV_RESOLVE_TIMEOUT}); last error: {last_error}. Rank 0's task may have "
+                f"failed to start, or {ENV_MASTER_ADDR} names no task on this network "
+                "(expected {{.Service.Name}}-1 with hostname {{.Service.Name}}-{{.Task.Slot}})"
+            )
+        time.sleep(min(interval, remaining))
+
+
+def _describe(env: Mapping[str, str]) -> str:
+    names = (ENV_TASK_SLOT, ENV_WORLD_SIZE, ENV_RANK, ENV_MASTER_ADDR, "MASTER_PORT")
+    return " ".join(f"{n}={env[n]}" for n in names if env.get(n))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the entrypoint; on success this never returns (the command replaces it)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        return 0
+    try:
+        command = command_argv(args)
+        env = task_env(os.environ)
+        timeout = resolve_timeout(env)
+    except ConfigError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        if not args:
+            print(USAGE, end="", file=sys.stderr)
+        return EXIT_USAGE
+    master = env.get(ENV_MASTER_ADDR, "").strip()
+    if master:
+        try:
+            waited = wait_for_host(master, timeout)
+        except RendezvousTimeout as exc:
+            print(f"{PROG}: error: {exc} [{_describe(env)}]", file=sys.stderr)
+            return EXIT_UNRESOLVED
+        if waited >= 1.0:
+            print(
+                f"{PROG}: {ENV_MASTER_ADDR}={master} resolved after {waited:.1f} s", file=sys.stderr
+            )
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execvpe(command[0], command, env)
+    except FileNotFoundError:
+        print(f"{PROG}: error: command not found: {command[0]!r}", file=sys.stderr)
+        return EXIT_NOT_FOUND
+    except PermissionError:
+        print(f"{PROG}: error: command is not executable: {command[0]!r}", file=sys.stderr)
+        return EXIT_NOT_EXECUTABLE
+    except OSError as exc:
+        print(f"{PROG}: error: cannot run {command[0]!r}: {exc}", file=sys.stderr)
+        return EXIT_NOT_EXECUTABLE
+    return EXIT_NOT_EXECUTABLE  # pragma: no cover - execvpe does not return
+
+
+if __name__ == "__main__":
+    sys.exit(main())
