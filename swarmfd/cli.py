@@ -106,11 +106,11 @@ def run(
     except FileNotFoundError as exc:
         click.echo(f"swarmfd run: {exc}", err=True)
         ctx.exit(127)
-    except PermissionError as exc:
-        click.echo(f"swarmfd run: {exc}", err=True)
-        ctx.exit(126)
     except ValueError as exc:  # e.g. a master address that does not resolve
         raise click.UsageError(str(exc), ctx) from None
+    except OSError as exc:  # not executable, exec format error, out of processes...
+        click.echo(f"swarmfd run: cannot start the ranks: {exc}", err=True)
+        ctx.exit(126)
     ctx.exit(code)
 
 

@@ -496,6 +496,8 @@ class _Attempt:
         self.signals = signals
         self.procs: list[subprocess.Popen[bytes]] = []
         self.readers: list[list[threading.Thread]] = []
+        self.stopped = False
+        self.succeeded = False
 
     def run(self) -> _Outcome:
         try:
@@ -565,6 +567,7 @@ class _Attempt:
                 self._stop(signal.SIGTERM)
                 return _Outcome(exit_code_of(rc))
             if not running:
+                self.succeeded = True
                 return _Outcome(0)
             time.sleep(_POLL)
 
@@ -580,45 +583,49 @@ class _Attempt:
 
     def _stop(self, sig: int) -> None:
         """Signal every rank's group, wait ``grace`` (cut short by a new signal), then SIGKILL."""
-        if not self.procs:
-            return
+        self.stopped = True
         seen = len(self.signals.received)
         for proc in self.procs:
             _killpg(proc.pid, sig)
-        deadline = time.monotonic() + self.config.grace
-        while self._alive():
-            if time.monotonic() >= deadline or len(self.signals.received) > seen:
-                break
-            time.sleep(_POLL)
-        else:
+        if self._wait_gone(self.config.grace, lambda: len(self.signals.received) > seen):
             return
         for proc in self.procs:
             _killpg(proc.pid, signal.SIGKILL)
-        for proc in self.procs:
-            # A process in uninterruptible sleep may outlive even SIGKILL for a while.
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=5)
+        # SIGKILL cannot be caught, but a process in uninterruptible sleep may take a
+        # moment to die; give up after a while rather than hang the launcher.
+        self._wait_gone(5.0, lambda: False)
+
+    def _wait_gone(self, timeout: float, cut_short: Callable[[], bool]) -> bool:
+        """Poll until every rank and its group are gone (True) or the time is up (False)."""
+        deadline = time.monotonic() + timeout
+        while self._alive():
+            if time.monotonic() >= deadline or cut_short():
+                return False
+            time.sleep(_POLL)
+        return True
 
     def _cleanup(self) -> None:
         # Ranks that exited 0 may have left processes in their groups: stop them
         # too. Also covers an exception in this module after a partial spawn.
         if self._alive():
             leftovers = [r for r, p in enumerate(self.procs) if _group_alive(p.pid)]
-            if leftovers:
+            if leftovers and self.succeeded:
                 self.output.note(
                     f"stopping processes left running by rank(s) {', '.join(map(str, leftovers))}"
                 )
             self._stop(signal.SIGTERM)
         for proc in self.procs:
-            if proc.poll() is None:  # only after a failed _stop; keep Popen from leaking
+            if proc.poll() is None:  # only after a failed _stop (a process stuck in the kernel)
                 proc.kill()
-                proc.wait()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=1)
         deadline = time.monotonic() + _READER_DRAIN
         for threads in self.readers:
             for t in threads:
                 t.join(max(0.0, deadline - time.monotonic()))
         for proc in self.procs:
-            self.guardian.forget(proc.pid)
+            if not _group_alive(proc.pid):  # else the guardian keeps trying after we exit
+                self.guardian.forget(proc.pid)
 
 
 def _rank_env(config: LaunchConfig, port: int, restart: int) -> dict[str, str]:
@@ -666,6 +673,8 @@ def launch(
         with _Signals() as signals:
             restart = 0
             while True:
+                if signals.received:  # arrived between two attempts: do not start another
+                    return 128 + signals.received[0]
                 port = config.master_port or find_free_port(config.master_addr)
                 env = _rank_env(config, port, restart)
                 outcome = _Attempt(config, argv, env, output, guardian, signals).run()

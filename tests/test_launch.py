@@ -1,0 +1,489 @@
+"""Tests of the local launcher (``swarmfd run`` / :mod:`swarmfd.launch`) with real processes.
+
+Most tests run ``python -m swarmfd run`` as a subprocess in its own session,
+with ranks from ``tests/launch_scripts/worker.py`` that record their PIDs (and
+a child's) in a directory, so each test can check that no process of the run
+survives. Every wait has a deadline; the ``runs`` fixture kills whatever a test
+leaves behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import swarmfd
+from swarmfd.cli import main
+from swarmfd.launch import LaunchConfig, exit_code_of, find_free_port, launch, resolve_command
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="the launcher tests use /proc and PDEATHSIG"
+)
+
+SCRIPTS = Path(__file__).parent / "launch_scripts"
+WORKER = str(SCRIPTS / "worker.py")
+LINE = re.compile(rb"^\[rank (\d+)\] (.*)$")
+
+
+# --- helpers ------------------------------------------------------------------
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` is a live process (a zombie nobody reaped counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 :][:1] not in (b"Z", b"X")
+
+
+def recorded_pids(piddir: Path) -> list[int]:
+    return [int(p.read_text()) for p in sorted(piddir.iterdir()) if p.read_text().strip()]
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def wait_recorded(piddir: Path, count: int, timeout: float = 10) -> list[int]:
+    """Wait until ``count`` PID files exist and are written; return their PIDs."""
+    wait_for(
+        lambda: sum(1 for p in piddir.iterdir() if p.read_text().strip()) >= count,
+        timeout,
+        f"{count} PID files in {piddir}",
+    )
+    return recorded_pids(piddir)
+
+
+def assert_all_gone(pids: list[int], timeout: float = 5) -> None:
+    assert pids, "no PIDs were recorded: the test would prove nothing"
+    try:
+        wait_for(lambda: not any(alive(p) for p in pids), timeout, "the run's processes to end")
+    except AssertionError:
+        survivors = [p for p in pids if alive(p)]
+        raise AssertionError(f"processes of the run survived: {survivors}") from None
+
+
+class Runs:
+    """Starts launcher subprocesses and, at teardown, kills anything still alive."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.piddir = tmp_path / "pids"
+        self.piddir.mkdir()
+
+    def start(self, *args: str) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "swarmfd", "run", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        self.procs.append(proc)
+        return proc
+
+    def run(self, *args: str, timeout: float = 20) -> tuple[int, bytes, bytes]:
+        proc = self.start(*args)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill_all()
+            out, err = proc.communicate()
+            raise AssertionError(
+                f"swarmfd run {' '.join(args)} did not finish in {timeout} s\n"
+                f"stdout: {out.decode(errors='replace')}\nstderr: {err.decode(errors='replace')}"
+            ) from None
+        return proc.returncode, out, err
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=5)
+        for pid in recorded_pids(self.piddir):
+            if alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def runs(tmp_path: Path) -> Iterator[Runs]:
+    r = Runs(tmp_path)
+    try:
+        yield r
+    finally:
+        r.kill_all()
+        for proc in r.procs:
+            for stream in (proc.stdout, proc.stderr):
+                if stream is not None:
+                    stream.close()
+
+
+def by_rank(out: bytes) -> dict[int, list[bytes]]:
+    """Group prefixed output lines by rank; every line must carry a prefix."""
+    lines: dict[int, list[bytes]] = {}
+    for raw in out.splitlines():
+        m = LINE.match(raw)
+        assert m, f"line without a rank prefix: {raw!r}"
+        lines.setdefault(int(m.group(1)), []).append(m.group(2))
+    return lines
+
+
+# --- the environment contract ---------------------------------------------------
+
+
+def test_each_rank_sees_the_contract_env(runs: Runs) -> None:
+    """WORLD_SIZE/RANK/LOCAL_*/MASTER_*/restart count/unbuffered, one port for all ranks."""
+    code, out, err = runs.run("-n", "3", WORKER, "env")
+    assert (code, err) == (0, b"")
+    seen = {r: json.loads(lines[0]) for r, lines in by_rank(out).items()}
+    assert sorted(seen) == [0, 1, 2]
+    ports = {env["MASTER_PORT"] for env in seen.values()}
+    assert len(ports) == 1 and 1 <= int(ports.pop()) <= 65535
+    for rank, env in seen.items():
+        assert {
+            "WORLD_SIZE": "3",
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": "3",
+            "MASTER_ADDR": "127.0.0.1",
+            "SWARMFD_RESTART_COUNT": "0",
+            "PYTHONUNBUFFERED": "1",
+        }.items() <= env.items()
+
+
+def test_options_reach_the_ranks_env(runs: Runs) -> None:
+    """--master-addr, --master-port, --timeout and repeated -e KEY=VALUE are set for every rank."""
+    code, out, _ = runs.run(
+        "-n", "2", "--master-addr", "localhost", "--master-port", "23456", "--timeout", "7.5",
+        "-e", "FOO=bar=baz", "-e", "EMPTY=", WORKER, "env", "FOO", "EMPTY",
+    )  # fmt: skip
+    assert code == 0
+    for env in (json.loads(lines[0]) for lines in by_rank(out).values()):
+        assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("localhost", "23456")
+        assert float(env["SWARMFD_TIMEOUT"]) == 7.5
+        assert (env["FOO"], env["EMPTY"]) == ("bar=baz", "")
+
+
+def test_py_path_runs_with_the_current_python(runs: Runs) -> None:
+    """A first word ending in .py (not executable itself) runs with sys.executable."""
+    assert not os.access(WORKER, os.X_OK), "the test script must not be executable"
+    code, out, _ = runs.run("-n", "1", WORKER, "env")
+    assert code == 0
+    assert sys.executable == json.loads(by_rank(out)[0][0])["executable"]
+
+
+def test_a_free_port_is_bindable() -> None:
+    """find_free_port returns a port nothing listens on."""
+    port = find_free_port("127.0.0.1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+# --- exit codes and failures ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("codes", "expected"),
+    [("0 0", 0), ("0 5", 5), ("7 0", 7)],
+)
+def test_exit_code_is_the_failing_ranks(runs: Runs, codes: str, expected: int) -> None:
+    """All zero -> 0; otherwise the failing rank's code."""
+    script = f"import os, sys; sys.exit(int('{codes}'.split()[int(os.environ['RANK'])]))"
+    code, _, err = runs.run("-n", "2", "--", sys.executable, "-c", script)
+    assert expected == code
+    if expected:
+        assert f"exited with code {expected}".encode() in err
+
+
+def test_failing_rank_stops_the_others_quickly(runs: Runs) -> None:
+    """Rank 1 exits 3 while the others sleep 60 s: exit 3 within seconds, nothing survives.
+
+    The grace is long, so the SIGTERM itself must reach every process of each group.
+    """
+    start = time.monotonic()
+    code, _, err = runs.run("-n", "3", "--grace", "30", WORKER, "fail", str(runs.piddir), "1", "3")
+    elapsed = time.monotonic() - start
+    assert code == 3, err
+    assert elapsed < 8, f"took {elapsed:.1f} s"
+    assert b"swarmfd run: rank 1 exited with code 3; stopping the other ranks\n" in err
+    # The failing rank's own stderr comes before the launcher's verdict.
+    assert err.index(b"[rank 1] rank 1 failing") < err.index(b"swarmfd run: rank 1 exited")
+    assert_all_gone(recorded_pids(runs.piddir))
+    assert len(recorded_pids(runs.piddir)) == 6  # 3 ranks + 3 children
+
+
+def test_rank_killed_by_a_signal_is_a_failure(runs: Runs) -> None:
+    """A rank dying of SIGKILL makes the run fail with 137 and says so."""
+    code, _, err = runs.run("-n", "2", WORKER, "fail", str(runs.piddir), "0", str(-signal.SIGKILL))
+    assert code == 128 + signal.SIGKILL
+    assert b"rank 0 was killed by SIGKILL (exit code 137); stopping the other ranks" in err
+    assert_all_gone(recorded_pids(runs.piddir))
+
+
+def test_processes_left_by_a_successful_rank_are_stopped(runs: Runs) -> None:
+    """A rank that exits 0 but leaves a child behind: the child is stopped too."""
+    code, _, err = runs.run("-n", "2", WORKER, "leave-child", str(runs.piddir))
+    assert code == 0
+    assert b"stopping processes left running by rank(s) 0, 1" in err
+    assert_all_gone(recorded_pids(runs.piddir), timeout=2)
+
+
+def test_max_restarts_restarts_the_group_until_it_succeeds(runs: Runs) -> None:
+    """Fails on attempts 0 and 1, succeeds on 2: --max-restarts 2 ends 0 with 3 attempts."""
+    code, out, err = runs.run("-n", "2", "--max-restarts", "2", WORKER, "restart", str(runs.piddir))
+    assert code == 0, err
+    attempts = [re.match(rb"attempt (\d+) port (\d+)", line).groups() for line in by_rank(out)[0]]
+    assert [a for a, _ in attempts] == [b"0", b"1", b"2"]
+    assert len({p for _, p in attempts}) > 1, "a new free port is picked per restart"
+    assert err.count(b"swarmfd run: rank 1 exited with code 3") == 2
+    assert b"restart 1 of 2" in err and b"restart 2 of 2" in err
+    assert_all_gone(recorded_pids(runs.piddir))
+
+
+def test_max_restarts_exhausted_returns_the_last_code(runs: Runs) -> None:
+    """With one restart the script still fails: exit 3, and the launcher says it gave up."""
+    code, out, err = runs.run("-n", "2", "--max-restarts", "1", "--master-port", "23457",
+                              WORKER, "restart", str(runs.piddir))  # fmt: skip
+    assert code == 3
+    assert by_rank(out)[1] == [b"attempt 0 port 23457", b"attempt 1 port 23457"]
+    assert b"no restarts left (max_restarts=1); exiting with code 3" in err
+
+
+# --- output -----------------------------------------------------------------------
+
+
+def test_output_is_prefixed_whole_lines_on_the_matching_stream(runs: Runs) -> None:
+    """stdout and stderr keep their stream; lines never mix; bad UTF-8 and partial lines pass."""
+    code, out, err = runs.run("-n", "3", WORKER, "output", "3000")
+    assert code == 0, err
+    lines = by_rank(out)
+    assert sorted(lines) == [0, 1, 2]
+    for rank, got in lines.items():
+        assert f"out {rank}".encode() == got[0]
+        assert [f"line {rank} {i} {'x' * 200}".encode() for i in range(3000)] == got[1:3001]
+        assert b"bytes \xff\xfe " + str(rank).encode() == got[3001]
+        assert f"partial {rank}".encode() == got[3002]  # the launcher added the newline
+    assert by_rank(err) == {0: [b"err 0"], 1: [b"err 1"], 2: [b"err 2"]}
+
+
+def test_no_prefix_passes_lines_through(runs: Runs) -> None:
+    """--no-prefix: the ranks' bytes unchanged."""
+    code, out, _ = runs.run("-n", "1", "--no-prefix", WORKER, "output", "2")
+    assert code == 0
+    expected = b"out 0\n" + b"".join(f"line 0 {i} {'x' * 200}\n".encode() for i in range(2))
+    assert expected + b"bytes \xff\xfe 0\npartial 0" == out
+
+
+def test_reader_going_away_does_not_hang_the_run(runs: Runs) -> None:
+    """Like `swarmfd run ... | head -1`: the launcher drains the ranks and ends."""
+    proc = runs.start("-n", "2", WORKER, "spam", "20000")
+    assert proc.stdout is not None
+    proc.stdout.readline()
+    proc.stdout.close()
+    assert proc.wait(timeout=20) == 0
+
+
+# --- signals and orphans ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("sig", "expected"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_to_the_launcher_stops_every_rank(runs: Runs, sig: int, expected: int) -> None:
+    """Ctrl-C (or SIGTERM) is forwarded to each rank's group; exit 128+S, nothing survives."""
+    proc = runs.start("-n", "2", "--grace", "30", WORKER, "sleep", str(runs.piddir))
+    pids = wait_recorded(runs.piddir, 4)
+    os.kill(proc.pid, sig)
+    _, err = proc.communicate(timeout=8)
+    assert expected == proc.returncode
+    assert f"received {signal.Signals(sig).name}; stopping all 2 rank(s)".encode() in err
+    assert_all_gone(pids)
+
+
+def test_ranks_deaf_to_signals_are_killed_after_the_grace(runs: Runs) -> None:
+    """Ranks ignoring SIGINT/SIGTERM are SIGKILLed after --grace; exit is still 130."""
+    proc = runs.start("-n", "2", "--grace", "0.5", WORKER, "sleep", str(runs.piddir), "ignore")
+    pids = wait_recorded(runs.piddir, 4)
+    start = time.monotonic()
+    os.kill(proc.pid, signal.SIGINT)
+    proc.communicate(timeout=10)
+    assert proc.returncode == 130
+    assert time.monotonic() - start < 4
+    assert_all_gone(pids)
+
+
+def test_second_ctrl_c_kills_without_waiting_for_the_grace(runs: Runs) -> None:
+    """A second SIGINT during the grace period SIGKILLs the ranks at once."""
+    proc = runs.start("-n", "2", "--grace", "30", WORKER, "sleep", str(runs.piddir), "ignore")
+    pids = wait_recorded(runs.piddir, 4)
+    start = time.monotonic()
+    os.kill(proc.pid, signal.SIGINT)
+    time.sleep(0.3)
+    os.kill(proc.pid, signal.SIGINT)
+    proc.communicate(timeout=10)
+    assert proc.returncode == 130
+    assert time.monotonic() - start < 4
+    assert_all_gone(pids)
+
+
+def test_launcher_killed_with_sigkill_takes_its_ranks_along(runs: Runs) -> None:
+    """PDEATHSIG kills the ranks; the guardian stops the ranks' children."""
+    proc = runs.start("-n", "2", "--grace", "0.5", WORKER, "sleep", str(runs.piddir))
+    pids = wait_recorded(runs.piddir, 4)
+    proc.kill()  # only the launcher: not its session, not the guardian
+    proc.wait(timeout=5)
+    assert_all_gone(pids, timeout=5)
+
+
+# --- bad input ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"nproc": 0}, "nproc must be an integer >= 1"),
+        ({"nproc": True}, "nproc must be an integer"),
+        ({"command": []}, "command is empty"),
+        ({"command": "python x.py"}, "command must be a sequence of strings"),
+        ({"master_port": 70000}, "master_port must be a TCP port 1..65535"),
+        ({"master_addr": " "}, "master_addr must be a host name"),
+        ({"env": {"RANK": "3"}}, "env may not set RANK"),
+        ({"env": {"A=B": "1"}}, "env name 'A=B' is invalid"),
+        ({"timeout": 0}, "timeout must be a finite number of seconds > 0"),
+        ({"max_restarts": -1}, "max_restarts must be an integer >= 0"),
+        ({"grace": float("nan")}, "grace must be a finite number of seconds >= 0"),
+    ],
+)
+def test_launch_config_rejects_bad_input(kwargs: dict, message: str) -> None:
+    """Each bad field raises ValueError/TypeError naming the field and what was expected."""
+    args = {"nproc": 2, "command": ["true"], **kwargs}
+    with pytest.raises((ValueError, TypeError), match=re.escape(message)):
+        LaunchConfig(**args)
+
+
+def test_launch_config_is_frozen_and_normalized() -> None:
+    """command becomes a tuple; env is a read-only copy."""
+    env = {"A": "1"}
+    cfg = LaunchConfig(nproc=1, command=["echo", "hi"], env=env)
+    env["B"] = "2"
+    assert (cfg.command, dict(cfg.env)) == (("echo", "hi"), {"A": "1"})
+    with pytest.raises(TypeError):
+        cfg.env["C"] = "3"  # type: ignore[index]
+
+
+def test_resolve_command(tmp_path: Path) -> None:
+    """.py -> current Python; missing programs and scripts fail before anything starts."""
+    assert [sys.executable, WORKER, "env"] == resolve_command([WORKER, "env"])
+    assert resolve_command(["true"]) == ["true"]
+    with pytest.raises(FileNotFoundError, match="script not found"):
+        resolve_command([str(tmp_path / "missing.py")])
+    with pytest.raises(FileNotFoundError, match="command not found: 'no-such-program-xyz'"):
+        resolve_command(["no-such-program-xyz"])
+    plain = tmp_path / "plain"
+    plain.write_text("")
+    with pytest.raises(PermissionError, match="not executable"):
+        resolve_command([str(plain)])
+
+
+def test_exit_code_of_maps_signals_like_shells() -> None:
+    """Popen's -S becomes 128+S; codes pass through."""
+    assert tuple(exit_code_of(c) for c in (0, 3, -2, -9)) == (0, 3, 130, 137)
+
+
+def test_cli_nproc_zero_is_a_usage_error() -> None:
+    """-n 0 exits 2 with a message naming nproc."""
+    result = CliRunner().invoke(main, ["run", "-n", "0", "true"])
+    assert result.exit_code == 2
+    assert "nproc must be an integer >= 1" in result.output
+
+
+def test_cli_missing_nproc_and_command_are_usage_errors() -> None:
+    """Without -n, or without COMMAND, click reports a usage error (exit 2)."""
+    no_n = CliRunner().invoke(main, ["run", "true"])
+    assert no_n.exit_code == 2 and "Missing option '-n'" in no_n.output
+    no_cmd = CliRunner().invoke(main, ["run", "-n", "2"])
+    assert no_cmd.exit_code == 2 and "missing COMMAND" in no_cmd.output
+
+
+@pytest.mark.parametrize(
+    ("env_arg", "message"),
+    [("NOEQUALS", "'NOEQUALS' is not KEY=VALUE"), ("WORLD_SIZE=4", "env may not set WORLD_SIZE")],
+)
+def test_cli_bad_env_is_a_usage_error(env_arg: str, message: str) -> None:
+    """-e needs KEY=VALUE and may not override the launcher's variables."""
+    result = CliRunner().invoke(main, ["run", "-n", "1", "-e", env_arg, "true"])
+    assert result.exit_code == 2
+    assert message in result.output
+
+
+def test_cli_missing_program_exits_127(tmp_path: Path) -> None:
+    """A command that does not exist: one clear message, exit 127, no ranks started."""
+    result = CliRunner().invoke(main, ["run", "-n", "2", str(tmp_path / "nope.py")])
+    assert result.exit_code == 127
+    assert "swarmfd run: script not found" in result.output
+
+
+def test_cli_program_that_cannot_execute_exits_126(tmp_path: Path) -> None:
+    """An executable file the kernel cannot run (no shebang): exit 126 with the OS error."""
+    prog = tmp_path / "noshebang"
+    prog.write_text("echo hi\n")
+    prog.chmod(0o755)
+    result = CliRunner().invoke(main, ["run", "-n", "2", str(prog)])
+    assert result.exit_code == 126
+    assert "swarmfd run: cannot start the ranks: [Errno 8] Exec format error" in result.output
+
+
+def test_cli_help_shows_an_example() -> None:
+    """--help documents the options and shows how to call it."""
+    result = CliRunner().invoke(main, ["run", "--help"])
+    assert result.exit_code == 0
+    assert "swarmfd run -n 4 train.py" in result.output
+    for option in ("--nproc", "--master-port", "--max-restarts", "--no-prefix", "--env"):
+        assert option in result.output
+
+
+def test_cli_passes_options_after_the_command_to_it() -> None:
+    """Options after COMMAND belong to COMMAND (no `--` needed), and output is captured."""
+    result = CliRunner().invoke(main, ["run", "-n", "2", WORKER, "env", "--no-prefix"])
+    assert result.exit_code == 0, result.output
+    assert {0, 1} == set(by_rank(result.stdout_bytes))
+    assert "--no-prefix" in json.loads(by_rank(result.stdout_bytes)[0][0])
+
+
+def test_library_launch_writes_to_given_streams() -> None:
+    """launch() with explicit binary streams; rank output lands there, prefixed."""
+    out, err = io.BytesIO(), io.BytesIO()
+    command = [sys.executable, "-c", "import os; print(os.environ['RANK'])"]
+    code = launch(LaunchConfig(nproc=2, command=command), stdout=out, stderr=err)
+    assert (code, err.getvalue()) == (0, b"")
+    assert by_rank(out.getvalue()) == {0: [b"0"], 1: [b"1"]}
+
+
+# --- a real swarmfd job --------------------------------------------------------------
+
+
+@pytest.mark.skipif(not hasattr(swarmfd, "all_reduce"), reason="swarmfd core not landed yet")
+def test_real_two_rank_all_reduce(runs: Runs) -> None:
+    """init_from_env + all_reduce through `swarmfd run -n 2`: both ranks print the sum."""
+    code, out, err = runs.run("-n", "2", str(SCRIPTS / "allreduce.py"), timeout=40)
+    assert code == 0, err.decode(errors="replace")
+    expected = [b"result 10 12 14 16 world 2"]
+    assert {0: expected, 1: expected} == by_rank(out)
