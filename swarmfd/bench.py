@@ -1,0 +1,400 @@
+"""``swarmfd bench``: an nccl-tests-like benchmark of swarmfd's collectives.
+
+It runs inside any process group (``swarmfd run -n 2 -- swarmfd bench`` on one
+host, or as a Swarm job) and measures, for each collective and message size:
+
+* per iteration: reset the input (untimed), :func:`swarmfd.barrier`, time the
+  collective with :func:`time.perf_counter`;
+* after the timing loop (never inside it, so it does not disturb the loop),
+  one ``all_reduce(op="max")`` of the whole array of per-iteration times: an
+  iteration takes as long as its slowest rank;
+* the median (and min, p90) of those slowest-rank times, the algorithm
+  bandwidth ``algbw = bytes / time`` and the bus bandwidth
+  ``busbw = algbw * factor`` with the nccl-tests factors: all_reduce
+  ``2(N-1)/N``, all_gather ``(N-1)/N``, broadcast ``1`` (GB = 1e9 bytes);
+* the correctness of the last timed iteration's result (rank-dependent
+  inputs, exact for integers, ``isclose`` for floats): the ``wrong`` column
+  counts wrong elements, summed over ranks.
+
+``size`` is the bytes of each rank's input array. For all_gather, whose result
+is N arrays of that size, ``algbw`` counts the N*size bytes every rank ends up
+with (as nccl-tests, whose all_gather size is the output buffer), so
+``busbw = (N-1)*size / time``: the bytes each rank had to receive.
+
+The default iteration counts follow PERFORMANCE.md (300 up to 1 MiB, 64 up to
+16 MiB, 16 above), after 3 warm-ups. This module is a library: it never
+prints; ``run_bench`` takes an optional ``progress`` callback, and the
+``format_*`` functions render rows as an aligned table, CSV or JSON.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import re
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+
+import swarmfd as fd
+
+COLLECTIVES: tuple[str, ...] = ("all_reduce", "broadcast", "all_gather")
+"""The collectives ``swarmfd bench`` can time."""
+
+FORMATS: tuple[str, ...] = ("table", "csv", "json")
+"""Output formats of :func:`format_rows`."""
+
+KIB = 1024
+MIB = 1024 * KIB
+DEFAULT_MIN_BYTES = 4 * KIB
+DEFAULT_MAX_BYTES = 64 * MIB
+DEFAULT_FACTOR = 4
+DEFAULT_WARMUP = 3
+
+_UNITS = {"": 1, "B": 1, "K": KIB, "KB": KIB, "KIB": KIB, "M": MIB, "MB": MIB, "MIB": MIB,
+          "G": 1024 * MIB, "GB": 1024 * MIB, "GIB": 1024 * MIB}
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([A-Za-z]*)\s*$")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One measured (collective, size) point. Times in microseconds, bandwidths in GB/s."""
+
+    collective: str
+    size: int
+    count: int
+    dtype: str
+    world_size: int
+    iters: int
+    warmup: int
+    time_us: float
+    min_us: float
+    p90_us: float
+    algbw: float
+    busbw: float
+    wrong: int
+
+
+# --- parsing -----------------------------------------------------------------
+
+
+def parse_size(text: str | int) -> int:
+    """Parse a byte size: ``4096``, ``"4K"``, ``"64KiB"``, ``"1M"``, ``"2G"`` (binary units).
+
+    Raises ``ValueError`` naming the bad text and the accepted forms.
+    """
+    if isinstance(text, bool):
+        raise TypeError(f"size must be an int or a string like '4K', got {text!r}")
+    if isinstance(text, int):
+        value = text
+    elif isinstance(text, str):
+        match = _SIZE_RE.match(text)
+        unit = match.group(2).upper() if match else ""
+        if match is None or unit not in _UNITS:
+            raise ValueError(
+                f"bad size {text!r}: expected a positive integer number of bytes with an optional "
+                "unit K, M or G (binary: 4K = 4096), e.g. 4K, 64KiB, 1M, 16M"
+            )
+        value = int(match.group(1)) * _UNITS[unit]
+    else:
+        raise TypeError(f"size must be an int or a string like '4K', got {text!r}")
+    if value <= 0:
+        raise ValueError(f"bad size {text!r}: expected a positive number of bytes")
+    return value
+
+
+def parse_sizes(spec: str) -> list[int]:
+    """Parse a comma-separated size list, ``"4K,64K,1M"`` -> ``[4096, 65536, 1048576]``."""
+    items = [item for item in spec.split(",") if item.strip()]
+    if not items:
+        raise ValueError(f"bad size list {spec!r}: expected comma-separated sizes like 4K,64K,1M")
+    return [parse_size(item) for item in items]
+
+
+def size_range(
+    min_bytes: int = DEFAULT_MIN_BYTES,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    factor: int = DEFAULT_FACTOR,
+) -> list[int]:
+    """Sizes ``min_bytes, min_bytes*factor, ...`` up to ``max_bytes`` inclusive.
+
+    The nccl-tests ``-b/-e/-f`` options.
+    """
+    if min_bytes <= 0 or max_bytes <= 0:
+        raise ValueError(f"min and max bytes must be positive, got {min_bytes} and {max_bytes}")
+    if min_bytes > max_bytes:
+        raise ValueError(f"min bytes {min_bytes} exceeds max bytes {max_bytes}")
+    if isinstance(factor, bool) or not isinstance(factor, int) or factor < 2:
+        raise ValueError(f"size factor must be an integer >= 2, got {factor!r}")
+    sizes = []
+    size = min_bytes
+    while size <= max_bytes:
+        sizes.append(size)
+        size *= factor
+    return sizes
+
+
+def parse_collectives(names: Iterable[str]) -> list[str]:
+    """Validate collective names (duplicates dropped, order kept); default all_reduce only."""
+    result: list[str] = []
+    for name in names:
+        key = name.strip().lower().replace("-", "_")
+        if key not in COLLECTIVES:
+            raise ValueError(
+                f"unknown collective {name!r}: expected one of {', '.join(COLLECTIVES)}"
+            )
+        if key not in result:
+            result.append(key)
+    return result or ["all_reduce"]
+
+
+def parse_dtype(name: str) -> np.dtype:
+    """A numeric numpy dtype from its name (``float32``, ``int64``, ...); else ``ValueError``."""
+    try:
+        dtype = np.dtype(name)
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.kind not in "fiu":
+        raise ValueError(
+            f"unsupported dtype {name!r}: expected a numeric numpy dtype such as float32, "
+            "float64, int32 or int64"
+        )
+    return dtype
+
+
+def default_iters(size: int) -> int:
+    """Timed iterations for a size, as PERFORMANCE.md: 300 up to 1 MiB, 64 to 16 MiB, else 16."""
+    if size <= MIB:
+        return 300
+    if size <= 16 * MIB:
+        return 64
+    return 16
+
+
+def bus_factor(collective: str, world_size: int) -> float:
+    """The nccl-tests factor from algorithm bandwidth to bus bandwidth."""
+    n = world_size
+    if collective == "all_reduce":
+        return 2 * (n - 1) / n
+    if collective == "all_gather":
+        return (n - 1) / n
+    if collective == "broadcast":
+        return 1.0
+    raise ValueError(f"unknown collective {collective!r}: expected one of {', '.join(COLLECTIVES)}")
+
+
+# --- measuring ---------------------------------------------------------------
+
+
+class _Case:
+    """Inputs, the timed call and the result check of one collective at one size."""
+
+    def __init__(self, collective: str, count: int, dtype: np.dtype, rank: int, world: int):
+        self.collective = collective
+        self.world = world
+        # Small positive integers, exact in every dtype and in any summation order.
+        self.pattern = (np.arange(count, dtype=np.int64) % 7 + 1).astype(dtype)
+        if collective == "broadcast" and rank != 0:
+            self.source = np.zeros(count, dtype=dtype)
+        else:
+            self.source = self.pattern * dtype.type(rank + 1)
+        self.x = np.empty_like(self.source)
+        self.result: object = None
+
+    def reset(self) -> None:
+        np.copyto(self.x, self.source)
+
+    def run(self) -> None:
+        if self.collective == "all_reduce":
+            fd.all_reduce(self.x, op="sum")
+        elif self.collective == "broadcast":
+            fd.broadcast(self.x, src=0)
+        else:
+            self.result = fd.all_gather(self.x)
+
+    def wrong(self) -> int:
+        """Number of wrong elements in the last result on this rank."""
+        p = self.pattern
+        if self.collective == "all_reduce":
+            expected = np.zeros_like(p)
+            for r in range(self.world):  # in the dtype's own arithmetic (ints may wrap)
+                expected = expected + p * p.dtype.type(r + 1)
+            return _count_wrong(self.x, expected)
+        if self.collective == "broadcast":
+            return _count_wrong(self.x, p)
+        parts = self.result
+        if not isinstance(parts, (list, tuple)) or len(parts) != self.world:
+            return p.size * self.world
+        return sum(
+            _count_wrong(np.asarray(part), p * p.dtype.type(r + 1)) for r, part in enumerate(parts)
+        )
+
+
+def _count_wrong(actual: np.ndarray, expected: np.ndarray) -> int:
+    if actual.shape != expected.shape or actual.dtype != expected.dtype:
+        return expected.size
+    if expected.dtype.kind == "f":
+        rtol = 1e-3 if expected.dtype.itemsize <= 2 else 1e-6
+        return int(np.count_nonzero(~np.isclose(actual, expected, rtol=rtol, atol=0)))
+    return int(np.count_nonzero(actual != expected))
+
+
+def _measure(case: _Case, iters: int, warmup: int) -> np.ndarray:
+    """Warm up, then time ``iters`` iterations; returns this rank's times in seconds."""
+    for _ in range(warmup):
+        case.reset()
+        fd.barrier()
+        case.run()
+    times = np.empty(iters, dtype=np.float64)
+    clock = time.perf_counter
+    for i in range(iters):
+        case.reset()
+        fd.barrier()
+        t0 = clock()
+        case.run()
+        times[i] = clock() - t0
+    return times
+
+
+def run_bench(
+    sizes: Sequence[int] | None = None,
+    collectives: Sequence[str] = ("all_reduce",),
+    dtype: str = "float32",
+    iters: int | None = None,
+    warmup: int = DEFAULT_WARMUP,
+    *,
+    check: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> list[Row]:
+    """Time ``collectives`` at each of ``sizes`` (bytes) in the current process group.
+
+    Every rank must call this with the same arguments. If no group is active it
+    initialises one from the environment (:func:`swarmfd.init_from_env`; none
+    set = a world of one) and cleans it up afterwards. ``iters=None`` uses
+    :func:`default_iters` per size. Returns one :class:`Row` per (collective,
+    size) on every rank (all ranks hold the same slowest-rank times).
+    ``progress`` receives one line per point before it is measured.
+    """
+    sizes = list(sizes) if sizes is not None else size_range()
+    names = parse_collectives(collectives)
+    np_dtype = parse_dtype(dtype)
+    if iters is not None and (isinstance(iters, bool) or not isinstance(iters, int) or iters < 1):
+        raise ValueError(f"iters must be a positive integer, got {iters!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be a non-negative integer, got {warmup!r}")
+    for size in sizes:
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ValueError(f"sizes must be positive integers (bytes), got {size!r}")
+
+    owns_group = not fd.is_initialized()
+    if owns_group:
+        fd.init_from_env()
+    try:
+        rank, world = fd.get_rank(), fd.get_world_size()
+        rows = []
+        for name in names:
+            for size in sizes:
+                count = max(1, size // np_dtype.itemsize)
+                n_iters = iters if iters is not None else default_iters(size)
+                if progress is not None:
+                    progress(f"{name} {count * np_dtype.itemsize} B ({count} x {np_dtype.name}), "
+                             f"{warmup} warm-up + {n_iters} iterations")
+                case = _Case(name, count, np_dtype, rank, world)
+                times = _measure(case, n_iters, warmup)
+                wrong = np.array([case.wrong() if check else 0], dtype=np.int64)
+                del case
+                fd.all_reduce(times, op="max")  # slowest rank, once per size
+                fd.all_reduce(wrong, op="sum")
+                rows.append(_row(name, count, np_dtype, world, n_iters, warmup, times,
+                                 int(wrong[0])))
+        return rows
+    finally:
+        if owns_group:
+            fd.cleanup()
+
+
+def _row(name: str, count: int, dtype: np.dtype, world: int, iters: int, warmup: int,
+         slowest: np.ndarray, wrong: int) -> Row:
+    size = count * dtype.itemsize
+    median = float(np.median(slowest))
+    moved = size * world if name == "all_gather" else size
+    algbw = moved / median / 1e9 if median > 0 else math.inf
+    return Row(
+        collective=name, size=size, count=count, dtype=dtype.name, world_size=world,
+        iters=iters, warmup=warmup, time_us=median * 1e6, min_us=float(np.min(slowest)) * 1e6,
+        p90_us=float(np.percentile(slowest, 90)) * 1e6, algbw=algbw,
+        busbw=algbw * bus_factor(name, world), wrong=wrong,
+    )
+
+
+# --- formatting --------------------------------------------------------------
+
+ROW_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Row))
+"""Column names of the CSV and of the JSON row objects, in order."""
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """An aligned human-readable table (nccl-tests style; ``#`` lines are comments)."""
+    header = ("collective", "size(B)", "count", "dtype", "iters", "time(us)", "min(us)",
+              "p90(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong")
+    body = [
+        (r.collective, str(r.size), str(r.count), r.dtype, str(r.iters), f"{r.time_us:.1f}",
+         f"{r.min_us:.1f}", f"{r.p90_us:.1f}", f"{r.algbw:.3f}", f"{r.busbw:.3f}", str(r.wrong))
+        for r in rows
+    ]
+    widths = [max(len(h), *(len(line[i]) for line in body)) for i, h in enumerate(header)]
+    lines = []
+    if rows:
+        r0 = rows[0]
+        lines.append(f"# swarmfd bench: world_size {r0.world_size}, warmup {r0.warmup}, "
+                     "times = slowest rank, median over iterations; busbw per nccl-tests")
+    lines.append("# " + "  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)))
+    for line in body:
+        lines.append("  " + "  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)))
+    if rows:
+        bad = sum(r.wrong for r in rows)
+        lines.append(f"# wrong results: {bad}" + ("" if bad == 0 else "  <-- FAILED"))
+    return "\n".join(lines) + "\n"
+
+
+def format_csv(rows: Sequence[Row]) -> str:
+    """CSV with a header line of :data:`ROW_FIELDS`; floats at full precision."""
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=ROW_FIELDS, lineterminator="\n")
+    writer.writeheader()
+    for r in rows:
+        writer.writerow(asdict(r))
+    return out.getvalue()
+
+
+def format_json(rows: Sequence[Row]) -> str:
+    """A JSON object ``{"benchmark", "world_size", "rows": [row objects]}``."""
+    doc = {
+        "benchmark": "swarmfd bench",
+        "world_size": rows[0].world_size if rows else None,
+        "rows": [asdict(r) for r in rows],
+    }
+    return json.dumps(doc, indent=2) + "\n"
+
+
+def format_rows(rows: Sequence[Row], fmt: str = "table") -> str:
+    """Render rows in one of :data:`FORMATS`."""
+    if fmt == "table":
+        return format_table(rows)
+    if fmt == "csv":
+        return format_csv(rows)
+    if fmt == "json":
+        return format_json(rows)
+    raise ValueError(f"unknown output format {fmt!r}: expected one of {', '.join(FORMATS)}")
+
+
+def rows_from_json(text: str) -> list[Row]:
+    """Parse :func:`format_json` output back into rows (for tests and compare scripts)."""
+    doc = json.loads(text)
+    if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list):
+        raise ValueError("not a swarmfd bench JSON document: expected an object with 'rows'")
+    return [Row(**item) for item in doc["rows"]]

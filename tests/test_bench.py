@@ -1,0 +1,268 @@
+"""Tests of swarmfd.bench and the ``swarmfd bench`` command."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from swarmfd import bench
+from swarmfd.bench import Row
+from swarmfd.cli import main
+
+CONTRACT_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT", "SWARMFD_TIMEOUT", "SWARMFD_RESTART_COUNT")
+
+
+@pytest.fixture
+def world_of_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No group variables in the environment: init_from_env makes a world of one."""
+    for name in CONTRACT_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
+def sample_rows() -> list[Row]:
+    row = Row(collective="all_reduce", size=4096, count=1024, dtype="float32", world_size=2,
+              iters=300, warmup=3, time_us=103.25, min_us=90.5, p90_us=140.125,
+              algbw=4096 / 103.25e-6 / 1e9, busbw=4096 / 103.25e-6 / 1e9, wrong=0)
+    return [row, replace(row, collective="all_gather", size=67108864, count=16777216,
+                         time_us=64000.0, algbw=2.097152, busbw=1.048576)]
+
+
+# --- sizes and other inputs ---------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("4096", 4096), ("4K", 4096), ("4k", 4096), ("64KiB", 65536), (" 1M ", 1048576),
+    ("16MB", 16 * 2**20), ("2G", 2 * 2**30), ("7B", 7), (123, 123),
+])
+def test_parse_size_accepts_binary_units(text: str | int, expected: int) -> None:
+    """Sizes are bytes with optional K/M/G binary units."""
+    assert expected == bench.parse_size(text)
+
+
+@pytest.mark.parametrize("text", ["", "K", "4X", "-4K", "1.5M", "0", "4 K B", "0K"])
+def test_parse_size_rejects_bad_input_clearly(text: str) -> None:
+    """A bad size raises ValueError quoting the text and naming the accepted forms."""
+    with pytest.raises(ValueError, match="size") as info:
+        bench.parse_size(text)
+    assert repr(text) in str(info.value)
+
+
+def test_parse_size_rejects_wrong_types() -> None:
+    """Non-int, non-str sizes (and bools) are a TypeError."""
+    for value in (True, 4.0, None):
+        with pytest.raises(TypeError, match="size"):
+            bench.parse_size(value)  # type: ignore[arg-type]
+
+
+def test_parse_sizes_list() -> None:
+    """A comma-separated list becomes bytes, in order."""
+    assert bench.parse_sizes("4K,1M") == [4096, 1048576]
+    assert bench.parse_sizes("4K,64K,1M,16M,64M") == [4096, 65536, 2**20, 16 * 2**20, 64 * 2**20]
+
+
+@pytest.mark.parametrize("spec", ["", ",", "4K,oops", "4K;1M"])
+def test_parse_sizes_rejects_bad_lists(spec: str) -> None:
+    """An empty list or a bad item is a ValueError."""
+    with pytest.raises(ValueError, match="size"):
+        bench.parse_sizes(spec)
+
+
+def test_size_range_defaults_are_powers_of_four_from_4k_to_64m() -> None:
+    """The default sweep is 4 KiB .. 64 MiB by factors of 4, both ends included."""
+    assert [4096 * 4**i for i in range(8)] == bench.size_range()
+    assert bench.size_range(1024, 4096, 2) == [1024, 2048, 4096]
+    with pytest.raises(ValueError, match="exceeds"):
+        bench.size_range(4096, 1024)
+    with pytest.raises(ValueError, match="factor"):
+        bench.size_range(1024, 4096, 1)
+
+
+def test_parse_collectives() -> None:
+    """Names are validated, normalised and deduplicated; the default is all_reduce."""
+    assert bench.parse_collectives([]) == ["all_reduce"]
+    assert bench.parse_collectives(
+        ["broadcast", "all-gather", "broadcast"]) == ["broadcast", "all_gather"]
+    with pytest.raises(ValueError, match="unknown collective 'reduce_scatter'"):
+        bench.parse_collectives(["reduce_scatter"])
+
+
+def test_parse_dtype() -> None:
+    """Numeric dtypes are accepted; anything else is a ValueError naming it."""
+    assert np.dtype("int64") == bench.parse_dtype("int64")
+    for bad in ("str", "nonsense", "bool", "complex64"):
+        with pytest.raises(ValueError, match=repr(bad)):
+            bench.parse_dtype(bad)
+
+
+def test_default_iters_and_bus_factors() -> None:
+    """Iteration counts follow PERFORMANCE.md; bus factors follow nccl-tests."""
+    sizes = (4096, 2**20, 2**20 + 1, 16 * 2**20, 64 * 2**20)
+    assert [bench.default_iters(s) for s in sizes] == [300, 300, 64, 64, 16]
+    assert bench.bus_factor("all_reduce", 2) == 1.0
+    assert bench.bus_factor("all_reduce", 4) == 1.5
+    assert bench.bus_factor("all_gather", 4) == 0.75
+    assert bench.bus_factor("broadcast", 4) == 1.0
+    assert bench.bus_factor("all_reduce", 1) == 0.0
+
+
+# --- formatting -----------------------------------------------------------------
+
+
+def test_csv_parses_back() -> None:
+    """CSV has a header of the Row fields and round-trips every value."""
+    rows = sample_rows()
+    parsed = list(csv.DictReader(io.StringIO(bench.format_csv(rows))))
+    assert list(bench.ROW_FIELDS) == list(parsed[0].keys())
+    assert len(rows) == len(parsed)
+    for row, got in zip(rows, parsed, strict=True):
+        assert row.collective == got["collective"]
+        assert row.size == int(got["size"])
+        assert row.time_us == float(got["time_us"])
+        assert row.busbw == float(got["busbw"])
+
+
+def test_json_parses_back() -> None:
+    """JSON is one object with the rows; rows_from_json rebuilds equal Rows."""
+    rows = sample_rows()
+    text = bench.format_json(rows)
+    doc = json.loads(text)
+    assert doc["world_size"] == 2
+    assert rows == bench.rows_from_json(text)
+    with pytest.raises(ValueError, match="rows"):
+        bench.rows_from_json("[1, 2]")
+
+
+def test_table_is_aligned_and_flags_failures() -> None:
+    """Every data line has the same width; wrong results are called out."""
+    rows = sample_rows()
+    text = bench.format_table(rows)
+    data = [line for line in text.splitlines() if not line.startswith("#")]
+    assert len(data) == 2
+    assert len(data[0]) == len(data[1])
+    assert "103.2" in data[0] and "67108864" in data[1]
+    assert "FAILED" not in text
+    assert "FAILED" in bench.format_table([replace(rows[0], wrong=3)])
+
+
+def test_format_rows_rejects_unknown_format() -> None:
+    """An unknown format is a ValueError naming the choices."""
+    with pytest.raises(ValueError, match="table, csv, json"):
+        bench.format_rows(sample_rows(), "xml")
+
+
+# --- measuring in a world of one --------------------------------------------------
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_run_bench_world_of_one() -> None:
+    """In a world of one every collective runs, results are right and busbw factors apply."""
+    rows = bench.run_bench([4096, 65536], ["all_reduce", "broadcast", "all_gather"],
+                           "int32", iters=3, warmup=1)
+    assert [(r.collective, r.size) for r in rows] == [
+        (name, size) for name in ("all_reduce", "broadcast", "all_gather")
+        for size in (4096, 65536)]
+    for r in rows:
+        assert (r.world_size, r.iters, r.wrong, r.dtype) == (1, 3, 0, "int32")
+        assert r.size // 4 == r.count
+        assert 0 < r.min_us <= r.time_us <= r.p90_us
+        assert r.algbw > 0
+        expected_bus = r.algbw if r.collective == "broadcast" else 0.0
+        assert expected_bus == pytest.approx(r.busbw)
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_run_bench_rounds_size_down_to_whole_elements() -> None:
+    """A size that is not a multiple of the item size is rounded down (at least one element)."""
+    rows = bench.run_bench([10, 3], ["all_reduce"], "float64", iters=1, warmup=0)
+    assert [(r.size, r.count) for r in rows] == [(8, 1), (8, 1)]
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"iters": 0}, "iters"), ({"warmup": -1}, "warmup"), ({"dtype": "str"}, "dtype"),
+    ({"collectives": ["scatter"]}, "collective"), ({"sizes": [0]}, "sizes"),
+])
+def test_run_bench_rejects_bad_arguments(kwargs: dict, match: str) -> None:
+    """Bad arguments fail before any group is joined."""
+    args = {"sizes": [4096], **kwargs}
+    with pytest.raises(ValueError, match=match):
+        bench.run_bench(**args)
+
+
+def test_wrong_results_are_counted() -> None:
+    """The result check finds corrupted elements in each collective's output."""
+    dtype = np.dtype("float32")
+    case = bench._Case("all_reduce", 10, dtype, rank=0, world=2)
+    case.reset()
+    case.x *= 3  # rank0 input 1x pattern; the right sum over 2 ranks is 3x pattern
+    assert case.wrong() == 0
+    case.x[4] += 1
+    assert case.wrong() == 1
+    case = bench._Case("all_gather", 10, dtype, rank=1, world=2)
+    case.result = [case.pattern.copy(), case.pattern * 2]
+    assert case.wrong() == 0
+    case.result = [case.pattern.copy()]
+    assert case.wrong() == 20
+
+
+# --- the command line ---------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_cli_world_of_one_json_output(tmp_path: os.PathLike) -> None:
+    """`swarmfd bench` writes parseable JSON to --output and exits 0."""
+    out = os.path.join(tmp_path, "bench.json")
+    result = CliRunner().invoke(main, ["bench", "--sizes", "4K,16K", "-i", "2", "-w", "0",
+                                       "--op", "all_gather", "--format", "json", "-o", out])
+    assert result.exit_code == 0, result.output
+    with open(out, encoding="utf-8") as f:
+        rows = bench.rows_from_json(f.read())
+    assert [(r.collective, r.size) for r in rows] == [("all_gather", 4096), ("all_gather", 16384)]
+
+
+@pytest.mark.parametrize(("args", "match"), [
+    (["--sizes", "4K,huge"], "bad size 'huge'"),
+    (["--sizes", "4K", "--min-bytes", "1K"], "either --sizes or"),
+    (["--op", "gather"], "unknown collective"),
+    (["--dtype", "text"], "unsupported dtype"),
+    (["-b", "1M", "-e", "4K"], "exceeds"),
+])
+def test_cli_rejects_bad_options(args: list[str], match: str) -> None:
+    """Bad options are a usage error (exit 2) with a clear message."""
+    result = CliRunner().invoke(main, ["bench", *args])
+    assert result.exit_code == 2
+    assert match in result.output
+
+
+def _launcher_available() -> bool:
+    return "run" in getattr(main, "commands", {})
+
+
+@pytest.mark.skipif(not _launcher_available(), reason="`swarmfd run` (launch.py) not there yet")
+def test_two_ranks_through_swarmfd_run(tmp_path: os.PathLike) -> None:
+    """A real 2-rank run via `swarmfd run -n 2 -- swarmfd bench` gives correct JSON rows."""
+    out = os.path.join(tmp_path, "bench.json")
+    env = {k: v for k, v in os.environ.items() if k not in CONTRACT_VARS}
+    cmd = [sys.executable, "-m", "swarmfd", "run", "-n", "2", "--timeout", "60", "--",
+           sys.executable, "-m", "swarmfd", "bench", "--sizes", "4K,64K", "--iters", "5",
+           "--op", "all_reduce", "--op", "broadcast", "--op", "all_gather",
+           "--format", "json", "--output", out]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    with open(out, encoding="utf-8") as f:
+        rows = bench.rows_from_json(f.read())
+    assert len(rows) == 6
+    for r in rows:
+        assert (r.world_size, r.iters, r.wrong) == (2, 5, 0)
+        assert r.time_us > 0
+        assert r.algbw * bench.bus_factor(r.collective, 2) == pytest.approx(r.busbw)
+    assert "swarmfd bench: all_reduce 4096 B" in proc.stderr  # progress goes to stderr
