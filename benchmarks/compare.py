@@ -1,0 +1,582 @@
+"""Compare swarmfd's collectives with torch.distributed (gloo) and Open MPI, side by side.
+
+Usage (from the repository root, with the bench extras installed; see README.md)::
+
+    /work/venv/bin/python benchmarks/compare.py            # N=2 and N=4, ~10 minutes
+    /work/venv/bin/python benchmarks/compare.py --quick    # 5 sizes, fewer iterations
+    /work/venv/bin/python benchmarks/compare.py -n 2 --systems gloo,swarmfd --runs 1
+
+Every system runs as its own job with its own launcher, all on loopback:
+
+``swarmfd``   ``swarmfd run -n N -- swarmfd bench`` (plus variants that set
+              environment variables, ``--variant NAME:KEY=VALUE``)
+``gloo``      benchmarks/gloo_worker.py started N times, ``init_process_group("gloo",
+              init_method="tcp://127.0.0.1:PORT")``, GLOO_SOCKET_IFNAME=lo,
+              torch.set_num_threads(1)
+``mpi-tcp``   ``mpirun ... --mca btl self,tcp --mca btl_tcp_if_include lo`` + mpi_worker.py
+``mpi-shm``   ``mpirun ... --mca btl self,vader`` (shared memory) + mpi_worker.py
+
+and measures float32 in-place all_reduce(SUM) the same way (PERFORMANCE.md): per
+iteration reset the input (untimed), the system's own barrier, time; an
+iteration's time is the slowest rank's; the median over iterations; then the
+median over ``--runs`` interleaved runs (for run in 1..R: for system: all sizes).
+swarmfd's broadcast and all_gather are measured in the same swarmfd job.
+
+Systems that are not installed are skipped with a note. Every subprocess has a
+timeout. Results: ``<out-dir>/compare-<stamp>-raw.csv`` (every run),
+``compare-<stamp>.csv`` (medians), ``compare-<stamp>.md`` (the tables printed on
+stdout) and ``compare-<stamp>.png`` (busbw and latency vs size, log-log).
+A memory probe (``--memory``, on by default) reports each system's extra peak RSS
+during a 64 MiB all_reduce relative to the array size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import datetime as dt
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from swarmfd.bench import bus_factor, default_iters, parse_size, parse_sizes, size_range
+
+HERE = Path(__file__).resolve().parent
+PY = sys.executable
+MPIRUN_BASE = ["--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+               "--mca", "oob_tcp_if_include", "lo", "--mca", "pml", "ob1"]
+MPI_BTL = {
+    "mpi-tcp": ["--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", "lo"],
+    "mpi-shm": ["--mca", "btl", "self,vader"],
+}
+QUICK_SIZES = "4K,64K,1M,16M,64M"
+RATIO_SIZES = (4 * 1024, 64 * 1024, 1 << 20, 16 << 20, 64 << 20)
+
+
+@dataclass
+class Variant:
+    """A swarmfd configuration: a name and the environment it runs with."""
+
+    name: str
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Result:
+    """One (run, system, N, collective, size) measurement; times in seconds."""
+
+    run: int
+    system: str
+    n: int
+    collective: str
+    size: int
+    iters: int
+    median_s: float
+    min_s: float
+    p90_s: float
+    wrong: int
+
+
+# --- subprocesses ------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(Exception):
+        proc.wait(timeout=5)
+
+
+def run_procs(cmds: Sequence[Sequence[str]], envs: Sequence[dict[str, str]],
+              timeout: float) -> list[tuple[int, str, str]]:
+    """Run commands concurrently (each in its own session); kill all on timeout or failure.
+
+    Returns (exit code, stdout, stderr) per command. Raises RuntimeError when
+    the deadline passes or a process fails, with the failing process's stderr.
+    """
+    procs: list[subprocess.Popen] = []
+    with contextlib.ExitStack() as stack:
+        files = []
+        try:
+            for cmd, env in zip(cmds, envs, strict=True):
+                out = stack.enter_context(tempfile.TemporaryFile(mode="w+"))
+                err = stack.enter_context(tempfile.TemporaryFile(mode="w+"))
+                files.append((out, err))
+                procs.append(subprocess.Popen(list(cmd), env=env, stdout=out, stderr=err,
+                                              stdin=subprocess.DEVNULL, start_new_session=True))
+            failed = _wait_all(procs, timeout)
+            results = []
+            for p, (out, err) in zip(procs, files, strict=True):
+                if p.poll() is None:
+                    _kill_group(p)
+                out.seek(0)
+                err.seek(0)
+                results.append((p.returncode, out.read(), err.read()))
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    _kill_group(p)
+    if failed is None and any(code != 0 for code, _, _ in results):
+        failed = "a process exited non-zero"
+    if failed is not None:
+        detail = "\n".join(f"--- {' '.join(cmds[i])[:120]} (exit {code})\n{err[-2000:]}"
+                           for i, (code, _, err) in enumerate(results) if code != 0)
+        raise RuntimeError(f"{failed}\n{detail}")
+    return results
+
+
+def _wait_all(procs: Sequence[subprocess.Popen], timeout: float) -> str | None:
+    """Wait for every process; stop early (returning why) on a deadline or a failure."""
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline:
+            return f"timed out after {timeout:.0f} s"
+        bad = [i for i, p in enumerate(procs) if p.returncode not in (None, 0)]
+        if bad:
+            return f"process {bad[0]} exited with code {procs[bad[0]].returncode}"
+        time.sleep(0.02)
+    return None
+
+
+def json_lines(text: str) -> list[dict]:
+    """Every JSON object printed on its own line (a launcher's '[rank R] ' prefix allowed)."""
+    records = []
+    for line in text.splitlines():
+        start = line.find("{")
+        if start < 0:
+            continue
+        with contextlib.suppress(json.JSONDecodeError):
+            obj = json.loads(line[start:])
+            if isinstance(obj, dict):
+                records.append(obj)
+    return records
+
+
+# --- systems -------------------------------------------------------------------------
+
+
+def plan_arg(plan: Sequence[tuple[int, int]]) -> str:
+    return ",".join(f"{size}:{iters}" for size, iters in plan)
+
+
+def run_gloo(n: int, plan: Sequence[tuple[int, int]], warmup: int, timeout: float,
+             extra: Sequence[str] = ()) -> list[dict]:
+    port = _free_port()
+    base = dict(os.environ, WORLD_SIZE=str(n), MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
+                OMP_NUM_THREADS="1")
+    args = list(extra) or ["--plan", plan_arg(plan), "--warmup", str(warmup)]
+    cmds = [[PY, str(HERE / "gloo_worker.py"), *args] for _ in range(n)]
+    envs = [dict(base, RANK=str(r)) for r in range(n)]
+    results = run_procs(cmds, envs, timeout)
+    return json_lines(results[0][1])
+
+
+def run_mpi(name: str, n: int, plan: Sequence[tuple[int, int]], warmup: int, timeout: float,
+            extra: Sequence[str] = ()) -> list[dict]:
+    args = list(extra) or ["--plan", plan_arg(plan), "--warmup", str(warmup)]
+    cmd = ["mpirun", *MPIRUN_BASE, *MPI_BTL[name], "-n", str(n),
+           PY, str(HERE / "mpi_worker.py"), "--name", name, *args]
+    results = run_procs([cmd], [dict(os.environ)], timeout)
+    return json_lines(results[0][1])
+
+
+def run_swarmfd(variant: Variant, n: int, plan: Sequence[tuple[int, int]], warmup: int,
+                timeout: float, collectives: Sequence[str]) -> list[dict]:
+    sizes = ",".join(str(size) for size, _ in plan)
+    counts = {it for _, it in plan}
+    default = all(it == default_iters(size) for size, it in plan)
+    if not default and len(counts) != 1:
+        raise ValueError("swarmfd bench takes one --iters value or its default schedule")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "bench.json")
+        cmd = [PY, "-m", "swarmfd", "run", "-n", str(n), "--timeout", str(int(timeout)), "--",
+               PY, "-m", "swarmfd", "bench", "--sizes", sizes, "--warmup", str(warmup),
+               "--format", "json", "--output", out, "--quiet"]
+        for name in collectives:
+            cmd += ["--op", name]
+        if not default:
+            cmd += ["--iters", str(counts.pop())]
+        run_procs([cmd], [dict(os.environ, **variant.env)], timeout)
+        with open(out, encoding="utf-8") as f:
+            doc = json.load(f)
+    return [{"system": variant.name, "n": n, "collective": r["collective"], "size": r["size"],
+             "iters": r["iters"], "wrong": r["wrong"], "median_s": r["time_us"] / 1e6,
+             "min_s": r["min_us"] / 1e6, "p90_s": r["p90_us"] / 1e6} for r in doc["rows"]]
+
+
+def swarmfd_memory(variant: Variant, n: int, size: int, timeout: float) -> list[dict]:
+    cmd = [PY, "-m", "swarmfd", "run", "-n", str(n), "--timeout", str(int(timeout)), "--",
+           PY, str(HERE / "memory.py"), "--size", str(size), "--system", variant.name]
+    results = run_procs([cmd], [dict(os.environ, **variant.env)], timeout)
+    return json_lines(results[0][1])
+
+
+def available_systems(variants: Sequence[Variant]) -> tuple[list[str], list[str]]:
+    """(systems to run, notes about the ones skipped)."""
+    systems, notes = [], []
+    if importlib.util.find_spec("torch") is not None:
+        systems.append("gloo")
+    else:
+        notes.append("gloo skipped: torch is not installed (pip install torch==2.13.0)")
+    if shutil.which("mpirun") and importlib.util.find_spec("mpi4py") is not None:
+        systems += ["mpi-tcp", "mpi-shm"]
+    else:
+        notes.append("MPI skipped: needs Debian openmpi-bin libopenmpi-dev and pip mpi4py")
+    systems += [v.name for v in variants]
+    return systems, notes
+
+
+# --- analysis -------------------------------------------------------------------------
+
+
+def busbw(collective: str, size: int, n: int, seconds: float) -> float:
+    """Bus bandwidth in GB/s, as swarmfd bench reports it."""
+    moved = size * n if collective == "all_gather" else size
+    return moved / seconds / 1e9 * bus_factor(collective, n)
+
+
+def summarize(results: Sequence[Result]) -> list[dict]:
+    """Median over runs per (system, n, collective, size)."""
+    groups: dict[tuple, list[Result]] = {}
+    for r in results:
+        groups.setdefault((r.system, r.n, r.collective, r.size), []).append(r)
+    rows = []
+    for (system, n, coll, size), rs in groups.items():
+        t = statistics.median(r.median_s for r in rs)
+        rows.append({"system": system, "n": n, "collective": coll, "size": size,
+                     "runs": len(rs), "iters": rs[0].iters, "median_s": t,
+                     "run_medians_us": " ".join(f"{r.median_s * 1e6:.1f}" for r in rs),
+                     "latency_us": t * 1e6, "busbw_gbps": busbw(coll, size, n, t),
+                     "wrong": sum(r.wrong for r in rs)})
+    return rows
+
+
+def human_size(size: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= scale and size % scale == 0:
+            return f"{size // scale} {unit}"
+    return f"{size} B"
+
+
+def human_time(seconds: float) -> str:
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.1f} ms" if seconds < 0.1 else f"{seconds * 1e3:.0f} ms"
+    return f"{seconds * 1e6:.0f} us" if seconds >= 1e-5 else f"{seconds * 1e6:.1f} us"
+
+
+def markdown_tables(summary: Sequence[dict], systems: Sequence[str], ns: Sequence[int],
+                    sizes: Sequence[int]) -> str:
+    """PERFORMANCE.md-style tables: latency below 1 MiB, 'latency / busbw' from 1 MiB."""
+    index = {(r["system"], r["n"], r["collective"], r["size"]): r for r in summary}
+    out = []
+    for n in ns:
+        out.append(f"\n### all_reduce, world_size {n}: median latency / busbw (GB/s)\n")
+        out.append("| system | " + " | ".join(human_size(s) for s in sizes) + " |")
+        out.append("|---" * (len(sizes) + 1) + "|")
+        for system in systems:
+            cells = []
+            for s in sizes:
+                r = index.get((system, n, "all_reduce", s))
+                if r is None:
+                    cells.append("-")
+                    continue
+                cell = human_time(r["median_s"])
+                if s >= 1 << 20:
+                    cell += f" / {r['busbw_gbps']:.2f}"
+                if r["wrong"]:
+                    cell += " WRONG"
+                cells.append(cell)
+            out.append(f"| {system} | " + " | ".join(cells) + " |")
+        others = sorted({(r["system"], r["collective"]) for r in summary
+                         if r["n"] == n and r["collective"] != "all_reduce"})
+        if others:
+            out.append(f"\n### other swarmfd collectives, world_size {n}: latency / busbw\n")
+            out.append("| system | collective | " + " | ".join(human_size(s) for s in sizes)
+                       + " |")
+            out.append("|---" * (len(sizes) + 2) + "|")
+            for system, coll in others:
+                cells = []
+                for s in sizes:
+                    r = index.get((system, n, coll, s))
+                    cells.append("-" if r is None else
+                                 f"{human_time(r['median_s'])} / {r['busbw_gbps']:.2f}")
+                out.append(f"| {system} | {coll} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def ratio_tables(summary: Sequence[dict], variants: Sequence[str], baselines: Sequence[str],
+                 ns: Sequence[int], sizes: Sequence[int]) -> str:
+    """Speed-up of each swarmfd variant over each baseline: t_baseline / t_swarmfd.
+
+    Greater than 1 means swarmfd is faster. For sizes >= 1 MiB this is also the
+    busbw ratio (busbw_swarmfd / busbw_baseline).
+    """
+    index = {(r["system"], r["n"], r["size"]): r["median_s"] for r in summary
+             if r["collective"] == "all_reduce"}
+    out = ["\n### swarmfd speed-up, all_reduce (t_baseline / t_swarmfd; > 1 = swarmfd faster; "
+           "latency ratio below 1 MiB, busbw ratio from 1 MiB)\n",
+           "| swarmfd | vs | N | " + " | ".join(human_size(s) for s in sizes) + " |",
+           "|---" * (len(sizes) + 3) + "|"]
+    for n in ns:
+        for variant in variants:
+            for base in baselines:
+                cells = []
+                for s in sizes:
+                    mine, theirs = index.get((variant, n, s)), index.get((base, n, s))
+                    cells.append("-" if mine is None or theirs is None else
+                                 f"{theirs / mine:.2f}x")
+                if any(c != "-" for c in cells):
+                    out.append(f"| {variant} | {base} | {n} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def plot(summary: Sequence[dict], systems: Sequence[str], ns: Sequence[int], path: Path) -> bool:
+    """busbw and latency vs size (log-log), one line per system, a column per N."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(2, len(ns), figsize=(6.5 * len(ns), 9), squeeze=False)
+    series = sorted({(r["system"], r["collective"]) for r in summary},
+                    key=lambda k: (k[1] != "all_reduce", systems.index(k[0])
+                                   if k[0] in systems else 99, k[1]))
+    for col, n in enumerate(ns):
+        bw_ax, lat_ax = axes[0][col], axes[1][col]
+        for system, coll in series:
+            pts = sorted((r["size"], r["busbw_gbps"], r["latency_us"]) for r in summary
+                         if r["system"] == system and r["collective"] == coll and r["n"] == n)
+            if not pts:
+                continue
+            label = system if coll == "all_reduce" else f"{system} {coll}"
+            style = "-o" if coll == "all_reduce" else "--s"
+            xs = [p[0] for p in pts]
+            if n > 1:
+                bw_ax.plot(xs, [p[1] for p in pts], style, label=label, markersize=4)
+            lat_ax.plot(xs, [p[2] for p in pts], style, label=label, markersize=4)
+        ticks = sorted({r["size"] for r in summary})
+        for ax, ylabel in ((bw_ax, "busbw (GB/s)"), (lat_ax, "median latency (us)")):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xticks(ticks, [human_size(t).replace(" ", "") for t in ticks], fontsize=8)
+            ax.set_xlabel("message size per rank (bytes)")
+            ax.set_ylabel(ylabel)
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+        bw_ax.set_title(f"world_size {n}: bus bandwidth (float32, in place)")
+        lat_ax.set_title(f"world_size {n}: latency (slowest rank, median)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def versions() -> str:
+    parts = [f"Python {sys.version.split()[0]}"]
+    for dist in ("numpy", "pyzmq", "torch", "mpi4py", "swarmfd"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            parts.append(f"{dist} {importlib.metadata.version(dist)}")
+    if shutil.which("mpirun"):
+        with contextlib.suppress(Exception):
+            line = subprocess.run(["mpirun", "--version"], capture_output=True, text=True,
+                                  timeout=20).stdout.splitlines()[0]
+            parts.append(line.strip())
+    return ", ".join(parts)
+
+
+# --- driver -------------------------------------------------------------------------
+
+
+def parse_variant(text: str) -> Variant:
+    """``NAME`` or ``NAME:KEY=VALUE[,KEY=VALUE...]`` -> Variant."""
+    name, _, spec = text.partition(":")
+    env = {}
+    for item in filter(None, spec.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise argparse.ArgumentTypeError(f"bad variant {text!r}: expected NAME:KEY=VALUE,...")
+        env[key] = value
+    if not name:
+        raise argparse.ArgumentTypeError(f"bad variant {text!r}: missing NAME")
+    return Variant(name, env)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-n", "--world-size", dest="ns", type=int, action="append",
+                   help="ranks per job; repeatable (default: 2 and 4)")
+    p.add_argument("--sizes", help="sizes, e.g. 4K,64K,1M,16M,64M (default 4K..64M by x4)")
+    p.add_argument("--iters", type=int,
+                   help="timed iterations at every size (default: 300 up to 1 MiB, 64 to "
+                        "16 MiB, 16 above)")
+    p.add_argument("--warmup", type=int, default=3, help="warm-up iterations (default 3)")
+    p.add_argument("--runs", type=int, default=3, help="interleaved runs; median taken")
+    p.add_argument("--quick", action="store_true",
+                   help=f"sizes {QUICK_SIZES}, 30 iterations each, 2 warm-ups")
+    p.add_argument("--systems", help="comma list among gloo,mpi-tcp,mpi-shm and the swarmfd "
+                                     "variant names (default: all available)")
+    p.add_argument("--variant", action="append", type=parse_variant, metavar="NAME[:K=V,...]",
+                   help="a swarmfd variant: a name and environment; repeatable "
+                        "(default: 'swarmfd' with the default transport)")
+    p.add_argument("--no-extra-collectives", action="store_true",
+                   help="skip swarmfd broadcast and all_gather")
+    p.add_argument("--no-memory", action="store_true", help="skip the memory probe")
+    p.add_argument("--memory-size", default="64M", help="array size of the memory probe")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per launched job")
+    p.add_argument("--out-dir", default=str(HERE.parent / "results"),
+                   help="where the CSV, markdown and PNG go (default: <repo>/results)")
+    p.add_argument("--no-plot", action="store_true")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    ns = args.ns or [2, 4]
+    if args.quick:
+        sizes = parse_sizes(args.sizes or QUICK_SIZES)
+        iters, warmup = args.iters or 30, min(args.warmup, 2)
+    else:
+        sizes = parse_sizes(args.sizes) if args.sizes else size_range()
+        iters, warmup = args.iters, args.warmup
+    plan = [(s, iters or default_iters(s)) for s in sizes]
+    variants = args.variant or [Variant("swarmfd")]
+    systems, notes = available_systems(variants)
+    if args.systems:
+        wanted = [s.strip() for s in args.systems.split(",") if s.strip()]
+        unknown = [s for s in wanted if s not in ("gloo", "mpi-tcp", "mpi-shm",
+                                                   *(v.name for v in variants))]
+        if unknown:
+            sys.exit(f"compare.py: unknown system(s) {unknown}")
+        systems = [s for s in systems if s in wanted]
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    by_name = {v.name: v for v in variants}
+    extra_colls = [] if args.no_extra_collectives else ["broadcast", "all_gather"]
+
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results: list[Result] = []
+    failures: list[str] = []
+    started = time.monotonic()
+    for n in ns:
+        for run in range(1, args.runs + 1):
+            for system in systems:
+                t0 = time.monotonic()
+                print(f"[{time.monotonic() - started:6.1f}s] N={n} run {run}/{args.runs} "
+                      f"{system} ...", file=sys.stderr, flush=True)
+                try:
+                    if system == "gloo":
+                        recs = run_gloo(n, plan, warmup, args.timeout)
+                    elif system in MPI_BTL:
+                        recs = run_mpi(system, n, plan, warmup, args.timeout)
+                    else:
+                        colls = ["all_reduce"]
+                        if system == variants[0].name:
+                            colls += extra_colls
+                        recs = run_swarmfd(by_name[system], n, plan, warmup, args.timeout,
+                                           colls)
+                except (RuntimeError, OSError, ValueError, KeyError) as exc:
+                    failures.append(f"N={n} run {run} {system}: {exc}")
+                    print(f"  FAILED: {exc}", file=sys.stderr)
+                    continue
+                print(f"  done in {time.monotonic() - t0:.1f}s", file=sys.stderr)
+                results += [Result(run=run, system=system, n=n, collective=r["collective"],
+                                   size=r["size"], iters=r["iters"], median_s=r["median_s"],
+                                   min_s=r["min_s"], p90_s=r["p90_s"], wrong=r["wrong"])
+                            for r in recs]
+
+    memory = []
+    if not args.no_memory:
+        mem_size = parse_size(args.memory_size)
+        for n in ns:
+            for system in systems:
+                try:
+                    if system == "gloo":
+                        recs = run_gloo(n, [], 0, args.timeout, ["--memory", str(mem_size)])
+                    elif system in MPI_BTL:
+                        recs = run_mpi(system, n, [], 0, args.timeout,
+                                       ["--memory", str(mem_size)])
+                    else:
+                        recs = swarmfd_memory(by_name[system], n, mem_size, args.timeout)
+                except (RuntimeError, OSError) as exc:
+                    failures.append(f"memory N={n} {system}: {exc}")
+                    continue
+                for r in recs:
+                    r["system"] = system
+                    memory.append(r)
+
+    summary = summarize(results)
+    raw_csv = out_dir / f"compare-{stamp}-raw.csv"
+    with open(raw_csv, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(Result.__dataclass_fields__))
+        w.writeheader()
+        for r in results:
+            w.writerow(r.__dict__)
+    sum_csv = out_dir / f"compare-{stamp}.csv"
+    with open(sum_csv, "w", newline="") as f:
+        if summary:
+            w = csv.DictWriter(f, fieldnames=list(summary[0]))
+            w.writeheader()
+            w.writerows(summary)
+
+    swarm_names = [v.name for v in variants if v.name in systems]
+    baselines = [s for s in ("gloo", "mpi-tcp", "mpi-shm") if s in systems]
+    lines = [f"## swarmfd vs gloo vs Open MPI ({stamp})\n",
+             f"{versions()}.",
+             f"float32 in-place all_reduce(SUM); median over iterations of the slowest rank, "
+             f"median of {args.runs} interleaved run(s); warm-up {warmup}; iterations "
+             + ", ".join(f"{human_size(s)}:{it}" for s, it in plan) + ".",
+             "swarmfd variants: " + "; ".join(
+                 f"{v.name} ({' '.join(f'{k}={x}' for k, x in v.env.items()) or 'default'})"
+                 for v in variants) + "."]
+    text = "\n".join(lines) + "\n" + markdown_tables(summary, systems, ns, sizes)
+    if swarm_names and baselines:
+        text += ratio_tables(summary, swarm_names, baselines, ns,
+                             [s for s in sizes if s in RATIO_SIZES] or sizes)
+    if memory:
+        text += ("\n### extra peak RSS of one rank during a "
+                 f"{human_size(memory[0]['memory_size'])} all_reduce (VmHWM delta, max over "
+                 "ranks; goal for swarmfd: <= 0.5 x array)\n\n| system | N | extra MiB | "
+                 "x array |\n|---|---|---|---|\n")
+        for m in memory:
+            text += (f"| {m['system']} | {m['n']} | {m['extra_peak_bytes'] / 2**20:.1f} | "
+                     f"{m['extra_peak_bytes'] / m['memory_size']:.2f} |\n")
+    if failures:
+        text += "\n### failures\n\n" + "\n".join(f"- {f.splitlines()[0]}" for f in failures)
+        text += "\n"
+    md = out_dir / f"compare-{stamp}.md"
+    md.write_text(text)
+    print(text)
+    png = out_dir / f"compare-{stamp}.png"
+    if not args.no_plot and summary and plot(summary, systems, ns, png):
+        print(f"plot: {png}", file=sys.stderr)
+    print(f"csv: {sum_csv} (raw: {raw_csv}); markdown: {md}; total "
+          f"{time.monotonic() - started:.0f}s", file=sys.stderr)
+    wrong = sum(r.wrong for r in results)
+    return 1 if failures or wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
