@@ -238,6 +238,8 @@ def test_defaults_come_from_the_process_group():
     fd = pytest.importorskip("swarmfd")
     if not hasattr(fd, "init") or not hasattr(fd, "cleanup"):
         pytest.skip("swarmfd.init not available yet (process group not landed)")
+    if fd.is_initialized():
+        pytest.skip("a process group is already active in this test process")
     fd.init(world_size=1, rank=0)
     try:
         assert shard_indices(5).tolist() == [0, 1, 2, 3, 4]
