@@ -69,6 +69,27 @@ apt_install() {
 
 engine_running() { [ -n "$DOCKER" ] && "$DOCKER" info >/dev/null 2>&1; }
 
+# A live dockerd process (a killed one can linger a moment as a zombie: not alive).
+dockerd_alive() { ps -C dockerd -o stat= 2>/dev/null | grep -qv '^Z'; }
+containerd_alive() { ps -C containerd -o stat= 2>/dev/null | grep -qv '^Z'; }
+
+start_dockerd() {
+  local dockerd; dockerd="$(command -v dockerd || echo /usr/sbin/dockerd)"
+  # A dockerd killed without cleanup leaves its pid file, and a new one refuses to start.
+  if [ -e /var/run/docker.pid ]; then
+    log "removing stale /var/run/docker.pid (no dockerd process runs)"
+    rm -f /var/run/docker.pid
+  fi
+  # Likewise the pid file of the containerd that dockerd manages.
+  if [ -e /var/run/docker/containerd/containerd.pid ] && ! containerd_alive; then
+    rm -f /var/run/docker/containerd/containerd.pid
+  fi
+  log "starting $dockerd (log: $DOCKERD_LOG)"
+  mkdir -p "$(dirname "$DOCKERD_LOG")"
+  # setsid + nohup: the daemon outlives this script and its terminal.
+  setsid nohup "$dockerd" >>"$DOCKERD_LOG" 2>&1 </dev/null &
+}
+
 step_engine() {
   local t0; t0=$(now)
   pick_client
@@ -83,35 +104,34 @@ step_engine() {
     log "engine already answering ($("$DOCKER" version -f '{{.Server.Version}} API {{.Server.APIVersion}}'))"
   else
     need_root "starting dockerd"
-    local dockerd; dockerd="$(command -v dockerd || echo /usr/sbin/dockerd)"
-    if ! pgrep -x dockerd >/dev/null 2>&1; then
-      # A dockerd killed without cleanup leaves its pid file, and a new one refuses to start.
-      if [ -e /var/run/docker.pid ]; then
-        log "removing stale /var/run/docker.pid (no dockerd process runs)"
-        rm -f /var/run/docker.pid
-      fi
-      log "starting $dockerd (log: $DOCKERD_LOG)"
-      mkdir -p "$(dirname "$DOCKERD_LOG")"
-      # setsid + nohup: the daemon outlives this script and its terminal.
-      setsid nohup "$dockerd" >>"$DOCKERD_LOG" 2>&1 </dev/null &
-    else
-      log "a dockerd process exists but does not answer yet; waiting for it"
-    fi
-    local deadline=$(( $(date +%s) + DOCKER_WAIT ))
+    local started=0
+    if ! dockerd_alive; then start_dockerd; started=1
+    else log "a dockerd process exists but does not answer yet; waiting for it"; fi
+    local wait_until=$(( $(date +%s) + DOCKER_WAIT ))
     until engine_running; do
-      if [ "$(date +%s)" -ge "$deadline" ]; then
+      if [ "$(date +%s)" -ge "$wait_until" ]; then
         tail -n 20 "$DOCKERD_LOG" >&2 || true
         die "the engine did not answer \`docker info\` within ${DOCKER_WAIT}s (log: $DOCKERD_LOG)"
       fi
-      if ! pgrep -x dockerd >/dev/null 2>&1; then
-        tail -n 20 "$DOCKERD_LOG" >&2 || true
-        die "dockerd exited during start-up (log: $DOCKERD_LOG)"
+      if ! dockerd_alive; then
+        # One retry: right after a kill, the old containerd can still hold its pid file.
+        if [ "$started" -ge 2 ]; then
+          tail -n 20 "$DOCKERD_LOG" >&2 || true
+          die "dockerd exited during start-up, twice (log: $DOCKERD_LOG)"
+        fi
+        log "dockerd is not running (any more); starting it again"
+        sleep 1; start_dockerd; started=$((started + 1))
       fi
       sleep 0.3
     done
     log "engine up in $(since "$t0") ($("$DOCKER" version -f '{{.Server.Version}} API {{.Server.APIVersion}}'))"
   fi
   local state; state="$("$DOCKER" info -f '{{.Swarm.LocalNodeState}}')"
+  local deadline=$(( $(date +%s) + DOCKER_WAIT ))
+  # After a restart the node can report "pending" for a moment while it rejoins.
+  while [ "$state" = pending ] && [ "$(date +%s)" -lt "$deadline" ]; do
+    sleep 0.5; state="$("$DOCKER" info -f '{{.Swarm.LocalNodeState}}')"
+  done
   case "$state" in
     active) log "swarm already active" ;;
     inactive)
