@@ -176,6 +176,7 @@ step_base() {
   local t0 t1; t0=$(now)
   # Check-Valid-Until false: the host's mirror may be a dated snapshot whose Release
   # files are past Valid-Until; mmdebstrap does not read the host's apt.conf.d.
+  # shellcheck disable=SC2016  # "$1" is expanded by mmdebstrap's hook shell, not here
   mmdebstrap --quiet \
     --variant=apt --mode=root --format=tar \
     --include="$BASE_PKGS" \
@@ -229,11 +230,11 @@ step_wheelhouse() {
   local plat=() p
   for p in "${WHEEL_PLATFORMS[@]}"; do plat+=(--platform "$p"); done
   # PIP_FIND_LINKS (set on this machine) is unset so only index wheels land here.
-  # shellcheck disable=SC2086
+  local req_list=()
+  mapfile -t req_list <<<"$reqs"
   env -u PIP_FIND_LINKS python3 -m pip download --quiet --disable-pip-version-check \
     --dest "$WHEELHOUSE" --only-binary=:all: \
-    --python-version 3.11 --implementation cp --abi cp311 "${plat[@]}" \
-    $(echo "$reqs" | tr '\n' ' ') \
+    --python-version 3.11 --implementation cp --abi cp311 "${plat[@]}" "${req_list[@]}" \
     || die "pip download failed (needs access to the package index)"
   echo "$stamp" > "$WHEELHOUSE/.stamp"
   log "wheelhouse: $(ls "$WHEELHOUSE"/*.whl | wc -l) wheels, $(du -sh "$WHEELHOUSE" | cut -f1), in $(since "$t0")"
