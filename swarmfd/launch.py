@@ -15,7 +15,8 @@ word ending in ``.py`` runs with the current Python, ``sys.executable``). Each c
 ``PYTHONUNBUFFERED``       1 (so Python ranks stream their output promptly)
 
 plus the launcher's own environment and any ``-e KEY=VALUE``. The contract
-variables cannot be set with ``-e``: the launcher owns them.
+variables cannot be set with ``-e``: the launcher owns them. Ranks read no
+input: their stdin is ``/dev/null``.
 
 Output. Every line a rank writes goes to the same stream (stdout or stderr) of
 the launcher, prefixed with ``[rank R] `` (unless ``prefix`` is off). Lines are
@@ -659,6 +660,8 @@ def launch(
     :class:`FileNotFoundError`/:class:`PermissionError` when the command cannot
     be started, before any rank starts. Signal handlers for SIGINT, SIGTERM and
     SIGHUP are installed for the duration when called from the main thread.
+    Call it from a thread that outlives the run (the main thread, ideally):
+    PR_SET_PDEATHSIG fires when the thread that started the ranks ends.
     """
     argv = resolve_command(config.command, path=os.environ.get("PATH"))
     for stream in (sys.stdout, sys.stderr):  # keep earlier text output in order

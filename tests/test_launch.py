@@ -62,7 +62,7 @@ def wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.02)
 
 
-def wait_recorded(piddir: Path, count: int, timeout: float = 10) -> list[int]:
+def wait_recorded(piddir: Path, count: int, timeout: float = 20) -> list[int]:
     """Wait until ``count`` PID files exist and are written; return their PIDs."""
     wait_for(
         lambda: sum(1 for p in piddir.iterdir() if p.read_text().strip()) >= count,
@@ -72,7 +72,7 @@ def wait_recorded(piddir: Path, count: int, timeout: float = 10) -> list[int]:
     return recorded_pids(piddir)
 
 
-def assert_all_gone(pids: list[int], timeout: float = 5) -> None:
+def assert_all_gone(pids: list[int], timeout: float = 10) -> None:
     assert pids, "no PIDs were recorded: the test would prove nothing"
     try:
         wait_for(lambda: not any(alive(p) for p in pids), timeout, "the run's processes to end")
@@ -100,7 +100,7 @@ class Runs:
         self.procs.append(proc)
         return proc
 
-    def run(self, *args: str, timeout: float = 20) -> tuple[int, bytes, bytes]:
+    def run(self, *args: str, timeout: float = 30) -> tuple[int, bytes, bytes]:
         proc = self.start(*args)
         try:
             out, err = proc.communicate(timeout=timeout)
@@ -224,7 +224,7 @@ def test_failing_rank_stops_the_others_quickly(runs: Runs) -> None:
     code, _, err = runs.run("-n", "3", "--grace", "30", WORKER, "fail", str(runs.piddir), "1", "3")
     elapsed = time.monotonic() - start
     assert code == 3, err
-    assert elapsed < 8, f"took {elapsed:.1f} s"
+    assert elapsed < 15, f"took {elapsed:.1f} s"  # the grace is 30 s
     assert b"swarmfd run: rank 1 exited with code 3; stopping the other ranks\n" in err
     # The failing rank's own stderr comes before the launcher's verdict.
     assert err.index(b"[rank 1] rank 1 failing") < err.index(b"swarmfd run: rank 1 exited")
@@ -245,7 +245,7 @@ def test_processes_left_by_a_successful_rank_are_stopped(runs: Runs) -> None:
     code, _, err = runs.run("-n", "2", WORKER, "leave-child", str(runs.piddir))
     assert code == 0
     assert b"stopping processes left running by rank(s) 0, 1" in err
-    assert_all_gone(recorded_pids(runs.piddir), timeout=2)
+    assert_all_gone(recorded_pids(runs.piddir))
 
 
 def test_max_restarts_restarts_the_group_until_it_succeeds(runs: Runs) -> None:
@@ -312,7 +312,7 @@ def test_signal_to_the_launcher_stops_every_rank(runs: Runs, sig: int, expected:
     proc = runs.start("-n", "2", "--grace", "30", WORKER, "sleep", str(runs.piddir))
     pids = wait_recorded(runs.piddir, 4)
     os.kill(proc.pid, sig)
-    _, err = proc.communicate(timeout=8)
+    _, err = proc.communicate(timeout=15)  # the grace is 30 s
     assert expected == proc.returncode
     assert f"received {signal.Signals(sig).name}; stopping all 2 rank(s)".encode() in err
     assert_all_gone(pids)
@@ -324,9 +324,9 @@ def test_ranks_deaf_to_signals_are_killed_after_the_grace(runs: Runs) -> None:
     pids = wait_recorded(runs.piddir, 4)
     start = time.monotonic()
     os.kill(proc.pid, signal.SIGINT)
-    proc.communicate(timeout=10)
+    proc.communicate(timeout=15)
     assert proc.returncode == 130
-    assert time.monotonic() - start < 4
+    assert time.monotonic() - start < 8  # the ranks would sleep 60 s
     assert_all_gone(pids)
 
 
@@ -338,9 +338,9 @@ def test_second_ctrl_c_kills_without_waiting_for_the_grace(runs: Runs) -> None:
     os.kill(proc.pid, signal.SIGINT)
     time.sleep(0.3)
     os.kill(proc.pid, signal.SIGINT)
-    proc.communicate(timeout=10)
+    proc.communicate(timeout=15)
     assert proc.returncode == 130
-    assert time.monotonic() - start < 4
+    assert time.monotonic() - start < 8  # the grace is 30 s
     assert_all_gone(pids)
 
 
@@ -350,7 +350,7 @@ def test_launcher_killed_with_sigkill_takes_its_ranks_along(runs: Runs) -> None:
     pids = wait_recorded(runs.piddir, 4)
     proc.kill()  # only the launcher: not its session, not the guardian
     proc.wait(timeout=5)
-    assert_all_gone(pids, timeout=5)
+    assert_all_gone(pids)
 
 
 # --- bad input ----------------------------------------------------------------------
