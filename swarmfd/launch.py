@@ -497,6 +497,8 @@ class _Attempt:
         self.signals = signals
         self.procs: list[subprocess.Popen[bytes]] = []
         self.readers: list[list[threading.Thread]] = []
+        self.waiters: list[threading.Thread] = []
+        self.exits: list[tuple[int, int]] = []  # (rank, returncode) in the order they ended
         self.stopped = False
         self.succeeded = False
 
@@ -543,6 +545,19 @@ class _Attempt:
                 t.start()
                 threads.append(t)
             self.readers.append(threads)
+            waiter = threading.Thread(
+                target=self._wait_for,
+                args=(rank, proc),
+                name=f"swarmfd-run-rank{rank}-wait",
+                daemon=True,
+            )
+            waiter.start()
+            self.waiters.append(waiter)
+
+    def _wait_for(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
+        """Reap one rank and record when it ended relative to the others."""
+        rc = proc.wait()
+        self.exits.append((rank, rc))  # list.append is atomic; the order is the exit order
 
     def _supervise(self) -> _Outcome:
         n = self.config.nproc
@@ -552,14 +567,8 @@ class _Attempt:
                 self.output.note(f"received {signal.Signals(sig).name}; stopping all {n} rank(s)")
                 self._stop(sig)
                 return _Outcome(128 + sig, interrupted=True)
-            running = False
-            failed: tuple[int, int] | None = None
-            for rank, proc in enumerate(self.procs):
-                rc = proc.poll()
-                if rc is None:
-                    running = True
-                elif rc != 0 and failed is None:
-                    failed = (rank, rc)
+            exits = list(self.exits)
+            failed = next(((r, rc) for r, rc in exits if rc != 0), None)
             if failed is not None:
                 rank, rc = failed
                 self._drain(rank)  # its last words (a traceback) before our message
@@ -567,7 +576,7 @@ class _Attempt:
                 self.output.note(f"rank {rank} {_describe_exit(rc)}{others}")
                 self._stop(signal.SIGTERM)
                 return _Outcome(exit_code_of(rc))
-            if not running:
+            if len(exits) == n:
                 self.succeeded = True
                 return _Outcome(0)
             time.sleep(_POLL)
@@ -621,9 +630,8 @@ class _Attempt:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=1)
         deadline = time.monotonic() + _READER_DRAIN
-        for threads in self.readers:
-            for t in threads:
-                t.join(max(0.0, deadline - time.monotonic()))
+        for t in [*self.waiters, *(t for threads in self.readers for t in threads)]:
+            t.join(max(0.0, deadline - time.monotonic()))
         for proc in self.procs:
             if not _group_alive(proc.pid):  # else the guardian keeps trying after we exit
                 self.guardian.forget(proc.pid)

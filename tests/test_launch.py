@@ -232,6 +232,15 @@ def test_failing_rank_stops_the_others_quickly(runs: Runs) -> None:
     assert len(recorded_pids(runs.piddir)) == 6  # 3 ranks + 3 children
 
 
+def test_the_first_rank_to_fail_is_blamed_not_the_lowest(runs: Runs) -> None:
+    """Rank 2 exits 3, rank 0 exits 1 milliseconds later: the run reports rank 2 and exits 3."""
+    code, _, err = runs.run("-n", "3", WORKER, "follow", str(runs.piddir))
+    assert code == 3, err
+    assert b"swarmfd run: rank 2 exited with code 3; stopping the other ranks" in err
+    assert b"rank 0 exited" not in err
+    assert_all_gone(recorded_pids(runs.piddir))
+
+
 def test_rank_killed_by_a_signal_is_a_failure(runs: Runs) -> None:
     """A rank dying of SIGKILL makes the run fail with 137 and says so."""
     code, _, err = runs.run("-n", "2", WORKER, "fail", str(runs.piddir), "0", str(-signal.SIGKILL))

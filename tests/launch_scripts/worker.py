@@ -71,6 +71,27 @@ def mode_fail(piddir: str, rank: str, code: str) -> None:
     sys.exit(c)
 
 
+def mode_follow(piddir: str) -> None:
+    """The last rank exits 3; rank 0 exits 1 the moment it sees that (like a lost peer)."""
+    record(piddir, child=False)
+    wait_for_all(piddir)
+    last = WORLD - 1
+    if last == RANK:
+        sys.exit(3)
+    if RANK == 0:
+        stat = Path(f"/proc/{Path(piddir, f'{ATTEMPT}-{last}.pid').read_text()}/stat")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                text = stat.read_bytes()
+            except OSError:
+                break
+            if text[text.rfind(b")") + 2 :][:1] in (b"Z", b"X"):
+                break
+        sys.exit(1)
+    time.sleep(60)
+
+
 def mode_output(lines: str) -> None:
     """stdout/stderr lines, many long lines to tempt interleaving, bad UTF-8, a partial line."""
     out = sys.stdout
