@@ -86,7 +86,9 @@ class Config:
         if self.master_addr is not None and (
             not isinstance(self.master_addr, str) or not self.master_addr.strip()
         ):
-            raise ConfigError(f"master_addr must be a non-empty host name, got {self.master_addr!r}")
+            raise ConfigError(
+                f"master_addr must be a non-empty host name, got {self.master_addr!r}"
+            )
         if self.world_size > 1 and self.master_addr is None:
             raise ConfigError(
                 f"a world of {self.world_size} ranks needs MASTER_ADDR (the address of rank 0); "
@@ -119,10 +121,13 @@ def parse_env_int(environ: Mapping[str, str], name: str, *, minimum: int = 0) ->
         value = int(raw.strip(), 10)
     except ValueError:
         raise ConfigError(
-            f"environment variable {name}={raw!r} is not an integer: expected an integer >= {minimum}"
+            f"environment variable {name}={raw!r} is not an integer: "
+            f"expected an integer >= {minimum}"
         ) from None
     if value < minimum:
-        raise ConfigError(f"environment variable {name}={raw!r} is invalid: expected an integer >= {minimum}")
+        raise ConfigError(
+            f"environment variable {name}={raw!r} is invalid: expected an integer >= {minimum}"
+        )
     return value
 
 

@@ -1,0 +1,94 @@
+"""swarmfd: distributed data-parallel training primitives over a ZeroMQ ring.
+
+The Python counterpart of the seed's C API (``fd_init`` -> ``swarmfd.init``)::
+
+    import numpy as np
+    import swarmfd as fd
+
+    cfg = fd.init_from_env()            # WORLD_SIZE, RANK, MASTER_ADDR, ... (see swarmfd.config)
+    grads = [np.ones(10, np.float32)]
+    fd.all_reduce_mean(grads)           # in place, identical on every rank
+    fd.print(f"world of {cfg.world_size}")  # main rank only
+    fd.cleanup()
+
+Run N ranks locally with ``swarmfd run -n N script.py`` or on Docker Swarm with
+``swarmfd deploy IMAGE -n N -- python script.py``.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .accumulate import GradAccum
+from .collectives import (
+    all_gather,
+    all_reduce,
+    all_reduce_mean,
+    barrier,
+    broadcast,
+    reduce,
+)
+from .config import Config
+from .errors import (
+    AbortedError,
+    AlreadyInitializedError,
+    CollectiveError,
+    CollectiveTimeout,
+    ConfigError,
+    MismatchError,
+    NotInitializedError,
+    PeerLostError,
+    ProtocolError,
+    RendezvousError,
+    RendezvousTimeout,
+    SwarmfdError,
+)
+from .group import (
+    cleanup,
+    get_config,
+    get_rank,
+    get_world_size,
+    init,
+    init_from_env,
+    is_initialized,
+)
+from .sharding import shard_batch, shard_indices
+from .utils import checkpoint_barrier, get_seed, print, print_config, should_save
+
+__all__ = [
+    "AbortedError",
+    "AlreadyInitializedError",
+    "CollectiveError",
+    "CollectiveTimeout",
+    "Config",
+    "ConfigError",
+    "GradAccum",
+    "MismatchError",
+    "NotInitializedError",
+    "PeerLostError",
+    "ProtocolError",
+    "RendezvousError",
+    "RendezvousTimeout",
+    "SwarmfdError",
+    "__version__",
+    "all_gather",
+    "all_reduce",
+    "all_reduce_mean",
+    "barrier",
+    "broadcast",
+    "checkpoint_barrier",
+    "cleanup",
+    "get_config",
+    "get_rank",
+    "get_seed",
+    "get_world_size",
+    "init",
+    "init_from_env",
+    "is_initialized",
+    "print",
+    "print_config",
+    "reduce",
+    "shard_batch",
+    "shard_indices",
+    "should_save",
+]

@@ -1,0 +1,194 @@
+"""The process group: one per process, created by :func:`init`, ended by :func:`cleanup`.
+
+``init`` validates the configuration, resolves ``MASTER_ADDR``, binds this
+rank's data socket on a free port of the interface that routes to rank 0,
+runs the rendezvous and connects to every peer. A world of one needs no
+sockets at all.
+
+After a collective fails (a peer lost, a timeout, a mismatch), the group is
+*broken*: every later collective raises at once with the original reason,
+because the ranks can no longer agree on where they are. ``cleanup()`` and a
+new ``init()`` start over.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import os
+import socket
+import threading
+import time
+from collections import Counter
+
+import numpy as np
+
+from . import transport as _transport
+from .config import Config, config_from_env
+from .errors import (
+    AlreadyInitializedError,
+    ConfigError,
+    NotInitializedError,
+    SwarmfdError,
+)
+
+ENV_NODE = "SWARMFD_NODE"
+
+
+class Group:
+    """State of the active process group."""
+
+    def __init__(self, config: Config, transport: _transport.Transport | None) -> None:
+        self.config = config
+        self.transport = transport
+        self.seq = 0
+        self.broken: BaseException | None = None
+        self._scratch: dict[np.dtype, np.ndarray] = {}
+
+    def scratch(self, dtype: np.dtype, count: int) -> np.ndarray:
+        """A reusable flat buffer (for fusing lists of arrays) of at least ``count`` items."""
+        buf = self._scratch.get(dtype)
+        if buf is None or buf.size < count:
+            buf = np.empty(max(count, 1), dtype=dtype)
+            self._scratch[dtype] = buf
+        return buf[:count]
+
+
+_group: Group | None = None
+_lock = threading.Lock()
+
+
+def current(what: str = "this call") -> Group:
+    """The active group, or :class:`NotInitializedError` naming ``what`` was called."""
+    g = _group
+    if g is None:
+        raise NotInitializedError(
+            f"swarmfd.{what} called before the process group was initialised: call "
+            "swarmfd.init(world_size, rank) or swarmfd.init_from_env() first"
+        )
+    return g
+
+
+def init(
+    world_size: int = 1,
+    rank: int = 0,
+    *,
+    local_rank: int | None = None,
+    local_world_size: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    timeout: float | None = None,
+) -> Config:
+    """Join a process group of ``world_size`` ranks as ``rank`` and return its :class:`Config`.
+
+    Transport details not given as arguments come from the environment
+    (``MASTER_ADDR``, ``MASTER_PORT``, ``SWARMFD_TIMEOUT``). Blocks until every
+    rank has joined, at most ``timeout`` seconds.
+    """
+    env = config_from_env({k: v for k, v in os.environ.items()
+                           if k in ("MASTER_ADDR", "MASTER_PORT", "SWARMFD_TIMEOUT",
+                                    "SWARMFD_RESTART_COUNT")})
+    config = Config(
+        world_size=world_size,
+        rank=rank,
+        local_rank=local_rank,
+        local_world_size=local_world_size,
+        master_addr=master_addr if master_addr is not None else env.master_addr,
+        master_port=master_port if master_port is not None else env.master_port,
+        timeout=timeout if timeout is not None else env.timeout,
+        restart_count=env.restart_count,
+    )
+    return _start(config)
+
+
+def init_from_env(*, timeout: float | None = None) -> Config:
+    """Join the group the environment describes (``WORLD_SIZE``, ``RANK``, ...).
+
+    With none of the variables set this is a world of one.
+    """
+    return _start(config_from_env(timeout=timeout))
+
+
+def _start(config: Config) -> Config:
+    global _group
+    with _lock:
+        if _group is not None:
+            raise AlreadyInitializedError(
+                f"swarmfd.init called twice: this process is already rank {_group.config.rank} "
+                f"of {_group.config.world_size}; call swarmfd.cleanup() first"
+            )
+        if config.world_size == 1:
+            config = dataclasses.replace(
+                config,
+                local_rank=config.local_rank or 0,
+                local_world_size=config.local_world_size or 1,
+            )
+            _group = Group(config, None)
+            return config
+        assert config.master_addr is not None  # Config guarantees it for world_size > 1
+        deadline = time.monotonic() + config.timeout
+        master_ip = _transport.resolve(config.master_addr, deadline)
+        bind_ip = _transport.local_address_toward(master_ip)
+        t = _transport.Transport(config.rank, config.world_size, config.timeout, bind_ip)
+        try:
+            host = os.environ.get(ENV_NODE) or socket.gethostname()
+            peers = _transport.rendezvous(t, master_ip, config.master_port, deadline, host)
+            t.connect(peers)
+            config = _with_local_ranks(config, [p.host for p in peers])
+        except BaseException:
+            t.close()
+            raise
+        t.activity = "idle"
+        _group = Group(config, t)
+        return config
+
+
+def _with_local_ranks(config: Config, hosts: list[str]) -> Config:
+    """Fill in local_rank/local_world_size from the hosts the ranks reported."""
+    mine = hosts[config.rank]
+    derived_rank = hosts[: config.rank].count(mine)
+    derived_size = Counter(hosts)[mine]
+    local_rank = config.local_rank if config.local_rank is not None else derived_rank
+    local_size = (config.local_world_size if config.local_world_size is not None
+                  else derived_size)
+    try:
+        return dataclasses.replace(config, local_rank=local_rank, local_world_size=local_size)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (after grouping ranks by host)") from None
+
+
+def is_initialized() -> bool:
+    """True between a successful :func:`init` and :func:`cleanup`."""
+    return _group is not None
+
+
+def get_config() -> Config:
+    """The active group's :class:`Config`."""
+    return current("get_config()").config
+
+
+def get_rank() -> int:
+    """This process's rank in the active group."""
+    return current("get_rank()").config.rank
+
+
+def get_world_size() -> int:
+    """Number of ranks in the active group."""
+    return current("get_world_size()").config.world_size
+
+
+def cleanup() -> None:
+    """Leave the group and close every socket. Idempotent; a later :func:`init` works again."""
+    global _group
+    with _lock:
+        g, _group = _group, None
+    if g is not None and g.transport is not None:
+        try:
+            g.transport.flush()
+        except SwarmfdError:
+            pass
+        finally:
+            g.transport.close()
+
+
+atexit.register(cleanup)

@@ -1,0 +1,548 @@
+"""The ZeroMQ transport: the only module of swarmfd that imports zmq.
+
+One process group owns one :class:`Transport`:
+
+* a PULL socket bound on a free port of this host (every peer sends to it);
+* one PUSH socket connected to each peer, with a socket monitor that reports
+  when the peer's connection closes (the peer died or exited);
+* receives that block in short slices (``WAIT_SLICE_MS``), so every wait is
+  bounded by the group timeout and a lost peer is noticed within a fraction
+  of a second.
+
+Messages are (header, payload) frame pairs from :mod:`swarmfd.wire`. Sends
+never block (no high-water mark): the sockets queue and libzmq's I/O thread
+moves the bytes while the caller reduces the previous piece. Large payloads
+are sent zero-copy; :meth:`Transport.flush` waits until libzmq released them,
+so a collective never returns while the caller's array is still being read.
+
+Receives name what they wait for (source rank, sequence number, tag). A
+message that arrives early (from another peer, or from a later collective of
+a faster peer) is kept in a small stash until asked for. Bytes that are not a
+valid swarmfd message are dropped and counted; they never reach an array.
+Nothing received is ever unpickled: control payloads are JSON.
+
+Rendezvous (:func:`rendezvous`) also lives here: rank 0 serves a ROUTER at
+``MASTER_ADDR:MASTER_PORT``; every other rank sends it a JSON hello (rank,
+world size, protocol version, data endpoint, host) and gets back the table of
+all endpoints. No other fixed port is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from . import wire
+from .errors import (
+    AbortedError,
+    CollectiveError,
+    CollectiveTimeout,
+    MismatchError,
+    PeerLostError,
+    ProtocolError,
+    RendezvousError,
+    RendezvousTimeout,
+)
+
+#: How long a peer whose connection closed may still deliver what it had sent.
+LOST_PEER_GRACE = 0.3
+#: A blocking receive returns at least this often (ms) to check deadlines and lost peers.
+WAIT_SLICE_MS = 50
+#: Payloads at least this large are sent zero-copy (pyzmq copies smaller ones anyway).
+ZERO_COPY_MIN = 65536
+#: Limit on a rendezvous message (a hello or a table), against garbage.
+MAX_RENDEZVOUS_MESSAGE = 1 << 20
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """What rendezvous tells every rank about one peer."""
+
+    rank: int
+    endpoint: str
+    host: str
+    pid: int
+
+
+def _now() -> float:
+    return time.monotonic()
+
+
+class Transport:
+    """Point-to-point messaging between the ranks of one group (see module docstring)."""
+
+    def __init__(self, rank: int, world_size: int, timeout: float, bind_host: str) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self.ctx = zmq.Context(io_threads=1)
+        self.ctx.setsockopt(zmq.LINGER, 0)
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.RCVHWM, 0)
+        self.pull.setsockopt(zmq.MAXMSGSIZE, -1)
+        self.pull.setsockopt(zmq.RCVTIMEO, WAIT_SLICE_MS)
+        port = self.pull.bind_to_random_port(f"tcp://{bind_host}")
+        self.endpoint = f"tcp://{bind_host}:{port}"
+        self.push: dict[int, zmq.Socket] = {}
+        self.monitors: dict[zmq.Socket, int] = {}
+        self.peers: list[PeerInfo] = []
+        self.stash: dict[tuple[int, int, int], tuple[wire.Header, bytes]] = {}
+        self.lost: dict[int, float] = {}
+        self.trackers: list[tuple[int, zmq.MessageTracker]] = []
+        self.garbage = 0
+        self.closed = False
+        # What the caller is doing, for error messages.
+        self.activity = "rendezvous"
+
+    # -- setup --------------------------------------------------------------------------
+
+    def connect(self, peers: Sequence[PeerInfo]) -> None:
+        """Open a PUSH connection (with a loss monitor) to every other rank."""
+        self.peers = list(peers)
+        for peer in self.peers:
+            if peer.rank == self.rank:
+                continue
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.LINGER, int(min(self.timeout, 5.0) * 1000))
+            mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            sock.connect(peer.endpoint)
+            self.push[peer.rank] = sock
+            self.monitors[mon] = peer.rank
+
+    def close(self) -> None:
+        """Close every socket; pending sends get a short linger. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        # Read the monitors empty, then stop them before closing their sockets: the other
+        # order, or a full monitor pipe, can block in disable_monitor (libzmq#3575).
+        self._check_monitors()
+        for sock in self.push.values():
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
+        for mon in self.monitors:
+            mon.close(linger=0)
+        for sock in self.push.values():
+            sock.close()
+        self.pull.close(linger=0)
+        self.ctx.term()
+
+    # -- sending ------------------------------------------------------------------------
+
+    def send(
+        self,
+        dst: int,
+        sig: wire.Signature,
+        seq: int,
+        tag: int,
+        payload: Any = b"",
+        *,
+        nbytes: int | None = None,
+        kind: int = wire.Kind.DATA,
+    ) -> None:
+        """Queue one message to ``dst``; never blocks.
+
+        Payloads of ``ZERO_COPY_MIN`` bytes or more are sent without a copy and
+        tracked: :meth:`flush` waits for them before the collective returns.
+        """
+        if nbytes is not None:
+            size = nbytes
+        elif isinstance(payload, bytes):
+            size = len(payload)
+        else:
+            size = memoryview(payload).nbytes
+        sock = self.push[dst]
+        sock.send(wire.pack_header(kind, sig, self.rank, seq, tag, size), zmq.SNDMORE)
+        if size >= ZERO_COPY_MIN:
+            tracker = sock.send(payload, copy=False, track=True)
+            self.trackers.append((dst, tracker))
+        else:
+            sock.send(payload)
+
+    def flush(self) -> None:
+        """Wait until libzmq no longer reads any buffer handed to :meth:`send`."""
+        if not self.trackers:
+            return
+        deadline = _now() + self.timeout
+        pending = self.trackers
+        while pending:
+            pending = [(dst, t) for dst, t in pending if not t.done]
+            if not pending:
+                break
+            dst = pending[0][0]
+            if _now() > deadline:
+                raise CollectiveTimeout(
+                    f"{self.activity}: sending to rank {dst} did not complete within "
+                    f"{self.timeout:g} s"
+                )
+            self._check_monitors()
+            if dst in self.lost and _now() - self.lost[dst] > LOST_PEER_GRACE:
+                raise PeerLostError(
+                    f"{self.activity}: rank {dst} disconnected before receiving this rank's data"
+                    f" ({self._where(dst)})"
+                )
+            with contextlib.suppress(zmq.NotDone):
+                pending[0][1].wait(0.01)
+        self.trackers = []
+
+    def abort(self, error: BaseException) -> None:
+        """Tell every peer that this rank failed, so they fail fast too (best effort)."""
+        kind = {
+            CollectiveTimeout: "timeout",
+            PeerLostError: "lost",
+            MismatchError: "mismatch",
+        }
+        name = next((v for k, v in kind.items() if isinstance(error, k)), "error")
+        if isinstance(error, AbortedError):
+            return  # the originator already told everyone
+        body = json.dumps({"kind": name, "rank": self.rank, "message": str(error)}).encode()
+        sig = wire.Signature(wire.Collective.NONE)
+        for dst, sock in self.push.items():
+            try:
+                sock.send(wire.pack_header(wire.Kind.ABORT, sig, self.rank, 0, 0, len(body)),
+                          zmq.SNDMORE | zmq.NOBLOCK)
+                sock.send(body, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            del dst
+
+    # -- receiving ----------------------------------------------------------------------
+
+    def recv(
+        self,
+        src: int,
+        sig: wire.Signature,
+        seq: int,
+        tag: int,
+        nbytes: int,
+        into: Any = None,
+    ) -> Any:
+        """Receive the message (src, seq, tag) of ``nbytes`` bytes.
+
+        With ``into`` (a writable buffer of ``nbytes``) the payload lands there
+        and ``None`` is returned; otherwise a buffer (``bytes`` or a zmq Frame)
+        is returned. Raises :class:`CollectiveTimeout` after the group timeout,
+        :class:`PeerLostError` when ``src`` disconnects, :class:`MismatchError`
+        when a peer's signature differs, :class:`AbortedError` when a peer failed.
+        """
+        key = (src, seq & 0xFFFFFFFF, tag)
+        stashed = self.stash.pop(key, None)
+        if stashed is not None:
+            payload = stashed[1]
+            self._check_size(stashed[0], nbytes)
+            if into is None:
+                return payload
+            memoryview(into).cast("B")[:] = payload
+            return None
+        deadline = _now() + self.timeout
+        pull = self.pull
+        while True:
+            try:
+                raw = pull.recv()  # blocks at most WAIT_SLICE (RCVTIMEO), GIL released
+            except zmq.Again:
+                raw = None
+            if raw is None:
+                self._between_slices(src, deadline, sig)
+                continue
+            hdr = self._parse(raw)
+            if hdr is None:
+                continue
+            if (hdr.src, hdr.seq, hdr.tag) == key and hdr.kind == wire.Kind.DATA:
+                if not hdr.matches(sig):
+                    self._drain()
+                    raise self._mismatch(hdr, sig)
+                self._check_size(hdr, nbytes)
+                if not pull.get(zmq.RCVMORE):
+                    raise ProtocolError(
+                        f"{self.activity}: rank {src} sent a header without payload"
+                    )
+                if into is not None:
+                    got = pull.recv_into(into)
+                    if got != nbytes:
+                        raise ProtocolError(f"{self.activity}: rank {src} sent {got} bytes, "
+                                            f"expected {nbytes}")
+                    return None
+                if nbytes >= ZERO_COPY_MIN:
+                    return pull.recv(copy=False)
+                return pull.recv()
+            self._other(hdr, sig, seq)
+
+    def _other(self, hdr: wire.Header, sig: wire.Signature, seq: int) -> None:
+        """Handle a message that is not the one being waited for."""
+        payload = self._payload()
+        if hdr.kind == wire.Kind.ABORT:
+            raise self._aborted(hdr, payload)
+        if hdr.kind != wire.Kind.DATA or hdr.src >= self.world_size or hdr.src == self.rank:
+            self.garbage += 1
+            return
+        behind = (seq - hdr.seq) & 0xFFFFFFFF
+        if behind == 0 and not hdr.matches(sig):
+            raise self._mismatch(hdr, sig)
+        if 0 < behind < 0x80000000:
+            # Every message of a call is consumed within that call: one that arrives
+            # after the call ended means the sender was in another collective.
+            raise MismatchError(
+                f"collective mismatch: rank {hdr.src} sent data of {hdr.signature().describe()} "
+                f"for call #{hdr.seq}, which rank {self.rank} had already finished as another "
+                "collective; every rank must call the same collectives in the same order"
+            )
+        # Early message (another peer, or a later collective of a faster peer): keep it.
+        self.stash[(hdr.src, hdr.seq, hdr.tag)] = (hdr, payload)
+
+    def _parse(self, raw: bytes) -> wire.Header | None:
+        try:
+            return wire.unpack_header(raw)
+        except ProtocolError:
+            self.garbage += 1
+            self._drain()
+            return None
+
+    def _payload(self) -> bytes:
+        if not self.pull.get(zmq.RCVMORE):
+            return b""
+        data = self.pull.recv()
+        self._drain()
+        return data
+
+    def _drain(self) -> None:
+        while self.pull.get(zmq.RCVMORE):
+            self.pull.recv()
+
+    def _check_size(self, hdr: wire.Header, nbytes: int) -> None:
+        if hdr.nbytes != nbytes:
+            raise ProtocolError(
+                f"{self.activity}: rank {hdr.src} announced {hdr.nbytes} bytes for message "
+                f"{hdr.tag}, expected {nbytes}"
+            )
+
+    def _between_slices(self, src: int, deadline: float, sig: wire.Signature) -> None:
+        """After a wait slice without data: check the deadline and whether ``src`` is gone."""
+        self._check_monitors()
+        now = _now()
+        if src in self.lost and now - self.lost[src] > LOST_PEER_GRACE:
+            raise PeerLostError(
+                f"{self.activity} {sig.describe()}: lost rank {src} ({self._where(src)}): "
+                "its connection closed (the process died or exited) before it sent its data"
+            )
+        if now >= deadline:
+            raise CollectiveTimeout(
+                f"{self.activity} {sig.describe()}: timed out after {self.timeout:g} s waiting "
+                f"for rank {src} ({self._where(src)}); it may be stuck, stopped or in another "
+                "collective (set the timeout with init(timeout=...) or SWARMFD_TIMEOUT)"
+            )
+
+    def _check_monitors(self) -> None:
+        for mon, peer in self.monitors.items():
+            while True:
+                try:
+                    msg = mon.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                event = parse_monitor_message(msg)
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    self.lost.setdefault(peer, _now())
+
+    def _where(self, rank: int) -> str:
+        if 0 <= rank < len(self.peers):
+            p = self.peers[rank]
+            return f"host {p.host}, pid {p.pid}, {p.endpoint}"
+        return "unknown address"
+
+    def _mismatch(self, hdr: wire.Header, sig: wire.Signature) -> MismatchError:
+        theirs = hdr.signature()
+        return MismatchError(
+            f"collective mismatch at call #{hdr.seq}: rank {self.rank} called "
+            f"{sig.describe()} but rank {hdr.src} called {theirs.describe()}; every rank must "
+            "call the same collectives in the same order with the same dtype, shape, op and root"
+        )
+
+    def _aborted(self, hdr: wire.Header, payload: bytes) -> CollectiveError:
+        try:
+            info = json.loads(payload.decode("utf-8"))
+            kind, message = str(info["kind"]), str(info["message"])
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            kind, message = "error", "(unreadable reason)"
+        text = f"{self.activity}: rank {hdr.src} failed and aborted the group: {message}"
+        cls: type[CollectiveError] = {
+            "timeout": _AbortedTimeout,
+            "lost": _AbortedLost,
+            "mismatch": _AbortedMismatch,
+        }.get(kind, AbortedError)
+        return cls(text)
+
+
+class _AbortedTimeout(AbortedError, CollectiveTimeout):
+    """Another rank timed out; re-raised here as a timeout too."""
+
+
+class _AbortedLost(AbortedError, PeerLostError):
+    """Another rank lost a peer; re-raised here as a lost peer too."""
+
+
+class _AbortedMismatch(AbortedError, MismatchError):
+    """Another rank saw a mismatch; re-raised here as a mismatch too."""
+
+
+# -- addresses and rendezvous -----------------------------------------------------------
+
+
+def resolve(host: str, deadline: float) -> str:
+    """Resolve ``host`` to an IPv4 address, retrying until ``deadline`` (DNS may lag)."""
+    last: Exception | None = None
+    while True:
+        try:
+            infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+            return str(infos[0][4][0])
+        except OSError as exc:
+            last = exc
+        if _now() > deadline:
+            raise RendezvousTimeout(f"MASTER_ADDR {host!r} does not resolve: {last}")
+        time.sleep(0.1)
+
+
+def local_address_toward(ip: str) -> str:
+    """The address of this host's interface that routes to ``ip`` (no packet is sent)."""
+    if ip.startswith("127."):
+        return "127.0.0.1"
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect((ip, 9))
+        return str(probe.getsockname()[0])
+    finally:
+        probe.close()
+
+
+def rendezvous(
+    transport: Transport,
+    master_ip: str,
+    master_port: int,
+    deadline: float,
+    host: str,
+) -> list[PeerInfo]:
+    """Exchange data endpoints through rank 0; returns the peer table in rank order."""
+    me = PeerInfo(transport.rank, transport.endpoint, host, os.getpid())
+    if transport.rank == 0:
+        return _serve_rendezvous(transport, me, master_ip, master_port, deadline)
+    return _join_rendezvous(transport, me, master_ip, master_port, deadline)
+
+
+def _hello(me: PeerInfo, world_size: int) -> bytes:
+    return json.dumps({
+        "swarmfd": wire.PROTOCOL_VERSION, "rank": me.rank, "world_size": world_size,
+        "endpoint": me.endpoint, "host": me.host, "pid": me.pid,
+    }).encode()
+
+
+def _serve_rendezvous(
+    t: Transport, me: PeerInfo, master_ip: str, port: int, deadline: float
+) -> list[PeerInfo]:
+    router = t.ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.MAXMSGSIZE, MAX_RENDEZVOUS_MESSAGE)
+    router.setsockopt(zmq.LINGER, 2000)
+    bind_ip = master_ip if master_ip.startswith("127.") else "*"
+    try:
+        router.bind(f"tcp://{bind_ip}:{port}")
+    except zmq.ZMQError as exc:
+        router.close(linger=0)
+        raise RendezvousError(
+            f"rank 0 cannot serve rendezvous on MASTER_PORT {port} ({exc}); is another job "
+            "using it? choose a free MASTER_PORT"
+        ) from None
+    joined: dict[int, tuple[bytes, PeerInfo]] = {}
+    try:
+        while len(joined) < t.world_size - 1:
+            remaining = deadline - _now()
+            if remaining <= 0:
+                missing = sorted(set(range(1, t.world_size)) - set(joined))
+                raise RendezvousTimeout(
+                    f"rendezvous timed out after {t.timeout:g} s: rank 0 waited for rank(s) "
+                    f"{missing} of {t.world_size} to join at port {port}"
+                )
+            if not router.poll(int(min(remaining, 1.0) * 1000) + 1):
+                continue
+            frames = router.recv_multipart()
+            if len(frames) != 2:
+                continue
+            ident, body = frames
+            try:
+                hello = json.loads(body.decode("utf-8"))
+                peer = PeerInfo(int(hello["rank"]), str(hello["endpoint"]), str(hello["host"]),
+                                int(hello["pid"]))
+                version, world = int(hello["swarmfd"]), int(hello["world_size"])
+            except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+                continue  # not a swarmfd hello: ignore
+            error = None
+            if version != wire.PROTOCOL_VERSION:
+                error = (f"protocol version mismatch: rank {peer.rank} speaks swarmfd protocol "
+                         f"{version}, rank 0 speaks {wire.PROTOCOL_VERSION}")
+            elif world != t.world_size:
+                error = (f"world size mismatch: rank {peer.rank} has WORLD_SIZE={world}, rank 0 "
+                         f"has WORLD_SIZE={t.world_size}")
+            elif not 1 <= peer.rank < t.world_size:
+                error = f"rank {peer.rank} is out of range 1..{t.world_size - 1}"
+            elif peer.rank in joined:
+                error = (f"duplicate rank {peer.rank}: host {peer.host} pid {peer.pid} and host "
+                         f"{joined[peer.rank][1].host} pid {joined[peer.rank][1].pid}")
+            if error is not None:
+                router.send_multipart([ident, json.dumps({"error": error}).encode()])
+                if version != wire.PROTOCOL_VERSION:
+                    continue  # a stranger of another version does not break this job
+                for other_ident, _ in joined.values():
+                    router.send_multipart([other_ident, json.dumps({"error": error}).encode()])
+                raise RendezvousError(error)
+            joined[peer.rank] = (ident, peer)
+        table = [me] + [joined[r][1] for r in range(1, t.world_size)]
+        reply = json.dumps({"peers": [p.__dict__ for p in table]}).encode()
+        for ident, _ in joined.values():
+            router.send_multipart([ident, reply])
+        return table
+    finally:
+        router.close()
+
+
+def _join_rendezvous(
+    t: Transport, me: PeerInfo, master_ip: str, port: int, deadline: float
+) -> list[PeerInfo]:
+    dealer = t.ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.MAXMSGSIZE, MAX_RENDEZVOUS_MESSAGE)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(f"tcp://{master_ip}:{port}")
+    try:
+        dealer.send(_hello(me, t.world_size))
+        while True:
+            remaining = deadline - _now()
+            if remaining <= 0:
+                raise RendezvousTimeout(
+                    f"rendezvous timed out after {t.timeout:g} s: rank {me.rank} got no answer "
+                    f"from rank 0 at {master_ip}:{port} (MASTER_ADDR/MASTER_PORT); is rank 0 "
+                    "running?"
+                )
+            if not dealer.poll(int(min(remaining, 1.0) * 1000) + 1):
+                continue
+            body = dealer.recv()
+            try:
+                reply = json.loads(body.decode("utf-8"))
+            except (ValueError, UnicodeDecodeError):
+                continue
+            if "error" in reply:
+                raise RendezvousError(f"rank 0 refused rank {me.rank}: {reply['error']}")
+            try:
+                peers = [PeerInfo(int(p["rank"]), str(p["endpoint"]), str(p["host"]),
+                                  int(p["pid"])) for p in reply["peers"]]
+            except (KeyError, TypeError, ValueError):
+                raise ProtocolError("rank 0 sent a malformed peer table") from None
+            if [p.rank for p in peers] != list(range(t.world_size)):
+                raise ProtocolError("rank 0 sent a peer table with wrong ranks")
+            return peers
+    finally:
+        dealer.close()

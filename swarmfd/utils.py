@@ -1,0 +1,78 @@
+"""Checkpoint and utility helpers: the seed's fd_should_save, fd_print, fd_get_seed, ...
+
+They work before :func:`swarmfd.init` too, as in a world of one, so a script
+can print and seed before it joins the group.
+"""
+
+from __future__ import annotations
+
+import builtins
+import sys
+from typing import Any
+
+from . import collectives, group
+from .config import Config
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _rank() -> int:
+    return group.get_rank() if group.is_initialized() else 0
+
+
+def should_save() -> bool:
+    """True on the main rank (rank 0): the one rank that writes checkpoints."""
+    return _rank() == 0
+
+
+def checkpoint_barrier() -> None:
+    """Synchronise all ranks around a checkpoint (a barrier; a no-op before init).
+
+    Call it after the main rank has written a checkpoint so that no rank reads
+    it, or moves on to change the state, before it is complete.
+    """
+    if group.is_initialized():
+        collectives.barrier()
+
+
+def print(*args: Any, **kwargs: Any) -> None:
+    """``print`` on the main rank only (flushed, so logs of all ranks interleave sanely)."""
+    if _rank() == 0:
+        kwargs.setdefault("flush", True)
+        builtins.print(*args, **kwargs)
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + _GOLDEN) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def get_seed(base_seed: int, rank: int | None = None) -> int:
+    """A 64-bit seed derived from ``base_seed`` and the rank: deterministic, distinct per rank.
+
+    ``splitmix64(base + rank * golden)`` is a bijection of the 64-bit input, so
+    two ranks never get the same seed for the same base, and the seeds are
+    well mixed (not base, base+1, ...). Use it for per-rank randomness such as
+    data augmentation; use the plain base seed for anything all ranks must share.
+    """
+    if isinstance(base_seed, bool) or not isinstance(base_seed, int):
+        raise TypeError(f"get_seed: base_seed must be an integer, got {base_seed!r}")
+    r = _rank() if rank is None else rank
+    return _splitmix64((base_seed + r * _GOLDEN) & _MASK64)
+
+
+def print_config(config: Config | None = None, file: Any = None) -> None:
+    """Print a one-line summary of ``config`` (default: the active group's) on this rank."""
+    if config is None:
+        config = group.get_config()
+    builtins.print(
+        f"swarmfd config: rank {config.rank}/{config.world_size} "
+        f"local_rank {config.local_rank}/{config.local_world_size} "
+        f"main={config.is_main} master={config.master_addr}:{config.master_port} "
+        f"timeout={config.timeout:g}s restart={config.restart_count}",
+        file=file if file is not None else sys.stdout,
+        flush=True,
+    )

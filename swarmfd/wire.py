@@ -1,0 +1,220 @@
+"""The wire format: a fixed binary header in front of a raw numpy buffer.
+
+Every data-plane message is two ZeroMQ frames: a 40-byte header and the
+payload (raw array bytes, or UTF-8 JSON for control messages). Nothing is
+ever pickled: a receiver rebuilds arrays with ``np.frombuffer`` from a dtype
+code it checks against a fixed table.
+
+The header carries the collective's *signature* (which collective, reduce op,
+dtype, root, element count, shape hash) in every message, so a receiver
+detects ranks that called different collectives, or the same one with other
+arguments, on the first message at no extra round trip.
+
+Layout (little-endian)::
+
+    magic    4s  b"SWFD"
+    version  B   PROTOCOL_VERSION
+    kind     B   Kind (DATA, ABORT, ...)
+    coll     B   Collective
+    op       B   ReduceOp
+    dtype    B   code from DTYPES
+    flags    B   reserved (0)
+    src      H   sender rank
+    root     H   root / src / dst rank, NO_ROOT when the collective has none
+    seq      I   collective sequence number within the group
+    tag      I   message index within the collective
+    count    Q   element count of the collective's buffer
+    shape    I   CRC32 of the shape tuple (catches (2, 3) vs (3, 2))
+    nbytes   I   payload length in bytes
+    reserved H
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import ProtocolError
+
+MAGIC = b"SWFD"
+PROTOCOL_VERSION = 1
+NO_ROOT = 0xFFFF
+
+HEADER = struct.Struct("<4sBBBBBBHHIIQIIH")
+HEADER_SIZE = HEADER.size  # 40
+
+
+class Kind(enum.IntEnum):
+    """What a message is."""
+
+    DATA = 1
+    ABORT = 2
+
+
+class Collective(enum.IntEnum):
+    """Which collective a message belongs to."""
+
+    NONE = 0
+    ALL_REDUCE = 1
+    BROADCAST = 2
+    REDUCE = 3
+    ALL_GATHER = 4
+    BARRIER = 5
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+class ReduceOp(enum.IntEnum):
+    """Reduction applied by all_reduce / reduce (NONE for the others)."""
+
+    NONE = 0
+    SUM = 1
+    PROD = 2
+    MIN = 3
+    MAX = 4
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+#: The dtypes swarmfd moves, with their stable wire codes. Native byte order only.
+DTYPES: dict[int, np.dtype] = {
+    1: np.dtype(np.int8),
+    2: np.dtype(np.int16),
+    3: np.dtype(np.int32),
+    4: np.dtype(np.int64),
+    5: np.dtype(np.uint8),
+    6: np.dtype(np.uint16),
+    7: np.dtype(np.uint32),
+    8: np.dtype(np.uint64),
+    9: np.dtype(np.float16),
+    10: np.dtype(np.float32),
+    11: np.dtype(np.float64),
+    12: np.dtype(np.complex64),
+    13: np.dtype(np.complex128),
+}
+DTYPE_CODES: dict[np.dtype, int] = {dt: code for code, dt in DTYPES.items()}
+SUPPORTED_DTYPE_NAMES = ", ".join(str(dt) for dt in DTYPES.values())
+
+
+def dtype_code(dtype: np.dtype) -> int:
+    """Wire code of ``dtype``; raises ``TypeError`` naming the supported dtypes."""
+    code = DTYPE_CODES.get(dtype)
+    if code is None:
+        extra = ""
+        if dtype.kind in "iufc" and dtype.byteorder not in ("=", "|"):
+            extra = " (non-native byte order: convert with .astype(dtype.newbyteorder('=')))"
+        raise TypeError(
+            f"unsupported dtype {dtype}{extra}: expected one of {SUPPORTED_DTYPE_NAMES}"
+        )
+    return code
+
+
+def dtype_name(code: int) -> str:
+    """Human name of a wire dtype code (for error messages)."""
+    dt = DTYPES.get(code)
+    return str(dt) if dt is not None else f"<dtype code {code}>"
+
+
+def shape_hash(shape: tuple[object, ...]) -> int:
+    """A 32-bit fingerprint of a shape (or a tuple of shapes), carried in every header."""
+    return zlib.crc32(repr(shape).encode())
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What every rank of one collective call must agree on."""
+
+    coll: Collective
+    op: ReduceOp = ReduceOp.NONE
+    dtype: int = 0
+    root: int = NO_ROOT
+    count: int = 0
+    shape: int = 0
+    shape_repr: str = ""
+
+    def describe(self) -> str:
+        """A readable form for error messages."""
+        parts = [self.coll.label]
+        if self.op != ReduceOp.NONE:
+            parts.append(f"op={self.op.label}")
+        if self.dtype:
+            parts.append(f"dtype={dtype_name(self.dtype)}")
+        if self.shape_repr:
+            parts.append(f"shape={self.shape_repr}")
+        elif self.count or self.dtype:
+            parts.append(f"count={self.count}")
+        if self.root != NO_ROOT:
+            parts.append(f"root={self.root}")
+        return "(" + ", ".join(parts) + ")"
+
+
+@dataclass(frozen=True)
+class Header:
+    """A decoded message header."""
+
+    kind: int
+    coll: int
+    op: int
+    dtype: int
+    src: int
+    root: int
+    seq: int
+    tag: int
+    count: int
+    shape: int
+    nbytes: int
+
+    def signature(self) -> Signature:
+        """The sender's view of the collective's signature."""
+        try:
+            coll = Collective(self.coll)
+        except ValueError:
+            coll = Collective.NONE
+        try:
+            op = ReduceOp(self.op)
+        except ValueError:
+            op = ReduceOp.NONE
+        return Signature(coll, op, self.dtype, self.root, self.count, self.shape)
+
+    def matches(self, sig: Signature) -> bool:
+        """True when the sender agrees with ``sig`` (the receiver's own view)."""
+        return (
+            self.coll == sig.coll
+            and self.op == sig.op
+            and self.dtype == sig.dtype
+            and self.root == sig.root
+            and self.count == sig.count
+            and self.shape == sig.shape
+        )
+
+
+def pack_header(kind: int, sig: Signature, src: int, seq: int, tag: int, nbytes: int) -> bytes:
+    """Encode one header."""
+    return HEADER.pack(
+        MAGIC, PROTOCOL_VERSION, kind, sig.coll, sig.op, sig.dtype, 0, src, sig.root,
+        seq & 0xFFFFFFFF, tag, sig.count, sig.shape, nbytes, 0,
+    )
+
+
+def unpack_header(data: bytes | memoryview) -> Header:
+    """Decode and validate one header; raises :class:`ProtocolError` on garbage."""
+    if len(data) != HEADER_SIZE:
+        raise ProtocolError(f"bad header length {len(data)}, expected {HEADER_SIZE}")
+    (magic, version, kind, coll, op, dtype, _flags, src, root, seq, tag, count, shape, nbytes,
+     _res) = HEADER.unpack(data)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {magic!r}, expected {MAGIC!r}")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"peer speaks swarmfd wire protocol version {version}, this process speaks "
+            f"version {PROTOCOL_VERSION}"
+        )
+    return Header(kind, coll, op, dtype, src, root, seq, tag, count, shape, nbytes)

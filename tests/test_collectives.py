@@ -1,0 +1,387 @@
+"""Collectives on real ranks over loopback: every op, dtype group, shape, root, world size."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+
+import swarmfd as fd
+from swarmfd import collectives
+
+from .conftest import RankFailure, run_ranks, run_ranks_raw
+
+INTS = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64]
+FLOATS = [np.float16, np.float32, np.float64]
+COMPLEX = [np.complex64, np.complex128]
+SHAPES = [(), (0,), (1,), (3,), (5, 7), (2, 3, 4), (1001,)]
+#: Shapes past the direct-exchange threshold (ring / chain paths), run for one dtype per group.
+LARGE_SHAPES = [(40_000,), (70_001,), (3, 50_001)]
+LARGE_DTYPES = {np.dtype(t) for t in (np.int64, np.uint8, np.float16, np.float32, np.complex64)}
+
+
+def _value(rank: int, shape: tuple[int, ...], dtype: type, salt: int = 0) -> np.ndarray:
+    """Deterministic per-rank test data, small enough that sums and products stay exact."""
+    n = int(np.prod(shape)) if shape else 1
+    base = (np.arange(n, dtype=np.int64) * 7 + rank * 3 + salt) % 5 + 1
+    if np.dtype(dtype).kind == "c":
+        return (base + 1j * (base % 3)).astype(dtype).reshape(shape)
+    return base.astype(dtype).reshape(shape)
+
+
+def _reference(
+    op: str, world: int, shape: tuple[int, ...], dtype: type, salt: int = 0
+) -> np.ndarray:
+    vals = [_value(r, shape, dtype, salt) for r in range(world)]
+    out = vals[0].copy()
+    for v in vals[1:]:
+        if op == "sum":
+            out = out + v
+        elif op == "prod":
+            out = out * v
+        elif op == "min":
+            out = np.minimum(out, v)
+        elif op == "max":
+            out = np.maximum(out, v)
+    return out.astype(dtype)
+
+
+def _digest(arr: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest()
+
+
+def _battery(rank: int, world: int) -> list[str]:
+    """Every collective, dtype and shape; asserts locally, returns digests of float results."""
+    digests = []
+    for dtype in INTS + FLOATS + COMPLEX:
+        ops = ["sum", "prod"] if np.dtype(dtype).kind == "c" else ["sum", "prod", "min", "max"]
+        for shape in SHAPES + (LARGE_SHAPES if np.dtype(dtype) in LARGE_DTYPES else []):
+            for op in ops:
+                x = _value(rank, shape, dtype)
+                ret = fd.all_reduce(x, op=op)
+                assert ret is x
+                want = _reference(op, world, shape, dtype)
+                # Values are small integers: exact for every dtype (float16 included).
+                np.testing.assert_array_equal(x, want, err_msg=f"all_reduce {op} {dtype} {shape}")
+                digests.append(_digest(x))
+            if np.dtype(dtype).kind in "fc":
+                x = _value(rank, shape, dtype)
+                fd.all_reduce_mean(x)
+                np.testing.assert_allclose(
+                    x, _reference("sum", world, shape, dtype) / world, rtol=1e-3,
+                    err_msg=f"mean {dtype} {shape}")
+                digests.append(_digest(x))
+            for src in range(world):
+                y = _value(rank, shape, dtype, salt=1)
+                assert fd.broadcast(y, src=src) is y
+                np.testing.assert_array_equal(y, _value(src, shape, dtype, salt=1))
+            for dst in range(world):
+                z = _value(rank, shape, dtype, salt=2)
+                before = z.copy()
+                assert fd.reduce(z, dst=dst) is z
+                if rank == dst:
+                    np.testing.assert_array_equal(z, _reference("sum", world, shape, dtype, 2))
+                else:
+                    np.testing.assert_array_equal(z, before)
+            g = fd.all_gather(_value(rank, shape, dtype, salt=3))
+            assert isinstance(g, list) and len(g) == world
+            for r, part in enumerate(g):
+                assert part.shape == shape and part.dtype == np.dtype(dtype)
+                np.testing.assert_array_equal(part, _value(r, shape, dtype, salt=3))
+    fd.barrier()
+    return digests
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_every_collective_dtype_shape_and_root(world: int) -> None:
+    """All collectives, every dtype group and shape, all roots; floats identical on all ranks."""
+    results = run_ranks(_battery, world, timeout=240)
+    for r in range(1, world):
+        assert results[r] == results[0], f"rank {r} ended with different bytes than rank 0"
+
+
+def _big(rank: int, world: int, mib: int) -> list[str]:
+    n = (mib << 20) // 4
+    rng = np.random.default_rng(1234 + rank)
+    x = rng.standard_normal(n).astype(np.float32)
+    parts = [rng.standard_normal(n).astype(np.float32) for _ in range(0)]
+    del parts
+    ints = (np.arange(n, dtype=np.int64) * (rank + 1)) % 1_000_003
+    fd.all_reduce(ints)
+    expected = sum((np.arange(n, dtype=np.int64) * (r + 1)) % 1_000_003 for r in range(world))
+    np.testing.assert_array_equal(ints, expected)
+    ref = sum(np.random.default_rng(1234 + r).standard_normal(n).astype(np.float64)
+              for r in range(world))
+    fd.all_reduce(x)
+    np.testing.assert_allclose(x, ref, rtol=1e-4, atol=1e-4)
+    b = np.full(n, rank, np.float32)
+    fd.broadcast(b, src=world - 1)
+    assert (b == world - 1).all()
+    g = fd.all_gather(np.full(n // world, rank, np.int32))
+    assert all((g[r] == r).all() for r in range(world))
+    red = np.full(n, rank + 1, np.int64)
+    fd.reduce(red, dst=world - 1)
+    if rank == world - 1:
+        assert (red == world * (world + 1) // 2).all()
+    else:
+        assert (red == rank + 1).all()
+    return [_digest(x)]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_16_mib_arrays(world: int) -> None:
+    """16 MiB arrays take the pipelined ring/chain paths; float results identical everywhere."""
+    results = run_ranks(_big, world, 16, timeout=180)
+    assert all(r == results[0] for r in results)
+
+
+def _lists(rank: int, world: int) -> None:
+    grads = [
+        np.full((3, 4), rank, np.float32),
+        np.arange(5, dtype=np.float64) + rank,
+        np.full(7, rank + 1, np.int32),
+        np.full((), rank, np.float32),
+        np.zeros(0, np.float32),
+        np.full(100_000, rank, np.float32),
+    ]
+    assert fd.all_reduce(grads) is grads
+    total = world * (world - 1) / 2
+    assert (grads[0] == total).all() and grads[0].shape == (3, 4)
+    np.testing.assert_array_equal(grads[1], np.arange(5) * world + total)
+    assert (grads[2] == world * (world + 1) // 2).all()
+    assert grads[3] == total and grads[4].size == 0 and (grads[5] == total).all()
+    means = [np.full(4, float(rank)), np.full((2, 2), float(rank), np.float32)]
+    fd.all_reduce_mean(means)
+    assert (means[0] == total / world).all() and (means[1] == np.float32(total / world)).all()
+    params = [np.full(3, rank, np.float64), np.full(2, rank, np.int16)]
+    fd.broadcast(params, src=world - 1)
+    assert (params[0] == world - 1).all() and (params[1] == world - 1).all()
+    tup = (np.full(2, 1.0),)
+    fd.all_reduce(tup)
+    assert (tup[0] == world).all()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_lists_of_arrays_are_fused(world: int) -> None:
+    """all_reduce, all_reduce_mean and broadcast take lists (mixed dtypes and shapes)."""
+    run_ranks(_lists, world)
+
+
+def _non_contiguous(rank: int, world: int) -> None:
+    base = np.arange(24, dtype=np.float64).reshape(4, 6) + rank
+    view = base[:, ::2]  # not contiguous
+    fd.all_reduce(view)
+    want = (np.arange(24, dtype=np.float64).reshape(4, 6) * world + world * (world - 1) / 2)
+    np.testing.assert_array_equal(base[:, ::2], want[:, ::2])
+    np.testing.assert_array_equal(base[:, 1::2], (np.arange(24).reshape(4, 6) + rank)[:, 1::2])
+    t = np.asfortranarray(np.full((3, 5), rank, np.int32))
+    fd.broadcast(t, src=0)
+    assert (t == 0).all()
+    g = fd.all_gather(np.arange(12, dtype=np.int16).reshape(3, 4).T + rank)
+    assert all((g[r] == np.arange(12).reshape(3, 4).T + r).all() for r in range(world))
+
+
+def test_non_contiguous_arrays_are_handled_in_place() -> None:
+    """Non-contiguous inputs work, and only the viewed elements change."""
+    run_ranks(_non_contiguous, 2)
+
+
+def _identical_floats(rank: int, world: int) -> str:
+    rng = np.random.default_rng(rank)
+    out = []
+    for n in (1, 7, 1000, 16_384, 300_001):
+        x = rng.standard_normal(n).astype(np.float32) * 10.0 ** rng.integers(-5, 5, n)
+        fd.all_reduce(x)
+        out.append(_digest(x))
+        fd.all_reduce_mean(x)
+        out.append(_digest(x))
+    return ":".join(out)
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_float_results_are_bitwise_identical_on_every_rank(world: int) -> None:
+    """Random floats with wide exponents: every rank ends with the same bytes."""
+    results = run_ranks(_identical_floats, world)
+    assert len(set(results)) == 1
+
+
+def test_world_of_one_without_sockets() -> None:
+    """A world of one runs every collective locally, with no transport at all."""
+    cfg = fd.init(1, 0)
+    try:
+        from swarmfd import group
+
+        assert group.current().transport is None
+        assert cfg.is_main and cfg.local_rank == 0 and cfg.local_world_size == 1
+        x = np.arange(5, dtype=np.float32)
+        assert fd.all_reduce(x) is x and (x == np.arange(5)).all()
+        fd.all_reduce_mean(x)
+        assert (x == np.arange(5)).all()
+        assert [a.tolist() for a in fd.all_gather(x)] == [list(range(5))]
+        fd.broadcast(x, src=0)
+        fd.reduce(x, dst=0)
+        fd.barrier()
+        with pytest.raises(ValueError, match="src=1 is out of range"):
+            fd.broadcast(x, src=1)
+    finally:
+        fd.cleanup()
+
+
+# -- bad input ----------------------------------------------------------------------------
+
+
+def test_collective_before_init_names_the_call() -> None:
+    """Every collective before init raises NotInitializedError (a RuntimeError)."""
+    assert not fd.is_initialized()
+    for call in (lambda: fd.all_reduce(np.zeros(2)), lambda: fd.broadcast(np.zeros(2)),
+                 lambda: fd.reduce(np.zeros(2)), lambda: fd.all_gather(np.zeros(2)),
+                 fd.barrier, fd.get_config):
+        with pytest.raises(RuntimeError, match="before the process group was initialised"):
+            call()
+
+
+def test_bad_inputs_get_clear_errors() -> None:
+    """Unsupported dtypes, read-only arrays, bad ops and non-arrays are refused clearly."""
+    fd.init(1, 0)
+    try:
+        with pytest.raises(TypeError, match="unsupported dtype bool"):
+            fd.all_reduce(np.zeros(3, bool))
+        with pytest.raises(TypeError, match="unsupported dtype object"):
+            fd.all_reduce(np.zeros(3, object))
+        with pytest.raises(TypeError, match="non-native byte order"):
+            fd.all_reduce(np.zeros(3, ">f4"))
+        ro = np.zeros(3)
+        ro.flags.writeable = False
+        with pytest.raises(ValueError, match="read-only"):
+            fd.all_reduce(ro)
+        with pytest.raises(ValueError, match="unsupported op 'avg2'"):
+            fd.all_reduce(np.zeros(3), op="avg2")
+        with pytest.raises(TypeError, match="mean of int32"):
+            fd.all_reduce_mean(np.zeros(3, np.int32))
+        with pytest.raises(TypeError, match="not defined for complex"):
+            fd.all_reduce(np.zeros(3, np.complex64), op="max")
+        with pytest.raises(TypeError, match="expects a numpy array"):
+            fd.all_reduce([1.0, 2.0])
+        with pytest.raises(TypeError, match="expects a numpy array"):
+            fd.broadcast(3.0)
+        with pytest.raises(ValueError, match="dst=-1 is out of range"):
+            fd.reduce(np.zeros(2), dst=-1)
+        with pytest.raises(TypeError, match="src must be an integer"):
+            fd.broadcast(np.zeros(2), src=0.5)
+    finally:
+        fd.cleanup()
+
+
+def test_init_twice_and_cleanup_is_idempotent() -> None:
+    """init twice raises; cleanup twice is fine; init works again after cleanup."""
+    fd.init(1, 0)
+    with pytest.raises(RuntimeError, match="init called twice"):
+        fd.init(1, 0)
+    fd.cleanup()
+    fd.cleanup()
+    assert not fd.is_initialized()
+    cfg = fd.init(1, 0)
+    assert fd.get_config() == cfg
+    fd.cleanup()
+
+
+def _reinit(rank: int, world: int, port: int) -> float:
+    x = np.full(4, rank + 1.0)
+    fd.all_reduce(x)
+    fd.cleanup()
+    fd.init(world, rank, master_addr="127.0.0.1", master_port=port, timeout=20)
+    y = np.full(4, 2.0 * (rank + 1))
+    fd.all_reduce(y)
+    return float(x[0] + y[0])
+
+
+def test_a_group_can_be_formed_again_after_cleanup() -> None:
+    """cleanup() then init() forms a new working group in the same processes."""
+    from .conftest import free_port
+
+    out = run_ranks(_reinit, 3, free_port())
+    assert out == [18.0, 18.0, 18.0]
+
+
+def _mismatch(rank: int, world: int, kind: str) -> None:
+    if kind == "dtype":
+        fd.all_reduce(np.zeros(10, np.float32 if rank == 0 else np.float64))
+    elif kind == "shape":
+        fd.all_reduce(np.zeros((2, 3) if rank == 0 else (3, 2)))
+    elif kind == "collective":
+        if rank == 0:
+            fd.broadcast(np.zeros(4), src=0)
+        else:
+            fd.all_reduce(np.zeros(4))
+    elif kind == "root":
+        fd.broadcast(np.zeros(4), src=rank)
+
+
+@pytest.mark.parametrize("kind", ["dtype", "shape", "collective", "root"])
+def test_mismatched_calls_raise_on_every_rank(kind: str) -> None:
+    """Ranks that disagree on a collective all raise a MismatchError naming both sides."""
+    out = run_ranks_raw(_mismatch, 2, kind, timeout=30, group_timeout=20)
+    assert sorted(out) == [0, 1]
+    for rank, (ok, tb) in out.items():
+        assert not ok, f"rank {rank} did not fail"
+        assert "MismatchError" in tb or "Mismatch" in tb, tb
+        assert "rank 0 called" in tb or "rank 1 called" in tb, tb
+
+
+def _victim(rank: int, world: int) -> None:
+    import os
+
+    x = np.ones(1000)
+    fd.all_reduce(x)
+    if rank == 1:
+        os._exit(17)  # dies without a word, mid-job
+    fd.all_reduce(x)
+
+
+def test_a_dead_rank_is_named_by_the_others() -> None:
+    """When a rank dies, the others raise PeerLostError naming it, well before the timeout."""
+    import time
+
+    t0 = time.monotonic()
+    out = run_ranks_raw(_victim, 3, timeout=40, group_timeout=30)
+    elapsed = time.monotonic() - t0
+    assert 1 not in out
+    for rank in (0, 2):
+        ok, tb = out[rank]
+        assert not ok and "rank 1" in tb and ("PeerLost" in tb or "Lost" in tb), tb
+    assert elapsed < 20, f"took {elapsed:.1f} s: loss was not detected before the 30 s timeout"
+
+
+def _stuck(rank: int, world: int) -> None:
+    import time
+
+    if rank == 0:
+        fd.all_reduce(np.ones(8))  # rank 1 never joins this collective
+    else:
+        time.sleep(6)  # alive but silent
+
+
+def test_a_silent_rank_times_out_naming_the_peer() -> None:
+    """A live rank that never calls the collective makes the other time out, naming it."""
+    out = run_ranks_raw(_stuck, 2, timeout=30, group_timeout=2)
+    ok, tb = out[0]
+    assert not ok and "CollectiveTimeout" in tb and "waiting for rank 1" in tb, tb
+    assert "timed out after 2 s" in tb, tb
+
+
+def test_rank_failure_reports_tracebacks() -> None:
+    """The harness itself surfaces a child's traceback (guards the tests above)."""
+    with pytest.raises(RankFailure, match="ZeroDivisionError"):
+        run_ranks(_divide_by_zero, 2)
+
+
+def _divide_by_zero(rank: int, world: int) -> None:
+    if rank == 1:
+        1 / 0  # noqa: B018
+
+
+def test_piece_and_threshold_constants_are_sane() -> None:
+    """Wire messages stay well under glibc's 32 MiB mmap threshold."""
+    assert collectives.PIECE_BYTES <= 8 << 20
+    assert collectives.SMALL_BYTES <= collectives.PIECE_BYTES
