@@ -2,8 +2,9 @@
 
 Usage (from the repository root, with the bench extras installed; see README.md)::
 
-    /work/venv/bin/python benchmarks/compare.py            # N=2 and N=4, ~10 minutes
-    /work/venv/bin/python benchmarks/compare.py --quick    # 5 sizes, fewer iterations
+    /work/venv/bin/python benchmarks/compare.py            # N=2 and N=4, 5 sizes, 3 runs
+    /work/venv/bin/python benchmarks/compare.py --quick    # 30 iterations per size, 2 runs
+    /work/venv/bin/python benchmarks/compare.py --all-sizes -n 2   # 4K..64M by x4
     /work/venv/bin/python benchmarks/compare.py -n 2 --systems gloo,swarmfd --runs 1
 
 Every system runs as its own job with its own launcher, all on loopback:
@@ -62,7 +63,7 @@ MPI_BTL = {
     "mpi-tcp": ["--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", "lo"],
     "mpi-shm": ["--mca", "btl", "self,vader"],
 }
-QUICK_SIZES = "4K,64K,1M,16M,64M"
+DEFAULT_SIZES = "4K,64K,1M,16M,64M"  # the sizes of PERFORMANCE.md
 RATIO_SIZES = (4 * 1024, 64 * 1024, 1 << 20, 16 << 20, 64 << 20)
 
 
@@ -124,6 +125,8 @@ def run_procs(cmds: Sequence[Sequence[str]], envs: Sequence[dict[str, str]],
                 procs.append(subprocess.Popen(list(cmd), env=env, stdout=out, stderr=err,
                                               stdin=subprocess.DEVNULL, start_new_session=True))
             failed = _wait_all(procs, timeout)
+            if failed is not None and failed.startswith("timed out"):
+                failed += "\n" + stack_dumps(procs)
             results = []
             for p, (out, err) in zip(procs, files, strict=True):
                 if p.poll() is None:
@@ -142,6 +145,28 @@ def run_procs(cmds: Sequence[Sequence[str]], envs: Sequence[dict[str, str]],
                            for i, (code, _, err) in enumerate(results) if code != 0)
         raise RuntimeError(f"{failed}\n{detail}")
     return results
+
+
+def stack_dumps(procs: Sequence[subprocess.Popen]) -> str:
+    """Python stacks of every live process under ``procs`` (py-spy), to diagnose a hang."""
+    spy = shutil.which("py-spy") or str(Path(PY).with_name("py-spy"))
+    if not os.path.exists(spy) or importlib.util.find_spec("psutil") is None:
+        return "(install py-spy and psutil for stack dumps of hung processes)"
+    import psutil
+
+    dumps = []
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            top = psutil.Process(proc.pid)
+            for p in [top, *top.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error, subprocess.SubprocessError, OSError):
+                    if "python" not in os.path.basename(p.exe()):
+                        continue
+                    out = subprocess.run([spy, "dump", "--pid", str(p.pid)], timeout=30,
+                                         capture_output=True, text=True)
+                    dumps.append(f"== pid {p.pid}: {' '.join(p.cmdline())[:160]}\n"
+                                 f"{out.stdout}{out.stderr}")
+    return "\n".join(dumps) or "(no Python processes left to dump)"
 
 
 def _wait_all(procs: Sequence[subprocess.Popen], timeout: float) -> str | None:
@@ -199,6 +224,11 @@ def run_mpi(name: str, n: int, plan: Sequence[tuple[int, int]], warmup: int, tim
     return json_lines(results[0][1])
 
 
+def collective_timeout(job_timeout: float) -> int:
+    """swarmfd's own collective timeout: well inside the job's, so swarmfd reports a hang."""
+    return max(10, int(job_timeout / 3))
+
+
 def run_swarmfd(variant: Variant, n: int, plan: Sequence[tuple[int, int]], warmup: int,
                 timeout: float, collectives: Sequence[str]) -> list[dict]:
     sizes = ",".join(str(size) for size, _ in plan)
@@ -208,7 +238,8 @@ def run_swarmfd(variant: Variant, n: int, plan: Sequence[tuple[int, int]], warmu
         raise ValueError("swarmfd bench takes one --iters value or its default schedule")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "bench.json")
-        cmd = [PY, "-m", "swarmfd", "run", "-n", str(n), "--timeout", str(int(timeout)), "--",
+        cmd = [PY, "-m", "swarmfd", "run", "-n", str(n),
+               "--timeout", str(collective_timeout(timeout)), "--",
                PY, "-m", "swarmfd", "bench", "--sizes", sizes, "--warmup", str(warmup),
                "--format", "json", "--output", out, "--quiet"]
         for name in collectives:
@@ -224,8 +255,8 @@ def run_swarmfd(variant: Variant, n: int, plan: Sequence[tuple[int, int]], warmu
 
 
 def swarmfd_memory(variant: Variant, n: int, size: int, timeout: float) -> list[dict]:
-    cmd = [PY, "-m", "swarmfd", "run", "-n", str(n), "--timeout", str(int(timeout)), "--",
-           PY, str(HERE / "memory.py"), "--size", str(size), "--system", variant.name]
+    cmd = [PY, "-m", "swarmfd", "run", "-n", str(n), "--timeout", str(collective_timeout(timeout)),
+           "--", PY, str(HERE / "memory.py"), "--size", str(size), "--system", variant.name]
     results = run_procs([cmd], [dict(os.environ, **variant.env)], timeout)
     return json_lines(results[0][1])
 
@@ -426,14 +457,15 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-n", "--world-size", dest="ns", type=int, action="append",
                    help="ranks per job; repeatable (default: 2 and 4)")
-    p.add_argument("--sizes", help="sizes, e.g. 4K,64K,1M,16M,64M (default 4K..64M by x4)")
+    p.add_argument("--sizes", help=f"sizes, e.g. 4K,1M (default {DEFAULT_SIZES})")
+    p.add_argument("--all-sizes", action="store_true", help="4 KiB .. 64 MiB by factors of 4")
     p.add_argument("--iters", type=int,
                    help="timed iterations at every size (default: 300 up to 1 MiB, 64 to "
                         "16 MiB, 16 above)")
     p.add_argument("--warmup", type=int, default=3, help="warm-up iterations (default 3)")
     p.add_argument("--runs", type=int, default=3, help="interleaved runs; median taken")
     p.add_argument("--quick", action="store_true",
-                   help=f"sizes {QUICK_SIZES}, 30 iterations each, 2 warm-ups")
+                   help="30 iterations at every size, 2 warm-ups, 2 runs")
     p.add_argument("--systems", help="comma list among gloo,mpi-tcp,mpi-shm and the swarmfd "
                                      "variant names (default: all available)")
     p.add_argument("--variant", action="append", type=parse_variant, metavar="NAME[:K=V,...]",
@@ -443,7 +475,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip swarmfd broadcast and all_gather")
     p.add_argument("--no-memory", action="store_true", help="skip the memory probe")
     p.add_argument("--memory-size", default="64M", help="array size of the memory probe")
-    p.add_argument("--timeout", type=float, default=300, help="seconds per launched job")
+    p.add_argument("--timeout", type=float, default=240,
+                   help="seconds per launched job (swarmfd's collective timeout: a third)")
     p.add_argument("--out-dir", default=str(HERE.parent / "results"),
                    help="where the CSV, markdown and PNG go (default: <repo>/results)")
     p.add_argument("--no-plot", action="store_true")
@@ -453,12 +486,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     ns = args.ns or [2, 4]
+    if args.sizes and args.all_sizes:
+        sys.exit("compare.py: give --sizes or --all-sizes, not both")
+    sizes = size_range() if args.all_sizes else parse_sizes(args.sizes or DEFAULT_SIZES)
+    iters, warmup, runs = args.iters, args.warmup, args.runs
     if args.quick:
-        sizes = parse_sizes(args.sizes or QUICK_SIZES)
-        iters, warmup = args.iters or 30, min(args.warmup, 2)
-    else:
-        sizes = parse_sizes(args.sizes) if args.sizes else size_range()
-        iters, warmup = args.iters, args.warmup
+        iters, warmup, runs = iters or 30, min(warmup, 2), min(runs, 2)
     plan = [(s, iters or default_iters(s)) for s in sizes]
     variants = args.variant or [Variant("swarmfd")]
     systems, notes = available_systems(variants)
@@ -481,10 +514,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     failures: list[str] = []
     started = time.monotonic()
     for n in ns:
-        for run in range(1, args.runs + 1):
+        for run in range(1, runs + 1):
             for system in systems:
                 t0 = time.monotonic()
-                print(f"[{time.monotonic() - started:6.1f}s] N={n} run {run}/{args.runs} "
+                print(f"[{time.monotonic() - started:6.1f}s] N={n} run {run}/{runs} "
                       f"{system} ...", file=sys.stderr, flush=True)
                 try:
                     if system == "gloo":
@@ -546,7 +579,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     lines = [f"## swarmfd vs gloo vs Open MPI ({stamp})\n",
              f"{versions()}.",
              f"float32 in-place all_reduce(SUM); median over iterations of the slowest rank, "
-             f"median of {args.runs} interleaved run(s); warm-up {warmup}; iterations "
+             f"median of {runs} interleaved run(s); warm-up {warmup}; iterations "
              + ", ".join(f"{human_size(s)}:{it}" for s, it in plan) + ".",
              "swarmfd variants: " + "; ".join(
                  f"{v.name} ({' '.join(f'{k}={x}' for k, x in v.env.items()) or 'default'})"
@@ -564,8 +597,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             text += (f"| {m['system']} | {m['n']} | {m['extra_peak_bytes'] / 2**20:.1f} | "
                      f"{m['extra_peak_bytes'] / m['memory_size']:.2f} |\n")
     if failures:
-        text += "\n### failures\n\n" + "\n".join(f"- {f.splitlines()[0]}" for f in failures)
-        text += "\n"
+        log = out_dir / f"compare-{stamp}-failures.txt"
+        log.write_text("\n\n".join(failures) + "\n")
+        text += "\n### failures (details and stack dumps: " + log.name + ")\n\n"
+        text += "\n".join(f"- {f.splitlines()[0]}" for f in failures) + "\n"
     md = out_dir / f"compare-{stamp}.md"
     md.write_text(text)
     print(text)
