@@ -16,7 +16,12 @@ and this entrypoint, before it runs the command:
 1. sets ``RANK = SWARMFD_TASK_SLOT - 1`` unless ``RANK`` is already set, and checks
    that the slot is within ``WORLD_SIZE`` (a service with more replicas than
    ``WORLD_SIZE`` is a deployment error, reported with exit code 2);
-2. sets ``LOCAL_RANK=0`` and ``LOCAL_WORLD_SIZE=1`` when unset (one rank per container);
+2. sets ``LOCAL_RANK=0`` and ``LOCAL_WORLD_SIZE=1`` when unset (one rank per container:
+   the rank within its container, which is also the right device index when each
+   container sees only its own GPU). When ``SWARMFD_NODE`` is set (``swarmfd deploy
+   --local-ranks node`` sets it to ``{{.Node.Hostname}}``) they are left unset, and
+   swarmfd derives them at rendezvous by grouping the ranks on ``SWARMFD_NODE``
+   (``swarmfd.get_config().local_rank``);
 3. waits until ``MASTER_ADDR`` resolves, at most ``SWARMFD_RESOLVE_TIMEOUT`` seconds
    (default 60; exit code 3 on timeout), because rank 0's name exists in DNS only once
    its container has started;
@@ -62,6 +67,8 @@ from .config import (
 from .errors import ConfigError, RendezvousTimeout
 
 ENV_TASK_SLOT = "SWARMFD_TASK_SLOT"
+#: The node a rank runs on; when set, LOCAL_RANK/LOCAL_WORLD_SIZE are derived per node.
+ENV_NODE = "SWARMFD_NODE"
 ENV_RESOLVE_TIMEOUT = "SWARMFD_RESOLVE_TIMEOUT"
 DEFAULT_RESOLVE_TIMEOUT = 60.0
 
@@ -83,6 +90,7 @@ Environment (set by the service):
   {ENV_WORLD_SIZE}               number of replicas (slot must be <= WORLD_SIZE)
   {ENV_MASTER_ADDR}              rank 0's host name, e.g. {{{{.Service.Name}}}}-1
   MASTER_PORT              rank 0's port (default 29500)
+  SWARMFD_NODE             node name; when set, LOCAL_RANK is derived per node at rendezvous
   {ENV_RESOLVE_TIMEOUT}  seconds to wait for MASTER_ADDR to resolve (default 60)
 """
 
@@ -143,6 +151,8 @@ def task_env(environ: Mapping[str, str]) -> dict[str, str]:
             "name of rank 0 (in a Swarm service: {{.Service.Name}}-1 with the hostname "
             "template {{.Service.Name}}-{{.Task.Slot}})"
         )
+    if env.get(ENV_NODE, "").strip():
+        return env  # per-node local ranks: swarmfd derives them at rendezvous
     if not env.get(ENV_LOCAL_RANK, "").strip():
         env[ENV_LOCAL_RANK] = "0"
     if not env.get(ENV_LOCAL_WORLD_SIZE, "").strip():

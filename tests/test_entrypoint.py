@@ -76,6 +76,26 @@ def test_explicit_local_rank_is_kept():
     assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("1", "2")
 
 
+def test_node_name_leaves_local_ranks_to_rendezvous():
+    """With SWARMFD_NODE set, LOCAL_RANK/LOCAL_WORLD_SIZE stay unset (derived per node)."""
+    env = task_env({**SWARM_ENV, "SWARMFD_NODE": "node-a"})
+    assert env["RANK"] == "1"
+    assert "LOCAL_RANK" not in env
+    assert "LOCAL_WORLD_SIZE" not in env
+
+
+def test_node_name_keeps_explicit_local_ranks():
+    """Explicit LOCAL_RANK/LOCAL_WORLD_SIZE survive SWARMFD_NODE unchanged."""
+    env = task_env({**SWARM_ENV, "SWARMFD_NODE": "n", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+    assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("0", "1")
+
+
+def test_empty_node_name_keeps_the_container_defaults():
+    """An empty SWARMFD_NODE counts as unset: one rank per container."""
+    env = task_env({**SWARM_ENV, "SWARMFD_NODE": " "})
+    assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("0", "1")
+
+
 def test_without_slot_rank_is_left_alone():
     """Outside Swarm (no slot) the entrypoint derives no RANK."""
     env = task_env({"PATH": "/bin"})
