@@ -9,8 +9,10 @@ Usage (from the repository root, with the bench extras installed; see README.md)
 
 Every system runs as its own job with its own launcher, all on loopback:
 
-``swarmfd``   ``swarmfd run -n N -- swarmfd bench`` (plus variants that set
-              environment variables, ``--variant NAME:KEY=VALUE``)
+``swarmfd``   ``swarmfd run -n N -- swarmfd bench`` with the default transport
+              (shared memory between ranks on one host)
+``swarmfd-tcp`` the same with SWARMFD_TRANSPORT=tcp (ZeroMQ over TCP loopback, as
+              between hosts); other variants: ``--variant NAME:KEY=VALUE,...``
 ``gloo``      benchmarks/gloo_worker.py started N times, ``init_process_group("gloo",
               init_method="tcp://127.0.0.1:PORT")``, GLOO_SOCKET_IFNAME=lo,
               torch.set_num_threads(1)
@@ -89,6 +91,14 @@ class Result:
     min_s: float
     p90_s: float
     wrong: int
+
+
+DEFAULT_VARIANTS = (
+    # What `swarmfd run` uses between ranks on one host (SWARMFD_TRANSPORT=auto: shared memory).
+    Variant("swarmfd"),
+    # TCP on loopback, as between hosts.
+    Variant("swarmfd-tcp", {"SWARMFD_TRANSPORT": "tcp"}),
+)
 
 
 # --- subprocesses ------------------------------------------------------------------
@@ -469,8 +479,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--systems", help="comma list among gloo,mpi-tcp,mpi-shm and the swarmfd "
                                      "variant names (default: all available)")
     p.add_argument("--variant", action="append", type=parse_variant, metavar="NAME[:K=V,...]",
-                   help="a swarmfd variant: a name and environment; repeatable "
-                        "(default: 'swarmfd' with the default transport)")
+                   help="a swarmfd variant: a name and environment; repeatable (default: "
+                        "'swarmfd' = default transport, shared memory on one host, and "
+                        "'swarmfd-tcp:SWARMFD_TRANSPORT=tcp')")
     p.add_argument("--no-extra-collectives", action="store_true",
                    help="skip swarmfd broadcast and all_gather")
     p.add_argument("--no-memory", action="store_true", help="skip the memory probe")
@@ -493,7 +504,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         iters, warmup, runs = iters or 30, min(warmup, 2), min(runs, 2)
     plan = [(s, iters or default_iters(s)) for s in sizes]
-    variants = args.variant or [Variant("swarmfd")]
+    variants = args.variant or list(DEFAULT_VARIANTS)
     systems, notes = available_systems(variants)
     if args.systems:
         wanted = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -525,9 +536,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     elif system in MPI_BTL:
                         recs = run_mpi(system, n, plan, warmup, args.timeout)
                     else:
-                        colls = ["all_reduce"]
-                        if system == variants[0].name:
-                            colls += extra_colls
+                        colls = ["all_reduce", *extra_colls]
                         recs = run_swarmfd(by_name[system], n, plan, warmup, args.timeout,
                                            colls)
                 except (RuntimeError, OSError, ValueError, KeyError) as exc:
