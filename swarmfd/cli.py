@@ -230,3 +230,4 @@ def bench(
 
 
 # --- swarm commands (cli_swarm.py registers deploy, ls, ps, logs, rm) --------
+from .cli_swarm import register; register(main)  # noqa: E402, E702, I001

@@ -1,0 +1,457 @@
+"""The Docker Swarm commands: ``swarmfd deploy``, ``ls``, ``ps``, ``logs`` and ``rm``.
+
+Thin click wrappers: parse and validate the options (before any engine is
+contacted), call :mod:`swarmfd.swarm`, map its errors to exit codes. The
+``swarm`` package (and with it the Docker SDK) is imported inside the commands,
+so ``swarmfd run`` never loads it. :func:`register` adds the commands to the
+main group.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+from . import __version__
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+EXIT_ERROR = 1
+EXIT_INTERRUPTED = 130
+
+
+def _host_option(func: F) -> F:
+    return click.option(
+        "-H", "--host", default=None, metavar="URL",
+        help="Docker host of a Swarm manager, e.g. unix:///var/run/docker.sock or "
+             "tcp://manager:2376.  [default: $DOCKER_HOST, else the local socket]",
+    )(func)
+
+
+def _fail(ctx: click.Context, message: str, code: int = EXIT_ERROR) -> None:
+    click.echo(f"swarmfd {ctx.info_name}: error: {message}", err=True)
+    ctx.exit(code)
+
+
+def _swarm_errors(func: F) -> F:
+    """Turn the swarm package's errors into a message and exit code 1."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from .swarm.errors import SwarmJobError
+
+        ctx = click.get_current_context()
+        try:
+            return func(*args, **kwargs)
+        except SwarmJobError as exc:
+            _fail(ctx, str(exc))
+        except _docker_api_error() as exc:
+            _fail(ctx, f"the Docker engine refused: {getattr(exc, 'explanation', None) or exc}")
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _docker_api_error() -> type[Exception]:
+    import docker.errors
+
+    return docker.errors.DockerException
+
+
+def _connect(host: str | None, max_pool_size: int = 10) -> tuple[Any, str]:
+    """A client of a Swarm manager at ``host``, and this node's ID."""
+    from .swarm.engine import check_manager, connect
+
+    client = connect(host, max_pool_size=max_pool_size)
+    try:
+        node_id = check_manager(client)
+    except BaseException:
+        client.close()
+        raise
+    return client, node_id
+
+
+# --- deploy ----------------------------------------------------------------------------
+
+
+@click.command(
+    "deploy",
+    epilog="Exit code: 0 when every rank exited 0; else the failed rank's exit code "
+           "(1 if it has none); 130 after Ctrl-C; 1 for errors, 2 for bad usage.",
+)
+@click.argument("image", metavar="IMAGE")
+@click.option("-n", "--nproc", "world_size", type=int, required=True, metavar="N",
+              help="Number of ranks (service replicas), >= 1.")
+@click.option("--name", default=None, metavar="NAME",
+              help="Job name: lowercase letters, digits, '-'.  [default: swarmfd-<word>-<hex>]")
+@click.option("-e", "--env", "env_items", multiple=True, metavar="KEY[=VALUE]",
+              help="Environment variable for every rank (KEY alone: this shell's value); "
+                   "repeatable.")
+@click.option("--mount", "mounts", multiple=True, metavar="SPEC",
+              help="Mount, Docker syntax: type=bind,src=/data,dst=/data[,readonly] or "
+                   "type=volume,src=NAME,dst=/path or type=tmpfs,dst=/tmp; repeatable.")
+@click.option("-w", "--workdir", default=None, metavar="DIR",
+              help="Working directory of the command in the container.")
+@click.option("--network", "networks", multiple=True, metavar="NAME",
+              help="Extra (overlay) network to attach the ranks to; repeatable.")
+@click.option("--constraint", "constraints", multiple=True, metavar="EXPR",
+              help="Placement constraint, e.g. node.labels.gpu==true; repeatable.")
+@click.option("--reserve-cpu", default=None, metavar="CPUS", help="CPUs reserved per rank.")
+@click.option("--limit-cpu", default=None, metavar="CPUS", help="CPU limit per rank.")
+@click.option("--reserve-memory", default=None, metavar="SIZE",
+              help="Memory reserved per rank, e.g. 512M or 2G.")
+@click.option("--limit-memory", default=None, metavar="SIZE",
+              help="Memory limit per rank, e.g. 512M or 2G.")
+@click.option("--generic-resource", "generic_resources", multiple=True, metavar="KIND=N",
+              help="Generic resource per rank that nodes advertise, e.g. gpu=1; repeatable.")
+@click.option("--label", "labels", multiple=True, metavar="KEY=VALUE",
+              help="Label on the job's service and network; repeatable.")
+@click.option("--master-port", type=int, default=29500, show_default=True, metavar="PORT",
+              help="Rendezvous port of rank 0 (MASTER_PORT).")
+@click.option("--timeout", type=float, default=None, metavar="SECONDS",
+              help="Seconds a collective may wait for a peer (sets SWARMFD_TIMEOUT).")
+@click.option("--max-per-node", type=int, default=None, metavar="K",
+              help="At most K ranks on one node.")
+@click.option("--local-ranks", type=click.Choice(["container", "node"]), default="container",
+              show_default=True,
+              help="LOCAL_RANK per container (0 of 1 in each) or per node (derived by swarmfd "
+                   "at rendezvous; read it with swarmfd.get_config().local_rank).")
+@click.option("--pull", is_flag=True,
+              help="IMAGE is in a registry every node can reach: let each node pull it "
+                   "(default: IMAGE must be on this node and runs by its ID).")
+@click.option("-d", "--detach", is_flag=True,
+              help="Create the job, print its name and return at once.")
+@click.option("--keep", "keep_flag", is_flag=True,
+              help="Keep the job when it finishes, even if every rank succeeded.")
+@click.option("--rm", "rm_flag", is_flag=True,
+              help="Remove the job when it finishes, even if a rank failed.")
+@click.option("--no-prefix", is_flag=True, help="Do not prefix output lines with '[rank R] '.")
+@_host_option
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="-- COMMAND...")
+@click.pass_context
+@_swarm_errors
+def deploy(
+    ctx: click.Context,
+    image: str,
+    world_size: int,
+    name: str | None,
+    env_items: tuple[str, ...],
+    mounts: tuple[str, ...],
+    workdir: str | None,
+    networks: tuple[str, ...],
+    constraints: tuple[str, ...],
+    reserve_cpu: str | None,
+    limit_cpu: str | None,
+    reserve_memory: str | None,
+    limit_memory: str | None,
+    generic_resources: tuple[str, ...],
+    labels: tuple[str, ...],
+    master_port: int,
+    timeout: float | None,
+    max_per_node: int | None,
+    local_ranks: str,
+    pull: bool,
+    detach: bool,
+    keep_flag: bool,
+    rm_flag: bool,
+    no_prefix: bool,
+    host: str | None,
+    command: tuple[str, ...],
+) -> None:
+    """Run COMMAND as N ranks on the Docker Swarm, as one job.
+
+    Creates one replicated service (N tasks of IMAGE) and one overlay network, both
+    labelled with the job name. Each rank gets WORLD_SIZE, RANK (from its task
+    slot), LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR (<job>-1, rank 0) and
+    MASTER_PORT; IMAGE must use swarmfd's entrypoint (the swarmfd image does).
+    Put '--' before COMMAND when COMMAND has options of its own.
+
+    Then it follows the job: task progress on stderr, every rank's output prefixed
+    with '[rank R] '. When a rank fails, the other ranks are stopped and deploy exits
+    with that rank's exit code, naming the rank and its node. A job whose ranks all
+    exited 0 is removed; a failed job is kept for `swarmfd ps` / `swarmfd logs`
+    (--keep keeps it always, --rm removes it always). Ctrl-C stops following and
+    leaves the job running (remove it with `swarmfd rm NAME`). Everything is checked
+    before anything is created.
+
+    \b
+    Examples:
+      swarmfd deploy swarmfd:latest -n 3 -- python /opt/swarmfd/examples/train.py
+      swarmfd deploy swarmfd:latest -n 4 --name mlp-1 -e OMP_NUM_THREADS=1 \\
+          --mount type=bind,src=/data,dst=/data,readonly --limit-memory 2G -- train.py
+      swarmfd deploy -d myimage:1 -n 8 --max-per-node 2 --generic-resource gpu=1 -- train.py
+    """
+    from .swarm import spec as spec_lib
+    from .swarm.deploy import interrupt_hint, run_deploy, stderr_progress
+    from .swarm.follow import RankOutput
+
+    if not command:
+        raise click.UsageError(
+            "missing COMMAND: give the program every rank runs after '--', e.g. "
+            f"'swarmfd deploy {image} -n {world_size} -- python train.py'", ctx)
+    if keep_flag and rm_flag:
+        raise click.UsageError("--keep and --rm contradict each other: give one", ctx)
+    if detach and rm_flag:
+        raise click.UsageError(
+            "--rm needs deploy to follow the job: a detached job is kept until "
+            "`swarmfd rm NAME`", ctx)
+    try:
+        job = spec_lib.JobSpec(
+            name=spec_lib.validate_job_name(name) if name is not None
+            else spec_lib.generate_job_name(),
+            image=image,
+            image_ref=image,  # replaced by the image ID once the engine is asked
+            world_size=world_size,
+            command=command,
+            env=spec_lib.parse_env_items(env_items),
+            mounts=tuple(spec_lib.parse_mount(m) for m in mounts),
+            workdir=workdir,
+            networks=networks,
+            constraints=tuple(spec_lib.parse_constraint(c) for c in constraints),
+            reserve_cpu=spec_lib.parse_cpus(reserve_cpu, "--reserve-cpu")
+            if reserve_cpu is not None else None,
+            limit_cpu=spec_lib.parse_cpus(limit_cpu, "--limit-cpu")
+            if limit_cpu is not None else None,
+            reserve_memory=spec_lib.parse_memory(reserve_memory, "--reserve-memory")
+            if reserve_memory is not None else None,
+            limit_memory=spec_lib.parse_memory(limit_memory, "--limit-memory")
+            if limit_memory is not None else None,
+            generic_resources=tuple(spec_lib.parse_generic_resource(g)
+                                    for g in generic_resources),
+            labels=spec_lib.parse_labels(labels),
+            master_port=master_port,
+            timeout=timeout,
+            max_per_node=max_per_node,
+            local_ranks=local_ranks,
+            version=__version__,
+        )
+    except (ValueError, TypeError) as exc:
+        raise click.UsageError(str(exc), ctx) from None
+    keep = "always" if keep_flag else "never" if rm_flag else "on-failure"
+    output = RankOutput(click.get_binary_stream("stdout"), click.get_binary_stream("stderr"),
+                        prefix=not no_prefix)
+    try:
+        result = run_deploy(job, host=host, pull=pull, detach=detach, keep=keep, output=output,
+                            progress=stderr_progress("swarmfd deploy"))
+    except KeyboardInterrupt:
+        click.echo(f"swarmfd deploy: interrupted; if the job was created, "
+                   f"{interrupt_hint(job.name)}", err=True)
+        ctx.exit(EXIT_INTERRUPTED)
+    if detach:
+        click.echo(job.name)
+    ctx.exit(result.exit_code)
+
+
+# --- ls ---------------------------------------------------------------------------------
+
+
+def _ago(when: _dt.datetime) -> str:
+    if when.year < 1980:
+        return "-"
+    seconds = (_dt.datetime.now(_dt.timezone.utc) - when).total_seconds()
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit} ago"
+    return f"{max(0, int(seconds))}s ago"
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
+        for r in rows
+    )
+
+
+@click.command("ls")
+@click.option("-q", "--quiet", is_flag=True, help="Print job names only.")
+@_host_option
+@click.pass_context
+@_swarm_errors
+def ls(ctx: click.Context, quiet: bool, host: str | None) -> None:
+    """List the swarmfd jobs of the Swarm, newest first.
+
+    STATE is the job's: pending, starting, running, done, failed or stopped; TASKS
+    counts its ranks per phase.
+
+    \b
+    Examples:
+      swarmfd ls
+      swarmfd ls -q | xargs -r swarmfd rm      # remove every job
+    """
+    from .swarm.engine import list_jobs
+
+    client, _node = _connect(host)
+    try:
+        jobs = list_jobs(client)
+    finally:
+        client.close()
+    if quiet:
+        for job in jobs:
+            click.echo(job.name)
+        return
+    rows = [["NAME", "IMAGE", "RANKS", "STATE", "TASKS", "CREATED"]]
+    rows += [[j.name, j.image, str(j.world_size), j.state, j.summary, _ago(j.created)]
+             for j in jobs]
+    click.echo(_table(rows))
+
+
+# --- ps ---------------------------------------------------------------------------------
+
+
+@click.command("ps")
+@click.argument("job")
+@_host_option
+@click.pass_context
+@_swarm_errors
+def ps(ctx: click.Context, job: str, host: str | None) -> None:
+    """Show each rank of JOB: its task's state, node, exit code and error.
+
+    EXIT is shown once a task has ended (Swarm reports 0 while it runs).
+
+    \b
+    Examples:
+      swarmfd ps swarmfd-keen-3fa9
+    """
+    from .swarm.engine import find_service, job_tasks, node_names, world_size_of
+    from .swarm.errors import JobNotFoundError
+    from .swarm.spec import LABEL_FAILURE, LABEL_STOPPED
+    from .swarm.tasks import job_state
+
+    client, _node = _connect(host)
+    try:
+        service = find_service(client, job)
+        if service is None:
+            raise JobNotFoundError(f"no job named {job!r} (`swarmfd ls` lists the jobs)")
+        views = job_tasks(client, service["ID"])
+        nodes = node_names(client)
+    finally:
+        client.close()
+    world = world_size_of(service)
+    labels = service.get("Spec", {}).get("Labels") or {}
+    stopped = {s.strip() for s in labels.get(LABEL_STOPPED, "").split(",") if s.strip()}
+    rows = [["RANK", "STATE", "NODE", "EXIT", "UPDATED", "TASK", "ERROR"]]
+    for rank in range(world):
+        view = views.get(rank)
+        if view is None:
+            rows.append([str(rank), "no task", "-", "-", "-", "-", ""])
+            continue
+        rows.append([
+            str(rank),
+            view.state,
+            nodes.get(view.node_id, view.node_id[:12] or "-"),
+            "-" if view.exit_code is None else str(view.exit_code),
+            _ago(view.updated),
+            view.task_id[:12],
+            f"{view.error} (stopped by swarmfd after the failure)"
+            if str(rank) in stopped and view.terminal else view.error,
+        ])
+    failure = labels.get(LABEL_FAILURE)
+    state = f"failed: {failure}" if failure else job_state(views.values(), world)
+    click.echo(f"job {job}: {state} ({world} ranks)")
+    click.echo(_table(rows))
+
+
+# --- logs -------------------------------------------------------------------------------
+
+
+@click.command("logs")
+@click.argument("job")
+@click.option("-f", "--follow", is_flag=True,
+              help="Keep printing new lines until every rank has ended (Ctrl-C stops).")
+@click.option("-r", "--rank", "ranks", type=click.IntRange(min=0), multiple=True, metavar="R",
+              help="Only rank R; repeatable.  [default: every rank]")
+@click.option("--no-prefix", is_flag=True, help="Do not prefix lines with '[rank R] '.")
+@_host_option
+@click.pass_context
+@_swarm_errors
+def logs(ctx: click.Context, job: str, follow: bool, ranks: tuple[int, ...], no_prefix: bool,
+         host: str | None) -> None:
+    """Print the output of JOB's ranks, each line prefixed with '[rank R] '.
+
+    A rank's stdout goes to stdout, its stderr to stderr. Without --follow, the
+    ranks' lines are merged in time order.
+
+    \b
+    Examples:
+      swarmfd logs swarmfd-keen-3fa9
+      swarmfd logs -f --rank 0 swarmfd-keen-3fa9
+    """
+    from .swarm.engine import find_service, world_size_of
+    from .swarm.errors import JobNotFoundError
+    from .swarm.follow import RankOutput, print_logs
+
+    # Each log reader holds one connection: size the pool for them.
+    client, node_id = _connect(host, max_pool_size=64)
+    try:
+        service = find_service(client, job)
+        if service is None:
+            raise JobNotFoundError(f"no job named {job!r} (`swarmfd ls` lists the jobs)")
+        world = world_size_of(service)
+        bad = [r for r in ranks if r >= world]
+        if bad:
+            raise click.UsageError(f"--rank {bad[0]}: job {job} has ranks 0..{world - 1}", ctx)
+        output = RankOutput(click.get_binary_stream("stdout"), click.get_binary_stream("stderr"),
+                            prefix=not no_prefix)
+        try:
+            problems = print_logs(client, service["ID"], node_id, output,
+                                  ranks=ranks or None, follow=follow)
+        except KeyboardInterrupt:
+            ctx.exit(EXIT_INTERRUPTED)
+        for problem in problems:
+            click.echo(f"swarmfd logs: {problem}", err=True)
+    finally:
+        client.close()
+
+
+# --- rm ---------------------------------------------------------------------------------
+
+
+@click.command("rm")
+@click.argument("jobs", nargs=-1, required=True, metavar="JOB...")
+@click.option("--timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
+              metavar="SECONDS", help="Longest wait for the job's containers to go.")
+@_host_option
+@click.pass_context
+@_swarm_errors
+def rm(ctx: click.Context, jobs: tuple[str, ...], timeout: float, host: str | None) -> None:
+    """Remove JOB: its service (stopping its ranks), network and secrets.
+
+    Only objects labelled org.swarmfd.job=JOB are removed. Waits (at most --timeout
+    seconds) until the ranks' containers are gone, so the network can be removed.
+
+    \b
+    Examples:
+      swarmfd rm swarmfd-keen-3fa9
+      swarmfd rm $(swarmfd ls -q)
+    """
+    from .swarm.engine import remove_job
+    from .swarm.errors import JobNotFoundError
+
+    client, _node = _connect(host)
+    failed = 0
+    try:
+        for name in jobs:
+            try:
+                removal = remove_job(client, name, timeout=timeout)
+            except JobNotFoundError as exc:
+                click.echo(f"swarmfd rm: error: {exc}", err=True)
+                failed += 1
+                continue
+            parts = [f"{len(removal.services)} service(s)", f"{len(removal.networks)} network(s)"]
+            if removal.secrets:
+                parts.append(f"{len(removal.secrets)} secret(s)")
+            click.echo(f"removed {name}: {', '.join(parts)} ({removal.seconds:.1f} s)")
+    finally:
+        client.close()
+    if failed:
+        ctx.exit(EXIT_ERROR)
+
+
+def register(group: click.Group) -> None:
+    """Add deploy, ls, ps, logs and rm to the ``swarmfd`` command group."""
+    for command in (deploy, ls, ps, logs, rm):
+        group.add_command(command)

@@ -1,0 +1,145 @@
+"""``swarmfd deploy`` as a library call: check, create, follow, clean up, exit code.
+
+:func:`run_deploy` takes a validated :class:`~.spec.JobSpec` (built from the command
+line before any engine is contacted) and does the rest:
+
+1. checks, before anything is created: an engine answers, it is a Swarm manager, the
+   job name is free, the extra networks exist, the image is on this node (its ID is
+   then what the service runs, so no task start consults a registry);
+2. creates the job's overlay network and service (a failure removes the network);
+3. with ``detach``, returns; else follows the job (:func:`.follow.follow_job`):
+   progress on ``progress``, every rank's output to ``output``;
+4. when every rank exited 0: removes the job unless ``keep == "always"``; when a rank
+   failed: the others were stopped, and the job is kept for inspection unless
+   ``keep == "never"``. Ctrl-C stops following and leaves the job running.
+
+Exit code: 0 when every rank exited 0; the failed rank's exit code (1 when it has
+none: rejected, or stopped by Swarm); 130 after Ctrl-C; 1 when the job was removed
+while being followed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .engine import (
+    check_manager,
+    check_name_free,
+    check_networks,
+    connect,
+    create_job,
+    remove_job,
+    resolve_image,
+)
+from .follow import FollowResult, Sink, follow_job
+from .spec import JobSpec
+
+__all__ = ["KEEP_POLICIES", "DeployResult", "interrupt_hint", "run_deploy"]
+
+#: always: keep the finished job; never: remove it; on-failure: keep it only if a rank failed.
+KEEP_POLICIES = ("on-failure", "always", "never")
+
+
+@dataclass
+class DeployResult:
+    """What happened, for the command line and the tests."""
+
+    name: str
+    exit_code: int
+    service_id: str = ""
+    follow: FollowResult | None = None
+    removed: bool = False
+    created_after: float = 0.0  # seconds from the call to the service existing
+
+
+def interrupt_hint(name: str) -> str:
+    """What to do with a job one stopped following."""
+    return (
+        f"job {name} keeps running.\n"
+        f"  follow it again:  swarmfd logs -f {name}\n"
+        f"  see its ranks:    swarmfd ps {name}\n"
+        f"  stop and remove:  swarmfd rm {name}"
+    )
+
+
+def run_deploy(
+    job: JobSpec,
+    *,
+    host: str | None = None,
+    pull: bool = False,
+    detach: bool = False,
+    keep: str = "on-failure",
+    output: Sink | None,
+    progress: Callable[[str], None],
+    poll: float = 0.3,
+) -> DeployResult:
+    """Create job ``job`` on the Swarm at ``host`` and (unless ``detach``) follow it.
+
+    Raises :class:`~.errors.SwarmJobError` (or a subclass) before anything is created
+    when a check fails; the message says what to do.
+    """
+    if keep not in KEEP_POLICIES:
+        raise ValueError(f"keep must be one of {', '.join(KEEP_POLICIES)}, got {keep!r}")
+    started = time.monotonic()
+    # Each followed rank holds two log connections; keep them out of the pool's way.
+    client = connect(host, max_pool_size=max(10, 2 * job.world_size + 6))
+    try:
+        node_id = check_manager(client)
+        check_name_free(client, job.name)
+        check_networks(client, job.networks)
+        image = resolve_image(client, job.image, pull=pull)
+        if image.has_entrypoint is False:
+            progress(
+                f"warning: image {job.image!r} does not use swarmfd's entrypoint "
+                "(python -m swarmfd.entrypoint), so the ranks get no RANK from their task "
+                "slot; build your image FROM the swarmfd image, or set "
+                'ENTRYPOINT ["python", "-m", "swarmfd.entrypoint"]'
+            )
+        job = dataclasses.replace(job, image_ref=image.ref)
+        service_id = create_job(client, job)
+        result = DeployResult(job.name, 0, service_id, created_after=time.monotonic() - started)
+        if detach:
+            return result
+        progress(f"created job {job.name}: {job.world_size} ranks of "
+                 f"{job.image} ({image.ref[:19]})")
+        followed = follow_job(client, job.name, service_id, job.world_size, node_id,
+                              output=output, progress=progress, started=started, poll=poll)
+        result.follow = followed
+        result.exit_code = followed.exit_code
+        if followed.outcome == "interrupted":
+            progress(f"stopped following (Ctrl-C); {interrupt_hint(job.name)}")
+            return result
+        if followed.outcome == "removed":
+            progress(followed.message)
+            return result
+        remove = keep == "never" or (keep == "on-failure" and followed.outcome == "done")
+        if followed.outcome == "done":
+            progress(f"job {job.name} done: {followed.message}")
+        else:
+            progress(f"job {job.name} failed: {followed.message}")
+        if remove:
+            removal = remove_job(client, job.name)
+            result.removed = True
+            progress(f"removed job {job.name} ({removal.seconds:.1f} s)")
+        elif followed.outcome == "done":
+            progress(f"kept job {job.name}: `swarmfd logs {job.name}`, `swarmfd ps {job.name}`; "
+                     f"remove it with `swarmfd rm {job.name}`")
+        else:
+            progress(f"kept job {job.name} for inspection: `swarmfd ps {job.name}`, "
+                     f"`swarmfd logs {job.name}`; remove it with `swarmfd rm {job.name}`")
+        return result
+    finally:
+        client.close()
+
+
+def stderr_progress(prefix: str = "swarmfd deploy") -> Callable[[str], None]:
+    """A progress callback writing ``<prefix>: <line>`` to stderr."""
+
+    def write(line: str) -> None:
+        print(f"{prefix}: {line}", file=sys.stderr, flush=True)
+
+    return write

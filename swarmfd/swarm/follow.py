@@ -1,0 +1,462 @@
+"""Following a job: task progress, rank-prefixed logs, failure detection, stopping.
+
+Logs. A task's output is read from its container (``GET /containers/{id}/logs``)
+when the task runs on this node: that is complete and ordered, while Swarm's
+service log stream can drop the lines of short-lived tasks. Tasks on other nodes
+can only be read through the service log stream (``GET /services/{id}/logs``,
+with ``details`` naming each line's task), so that is used for them. Each line is
+written whole, prefixed ``[rank R] ``, the container's stdout to ``out`` and its
+stderr to ``err``. A container's log stream is opened once its task is running (or
+has ended), and always from the start, so no line is missed.
+
+Failure detection. :func:`follow_job` polls the tasks every ``poll`` seconds (0.3 by
+default). A rank that fails (non-zero exit: Swarm's ``failed``), is rejected (could
+not start), or is stopped by Swarm ends the job: the other ranks are stopped by
+scaling the service to 0 (their tasks, containers and logs stay for inspection)
+and the result names the rank, its exit code and its node. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import docker
+import docker.errors
+
+from .engine import job_tasks, node_names, stop_job
+from .tasks import (
+    TaskView,
+    exit_code_for,
+    failure_message,
+    first_failure,
+    parse_timestamp,
+    summarize,
+)
+
+__all__ = ["FollowResult", "LogPump", "RankOutput", "follow_job", "print_logs"]
+
+DEFAULT_POLL = 0.3
+STOP_TIMEOUT = 30.0
+DRAIN_TIMEOUT = 10.0
+MAX_LINE = 64 * 1024
+
+Sink = Callable[[int, str, bytes, "_dt.datetime | None"], None]
+
+
+class RankOutput:
+    """Writes whole lines, prefixed with ``[rank R] ``, to ``out``/``err`` under one lock."""
+
+    def __init__(self, out: BinaryIO, err: BinaryIO, *, prefix: bool = True) -> None:
+        self._streams = {"out": out, "err": err}
+        self._prefix = prefix
+        self._lock = threading.Lock()
+
+    def __call__(self, rank: int, which: str, line: bytes,
+                 when: _dt.datetime | None = None) -> None:
+        data = (f"[rank {rank}] ".encode() if self._prefix else b"") + line + b"\n"
+        stream = self._streams[which]
+        with self._lock:
+            stream.write(data)
+            stream.flush()
+
+
+class _Lines:
+    """Splits a byte stream into lines; a final unterminated piece is kept for flush()."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> Iterator[bytes]:
+        self._buf += chunk
+        while True:
+            end = self._buf.find(b"\n")
+            if end < 0:
+                break
+            line, self._buf = self._buf[:end], self._buf[end + 1:]
+            yield line.removesuffix(b"\r")
+        while len(self._buf) > MAX_LINE:
+            piece, self._buf = self._buf[:MAX_LINE], self._buf[MAX_LINE:]
+            yield piece
+
+    def flush(self) -> Iterator[bytes]:
+        if self._buf:
+            piece, self._buf = self._buf, b""
+            yield piece
+
+
+def _split_timestamp(line: bytes) -> tuple[_dt.datetime | None, bytes]:
+    stamp, sep, rest = line.partition(b" ")
+    if not sep:
+        return parse_timestamp(stamp.decode("ascii", "replace")), b""
+    return parse_timestamp(stamp.decode("ascii", "replace")), rest
+
+
+def _parse_details(chunk: bytes) -> tuple[str, bytes]:
+    """Split a service-log chunk with details into (task ID, message)."""
+    attrs, _sep, message = chunk.partition(b" ")
+    task_id = ""
+    for pair in attrs.split(b","):
+        key, _eq, value = pair.partition(b"=")
+        if key == b"com.docker.swarm.task.id":
+            task_id = value.decode("ascii", "replace")
+    return task_id, message
+
+
+class LogPump:
+    """Streams the logs of a service's tasks to a sink, one reader thread per stream.
+
+    ``update(views)`` starts readers for tasks seen for the first time (once they run
+    or have ended); ``wait`` joins the readers (bounded); ``close`` cancels them.
+    ``follow=False`` reads what is there and ends; ``timestamps=True`` passes each
+    line's time to the sink (used to merge the ranks' lines in time order).
+    """
+
+    def __init__(
+        self,
+        client: docker.DockerClient,
+        service_id: str,
+        node_id: str,
+        sink: Sink,
+        *,
+        ranks: Iterable[int] | None = None,
+        follow: bool = True,
+        timestamps: bool = False,
+    ) -> None:
+        self.client = client
+        self.service_id = service_id
+        self.node_id = node_id
+        self.sink = sink
+        self.ranks = None if ranks is None else set(ranks)
+        self.follow = follow
+        self.timestamps = timestamps
+        self._started: set[str] = set()
+        self._remote: dict[str, int] = {}  # task ID -> rank, read via the service log
+        self._local: set[str] = set()
+        self._threads: list[tuple[threading.Thread, bool]] = []  # (reader, reads a local task)
+        self._streams: list[Any] = []
+        self._service_reader = False
+        self._lock = threading.Lock()
+        self.errors: list[str] = []
+
+    def update(self, views: dict[int, TaskView]) -> None:
+        """Start reading the tasks in ``views`` that run (or ran) and are not read yet."""
+        for rank, view in views.items():
+            if self.ranks is not None and rank not in self.ranks:
+                continue
+            if view.task_id in self._started or not view.container_id:
+                continue
+            if view.phase not in ("running", "done", "failed", "stopped"):
+                continue
+            self._started.add(view.task_id)
+            if view.node_id == self.node_id:
+                self._local.add(view.task_id)
+                for which in ("out", "err"):
+                    self._start(self._read_container, rank, view.container_id, which,
+                                local=True)
+            else:
+                with self._lock:
+                    self._remote[view.task_id] = rank
+                if not self._service_reader:
+                    self._service_reader = True
+                    for which in ("out", "err"):
+                        self._start(self._read_service, which, local=False)
+
+    def _start(self, target: Callable[..., None], *args: Any, local: bool) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True,
+                                  name=f"swarmfd-logs-{len(self._threads)}")
+        self._threads.append((thread, local))
+        thread.start()
+
+    def _emit(self, rank: int, which: str, line: bytes) -> None:
+        when = None
+        if self.timestamps:
+            when, line = _split_timestamp(line)
+        self.sink(rank, which, line, when)
+
+    def _read_container(self, rank: int, container_id: str, which: str) -> None:
+        try:
+            stream = self.client.api.logs(
+                container_id, stdout=which == "out", stderr=which == "err", stream=True,
+                follow=self.follow, timestamps=self.timestamps,
+            )
+        except docker.errors.NotFound:
+            self.errors.append(f"rank {rank}: its container is gone (no logs)")
+            return
+        except docker.errors.APIError as exc:
+            self.errors.append(f"rank {rank}: cannot read its logs: {exc}")
+            return
+        self._streams.append(stream)
+        lines = _Lines()
+        try:
+            for chunk in stream:
+                for line in lines.feed(chunk):
+                    self._emit(rank, which, line)
+        except Exception as exc:  # a stream cut by close() or by the engine
+            self.errors.append(f"rank {rank}: log stream ended: {exc}")
+        finally:
+            for line in lines.flush():
+                self._emit(rank, which, line)
+
+    def _read_service(self, which: str) -> None:
+        try:
+            stream = self.client.api.service_logs(
+                self.service_id, details=True, follow=self.follow, stdout=which == "out",
+                stderr=which == "err", timestamps=self.timestamps,
+            )
+        except docker.errors.APIError as exc:
+            self.errors.append(f"cannot read the service logs: {exc}")
+            return
+        pending: dict[str, _Lines] = {}
+        try:
+            for chunk in stream:
+                stamp = b""
+                if self.timestamps:
+                    stamp, _sep, chunk = chunk.partition(b" ")
+                task_id, message = _parse_details(chunk)
+                rank = self._rank_of_remote(task_id)
+                if rank is None:
+                    continue
+                lines = pending.setdefault(task_id, _Lines())
+                for line in lines.feed(message):
+                    self._emit(rank, which, (stamp + b" " + line) if stamp else line)
+        except Exception as exc:
+            self.errors.append(f"service log stream ended: {exc}")
+
+    def _rank_of_remote(self, task_id: str) -> int | None:
+        with self._lock:
+            if task_id in self._remote:
+                return self._remote[task_id]
+            if task_id in self._local:
+                return None
+        try:  # a task this pump has not seen yet
+            task = self.client.api.inspect_task(task_id)
+        except docker.errors.APIError:
+            return None
+        view = TaskView.from_api(task)
+        if view.node_id == self.node_id or (self.ranks is not None and view.rank not in self.ranks):
+            return None
+        with self._lock:
+            self._remote[task_id] = view.rank
+        return view.rank
+
+    def wait(self, timeout: float) -> bool:
+        """Join the readers, at most ``timeout`` seconds; True when all ended.
+
+        A local container's stream ends with its container. The service log stream
+        (remote tasks) never ends while following, so it is not waited for then.
+        """
+        deadline = time.monotonic() + timeout
+        waited = [t for t, local in self._threads if local or not self.follow]
+        for thread in waited:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in waited)
+
+    def close(self) -> None:
+        """Cancel the open log streams (their threads then end)."""
+        for stream in list(self._streams):
+            with contextlib.suppress(Exception):
+                stream.close()
+
+
+@dataclass
+class FollowResult:
+    """How following a job ended."""
+
+    outcome: str  # "done", "failed", "interrupted" or "removed"
+    exit_code: int
+    message: str
+    failure: TaskView | None = None
+    failure_node: str = ""
+    all_running_after: float | None = None
+    elapsed: float = 0.0
+    stopped_after: float | None = None  # seconds from noticing the failure to all stopped
+
+
+def follow_job(
+    client: docker.DockerClient,
+    name: str,
+    service_id: str,
+    world_size: int,
+    node_id: str,
+    *,
+    output: Sink | None,
+    progress: Callable[[str], None],
+    started: float | None = None,
+    poll: float = DEFAULT_POLL,
+    stop_timeout: float = STOP_TIMEOUT,
+    drain_timeout: float = DRAIN_TIMEOUT,
+) -> FollowResult:
+    """Follow job ``name`` until every rank completed, one failed, or Ctrl-C.
+
+    ``output`` receives every rank's lines (``None``: no logs); ``progress`` gets one
+    line per change of the phase counts, the pending reasons Swarm gives, the moment
+    all ranks run, and the outcome. On a failure the remaining ranks are stopped
+    (:func:`.engine.stop_job`) and their logs drained, each wait bounded. Ctrl-C
+    (``KeyboardInterrupt``) stops following and leaves the job as it is.
+    """
+    t0 = time.monotonic() if started is None else started
+    pump = LogPump(client, service_id, node_id, output) if output is not None else None
+    last_summary = ""
+    reasons: dict[int, str] = {}
+    all_running: float | None = None
+    polls = 0
+    try:
+        while True:
+            views = job_tasks(client, service_id)
+            polls += 1
+            elapsed = time.monotonic() - t0
+            summary = summarize(views.values(), world_size)
+            if summary != last_summary:
+                progress(f"{name}: {summary} ({elapsed:.1f} s)")
+                last_summary = summary
+            for rank, view in views.items():
+                reason = view.error if view.phase in ("pending", "starting") else ""
+                if reason and reasons.get(rank) != reason:
+                    progress(f"{name}: rank {rank} {view.state}: {reason}")
+                reasons[rank] = reason
+            if pump is not None:
+                pump.update(views)
+            if (all_running is None and len(views) >= world_size
+                    and all(v.phase in ("running", "done") for v in views.values())
+                    and any(v.phase == "running" for v in views.values())):
+                all_running = elapsed
+                progress(f"{name}: all {world_size} ranks running after {elapsed:.1f} s")
+            failure = first_failure(views.values())
+            if failure is not None:
+                return _stop_after_failure(client, name, service_id, world_size, node_id,
+                                           failure, pump, progress, t0, all_running,
+                                           stop_timeout, drain_timeout)
+            if len(views) >= world_size and all(v.phase == "done" for v in views.values()):
+                if pump is not None:
+                    pump.wait(drain_timeout)
+                elapsed = time.monotonic() - t0
+                return FollowResult("done", 0, f"all {world_size} ranks exited 0 "
+                                    f"({elapsed:.1f} s)", all_running_after=all_running,
+                                    elapsed=elapsed)
+            if polls % 8 == 0 or not views:
+                try:
+                    client.api.inspect_service(service_id)
+                except docker.errors.NotFound:
+                    elapsed = time.monotonic() - t0
+                    return FollowResult("removed", 1, f"the job {name} was removed while "
+                                        "running (by `swarmfd rm` or `docker service rm`)",
+                                        all_running_after=all_running, elapsed=elapsed)
+            time.sleep(poll)
+    except KeyboardInterrupt:
+        return FollowResult("interrupted", 130, "stopped following (Ctrl-C)",
+                            all_running_after=all_running, elapsed=time.monotonic() - t0)
+    finally:
+        if pump is not None:
+            pump.close()
+
+
+def _stop_after_failure(
+    client: docker.DockerClient,
+    name: str,
+    service_id: str,
+    world_size: int,
+    node_id: str,
+    failure: TaskView,
+    pump: LogPump | None,
+    progress: Callable[[str], None],
+    t0: float,
+    all_running: float | None,
+    stop_timeout: float,
+    drain_timeout: float,
+) -> FollowResult:
+    node = node_names(client).get(failure.node_id, failure.node_id[:12])
+    message = failure_message(failure, node)
+    progress(f"{name}: {message}; stopping the other ranks")
+    noticed = time.monotonic()
+    try:
+        report = stop_job(client, service_id, node_id, world_size, reason=message)
+    except docker.errors.NotFound:
+        report = None
+    if report is not None and report.scaled_down:
+        progress(f"{name}: scaled the service to 0 to stop ranks this node cannot stop "
+                 "directly (Swarm drops their tasks)")
+    deadline = noticed + stop_timeout
+    views = job_tasks(client, service_id)
+    while not all(v.terminal for v in views.values()) and time.monotonic() < deadline:
+        if pump is not None:
+            pump.update(views)
+        time.sleep(DEFAULT_POLL)
+        views = job_tasks(client, service_id)
+    stopped_after = time.monotonic() - noticed
+    left = [r for r, v in views.items() if not v.terminal]
+    if left:
+        progress(f"{name}: ranks {left} did not stop within {stop_timeout:.0f} s")
+    else:
+        progress(f"{name}: {summarize(views.values(), world_size)}; the other ranks stopped "
+                 f"in {stopped_after:.1f} s")
+    if pump is not None:
+        pump.update(views)
+        pump.wait(drain_timeout)
+    return FollowResult("failed", exit_code_for(failure), message, failure=failure,
+                        failure_node=node, all_running_after=all_running,
+                        elapsed=time.monotonic() - t0, stopped_after=stopped_after)
+
+
+def print_logs(
+    client: docker.DockerClient,
+    service_id: str,
+    node_id: str,
+    output: Sink,
+    *,
+    ranks: Iterable[int] | None = None,
+    follow: bool = False,
+    poll: float = 0.5,
+    drain_timeout: float = DRAIN_TIMEOUT,
+) -> list[str]:
+    """Write the logs of a job's ranks to ``output``; return problems met (e.g. a rank
+    whose container is gone).
+
+    Without ``follow`` each rank's lines are read completely and written merged in time
+    order. With ``follow`` lines are written as they come until every task of the job
+    has ended (or Ctrl-C, which propagates as ``KeyboardInterrupt``).
+    """
+    wanted = None if ranks is None else set(ranks)
+    if not follow:
+        collected: list[tuple[_dt.datetime, int, int, str, bytes]] = []
+        lock = threading.Lock()
+
+        def collect(rank: int, which: str, line: bytes, when: _dt.datetime | None) -> None:
+            with lock:
+                collected.append((when or _dt.datetime.min.replace(tzinfo=_dt.timezone.utc),
+                                  len(collected), rank, which, line))
+
+        pump = LogPump(client, service_id, node_id, collect, ranks=wanted, follow=False,
+                       timestamps=True)
+        pump.update(job_tasks(client, service_id))
+        try:
+            pump.wait(drain_timeout)
+        finally:
+            pump.close()
+        # Remote ranks arrive through the service log, which (without follow) ends too.
+        for when, _n, rank, which, line in sorted(collected, key=lambda c: (c[0], c[1])):
+            output(rank, which, line, when)
+        return pump.errors
+    pump = LogPump(client, service_id, node_id, output, ranks=wanted, follow=True)
+    try:
+        while True:
+            views = job_tasks(client, service_id)
+            pump.update(views)
+            mine = [v for r, v in views.items() if wanted is None or r in wanted]
+            if mine and all(v.terminal for v in mine):
+                pump.wait(drain_timeout)
+                return pump.errors
+            if not mine:
+                try:
+                    client.api.inspect_service(service_id)
+                except docker.errors.NotFound:
+                    pump.wait(drain_timeout)
+                    return [*pump.errors, "the job was removed"]
+            time.sleep(poll)
+    finally:
+        pump.close()

@@ -1,0 +1,569 @@
+"""Pure spec building for ``swarmfd deploy``: validated options -> Engine API documents.
+
+Nothing here talks to Docker (nor imports it): the functions turn the command
+line's strings into a validated :class:`JobSpec` and then into the JSON
+documents of the Docker Engine API (``ServiceSpec`` and a network create
+request), so every rule can be unit tested with plain data. :mod:`.engine`
+sends them.
+
+The job is one *replicated* service of N replicas (slots 1..N) with restart
+condition ``none`` (one-shot tasks), ``endpoint_mode`` ``dnsrr`` (no virtual IP:
+hosts without IPVS cannot route one), ``init`` (so SIGTERM reaches the command),
+hostname ``{{.Service.Name}}-{{.Task.Slot}}`` (Swarm makes it a DNS alias, so
+``<job>-1`` names rank 0) and the environment contract the container entrypoint
+(:mod:`swarmfd.entrypoint`) turns into ``RANK``, plus one attachable overlay
+network of the same name. Everything carries the label ``org.swarmfd.job=<job>``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "DEFAULT_MASTER_PORT",
+    "LABEL_FAILURE",
+    "LABEL_IMAGE",
+    "LABEL_JOB",
+    "LABEL_STOPPED",
+    "LABEL_VERSION",
+    "LABEL_WORLD_SIZE",
+    "LOCAL_RANK_MODES",
+    "RESERVED_ENV",
+    "JobSpec",
+    "build_network_spec",
+    "build_service_spec",
+    "generate_job_name",
+    "parse_constraint",
+    "parse_cpus",
+    "parse_env_items",
+    "parse_generic_resource",
+    "parse_labels",
+    "parse_memory",
+    "parse_mount",
+    "validate_job_name",
+]
+
+LABEL_PREFIX = "org.swarmfd."
+LABEL_JOB = "org.swarmfd.job"
+LABEL_WORLD_SIZE = "org.swarmfd.world-size"
+LABEL_IMAGE = "org.swarmfd.image"
+LABEL_VERSION = "org.swarmfd.version"
+#: Set on the service when a rank failed: which rank, its exit code and node.
+LABEL_FAILURE = "org.swarmfd.failure"
+#: Set with it: the ranks swarmfd stopped because of that failure ("0,2").
+LABEL_STOPPED = "org.swarmfd.stopped"
+
+DEFAULT_MASTER_PORT = 29500
+#: Longest job name: the hostname ``<job>-<slot>`` must stay a valid DNS label (<= 63).
+MAX_JOB_NAME = 50
+
+#: How LOCAL_RANK/LOCAL_WORLD_SIZE are defined: per container (0 of 1, the entrypoint's
+#: default) or per node (derived by swarmfd at rendezvous from SWARMFD_NODE).
+LOCAL_RANK_MODES = ("container", "node")
+
+#: Variables the job sets for every rank; ``-e`` may not set them (use the options).
+RESERVED_ENV = {
+    "WORLD_SIZE": "-n",
+    "RANK": "-n (RANK comes from the task slot)",
+    "SWARMFD_TASK_SLOT": "-n (Swarm sets the task slot)",
+    "MASTER_ADDR": "(rank 0 is <job>-1)",
+    "MASTER_PORT": "--master-port",
+    "SWARMFD_TIMEOUT": "--timeout",
+    "SWARMFD_JOB": "--name",
+}
+
+_JOB_NAME_RE = re.compile(r"^[a-z]([a-z0-9-]*[a-z0-9])?$")
+_ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]*[A-Za-z0-9])?$")
+_WORDS = (
+    "amber", "brisk", "calm", "dusty", "eager", "fuzzy", "gentle", "hazy", "icy", "jolly",
+    "keen", "lucid", "mellow", "nimble", "olive", "proud", "quiet", "rapid", "sunny", "tidy",
+    "umber", "vivid", "witty", "young", "zesty",
+)
+
+
+# --- names ---------------------------------------------------------------------------
+
+
+def validate_job_name(name: str) -> str:
+    """Return ``name`` if it is a usable job name, else raise ``ValueError`` saying why.
+
+    A job name becomes the service name, the network name and (with ``-<slot>``) each
+    task's DNS name, so it must be a DNS label: lowercase letters, digits and hyphens,
+    starting with a letter, not ending with a hyphen, at most 50 characters.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"job name must be a string, got {name!r}")
+    if not name:
+        raise ValueError("job name is empty: expected e.g. 'mnist-run-1'")
+    if len(name) > MAX_JOB_NAME:
+        raise ValueError(
+            f"job name {name!r} is {len(name)} characters long: at most {MAX_JOB_NAME} "
+            "(the task host names <job>-<slot> must be valid DNS labels)"
+        )
+    if not _JOB_NAME_RE.match(name):
+        raise ValueError(
+            f"job name {name!r} is not DNS-safe: expected lowercase letters, digits and "
+            "hyphens, starting with a letter and not ending with a hyphen (e.g. 'mnist-run-1')"
+        )
+    return name
+
+
+def generate_job_name() -> str:
+    """A fresh job name ``swarmfd-<word>-<4 hex digits>``, e.g. ``swarmfd-keen-3fa9``."""
+    return f"swarmfd-{secrets.choice(_WORDS)}-{secrets.token_hex(2)}"
+
+
+# --- option parsers --------------------------------------------------------------------
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_memory(text: str, what: str = "memory") -> int:
+    """Parse a memory size like Docker does: ``512M``, ``2G``, ``1.5g``, ``64MiB``, ``1048576``.
+
+    Units are binary (``1K`` = 1024 bytes); a bare number is bytes. Returns bytes (> 0).
+    """
+    match = _SIZE_RE.match(str(text))
+    if match is None or (match.group(3) and match.group(3).lower() == "ib" and
+                         not match.group(2)):
+        raise ValueError(
+            f"bad {what} size {text!r}: expected a number with an optional unit K, M, G or T "
+            "(binary, 1K = 1024 bytes), e.g. 512M or 2G"
+        )
+    value = float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
+    if value < 1:
+        raise ValueError(f"bad {what} size {text!r}: expected at least 1 byte")
+    return int(value)
+
+
+def parse_cpus(text: str | float, what: str = "cpu") -> int:
+    """Parse a CPU count (``0.5``, ``2``) into Swarm's NanoCPUs (``0.5`` -> 500000000)."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"bad {what} count {text!r}: expected a positive number, e.g. 0.5 or 2")
+    nano = round(value * 1e9)
+    if nano < 1:
+        raise ValueError(f"bad {what} count {text!r}: too small (the unit is 1e-9 CPU)")
+    return nano
+
+
+def parse_env_items(
+    items: Sequence[str], environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """Parse ``-e KEY=VALUE`` items; a bare ``KEY`` takes its value from ``environ``.
+
+    Raises ``ValueError`` for malformed keys, bare keys that are not set locally, and
+    the variables the job owns (:data:`RESERVED_ENV`, each naming the option to use).
+    """
+    local = os.environ if environ is None else environ
+    env: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not _ENV_KEY_RE.match(key):
+            raise ValueError(
+                f"bad environment item {item!r}: expected KEY=VALUE (or KEY to pass this "
+                "shell's value), e.g. -e OMP_NUM_THREADS=1"
+            )
+        if key in RESERVED_ENV:
+            raise ValueError(
+                f"-e {key} is not allowed: swarmfd sets {key} for every rank; use "
+                f"{RESERVED_ENV[key]}"
+            )
+        if not sep:
+            if key not in local:
+                raise ValueError(
+                    f"-e {key}: {key} is not set in this shell; give a value with "
+                    f"-e {key}=VALUE"
+                )
+            value = local[key]
+        env[key] = value
+    return env
+
+
+def parse_labels(items: Sequence[str]) -> dict[str, str]:
+    """Parse ``--label KEY=VALUE`` (or bare ``KEY``, an empty value); ``org.swarmfd.*`` is
+    reserved for swarmfd's own labels."""
+    labels: dict[str, str] = {}
+    for item in items:
+        key, _sep, value = item.partition("=")
+        if not _LABEL_KEY_RE.match(key):
+            raise ValueError(
+                f"bad label {item!r}: expected KEY=VALUE with a key of letters, digits, "
+                "'.', '-', '_' or '/', e.g. --label team=vision"
+            )
+        if key.startswith(LABEL_PREFIX):
+            raise ValueError(
+                f"label {key!r} is reserved: swarmfd sets the {LABEL_PREFIX}* labels itself"
+            )
+        labels[key] = value
+    return labels
+
+
+_CONSTRAINT_RE = re.compile(r"^\s*([A-Za-z0-9_.\-/]+)\s*(==|!=)\s*(\S.*?)\s*$")
+
+
+def parse_constraint(text: str) -> str:
+    """Validate a placement constraint (``node.role==worker``, ``node.labels.gpu!=none``)."""
+    match = _CONSTRAINT_RE.match(text)
+    if match is None:
+        raise ValueError(
+            f"bad constraint {text!r}: expected ATTRIBUTE==VALUE or ATTRIBUTE!=VALUE, e.g. "
+            "node.role==worker or node.labels.gpu==true"
+        )
+    attribute, op, value = match.groups()
+    return f"{attribute}{op}{value}"
+
+
+def parse_generic_resource(text: str) -> dict[str, Any]:
+    """Parse ``--generic-resource KIND=VALUE`` like ``docker service create`` does.
+
+    An integer value is a count (``gpu=1`` -> a DiscreteResourceSpec: one unit of a
+    resource the nodes advertise, e.g. GPUs), anything else names a resource
+    (``gpu=GPU-1a2b`` -> a NamedResourceSpec).
+    """
+    kind, sep, value = text.partition("=")
+    kind, value = kind.strip(), value.strip()
+    if not sep or not kind or not value or not re.match(r"^[A-Za-z0-9_.\-]+$", kind):
+        raise ValueError(
+            f"bad generic resource {text!r}: expected KIND=COUNT or KIND=NAME, e.g. gpu=1"
+        )
+    if re.fullmatch(r"\d+", value):
+        count = int(value)
+        if count < 1:
+            raise ValueError(f"bad generic resource {text!r}: the count must be >= 1")
+        return {"DiscreteResourceSpec": {"Kind": kind, "Value": count}}
+    return {"NamedResourceSpec": {"Kind": kind, "Value": value}}
+
+
+_MOUNT_TYPES = ("bind", "volume", "tmpfs")
+_TRUE = ("", "1", "true", "yes")
+_FALSE = ("0", "false", "no")
+
+
+def _bool_field(key: str, value: str, text: str) -> bool:
+    if value.lower() in _TRUE:
+        return True
+    if value.lower() in _FALSE:
+        return False
+    raise ValueError(f"bad mount {text!r}: {key}={value!r} is not true or false")
+
+
+def parse_mount(text: str) -> dict[str, Any]:
+    """Parse a ``--mount`` item (Docker's syntax) into an Engine API ``Mount`` object.
+
+    ``type=bind,src=/data,dst=/data,readonly``, ``type=volume,src=cache,dst=/cache``,
+    ``type=tmpfs,dst=/scratch,tmpfs-size=1G``. Keys: type (default volume),
+    source|src, target|destination|dst, readonly|ro, bind-propagation,
+    volume-driver, volume-opt=K=V (repeatable), volume-label=K=V, volume-nocopy,
+    tmpfs-size, tmpfs-mode. A bind source must be an absolute path that exists on
+    every node a rank may run on.
+    """
+    fields: dict[str, str] = {}
+    volume_opts: dict[str, str] = {}
+    volume_labels: dict[str, str] = {}
+    for raw in text.split(","):
+        part = raw.strip()
+        if not part:
+            continue
+        key, sep, value = part.partition("=")
+        key = key.strip().lower()
+        if key == "volume-opt" or key == "volume-label":
+            okey, osep, ovalue = value.partition("=")
+            if not osep or not okey:
+                raise ValueError(f"bad mount {text!r}: {key} needs KEY=VALUE, got {value!r}")
+            (volume_opts if key == "volume-opt" else volume_labels)[okey] = ovalue
+            continue
+        if key in ("readonly", "ro", "volume-nocopy") and not sep:
+            value = "true"
+        elif not sep:
+            raise ValueError(f"bad mount {text!r}: {part!r} is not KEY=VALUE")
+        aliases = {"src": "source", "dst": "target", "destination": "target", "ro": "readonly"}
+        key = aliases.get(key, key)
+        known = ("type", "source", "target", "readonly", "bind-propagation", "volume-driver",
+                 "volume-nocopy", "tmpfs-size", "tmpfs-mode", "consistency")
+        if key not in known:
+            raise ValueError(
+                f"bad mount {text!r}: unknown key {key!r} (expected type, source/src, "
+                "target/dst, readonly, bind-propagation, volume-driver, volume-opt, "
+                "volume-label, volume-nocopy, tmpfs-size, tmpfs-mode)"
+            )
+        if key in fields:
+            raise ValueError(f"bad mount {text!r}: {key} given twice")
+        fields[key] = value.strip()
+    mount_type = fields.get("type", "volume").lower()
+    if mount_type not in _MOUNT_TYPES:
+        raise ValueError(
+            f"bad mount {text!r}: type={mount_type!r} is not one of {', '.join(_MOUNT_TYPES)}"
+        )
+    target = fields.get("target", "")
+    if not target.startswith("/"):
+        raise ValueError(
+            f"bad mount {text!r}: expected an absolute target path (dst=/path in the container)"
+        )
+    source = fields.get("source", "")
+    mount: dict[str, Any] = {"Type": mount_type, "Target": target}
+    if mount_type == "bind":
+        if not source.startswith("/"):
+            raise ValueError(
+                f"bad mount {text!r}: a bind mount needs an absolute source path "
+                "(src=/path on the node)"
+            )
+        mount["Source"] = source
+    elif mount_type == "volume":
+        if source:
+            mount["Source"] = source
+    elif source:
+        raise ValueError(f"bad mount {text!r}: a tmpfs mount takes no source")
+    if "readonly" in fields:
+        mount["ReadOnly"] = _bool_field("readonly", fields["readonly"], text)
+    for key in ("bind-propagation",):
+        if key in fields and mount_type != "bind":
+            raise ValueError(f"bad mount {text!r}: {key} applies to type=bind only")
+    if mount_type != "volume" and (
+        volume_opts or volume_labels or "volume-driver" in fields or "volume-nocopy" in fields
+    ):
+        raise ValueError(f"bad mount {text!r}: volume-* options apply to type=volume only")
+    if mount_type != "tmpfs" and ("tmpfs-size" in fields or "tmpfs-mode" in fields):
+        raise ValueError(f"bad mount {text!r}: tmpfs-* options apply to type=tmpfs only")
+    if "bind-propagation" in fields:
+        propagation = fields["bind-propagation"]
+        allowed = ("private", "rprivate", "shared", "rshared", "slave", "rslave")
+        if propagation not in allowed:
+            raise ValueError(
+                f"bad mount {text!r}: bind-propagation={propagation!r} is not one of "
+                f"{', '.join(allowed)}"
+            )
+        mount["BindOptions"] = {"Propagation": propagation}
+    if mount_type == "volume":
+        options: dict[str, Any] = {}
+        if "volume-nocopy" in fields:
+            options["NoCopy"] = _bool_field("volume-nocopy", fields["volume-nocopy"], text)
+        if volume_labels:
+            options["Labels"] = volume_labels
+        if "volume-driver" in fields or volume_opts:
+            driver: dict[str, Any] = {"Name": fields.get("volume-driver", "local")}
+            if volume_opts:
+                driver["Options"] = volume_opts
+            options["DriverConfig"] = driver
+        if options:
+            mount["VolumeOptions"] = options
+    if mount_type == "tmpfs":
+        options = {}
+        if "tmpfs-size" in fields:
+            options["SizeBytes"] = parse_memory(fields["tmpfs-size"], "tmpfs")
+        if "tmpfs-mode" in fields:
+            try:
+                options["Mode"] = int(fields["tmpfs-mode"], 8)
+            except ValueError:
+                raise ValueError(
+                    f"bad mount {text!r}: tmpfs-mode={fields['tmpfs-mode']!r} is not an "
+                    "octal mode like 1777"
+                ) from None
+        if options:
+            mount["TmpfsOptions"] = options
+    return mount
+
+
+# --- the job ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything ``swarmfd deploy`` needs to create a job, validated on construction.
+
+    ``image_ref`` is what the service runs: the image ID (``sha256:...``) when the image
+    exists locally, so no task start consults a registry. ``image`` is the name the
+    user gave (kept as a label, shown by ``swarmfd ls``).
+    """
+
+    name: str
+    image: str
+    image_ref: str
+    world_size: int
+    command: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)
+    mounts: tuple[Mapping[str, Any], ...] = ()
+    workdir: str | None = None
+    networks: tuple[str, ...] = ()
+    constraints: tuple[str, ...] = ()
+    reserve_cpu: int | None = None  # NanoCPUs
+    limit_cpu: int | None = None
+    reserve_memory: int | None = None  # bytes
+    limit_memory: int | None = None
+    generic_resources: tuple[Mapping[str, Any], ...] = ()
+    labels: Mapping[str, str] = field(default_factory=dict)
+    master_port: int = DEFAULT_MASTER_PORT
+    timeout: float | None = None
+    max_per_node: int | None = None
+    local_ranks: str = "container"
+    version: str = ""
+
+    def __post_init__(self) -> None:
+        validate_job_name(self.name)
+        if not isinstance(self.image, str) or not self.image.strip():
+            raise ValueError("image is empty: expected an image name like swarmfd:latest")
+        if not isinstance(self.image_ref, str) or not self.image_ref.strip():
+            raise ValueError("image_ref is empty: expected an image ID or reference")
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int):
+            raise TypeError(f"world_size must be an int, got {self.world_size!r}")
+        if self.world_size < 1:
+            raise ValueError(f"the number of ranks must be >= 1, got -n {self.world_size}")
+        if not self.command:
+            raise ValueError(
+                "missing COMMAND: give the program every rank runs after '--', "
+                "e.g. -- python train.py --epochs 3"
+            )
+        if not all(isinstance(a, str) for a in self.command):
+            raise TypeError(f"command must be a sequence of strings, got {self.command!r}")
+        if isinstance(self.master_port, bool) or not isinstance(self.master_port, int) or not (
+            1 <= self.master_port <= 65535
+        ):
+            raise ValueError(f"--master-port must be in 1..65535, got {self.master_port!r}")
+        if self.timeout is not None and (
+            not isinstance(self.timeout, (int, float)) or not math.isfinite(self.timeout)
+            or self.timeout <= 0
+        ):
+            raise ValueError(
+                f"--timeout must be a positive number of seconds, got {self.timeout!r}"
+            )
+        if self.max_per_node is not None and (
+            isinstance(self.max_per_node, bool) or not isinstance(self.max_per_node, int)
+            or self.max_per_node < 1
+        ):
+            raise ValueError(f"--max-per-node must be an integer >= 1, got {self.max_per_node!r}")
+        if self.workdir is not None and not self.workdir.startswith("/"):
+            raise ValueError(f"--workdir must be an absolute path, got {self.workdir!r}")
+        if self.local_ranks not in LOCAL_RANK_MODES:
+            raise ValueError(
+                f"--local-ranks must be one of {', '.join(LOCAL_RANK_MODES)}, "
+                f"got {self.local_ranks!r}"
+            )
+        for key in self.env:
+            if key in RESERVED_ENV:
+                raise ValueError(f"env {key} is set by swarmfd; use {RESERVED_ENV[key]}")
+        for reserve, limit, what in (
+            (self.reserve_cpu, self.limit_cpu, "cpu"),
+            (self.reserve_memory, self.limit_memory, "memory"),
+        ):
+            if reserve is not None and limit is not None and reserve > limit:
+                raise ValueError(
+                    f"--reserve-{what} is larger than --limit-{what}: a task could never get "
+                    "what it reserves"
+                )
+        for net in self.networks:
+            if net == self.name:
+                raise ValueError(
+                    f"--network {net}: the job's own network has the job's name already"
+                )
+        targets = [m.get("Target") for m in self.mounts]
+        duplicates = sorted({t for t in targets if targets.count(t) > 1})
+        if duplicates:
+            raise ValueError(f"--mount: the target {duplicates[0]} is mounted twice")
+
+    def job_labels(self) -> dict[str, str]:
+        """The labels on every object of the job (service, network, containers)."""
+        return {**self.labels, LABEL_JOB: self.name}
+
+    def task_env(self) -> list[str]:
+        """The service's environment, ``KEY=VALUE`` strings (templates expanded by Swarm)."""
+        contract = {
+            "WORLD_SIZE": str(self.world_size),
+            "SWARMFD_TASK_SLOT": "{{.Task.Slot}}",
+            "MASTER_ADDR": "{{.Service.Name}}-1",
+            "MASTER_PORT": str(self.master_port),
+            "SWARMFD_JOB": self.name,
+        }
+        if self.timeout is not None:
+            contract["SWARMFD_TIMEOUT"] = f"{self.timeout:g}"
+        if self.local_ranks == "node":
+            # The entrypoint then leaves LOCAL_RANK/LOCAL_WORLD_SIZE unset, and swarmfd
+            # derives them at rendezvous by grouping the ranks on SWARMFD_NODE.
+            contract["SWARMFD_NODE"] = "{{.Node.Hostname}}"
+        # Defaults first (the user may override them), the contract last (it may not).
+        merged = {"PYTHONUNBUFFERED": "1", **self.env, **contract}
+        return [f"{k}={v}" for k, v in merged.items()]
+
+
+def build_service_spec(job: JobSpec) -> dict[str, Any]:
+    """The Engine API ``ServiceSpec`` of the job (``POST /services/create`` body)."""
+    container: dict[str, Any] = {
+        "Image": job.image_ref,
+        # Args, not Command: Command would replace the image's ENTRYPOINT (the swarmfd
+        # entrypoint that turns the task slot into RANK).
+        "Args": list(job.command),
+        "Env": job.task_env(),
+        "Hostname": "{{.Service.Name}}-{{.Task.Slot}}",
+        "Init": True,
+        "Labels": job.job_labels(),
+    }
+    if job.workdir:
+        container["Dir"] = job.workdir
+    if job.mounts:
+        container["Mounts"] = [dict(m) for m in job.mounts]
+    resources: dict[str, Any] = {}
+    limits = {k: v for k, v in (("NanoCPUs", job.limit_cpu),
+                                ("MemoryBytes", job.limit_memory)) if v is not None}
+    reservations: dict[str, Any] = {
+        k: v for k, v in (("NanoCPUs", job.reserve_cpu), ("MemoryBytes", job.reserve_memory))
+        if v is not None
+    }
+    if job.generic_resources:
+        reservations["GenericResources"] = [dict(r) for r in job.generic_resources]
+    if limits:
+        resources["Limits"] = limits
+    if reservations:
+        resources["Reservations"] = reservations
+    placement: dict[str, Any] = {}
+    if job.constraints:
+        placement["Constraints"] = list(job.constraints)
+    if job.max_per_node is not None:
+        placement["MaxReplicas"] = job.max_per_node
+    task: dict[str, Any] = {
+        "ContainerSpec": container,
+        # One-shot ranks: a task that ends is never restarted (a restarted rank could not
+        # rejoin a running group; `swarmfd deploy` stops the job when a rank fails).
+        "RestartPolicy": {"Condition": "none", "MaxAttempts": 0},
+        "Networks": [{"Target": job.name}] + [{"Target": n} for n in job.networks],
+    }
+    if resources:
+        task["Resources"] = resources
+    if placement:
+        task["Placement"] = placement
+    labels = {
+        **job.job_labels(),
+        LABEL_WORLD_SIZE: str(job.world_size),
+        LABEL_IMAGE: job.image,
+    }
+    if job.version:
+        labels[LABEL_VERSION] = job.version
+    return {
+        "Name": job.name,
+        "Labels": labels,
+        "TaskTemplate": task,
+        # replicated, not replicated-job: a job-mode task's {{.Task.Slot}} is not 1..N,
+        # and job mode runs one task at a time unless MaxConcurrent is set.
+        "Mode": {"Replicated": {"Replicas": job.world_size}},
+        # No virtual IP: it needs IPVS, which not every host has; ranks use task names.
+        "EndpointSpec": {"Mode": "dnsrr"},
+    }
+
+
+def build_network_spec(job: JobSpec) -> dict[str, Any]:
+    """Keyword arguments of the job's network: attachable overlay, labelled."""
+    return {
+        "name": job.name,
+        "driver": "overlay",
+        "attachable": True,
+        "labels": job.job_labels(),
+    }
