@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -59,6 +60,27 @@ def _docker_api_error() -> type[Exception]:
     import docker.errors
 
     return docker.errors.DockerException
+
+
+class _TextSink:
+    """A binary-write front for a text stream that has no ``.buffer``."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, data: bytes) -> int:
+        return int(self._stream.write(data.decode("utf-8", "replace")) or 0)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+
+def _rank_output(prefix: bool) -> Any:
+    """Rank-prefixed output to this process's stdout/stderr (bytes, never re-encoded)."""
+    from .swarm.follow import RankOutput
+
+    out, err = (getattr(s, "buffer", None) or _TextSink(s) for s in (sys.stdout, sys.stderr))
+    return RankOutput(out, err, prefix=prefix)
 
 
 def _connect(host: str | None, max_pool_size: int = 10) -> tuple[Any, str]:
@@ -186,7 +208,6 @@ def deploy(
     """
     from .swarm import spec as spec_lib
     from .swarm.deploy import interrupt_hint, run_deploy, stderr_progress
-    from .swarm.follow import RankOutput
 
     if not command:
         raise click.UsageError(
@@ -231,8 +252,7 @@ def deploy(
     except (ValueError, TypeError) as exc:
         raise click.UsageError(str(exc), ctx) from None
     keep = "always" if keep_flag else "never" if rm_flag else "on-failure"
-    output = RankOutput(click.get_binary_stream("stdout"), click.get_binary_stream("stderr"),
-                        prefix=not no_prefix)
+    output = _rank_output(prefix=not no_prefix)
     try:
         result = run_deploy(job, host=host, pull=pull, detach=detach, keep=keep, output=output,
                             progress=stderr_progress("swarmfd deploy"))
@@ -382,7 +402,7 @@ def logs(ctx: click.Context, job: str, follow: bool, ranks: tuple[int, ...], no_
     """
     from .swarm.engine import find_service, world_size_of
     from .swarm.errors import JobNotFoundError
-    from .swarm.follow import RankOutput, print_logs
+    from .swarm.follow import print_logs
 
     # Each log reader holds one connection: size the pool for them.
     client, node_id = _connect(host, max_pool_size=64)
@@ -394,8 +414,7 @@ def logs(ctx: click.Context, job: str, follow: bool, ranks: tuple[int, ...], no_
         bad = [r for r in ranks if r >= world]
         if bad:
             raise click.UsageError(f"--rank {bad[0]}: job {job} has ranks 0..{world - 1}", ctx)
-        output = RankOutput(click.get_binary_stream("stdout"), click.get_binary_stream("stderr"),
-                            prefix=not no_prefix)
+        output = _rank_output(prefix=not no_prefix)
         try:
             problems = print_logs(client, service["ID"], node_id, output,
                                   ranks=ranks or None, follow=follow)
