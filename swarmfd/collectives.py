@@ -2,6 +2,12 @@
 
 Algorithms (N ranks, S bytes):
 
+* **Ranks on one host** (``swarmfd run``): shared memory (:mod:`swarmfd.shm`).
+  Each rank copies its round of data into its own segment; after a barrier each
+  reduces its 1/N chunk from all segments, and after the next barrier copies
+  the reduced chunks out. Small buffers: one barrier, every rank reduces all in
+  rank order. The TCP algorithms below run between hosts, or with
+  ``SWARMFD_TRANSPORT=tcp``.
 * **all_reduce**, large: the ring. Reduce-scatter then all-gather over N
   chunks of the flat buffer, each chunk cut into pieces of about
   ``PIECE_BYTES``; a piece is forwarded as soon as it is reduced, so the
@@ -36,6 +42,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from . import group as _group
+from . import shm as _shm
 from . import wire
 from .errors import SwarmfdError
 from .wire import Collective, ReduceOp, Signature
@@ -47,6 +54,9 @@ SMALL_BYTES = 1 << 16
 #: The direct exchange sends (N-1) copies: use it only for groups up to this size.
 SMALL_MAX_WORLD = 8
 
+#: Over shared memory, up to this many bytes every rank reduces the whole round itself
+#: (one barrier); above it each rank reduces its 1/N and copies the rest (two barriers).
+SHM_SMALL_BYTES = 1 << 18
 #: Tag of the acknowledgement that ends broadcast and reduce (message tags count up from 0).
 ACK = 0xFFFFFFFF
 
@@ -142,11 +152,12 @@ def _flat(arr: np.ndarray) -> tuple[np.ndarray, Callable[[], None] | None]:
 class _Call:
     """One collective call: its group, transport, sequence number and signature."""
 
-    __slots__ = ("N", "g", "rank", "seq", "sig", "t")
+    __slots__ = ("N", "g", "rank", "s", "seq", "sig", "t")
 
     def __init__(self, g: _group.Group, sig: Signature) -> None:
         self.g = g
         self.t = g.transport
+        self.s = g.shm
         self.rank = g.config.rank
         self.N = g.config.world_size
         self.seq = g.seq
@@ -167,12 +178,16 @@ def _run(g: _group.Group, sig: Signature, body: Callable[[_Call], T]) -> T:
     if t is None:
         return body(call)
     t.activity = f"{sig.coll.label} (call #{g.seq} on rank {call.rank})"
+    if call.s is not None:
+        call.s.activity = t.activity
     try:
         result = body(call)
         t.flush()
         return result
     except BaseException as exc:
         g.broken = exc
+        if call.s is not None:
+            call.s.abort(exc)
         t.abort(exc)
         raise
     finally:
@@ -217,6 +232,9 @@ def _all_reduce_flat(c: _Call, buf: np.ndarray, op: ReduceOp) -> None:
     if c.N == 1:
         return
     ufunc = _UFUNCS[op]
+    if c.s is not None:
+        _shm_all_reduce(c, c.s, buf, ufunc)
+        return
     if _use_direct(buf.nbytes, c.N) or buf.size < c.N:
         _direct_all_reduce(c, buf, ufunc)
     else:
@@ -274,6 +292,9 @@ def _ring_all_reduce(c: _Call, buf: np.ndarray, ufunc: np.ufunc) -> None:
 def _broadcast_flat(c: _Call, buf: np.ndarray, src: int) -> None:
     if c.N == 1:
         return
+    if c.s is not None:
+        _shm_broadcast(c, c.s, buf, src)
+        return
     t = c.t
     assert t is not None
     # Senders only send, so each collective that has them ends with an acknowledgement
@@ -315,6 +336,9 @@ def _reduce_flat(c: _Call, buf: np.ndarray, dst: int, op: ReduceOp) -> None:
     t = c.t
     assert t is not None
     ufunc = _UFUNCS[op]
+    if c.s is not None:
+        _shm_reduce(c, c.s, buf, dst, ufunc)
+        return
     if _use_direct(buf.nbytes, c.N):
         if c.rank != dst:
             t.send(dst, c.sig, c.seq, 0, buf)
@@ -360,6 +384,9 @@ def _all_gather_flat(c: _Call, flat: np.ndarray, out: np.ndarray) -> None:
     out[c.rank] = flat
     if c.N == 1:
         return
+    if c.s is not None:
+        _shm_all_gather(c, c.s, flat, out)
+        return
     t = c.t
     assert t is not None
     N, rank = c.N, c.rank
@@ -392,11 +419,99 @@ def _barrier(c: _Call) -> None:
     t = c.t
     if t is None:
         return
+    if c.s is not None:
+        c.s.barrier(c.sig, c.seq, 0)
+        return
     d, step = 1, 0
     while d < c.N:
         t.send((c.rank + d) % c.N, c.sig, c.seq, step, b"")
         t.recv((c.rank - d) % c.N, c.sig, c.seq, step, 0)
         d, step = d * 2, step + 1
+
+
+# -- shared memory (ranks on one host) -------------------------------------------------
+#
+# Each round moves up to SEGMENT_BYTES: copy in to this rank's slot, barrier, read the
+# peers' slots. Slots rotate (three of them), so a rank rewrites a slot only after every
+# rank passed a later barrier, that is, after everyone finished reading it.
+
+
+def _shm_all_reduce(c: _Call, s: _shm.ShmChannel, buf: np.ndarray, ufunc: np.ufunc) -> None:
+    N, rank = c.N, c.rank
+    rounds = _shm.split_rounds(buf.nbytes, buf.itemsize)
+    if buf.nbytes <= SHM_SMALL_BYTES or buf.size < N:
+        # One round; every rank reduces all of it in rank order: identical everywhere.
+        slot = s.next_slot()
+        regions = [s.region(p, slot, buf.dtype, buf.size) for p in range(N)]
+        regions[rank][...] = buf
+        s.barrier(c.sig, c.seq, 0)
+        np.copyto(buf, regions[0])
+        for p in range(1, N):
+            ufunc(buf, regions[p], out=buf)
+        return
+    # Pipelined rounds, one barrier each: copy in round r, barrier, copy out the reduced
+    # round r-1, reduce this rank's chunk of round r in place in its own segment. The
+    # barrier after copy-in r also tells that everyone finished reducing r-1. Three slots
+    # rotate, so a slot is rewritten only after every rank is done reading it.
+    pending: tuple[np.ndarray, list[np.ndarray], list[tuple[int, int]]] | None = None
+    for r, (a, b) in enumerate(rounds):
+        slot = s.next_slot()
+        regions = [s.region(p, slot, buf.dtype, b - a) for p in range(N)]
+        regions[rank][...] = buf[a:b]
+        s.barrier(c.sig, c.seq, r)
+        if pending is not None:
+            _copy_out(*pending)
+        chunks = _split(b - a, N)
+        ca, cb = chunks[rank]
+        mine = regions[rank][ca:cb]
+        for p in range(N):
+            if p != rank:
+                ufunc(mine, regions[p][ca:cb], out=mine)
+        pending = (buf[a:b], regions, chunks)
+    s.barrier(c.sig, c.seq, len(rounds))
+    assert pending is not None
+    _copy_out(*pending)
+
+
+def _copy_out(seg: np.ndarray, regions: list[np.ndarray], chunks: list[tuple[int, int]]) -> None:
+    for p, (pa, pb) in enumerate(chunks):
+        seg[pa:pb] = regions[p][pa:pb]
+
+
+def _shm_broadcast(c: _Call, s: _shm.ShmChannel, buf: np.ndarray, src: int) -> None:
+    for r, (a, b) in enumerate(_shm.split_rounds(buf.nbytes, buf.itemsize)):
+        slot = s.next_slot()
+        region = s.region(src, slot, buf.dtype, b - a)
+        if c.rank == src:
+            region[...] = buf[a:b]
+        s.barrier(c.sig, c.seq, r)
+        if c.rank != src:
+            buf[a:b] = region
+
+
+def _shm_reduce(c: _Call, s: _shm.ShmChannel, buf: np.ndarray, dst: int,
+                ufunc: np.ufunc) -> None:
+    for r, (a, b) in enumerate(_shm.split_rounds(buf.nbytes, buf.itemsize)):
+        slot = s.next_slot()
+        regions = [s.region(p, slot, buf.dtype, b - a) for p in range(c.N)]
+        regions[c.rank][...] = buf[a:b]
+        s.barrier(c.sig, c.seq, r)
+        if c.rank == dst:
+            seg = buf[a:b]
+            np.copyto(seg, regions[0])
+            for p in range(1, c.N):
+                ufunc(seg, regions[p], out=seg)
+
+
+def _shm_all_gather(c: _Call, s: _shm.ShmChannel, flat: np.ndarray, out: np.ndarray) -> None:
+    for r, (a, b) in enumerate(_shm.split_rounds(flat.nbytes, flat.itemsize)):
+        slot = s.next_slot()
+        regions = [s.region(p, slot, flat.dtype, b - a) for p in range(c.N)]
+        regions[c.rank][...] = flat[a:b]
+        s.barrier(c.sig, c.seq, r)
+        for p in range(c.N):
+            if p != c.rank:
+                out[p, a:b] = regions[p]
 
 
 # -- public functions -------------------------------------------------------------------

@@ -54,3 +54,46 @@ class RendezvousError(SwarmfdError, RuntimeError):
 
 class RendezvousTimeout(RendezvousError, TimeoutError):
     """Rendezvous did not complete within the timeout."""
+
+
+class _AbortedTimeout(AbortedError, CollectiveTimeout):
+    """Another rank timed out; re-raised here as a timeout too."""
+
+
+class _AbortedLost(AbortedError, PeerLostError):
+    """Another rank lost a peer; re-raised here as a lost peer too."""
+
+
+class _AbortedMismatch(AbortedError, MismatchError):
+    """Another rank saw a mismatch; re-raised here as a mismatch too."""
+
+
+_ABORT_KINDS: dict[str, type[CollectiveError]] = {
+    "timeout": _AbortedTimeout,
+    "lost": _AbortedLost,
+    "mismatch": _AbortedMismatch,
+}
+
+
+def abort_kind(error: BaseException) -> str:
+    """The word an abort message uses for ``error`` (so peers re-raise the same kind)."""
+    if isinstance(error, CollectiveTimeout):
+        return "timeout"
+    if isinstance(error, PeerLostError):
+        return "lost"
+    if isinstance(error, MismatchError):
+        return "mismatch"
+    return "error"
+
+
+def error_from_abort(activity: str, src: int, payload: bytes) -> CollectiveError:
+    """The error to raise when rank ``src`` sent an abort with JSON ``payload``."""
+    import json
+
+    try:
+        info = json.loads(payload.decode("utf-8"))
+        kind, message = str(info["kind"]), str(info["message"])
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        kind, message = "error", "(unreadable reason)"
+    cls = _ABORT_KINDS.get(kind, AbortedError)
+    return cls(f"{activity}: rank {src} failed and aborted the group: {message}")

@@ -23,6 +23,7 @@ from collections import Counter
 
 import numpy as np
 
+from . import shm as _shm
 from . import transport as _transport
 from .config import Config, config_from_env
 from .errors import (
@@ -33,6 +34,8 @@ from .errors import (
 )
 
 ENV_NODE = "SWARMFD_NODE"
+#: ``auto`` (default): shared memory between ranks of one host, TCP otherwise; ``tcp``: TCP only.
+ENV_TRANSPORT = "SWARMFD_TRANSPORT"
 
 
 class Group:
@@ -42,6 +45,7 @@ class Group:
         self.config = config
         self.transport = transport
         self.seq = 0
+        self.shm: _shm.ShmChannel | None = None
         self.broken: BaseException | None = None
         self._scratch: dict[np.dtype, np.ndarray] = {}
 
@@ -132,15 +136,59 @@ def _start(config: Config) -> Config:
         t = _transport.Transport(config.rank, config.world_size, config.timeout, bind_ip)
         try:
             host = os.environ.get(ENV_NODE) or socket.gethostname()
-            peers = _transport.rendezvous(t, master_ip, config.master_port, deadline, host)
+            mode = (os.environ.get(ENV_TRANSPORT) or "auto").strip().lower()
+            if mode not in ("auto", "tcp"):
+                raise ConfigError(f"{ENV_TRANSPORT}={mode!r} is invalid: expected 'auto' or 'tcp'")
+            hostkey = _shm.host_key() if mode == "auto" else ""
+            peers, token = _transport.rendezvous(t, master_ip, config.master_port, deadline,
+                                                 host, hostkey)
             t.connect(peers)
             config = _with_local_ranks(config, [p.host for p in peers])
         except BaseException:
             t.close()
             raise
         t.activity = "idle"
-        _group = Group(config, t)
-        return config
+        g = Group(config, t)
+        _group = g
+    if hostkey and all(p.hostkey == hostkey for p in peers):
+        try:
+            _setup_shm(g, token)
+        except BaseException:
+            cleanup()
+            raise
+    return config
+
+
+def _setup_shm(g: Group, token: str) -> None:
+    """Switch the group to shared memory when every rank could map every segment.
+
+    The ranks agree through two small all_reduces over TCP, so one rank that
+    cannot create or open a file (a full /dev/shm, say) makes all of them stay
+    on TCP instead of hanging.
+    """
+    from . import collectives
+
+    t = g.transport
+    assert t is not None
+    channel = _shm.ShmChannel(g.config.rank, g.config.world_size, token, g.config.timeout,
+                              t.check_peer)
+    ok = np.ones(1, np.int8)
+    try:
+        channel.create()
+    except OSError:
+        ok[0] = 0
+    collectives.all_reduce(ok, op="min")
+    if ok[0]:
+        try:
+            channel.open_peers()
+        except OSError:
+            ok[0] = 0
+        collectives.all_reduce(ok, op="min")
+    channel.unlink_own()
+    if ok[0]:
+        g.shm = channel
+    else:
+        channel.close()
 
 
 def _with_local_ranks(config: Config, hosts: list[str]) -> Config:
@@ -182,6 +230,8 @@ def cleanup() -> None:
     global _group
     with _lock:
         g, _group = _group, None
+    if g is not None and g.shm is not None:
+        g.shm.close()
     if g is not None and g.transport is not None:
         try:
             g.transport.flush()

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import socket
 import time
 from collections.abc import Sequence
@@ -51,6 +52,8 @@ from .errors import (
     ProtocolError,
     RendezvousError,
     RendezvousTimeout,
+    abort_kind,
+    error_from_abort,
 )
 
 #: How long a peer whose connection closed may still deliver what it had sent.
@@ -71,6 +74,7 @@ class PeerInfo:
     endpoint: str
     host: str
     pid: int
+    hostkey: str = ""
 
 
 def _now() -> float:
@@ -197,24 +201,18 @@ class Transport:
 
     def abort(self, error: BaseException) -> None:
         """Tell every peer that this rank failed, so they fail fast too (best effort)."""
-        kind = {
-            CollectiveTimeout: "timeout",
-            PeerLostError: "lost",
-            MismatchError: "mismatch",
-        }
-        name = next((v for k, v in kind.items() if isinstance(error, k)), "error")
         if isinstance(error, AbortedError):
             return  # the originator already told everyone
-        body = json.dumps({"kind": name, "rank": self.rank, "message": str(error)}).encode()
+        body = json.dumps({"kind": abort_kind(error), "rank": self.rank,
+                           "message": str(error)}).encode()
         sig = wire.Signature(wire.Collective.NONE)
-        for dst, sock in self.push.items():
+        header = wire.pack_header(wire.Kind.ABORT, sig, self.rank, 0, 0, len(body))
+        for sock in self.push.values():
             try:
-                sock.send(wire.pack_header(wire.Kind.ABORT, sig, self.rank, 0, 0, len(body)),
-                          zmq.SNDMORE | zmq.NOBLOCK)
+                sock.send(header, zmq.SNDMORE | zmq.NOBLOCK)
                 sock.send(body, zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-            del dst
 
     # -- receiving ----------------------------------------------------------------------
 
@@ -341,6 +339,15 @@ class Transport:
                 "collective (set the timeout with init(timeout=...) or SWARMFD_TIMEOUT)"
             )
 
+    def check_peer(self, src: int | None) -> None:
+        """Raise :class:`PeerLostError` when ``src`` disconnected (for waits outside zmq)."""
+        self._check_monitors()
+        if src is not None and src in self.lost and _now() - self.lost[src] > LOST_PEER_GRACE:
+            raise PeerLostError(
+                f"{self.activity}: lost rank {src} ({self._where(src)}): its connection closed "
+                "(the process died or exited) before it signalled"
+            )
+
     def _check_monitors(self) -> None:
         for mon, peer in self.monitors.items():
             while True:
@@ -367,30 +374,7 @@ class Transport:
         )
 
     def _aborted(self, hdr: wire.Header, payload: bytes) -> CollectiveError:
-        try:
-            info = json.loads(payload.decode("utf-8"))
-            kind, message = str(info["kind"]), str(info["message"])
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-            kind, message = "error", "(unreadable reason)"
-        text = f"{self.activity}: rank {hdr.src} failed and aborted the group: {message}"
-        cls: type[CollectiveError] = {
-            "timeout": _AbortedTimeout,
-            "lost": _AbortedLost,
-            "mismatch": _AbortedMismatch,
-        }.get(kind, AbortedError)
-        return cls(text)
-
-
-class _AbortedTimeout(AbortedError, CollectiveTimeout):
-    """Another rank timed out; re-raised here as a timeout too."""
-
-
-class _AbortedLost(AbortedError, PeerLostError):
-    """Another rank lost a peer; re-raised here as a lost peer too."""
-
-
-class _AbortedMismatch(AbortedError, MismatchError):
-    """Another rank saw a mismatch; re-raised here as a mismatch too."""
+        return error_from_abort(self.activity, hdr.src, payload)
 
 
 # -- addresses and rendezvous -----------------------------------------------------------
@@ -428,9 +412,14 @@ def rendezvous(
     master_port: int,
     deadline: float,
     host: str,
-) -> list[PeerInfo]:
-    """Exchange data endpoints through rank 0; returns the peer table in rank order."""
-    me = PeerInfo(transport.rank, transport.endpoint, host, os.getpid())
+    hostkey: str = "",
+) -> tuple[list[PeerInfo], str]:
+    """Exchange data endpoints through rank 0.
+
+    Returns the peer table in rank order and the job token rank 0 drew (random,
+    names this group's local resources such as shared-memory files).
+    """
+    me = PeerInfo(transport.rank, transport.endpoint, host, os.getpid(), hostkey)
     if transport.rank == 0:
         return _serve_rendezvous(transport, me, master_ip, master_port, deadline)
     return _join_rendezvous(transport, me, master_ip, master_port, deadline)
@@ -439,13 +428,18 @@ def rendezvous(
 def _hello(me: PeerInfo, world_size: int) -> bytes:
     return json.dumps({
         "swarmfd": wire.PROTOCOL_VERSION, "rank": me.rank, "world_size": world_size,
-        "endpoint": me.endpoint, "host": me.host, "pid": me.pid,
+        "endpoint": me.endpoint, "host": me.host, "pid": me.pid, "hostkey": me.hostkey,
     }).encode()
+
+
+def _peer(d: dict[str, Any]) -> PeerInfo:
+    return PeerInfo(int(d["rank"]), str(d["endpoint"]), str(d["host"]), int(d["pid"]),
+                    str(d.get("hostkey", "")))
 
 
 def _serve_rendezvous(
     t: Transport, me: PeerInfo, master_ip: str, port: int, deadline: float
-) -> list[PeerInfo]:
+) -> tuple[list[PeerInfo], str]:
     router = t.ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.MAXMSGSIZE, MAX_RENDEZVOUS_MESSAGE)
     router.setsockopt(zmq.LINGER, 2000)
@@ -476,8 +470,7 @@ def _serve_rendezvous(
             ident, body = frames
             try:
                 hello = json.loads(body.decode("utf-8"))
-                peer = PeerInfo(int(hello["rank"]), str(hello["endpoint"]), str(hello["host"]),
-                                int(hello["pid"]))
+                peer = _peer(hello)
                 version, world = int(hello["swarmfd"]), int(hello["world_size"])
             except (ValueError, KeyError, TypeError, UnicodeDecodeError):
                 continue  # not a swarmfd hello: ignore
@@ -502,17 +495,18 @@ def _serve_rendezvous(
                 raise RendezvousError(error)
             joined[peer.rank] = (ident, peer)
         table = [me] + [joined[r][1] for r in range(1, t.world_size)]
-        reply = json.dumps({"peers": [p.__dict__ for p in table]}).encode()
+        token = secrets.token_hex(8)
+        reply = json.dumps({"peers": [p.__dict__ for p in table], "token": token}).encode()
         for ident, _ in joined.values():
             router.send_multipart([ident, reply])
-        return table
+        return table, token
     finally:
         router.close()
 
 
 def _join_rendezvous(
     t: Transport, me: PeerInfo, master_ip: str, port: int, deadline: float
-) -> list[PeerInfo]:
+) -> tuple[list[PeerInfo], str]:
     dealer = t.ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.MAXMSGSIZE, MAX_RENDEZVOUS_MESSAGE)
     dealer.setsockopt(zmq.LINGER, 0)
@@ -537,12 +531,14 @@ def _join_rendezvous(
             if "error" in reply:
                 raise RendezvousError(f"rank 0 refused rank {me.rank}: {reply['error']}")
             try:
-                peers = [PeerInfo(int(p["rank"]), str(p["endpoint"]), str(p["host"]),
-                                  int(p["pid"])) for p in reply["peers"]]
+                peers = [_peer(p) for p in reply["peers"]]
+                token = str(reply["token"])
             except (KeyError, TypeError, ValueError):
                 raise ProtocolError("rank 0 sent a malformed peer table") from None
             if [p.rank for p in peers] != list(range(t.world_size)):
                 raise ProtocolError("rank 0 sent a peer table with wrong ranks")
-            return peers
+            if not token.isalnum():
+                raise ProtocolError("rank 0 sent a malformed job token")
+            return peers, token
     finally:
         dealer.close()

@@ -93,10 +93,16 @@ def _battery(rank: int, world: int) -> list[str]:
     return digests
 
 
+TRANSPORTS = ["auto", "tcp"]  # auto: shared memory between ranks of one host
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_every_collective_dtype_shape_and_root(world: int) -> None:
+def test_every_collective_dtype_shape_and_root(world: int, transport: str) -> None:
     """All collectives, every dtype group and shape, all roots; floats identical on all ranks."""
-    results = run_ranks(_battery, world, timeout=240)
+    if world == 1 and transport == "tcp":
+        pytest.skip("a world of one uses no transport")
+    results = run_ranks(_battery, world, timeout=240, env={"SWARMFD_TRANSPORT": transport})
     for r in range(1, world):
         assert results[r] == results[0], f"rank {r} ended with different bytes than rank 0"
 
@@ -129,10 +135,11 @@ def _big(rank: int, world: int, mib: int) -> list[str]:
     return [_digest(x)]
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_16_mib_arrays(world: int) -> None:
+def test_16_mib_arrays(world: int, transport: str) -> None:
     """16 MiB arrays take the pipelined ring/chain paths; float results identical everywhere."""
-    results = run_ranks(_big, world, 16, timeout=180)
+    results = run_ranks(_big, world, 16, timeout=180, env={"SWARMFD_TRANSPORT": transport})
     assert all(r == results[0] for r in results)
 
 
@@ -199,10 +206,11 @@ def _identical_floats(rank: int, world: int) -> str:
     return ":".join(out)
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world", [3, 4])
-def test_float_results_are_bitwise_identical_on_every_rank(world: int) -> None:
+def test_float_results_are_bitwise_identical_on_every_rank(world: int, transport: str) -> None:
     """Random floats with wide exponents: every rank ends with the same bytes."""
-    results = run_ranks(_identical_floats, world)
+    results = run_ranks(_identical_floats, world, env={"SWARMFD_TRANSPORT": transport})
     assert len(set(results)) == 1
 
 
@@ -318,10 +326,12 @@ def _mismatch(rank: int, world: int, kind: str) -> None:
         fd.broadcast(np.zeros(4), src=rank)
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("kind", ["dtype", "shape", "collective", "root"])
-def test_mismatched_calls_raise_on_every_rank(kind: str) -> None:
+def test_mismatched_calls_raise_on_every_rank(kind: str, transport: str) -> None:
     """Ranks that disagree on a collective all raise a MismatchError naming both sides."""
-    out = run_ranks_raw(_mismatch, 2, kind, timeout=30, group_timeout=20)
+    out = run_ranks_raw(_mismatch, 2, kind, timeout=30, group_timeout=20,
+                        env={"SWARMFD_TRANSPORT": transport})
     assert sorted(out) == [0, 1]
     for rank, (ok, tb) in out.items():
         assert not ok, f"rank {rank} did not fail"
@@ -339,12 +349,14 @@ def _victim(rank: int, world: int) -> None:
     fd.all_reduce(x)
 
 
-def test_a_dead_rank_is_named_by_the_others() -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_dead_rank_is_named_by_the_others(transport: str) -> None:
     """When a rank dies, the others raise PeerLostError naming it, well before the timeout."""
     import time
 
     t0 = time.monotonic()
-    out = run_ranks_raw(_victim, 3, timeout=40, group_timeout=30)
+    out = run_ranks_raw(_victim, 3, timeout=40, group_timeout=30,
+                        env={"SWARMFD_TRANSPORT": transport})
     elapsed = time.monotonic() - t0
     assert 1 not in out
     for rank in (0, 2):
@@ -362,9 +374,11 @@ def _stuck(rank: int, world: int) -> None:
         time.sleep(6)  # alive but silent
 
 
-def test_a_silent_rank_times_out_naming_the_peer() -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_silent_rank_times_out_naming_the_peer(transport: str) -> None:
     """A live rank that never calls the collective makes the other time out, naming it."""
-    out = run_ranks_raw(_stuck, 2, timeout=30, group_timeout=2)
+    out = run_ranks_raw(_stuck, 2, timeout=30, group_timeout=2,
+                        env={"SWARMFD_TRANSPORT": transport})
     ok, tb = out[0]
     assert not ok and "CollectiveTimeout" in tb and "waiting for rank 1" in tb, tb
     assert "timed out after 2 s" in tb, tb
@@ -385,3 +399,31 @@ def test_piece_and_threshold_constants_are_sane() -> None:
     """Wire messages stay well under glibc's 32 MiB mmap threshold."""
     assert collectives.PIECE_BYTES <= 8 << 20
     assert collectives.SMALL_BYTES <= collectives.PIECE_BYTES
+
+
+def _which_transport(rank: int, world: int) -> tuple[bool, list[str]]:
+    import glob
+
+    from swarmfd import group
+
+    channel = group.current().shm
+    fd.barrier()
+    return channel is not None, glob.glob(channel.prefix + "*") if channel else []
+
+
+def test_ranks_of_one_host_use_shared_memory_and_leave_no_files() -> None:
+    """auto picks shared memory on one host, tcp forces TCP; no /dev/shm names stay behind."""
+    auto = run_ranks(_which_transport, 3)
+    tcp = run_ranks(_which_transport, 3, env={"SWARMFD_TRANSPORT": "tcp"})
+    assert [used for used, _ in auto] == [True] * 3
+    assert [used for used, _ in tcp] == [False] * 3
+    # The group's names are unlinked as soon as every rank has opened them.
+    assert [files for _, files in auto] == [[], [], []]
+
+
+def test_bad_transport_setting_is_refused() -> None:
+    """SWARMFD_TRANSPORT accepts auto or tcp only."""
+    out = run_ranks_raw(_which_transport, 2, env={"SWARMFD_TRANSPORT": "carrier-pigeon"},
+                        timeout=30, group_timeout=5)
+    assert all(not ok and "SWARMFD_TRANSPORT='carrier-pigeon' is invalid" in tb
+               for ok, tb in out.values())
