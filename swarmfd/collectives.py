@@ -517,8 +517,23 @@ def _shm_all_gather(c: _Call, s: _shm.ShmChannel, flat: np.ndarray, out: np.ndar
 # -- public functions -------------------------------------------------------------------
 
 
+_SIGNATURES: dict[tuple[Any, ...], Signature] = {}
+
+
 def _signature(coll: Collective, arrays: Sequence[np.ndarray], code: int, op: ReduceOp,
                root: int = wire.NO_ROOT) -> Signature:
+    """The call's signature (cached: training loops repeat the same calls)."""
+    key = (coll, op, code, root, *(a.shape for a in arrays))
+    sig = _SIGNATURES.get(key)
+    if sig is None:
+        if len(_SIGNATURES) > 4096:
+            _SIGNATURES.clear()
+        sig = _SIGNATURES[key] = _make_signature(coll, arrays, code, op, root)
+    return sig
+
+
+def _make_signature(coll: Collective, arrays: Sequence[np.ndarray], code: int, op: ReduceOp,
+                    root: int) -> Signature:
     if len(arrays) == 1:
         shape = tuple(arrays[0].shape)
         shape_key: Any = shape

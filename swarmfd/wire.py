@@ -35,6 +35,7 @@ import enum
 import struct
 import zlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -156,9 +157,8 @@ class Signature:
         return "(" + ", ".join(parts) + ")"
 
 
-@dataclass(frozen=True)
-class Header:
-    """A decoded message header."""
+class Header(NamedTuple):
+    """A decoded message header (a named tuple: cheap to build once per message)."""
 
     kind: int
     coll: int
