@@ -1,0 +1,429 @@
+"""``swarmfd deploy``, ``ls``, ``ps``, ``logs``, ``rm`` and the stack files on a real Swarm.
+
+Every test runs the real command line (``python -m swarmfd ...``) in a subprocess
+with a timeout, uses unique job names, and removes what it created in ``finally``
+(through the library, so cleanup does not depend on the command under test). The
+image is passed by ID (the ``swarmfd_image`` fixture), or by a throw-away tag.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from swarmfd.swarm.spec import LABEL_JOB
+
+pytestmark = pytest.mark.swarm
+
+ROOT = Path(__file__).resolve().parents[2]
+STACKS = ROOT / "stacks"
+CLI_TIMEOUT = 180.0
+TRAIN = "/opt/swarmfd/examples/train.py"
+TERMINAL = {"complete", "failed", "rejected", "shutdown", "orphaned", "remove"}
+
+
+def swarmfd(*args: str, timeout: float = CLI_TIMEOUT) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m swarmfd ARGS`` to completion (bounded); return its output."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "swarmfd", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def job_objects(client: Any, name: str) -> dict[str, list[Any]]:
+    """Everything on this node that carries the job's label."""
+    label = {"label": f"{LABEL_JOB}={name}"}
+    return {
+        "services": client.api.services(filters=label),
+        "networks": client.api.networks(filters=label),
+        "secrets": client.api.secrets(filters=label),
+        "containers": client.api.containers(all=True, filters=label),
+    }
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout:.0f} s")
+        time.sleep(0.25)
+
+
+def _try_remove_network(client: Any, network_id: str) -> bool:
+    import docker.errors
+
+    try:
+        client.api.remove_network(network_id)
+    except docker.errors.NotFound:
+        return True
+    except docker.errors.APIError:  # a just-stopped task may still hold an endpoint
+        return False
+    return True
+
+
+@pytest.fixture
+def job_name(swarm: Any) -> Iterator[Callable[[str], str]]:
+    """A factory of unique job names; every job named by it is removed at teardown."""
+    from swarmfd.swarm.engine import remove_job
+    from swarmfd.swarm.errors import JobNotFoundError
+
+    names: list[str] = []
+
+    def make(what: str) -> str:
+        name = f"sfdt-{what}-{uuid.uuid4().hex[:6]}"
+        names.append(name)
+        return name
+
+    yield make
+    for name in names:
+        with contextlib.suppress(JobNotFoundError):
+            remove_job(swarm, name, timeout=60)
+
+
+def rank_lines(text: str) -> dict[int, list[str]]:
+    lines: dict[int, list[str]] = {}
+    for line in text.splitlines():
+        m = re.match(r"^\[rank (\d+)\] (.*)$", line)
+        if m:
+            lines.setdefault(int(m.group(1)), []).append(m.group(2))
+    return lines
+
+
+# --- 1. the example training job --------------------------------------------------------
+
+
+def test_deploy_trains_on_three_ranks(swarm: Any, swarmfd_image: str,
+                                      job_name: Callable[[str], str]) -> None:
+    """N=3 of examples/train.py: exit 0, every rank trained, identical params, job removed."""
+    name = job_name("train")
+    started = time.monotonic()
+    proc = swarmfd("deploy", swarmfd_image, "-n", "3", "--name", name, "--",
+                   "python", TRAIN, "--epochs", "3")
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = rank_lines(proc.stdout)
+    for rank in range(3):
+        assert f"rank {rank}: trained on 2400 samples" in lines.get(rank, []), proc.stdout
+    assert any("params identical on all 3 ranks: OK" in line for line in lines[0])
+    assert f"{name}: all 3 ranks running after" in proc.stderr
+    assert f"job {name} done: all 3 ranks exited 0" in proc.stderr
+    assert f"removed job {name}" in proc.stderr
+    # Everything of a successful job is gone (the default: remove on success).
+    assert not any(job_objects(swarm, name).values())
+    print(f"deploy -n 3 train.py --epochs 3: {elapsed:.1f} s end to end")
+
+
+# --- 2. one rank fails ----------------------------------------------------------------
+
+FAIL_RANK_1 = (
+    "import os, sys, time\n"
+    "rank = int(os.environ['RANK'])\n"
+    "print(f'rank {rank} up', flush=True)\n"
+    "time.sleep(2)\n"
+    "if rank == 1:\n"
+    "    print('rank 1 fails now', file=sys.stderr, flush=True)\n"
+    "    sys.exit(3)\n"
+    "time.sleep(120)\n"
+)
+
+
+def test_failing_rank_stops_the_others_and_rm_removes_everything(
+        swarm: Any, swarmfd_image: str, job_name: Callable[[str], str]) -> None:
+    """Rank 1 exits 3: deploy exits 3 within seconds naming it, the others are stopped,
+    the job is kept for ps/logs, and rm leaves no service, network, secret or container."""
+    name = job_name("fail")
+    started = time.monotonic()
+    proc = swarmfd("deploy", swarmfd_image, "-n", "3", "--name", name, "--",
+                   "python", "-c", FAIL_RANK_1, timeout=90)
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert re.search(r"rank 1 exited with code 3 on node \S+", proc.stderr), proc.stderr
+    assert "[rank 1] rank 1 fails now" in proc.stderr  # the rank's stderr, prefixed
+    assert {0, 1, 2} <= set(rank_lines(proc.stdout))
+    # The others sleep 120 s: deploy returning well before shows they were stopped.
+    assert elapsed < 40, f"deploy took {elapsed:.1f} s"
+    assert f"kept job {name} for inspection" in proc.stderr
+    service = swarm.api.services(filters={"label": f"{LABEL_JOB}={name}"})[0]
+    tasks = swarm.api.tasks(filters={"service": service["ID"]})
+    assert tasks and all(t["Status"]["State"] in TERMINAL for t in tasks), tasks
+    assert not swarm.api.containers(filters={"label": f"{LABEL_JOB}={name}"})  # none running
+
+    ps = swarmfd("ps", name, timeout=60)
+    assert ps.returncode == 0, ps.stderr
+    assert f"job {name}: failed: rank 1 exited with code 3" in ps.stdout
+    rows = {int(line.split()[0]): line for line in ps.stdout.splitlines()[2:]}
+    assert sorted(rows) == [0, 1, 2]
+    assert re.match(r"1\s+failed\s+\S+\s+3\s", rows[1]), ps.stdout
+    for rank in (0, 2):
+        assert "stopped by swarmfd after the failure" in rows[rank], ps.stdout
+
+    rm_started = time.monotonic()
+    rm = swarmfd("rm", name, timeout=90)
+    rm_elapsed = time.monotonic() - rm_started
+    assert rm.returncode == 0, rm.stderr
+    assert f"removed {name}: 1 service(s), 1 network(s)" in rm.stdout
+    assert not any(job_objects(swarm, name).values()), job_objects(swarm, name)
+    again = swarmfd("rm", name, timeout=60)
+    assert again.returncode == 1
+    assert f"no job named {name!r}" in again.stderr
+    print(f"failing job: deploy returned after {elapsed:.1f} s, rm took {rm_elapsed:.1f} s")
+
+
+# --- 3. the stack files -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("stack_file", "service", "env", "expected"),
+    [
+        ("allreduce.yml", "bench", {"WORLD_SIZE": "3"}, r"# wrong results: 0"),
+        ("train.yml", "train", {"WORLD_SIZE": "2", "EPOCHS": "2"},
+         r"params identical on all 2 ranks: OK"),
+    ],
+)
+def test_stack_file_deploys_and_completes(swarm: Any, swarmfd_image: str, stack_file: str,
+                                          service: str, env: dict[str, str],
+                                          expected: str) -> None:
+    """`docker stack deploy --resolve-image never` of a stack file: every rank completes."""
+    stack = f"sfdt-stack-{uuid.uuid4().hex[:6]}"
+    world = int(env["WORLD_SIZE"])
+    docker_cli = "/usr/bin/docker" if Path("/usr/bin/docker").exists() else "docker"
+    deploy_env = {**os.environ, **env, "SWARMFD_IMAGE": swarmfd_image}
+    label = {"label": f"com.docker.stack.namespace={stack}"}
+    try:
+        proc = subprocess.run(
+            [docker_cli, "stack", "deploy", "--resolve-image", "never", "-c",
+             str(STACKS / stack_file), stack],
+            capture_output=True, text=True, timeout=120, env=deploy_env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+        def finished() -> list[dict[str, Any]] | None:
+            tasks = swarm.api.tasks(filters={"service": f"{stack}_{service}"})
+            done = len(tasks) >= world and all(t["Status"]["State"] in TERMINAL for t in tasks)
+            return tasks if done else None
+
+        tasks = wait_until(finished, 150, f"stack {stack}'s tasks to end")
+        logs = {
+            t["Slot"]: swarm.api.logs(t["Status"]["ContainerStatus"]["ContainerID"]).decode()
+            for t in tasks
+        }
+        states = {t["Slot"]: (t["Status"]["State"], t["Status"].get("Err")) for t in tasks}
+        assert all(s == "complete" for s, _ in states.values()), (states, logs)
+        assert sorted(logs) == list(range(1, world + 1))
+        assert re.search(expected, logs[1]), logs[1]
+    finally:
+        subprocess.run([docker_cli, "stack", "rm", stack], capture_output=True, timeout=120)
+        wait_until(lambda: not swarm.api.containers(all=True, filters=label), 60,
+                   f"stack {stack}'s containers to go")
+        for net in swarm.api.networks(filters=label):
+            wait_until(lambda net=net: _try_remove_network(swarm, net["Id"]), 60,
+                       f"network {net['Name']} to be removable")
+
+
+# --- 4. detach, logs -f, ls, ps, logs ---------------------------------------------------
+
+CHATTY = (
+    "import os, sys, time\n"
+    "rank = int(os.environ['RANK'])\n"
+    "print(f'out line 1 of rank {rank}', flush=True)\n"
+    "print(f'err line of rank {rank}', file=sys.stderr, flush=True)\n"
+    "time.sleep(1 + 3 * rank)\n"
+    "print(f'out line 2 of rank {rank} LOCAL_RANK={os.environ[\"LOCAL_RANK\"]}', flush=True)\n"
+    "if rank == 0:\n"
+    "    print('options', os.getcwd(), os.environ['GREETING'], open('/data/hello.txt').read(),\n"
+    "          file=sys.stderr, flush=True)\n"
+)
+
+
+def test_detach_logs_ls_ps(swarm: Any, swarmfd_image: str, tmp_path: Path,
+                           job_name: Callable[[str], str]) -> None:
+    """deploy -d prints the name; logs -f follows to the end; ls, ps and logs show the job,
+    which runs the image by ID although it was given by tag, with the options given."""
+    name = job_name("show")
+    (tmp_path / "hello.txt").write_text("from-the-host")
+    tag = f"sfdt-image:{uuid.uuid4().hex[:8]}"
+    repo, _, version = tag.partition(":")
+    assert swarm.images.get(swarmfd_image).tag(repo, version)
+    try:
+        started = time.monotonic()
+        proc = swarmfd("deploy", "-d", tag, "-n", "2", "--name", name, "--label", "team=test",
+                       "-e", "GREETING=hi", "--workdir", "/scratch",
+                       "--mount", "type=tmpfs,dst=/scratch,tmpfs-size=16M",
+                       "--mount", f"type=bind,src={tmp_path},dst=/data,readonly",
+                       "--limit-memory", "256M", "--reserve-cpu", "0.1",
+                       "--", "python", "-c", CHATTY, timeout=60)
+        detach_seconds = time.monotonic() - started
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == name
+        service = swarm.api.services(filters={"label": f"{LABEL_JOB}={name}"})[0]
+        spec = service["Spec"]
+        assert spec["TaskTemplate"]["ContainerSpec"]["Image"] == swarmfd_image
+        assert spec["Labels"]["team"] == "test"
+        assert spec["TaskTemplate"]["Resources"] == {
+            "Limits": {"MemoryBytes": 256 << 20}, "Reservations": {"NanoCPUs": 100_000_000}}
+
+        follow = swarmfd("logs", "-f", name, timeout=90)
+        assert follow.returncode == 0, follow.stderr
+        out = rank_lines(follow.stdout)
+        assert out == {0: ["out line 1 of rank 0", "out line 2 of rank 0 LOCAL_RANK=0"],
+                       1: ["out line 1 of rank 1", "out line 2 of rank 1 LOCAL_RANK=0"]}
+        assert rank_lines(follow.stderr) == {
+            0: ["err line of rank 0", "options /scratch hi from-the-host"],
+            1: ["err line of rank 1"]}
+        wait_until(lambda: all(t["Status"]["State"] == "complete"
+                               for t in swarm.api.tasks(filters={"service": service["ID"]})),
+                   30, "both tasks complete")
+
+        ls = swarmfd("ls", timeout=60)
+        assert ls.returncode == 0, ls.stderr
+        row = next(line for line in ls.stdout.splitlines() if line.startswith(name + " "))
+        assert row.split()[:5] == [name, tag, "2", "done", "2"], row
+        assert name in swarmfd("ls", "-q", timeout=60).stdout.split()
+
+        ps = swarmfd("ps", name, timeout=60)
+        assert ps.returncode == 0, ps.stderr
+        assert ps.stdout.splitlines()[0] == f"job {name}: done (2 ranks)"
+        rows = [line.split() for line in ps.stdout.splitlines()[2:]]
+        assert [(r[0], r[1], r[3]) for r in rows] == [("0", "complete", "0"),
+                                                      ("1", "complete", "0")]
+
+        logs = swarmfd("logs", name, "--rank", "1", timeout=60)
+        assert logs.returncode == 0, logs.stderr
+        assert rank_lines(logs.stdout) == {1: ["out line 1 of rank 1",
+                                               "out line 2 of rank 1 LOCAL_RANK=0"]}
+        merged = swarmfd("logs", "--no-prefix", name, timeout=60)
+        # Merged in time order: both first lines before rank 1's delayed second line.
+        lines = merged.stdout.splitlines()
+        assert lines.index("out line 1 of rank 1") < lines.index(
+            "out line 2 of rank 1 LOCAL_RANK=0")
+        assert lines.index("out line 2 of rank 0 LOCAL_RANK=0") < lines.index(
+            "out line 2 of rank 1 LOCAL_RANK=0")
+        print(f"deploy --detach returned after {detach_seconds:.1f} s")
+    finally:
+        with contextlib.suppress(Exception):
+            swarm.images.remove(tag)
+
+
+# --- 5. bad input: clear errors, nothing created ----------------------------------------
+
+
+def test_bad_input_is_rejected_before_anything_is_created(
+        swarm: Any, swarmfd_image: str, job_name: Callable[[str], str]) -> None:
+    """N<1, a missing image, a name in use and a missing command: errors, nothing created."""
+    name = job_name("bad")
+    cases = [
+        (["deploy", swarmfd_image, "-n", "0", "--name", name, "--", "true"], 2,
+         "number of ranks must be >= 1"),
+        (["deploy", swarmfd_image, "-n", "2", "--name", name], 2, "missing COMMAND"),
+        (["deploy", "sfdt-no-such-image:nope", "-n", "2", "--name", name, "--", "true"], 1,
+         "image 'sfdt-no-such-image:nope' is not on this node"),
+        (["deploy", swarmfd_image, "-n", "2", "--name", name, "--network", "sfdt-no-net",
+          "--", "true"], 1, "--network sfdt-no-net: no such network"),
+    ]
+    for args, code, message in cases:
+        proc = swarmfd(*args, timeout=60)
+        assert proc.returncode == code, (args, proc.stdout, proc.stderr)
+        assert message in proc.stderr, (args, proc.stderr)
+        assert not any(job_objects(swarm, name).values()), args
+
+    # A name in use: the existing job is left alone.
+    first = swarmfd("deploy", "-d", swarmfd_image, "-n", "1", "--name", name, "--",
+                    "sleep", "60", timeout=60)
+    assert first.returncode == 0, first.stderr
+    service_id = swarm.api.services(filters={"label": f"{LABEL_JOB}={name}"})[0]["ID"]
+    again = swarmfd("deploy", swarmfd_image, "-n", "2", "--name", name, "--", "true", timeout=60)
+    assert again.returncode == 1
+    assert f"a job named {name!r} already exists" in again.stderr
+    assert f"swarmfd rm {name}" in again.stderr
+    services = swarm.api.services(filters={"label": f"{LABEL_JOB}={name}"})
+    assert [s["ID"] for s in services] == [service_id]
+    assert services[0]["Spec"]["Mode"]["Replicated"]["Replicas"] == 1
+
+
+# --- Ctrl-C -------------------------------------------------------------------------------
+
+
+def test_ctrl_c_stops_following_and_leaves_the_job(
+        swarm: Any, swarmfd_image: str, job_name: Callable[[str], str]) -> None:
+    """SIGINT while following: exit 130, the hint names `swarmfd rm`, the job still runs."""
+    name = job_name("intr")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "swarmfd", "deploy", swarmfd_image, "-n", "2", "--name", name,
+         "--", "sleep", "120"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: queue.Queue[str] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.put(line)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 90
+        while not any("all 2 ranks running" in line for line in seen):
+            remaining = deadline - time.monotonic()
+            assert remaining > 0, f"the ranks did not all run within 90 s: {seen}"
+            with contextlib.suppress(queue.Empty):
+                seen.append(lines.get(timeout=min(remaining, 1.0)))
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+        reader.join(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    while not lines.empty():
+        seen.append(lines.get())
+    err = "".join(seen)
+    assert proc.returncode == 130, err
+    assert f"job {name} keeps running" in err
+    assert f"swarmfd rm {name}" in err
+    service = swarm.api.services(filters={"label": f"{LABEL_JOB}={name}"})[0]
+    states = [t["Status"]["State"] for t in swarm.api.tasks(filters={"service": service["ID"]})]
+    assert states == ["running", "running"]
+
+
+# --- per-node local ranks and the start-up figure ---------------------------------------
+
+LOCAL_PROBE = (
+    "import time\n"
+    "import swarmfd as fd\n"
+    "cfg = fd.init_from_env(timeout=60)\n"
+    "print(f'local {cfg.rank} {cfg.local_rank} {cfg.local_world_size}', flush=True)\n"
+    "fd.barrier()\n"
+    "time.sleep(2)  # keep every rank running for a moment: the start-up figure needs it\n"
+    "fd.cleanup()\n"
+)
+
+
+def test_four_ranks_start_and_group_per_node(swarm: Any, swarmfd_image: str,
+                                             job_name: Callable[[str], str]) -> None:
+    """N=4 with --local-ranks node on one node: LOCAL_RANK 0..3 of 4; reports start-up time."""
+    name = job_name("four")
+    proc = swarmfd("deploy", swarmfd_image, "-n", "4", "--name", name, "--local-ranks", "node",
+                   "--", "python", "-c", LOCAL_PROBE, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    found = sorted(tuple(map(int, line.split()[1:])) for lines in rank_lines(proc.stdout).values()
+                   for line in lines if line.startswith("local "))
+    assert found == [(0, 0, 4), (1, 1, 4), (2, 2, 4), (3, 3, 4)]
+    m = re.search(r"all 4 ranks running after ([\d.]+) s", proc.stderr)
+    assert m, proc.stderr
+    print(f"deploy -n 4: all 4 ranks running {float(m.group(1)):.1f} s after the deploy call")
