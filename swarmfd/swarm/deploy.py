@@ -104,8 +104,8 @@ def run_deploy(
         result = DeployResult(job.name, 0, service_id, created_after=time.monotonic() - started)
         if detach:
             return result
-        progress(f"created job {job.name}: {job.world_size} ranks of "
-                 f"{job.image} ({image.ref[:19]})")
+        ranks = "1 rank" if job.world_size == 1 else f"{job.world_size} ranks"
+        progress(f"created job {job.name}: {ranks} of {job.image} ({image.ref[:19]})")
         followed = follow_job(client, job.name, service_id, job.world_size, node_id,
                               output=output, progress=progress, started=started, poll=poll)
         result.follow = followed

@@ -392,7 +392,7 @@ def _stop_after_failure(
     left = [r for r, v in views.items() if not v.terminal]
     if left:
         progress(f"{name}: ranks {left} did not stop within {stop_timeout:.0f} s")
-    else:
+    elif world_size > 1:
         progress(f"{name}: {summarize(views.values(), world_size)}; the other ranks stopped "
                  f"in {stopped_after:.1f} s")
     if pump is not None:
