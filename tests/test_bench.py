@@ -248,10 +248,12 @@ def _launcher_available() -> bool:
 
 
 @pytest.mark.skipif(not _launcher_available(), reason="`swarmfd run` (launch.py) not there yet")
-def test_two_ranks_through_swarmfd_run(tmp_path: os.PathLike) -> None:
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_two_ranks_through_swarmfd_run(tmp_path: os.PathLike, transport: str) -> None:
     """A real 2-rank run via `swarmfd run -n 2 -- swarmfd bench` gives correct JSON rows."""
     out = os.path.join(tmp_path, "bench.json")
     env = {k: v for k, v in os.environ.items() if k not in CONTRACT_VARS}
+    env["SWARMFD_TRANSPORT"] = transport
     cmd = [sys.executable, "-m", "swarmfd", "run", "-n", "2", "--timeout", "60", "--",
            sys.executable, "-m", "swarmfd", "bench", "--sizes", "4K,64K", "--iters", "5",
            "--op", "all_reduce", "--op", "broadcast", "--op", "all_gather",
@@ -266,3 +268,23 @@ def test_two_ranks_through_swarmfd_run(tmp_path: os.PathLike) -> None:
         assert r.time_us > 0
         assert r.algbw * bench.bus_factor(r.collective, 2) == pytest.approx(r.busbw)
     assert "swarmfd bench: all_reduce 4096 B" in proc.stderr  # progress goes to stderr
+
+
+@pytest.mark.skipif(not _launcher_available(), reason="`swarmfd run` (launch.py) not there yet")
+def test_compare_script_runs_swarmfd(tmp_path: os.PathLike) -> None:
+    """benchmarks/compare.py measures swarmfd and writes its CSV and markdown tables."""
+    script = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "compare.py")
+    env = {k: v for k, v in os.environ.items() if k not in CONTRACT_VARS}
+    cmd = [sys.executable, script, "-n", "2", "--systems", "swarmfd", "--sizes", "4K,1M",
+           "--iters", "3", "--warmup", "1", "--runs", "1", "--no-memory", "--no-plot",
+           "--timeout", "90", "--out-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "| system | 4 KiB | 1 MiB |" in proc.stdout
+    assert any(line.startswith("| swarmfd | ") for line in proc.stdout.splitlines())
+    (summary,) = [p for p in os.listdir(tmp_path) if p.endswith(".csv") and "raw" not in p]
+    with open(os.path.join(tmp_path, summary), encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    got = {(r["collective"], int(r["size"])) for r in rows}
+    assert got == {(c, s) for c in ("all_reduce", "broadcast", "all_gather") for s in (4096, 2**20)}
+    assert all(int(r["wrong"]) == 0 and float(r["latency_us"]) > 0 for r in rows)
