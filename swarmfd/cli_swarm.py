@@ -99,8 +99,24 @@ def _connect(host: str | None, max_pool_size: int = 10) -> tuple[Any, str]:
 # --- deploy ----------------------------------------------------------------------------
 
 
+class _DeployCommand(click.Command):
+    """``deploy`` with a hint when COMMAND's options were taken for deploy's own."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.NoSuchOption as exc:
+            if "--" not in args:
+                exc.message += (
+                    " If it belongs to COMMAND, put '--' before COMMAND: "
+                    "swarmfd deploy IMAGE -n N [OPTIONS] -- COMMAND [ARGS]..."
+                )
+            raise
+
+
 @click.command(
     "deploy",
+    cls=_DeployCommand,
     epilog="Exit code: 0 when every rank exited 0; else the failed rank's exit code "
            "(1 if it has none); 130 after Ctrl-C; 1 for errors, 2 for bad usage.",
 )
@@ -207,7 +223,7 @@ def deploy(
       swarmfd deploy -d myimage:1 -n 8 --max-per-node 2 --generic-resource gpu=1 -- train.py
     """
     from .swarm import spec as spec_lib
-    from .swarm.deploy import interrupt_hint, run_deploy, stderr_progress
+    from .swarm.deploy import run_deploy, stderr_progress
 
     if not command:
         raise click.UsageError(
@@ -256,9 +272,10 @@ def deploy(
     try:
         result = run_deploy(job, host=host, pull=pull, detach=detach, keep=keep, output=output,
                             progress=stderr_progress("swarmfd deploy"))
-    except KeyboardInterrupt:
-        click.echo(f"swarmfd deploy: interrupted; if the job was created, "
-                   f"{interrupt_hint(job.name)}", err=True)
+    except KeyboardInterrupt:  # before following began (while checking or creating)
+        click.echo(f"swarmfd deploy: interrupted; if job {job.name} was created already, "
+                   f"`swarmfd ps {job.name}` shows it and `swarmfd rm {job.name}` removes it",
+                   err=True)
         ctx.exit(EXIT_INTERRUPTED)
     if detach:
         click.echo(job.name)
@@ -404,13 +421,15 @@ def logs(ctx: click.Context, job: str, follow: bool, ranks: tuple[int, ...], no_
     from .swarm.errors import JobNotFoundError
     from .swarm.follow import print_logs
 
-    # Each log reader holds one connection: size the pool for them.
-    client, node_id = _connect(host, max_pool_size=64)
+    client, node_id = _connect(host)
     try:
         service = find_service(client, job)
         if service is None:
             raise JobNotFoundError(f"no job named {job!r} (`swarmfd ls` lists the jobs)")
         world = world_size_of(service)
+        if 2 * world + 2 > 10:  # each rank's stdout and stderr reader holds a connection
+            client.close()
+            client, node_id = _connect(host, max_pool_size=2 * world + 2)
         bad = [r for r in ranks if r >= world]
         if bad:
             raise click.UsageError(f"--rank {bad[0]}: job {job} has ranks 0..{world - 1}", ctx)

@@ -471,6 +471,7 @@ def deploy(*args: str):
         (["img", "-n", "2", "--mount", "type=bind,dst=/x", "--", "true"], "absolute source"),
         (["img", "-n", "2", "--keep", "--rm", "--", "true"], "contradict"),
         (["img", "-n", "2", "-d", "--rm", "--", "true"], "--rm needs deploy to follow"),
+        (["img", "-n", "2", "python", "-c", "pass"], "put '--' before COMMAND"),
     ],
 )
 def test_deploy_rejects_bad_input_before_contacting_docker(args, message):
