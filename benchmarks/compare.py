@@ -524,6 +524,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: list[Result] = []
     failures: list[str] = []
     started = time.monotonic()
+    load_before = os.getloadavg()[0]
     for n in ns:
         for run in range(1, runs + 1):
             for system in systems:
@@ -590,6 +591,9 @@ def main(argv: Sequence[str] | None = None) -> int:
              f"float32 in-place all_reduce(SUM); median over iterations of the slowest rank, "
              f"median of {runs} interleaved run(s); warm-up {warmup}; iterations "
              + ", ".join(f"{human_size(s)}:{it}" for s, it in plan) + ".",
+             f"Machine: {os.cpu_count()} CPUs; 1-minute load average {load_before:.1f} at the "
+             f"start, {os.getloadavg()[0]:.1f} at the end (other work on the machine inflates "
+             "absolute figures; compare systems within one run).",
              "swarmfd variants: " + "; ".join(
                  f"{v.name} ({' '.join(f'{k}={x}' for k, x in v.env.items()) or 'default'})"
                  for v in variants) + "."]
