@@ -391,43 +391,60 @@ def ratio_tables(summary: Sequence[dict], variants: Sequence[str], baselines: Se
 
 
 def plot(summary: Sequence[dict], systems: Sequence[str], ns: Sequence[int], path: Path) -> bool:
-    """busbw and latency vs size (log-log), one line per system, a column per N."""
+    """Log-log plots vs size, a column per N: all_reduce busbw and latency, one line per
+    system; then busbw of swarmfd's collectives (all_reduce, broadcast, all_gather)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(2, len(ns), figsize=(6.5 * len(ns), 9), squeeze=False)
-    series = sorted({(r["system"], r["collective"]) for r in summary},
-                    key=lambda k: (k[1] != "all_reduce", systems.index(k[0])
-                                   if k[0] in systems else 99, k[1]))
+    has_extra = any(r["collective"] != "all_reduce" for r in summary)
+    rows = 3 if has_extra else 2
+    fig, axes = plt.subplots(rows, len(ns), figsize=(6.5 * len(ns), 4.4 * rows), squeeze=False)
+    colors = {s: f"C{i}" for i, s in enumerate(systems)}
+    ticks = sorted({r["size"] for r in summary})
+
+    def points(system: str, coll: str, n: int) -> list[tuple[int, float, float]]:
+        return sorted((r["size"], r["busbw_gbps"], r["latency_us"]) for r in summary
+                      if r["system"] == system and r["collective"] == coll and r["n"] == n)
+
     for col, n in enumerate(ns):
         bw_ax, lat_ax = axes[0][col], axes[1][col]
-        for system, coll in series:
-            pts = sorted((r["size"], r["busbw_gbps"], r["latency_us"]) for r in summary
-                         if r["system"] == system and r["collective"] == coll and r["n"] == n)
-            if not pts:
-                continue
-            label = system if coll == "all_reduce" else f"{system} {coll}"
-            style = "-o" if coll == "all_reduce" else "--s"
-            xs = [p[0] for p in pts]
-            if n > 1:
-                bw_ax.plot(xs, [p[1] for p in pts], style, label=label, markersize=4)
-            lat_ax.plot(xs, [p[2] for p in pts], style, label=label, markersize=4)
-        ticks = sorted({r["size"] for r in summary})
-        for ax, ylabel in ((bw_ax, "busbw (GB/s)"), (lat_ax, "median latency (us)")):
+        for system in systems:
+            pts = points(system, "all_reduce", n)
+            if pts:
+                xs = [p[0] for p in pts]
+                bw_ax.plot(xs, [p[1] for p in pts], "-o", color=colors[system], label=system,
+                           markersize=4)
+                lat_ax.plot(xs, [p[2] for p in pts], "-o", color=colors[system], label=system,
+                            markersize=4)
+        bw_ax.set_title(f"all_reduce, world_size {n}: bus bandwidth (float32, in place)")
+        lat_ax.set_title(f"all_reduce, world_size {n}: latency (slowest rank, median)")
+        panels = [(bw_ax, "busbw (GB/s)"), (lat_ax, "median latency (us)")]
+        if has_extra:
+            ax = axes[2][col]
+            styles = {"all_reduce": "-o", "broadcast": "--s", "all_gather": ":^"}
+            for system in systems:
+                for coll, style in styles.items():
+                    pts = points(system, coll, n)
+                    if pts and any(r["system"] == system and r["collective"] != "all_reduce"
+                                   for r in summary):
+                        ax.plot([p[0] for p in pts], [p[1] for p in pts], style,
+                                color=colors[system], label=f"{system} {coll}", markersize=4)
+            ax.set_title(f"swarmfd collectives, world_size {n}: bus bandwidth")
+            panels.append((ax, "busbw (GB/s)"))
+        for ax, ylabel in panels:
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xticks(ticks, [human_size(t).replace(" ", "") for t in ticks], fontsize=8)
-            ax.set_xlabel("message size per rank (bytes)")
+            ax.set_xlabel("message size per rank")
             ax.set_ylabel(ylabel)
             ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=8)
-        bw_ax.set_title(f"world_size {n}: bus bandwidth (float32, in place)")
-        lat_ax.set_title(f"world_size {n}: latency (slowest rank, median)")
+            if ax.lines:
+                ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
 
