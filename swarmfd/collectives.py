@@ -50,7 +50,7 @@ from .wire import Collective, ReduceOp, Signature
 #: Target size of one wire message of the ring (well below glibc's 32 MiB mmap cliff).
 PIECE_BYTES = 1 << 20
 #: Up to this many bytes, all_reduce/reduce/broadcast/all_gather use a direct exchange.
-SMALL_BYTES = 1 << 16
+SMALL_BYTES = 256 << 10
 #: The direct exchange sends (N-1) copies: use it only for groups up to this size.
 SMALL_MAX_WORLD = 8
 

@@ -1,7 +1,9 @@
 """The wire format: a fixed binary header in front of a raw numpy buffer.
 
-Every data-plane message is two ZeroMQ frames: a 40-byte header and the
-payload (raw array bytes, or UTF-8 JSON for control messages). Nothing is
+Every data-plane message is a 40-byte header and a payload (raw array bytes,
+or UTF-8 JSON for control messages): one ZeroMQ frame holding both when the
+payload is small (``FLAG_INLINE``; one send, one receive), two frames when it
+is large (so the payload travels zero-copy). Nothing is
 ever pickled: a receiver rebuilds arrays with ``np.frombuffer`` from a dtype
 code it checks against a fixed table.
 
@@ -18,7 +20,7 @@ Layout (little-endian)::
     coll     B   Collective
     op       B   ReduceOp
     dtype    B   code from DTYPES
-    flags    B   reserved (0)
+    flags    B   FLAG_INLINE: the payload follows the header in the same frame
     src      H   sender rank
     root     H   root / src / dst rank, NO_ROOT when the collective has none
     seq      I   collective sequence number within the group
@@ -46,6 +48,7 @@ PROTOCOL_VERSION = 1
 NO_ROOT = 0xFFFF
 
 HEADER = struct.Struct("<4sBBBBBBHHIIQIIH")
+FLAG_INLINE = 1
 HEADER_SIZE = HEADER.size  # 40
 
 
@@ -171,6 +174,7 @@ class Header(NamedTuple):
     count: int
     shape: int
     nbytes: int
+    inline: bool = False
 
     def signature(self) -> Signature:
         """The sender's view of the collective's signature."""
@@ -196,20 +200,24 @@ class Header(NamedTuple):
         )
 
 
-def pack_header(kind: int, sig: Signature, src: int, seq: int, tag: int, nbytes: int) -> bytes:
+def pack_header(kind: int, sig: Signature, src: int, seq: int, tag: int, nbytes: int,
+                flags: int = 0) -> bytes:
     """Encode one header."""
     return HEADER.pack(
-        MAGIC, PROTOCOL_VERSION, kind, sig.coll, sig.op, sig.dtype, 0, src, sig.root,
+        MAGIC, PROTOCOL_VERSION, kind, sig.coll, sig.op, sig.dtype, flags, src, sig.root,
         seq & 0xFFFFFFFF, tag, sig.count, sig.shape, nbytes, 0,
     )
 
 
 def unpack_header(data: bytes | memoryview) -> Header:
-    """Decode and validate one header; raises :class:`ProtocolError` on garbage."""
-    if len(data) != HEADER_SIZE:
+    """Decode and validate one header; raises :class:`ProtocolError` on garbage.
+
+    ``data`` is a header frame, or a header followed by its inline payload.
+    """
+    if len(data) < HEADER_SIZE:
         raise ProtocolError(f"bad header length {len(data)}, expected {HEADER_SIZE}")
-    (magic, version, kind, coll, op, dtype, _flags, src, root, seq, tag, count, shape, nbytes,
-     _res) = HEADER.unpack(data)
+    (magic, version, kind, coll, op, dtype, flags, src, root, seq, tag, count, shape, nbytes,
+     _res) = HEADER.unpack_from(data)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {magic!r}, expected {MAGIC!r}")
     if version != PROTOCOL_VERSION:
@@ -217,4 +225,8 @@ def unpack_header(data: bytes | memoryview) -> Header:
             f"peer speaks swarmfd wire protocol version {version}, this process speaks "
             f"version {PROTOCOL_VERSION}"
         )
-    return Header(kind, coll, op, dtype, src, root, seq, tag, count, shape, nbytes)
+    inline = bool(flags & FLAG_INLINE)
+    if len(data) != (HEADER_SIZE + nbytes if inline else HEADER_SIZE):
+        raise ProtocolError(f"frame of {len(data)} bytes does not match its header "
+                            f"({nbytes} payload bytes, inline={inline})")
+    return Header(kind, coll, op, dtype, src, root, seq, tag, count, shape, nbytes, inline)

@@ -17,7 +17,7 @@ FLOATS = [np.float16, np.float32, np.float64]
 COMPLEX = [np.complex64, np.complex128]
 SHAPES = [(), (0,), (1,), (3,), (5, 7), (2, 3, 4), (1001,)]
 #: Shapes past the direct-exchange threshold (ring / chain paths), run for one dtype per group.
-LARGE_SHAPES = [(40_000,), (70_001,), (3, 50_001)]
+LARGE_SHAPES = [(40_000,), (70_001,), (3, 50_001), (300_001,)]
 LARGE_DTYPES = {np.dtype(t) for t in (np.int64, np.uint8, np.float16, np.float32, np.complex64)}
 
 
