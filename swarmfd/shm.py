@@ -54,6 +54,8 @@ SLOTS = 3
 WAIT_SLICE = 0.05
 #: How long a wait polls before it sleeps (only when every rank can have its own core).
 SPIN_SECONDS = 50e-6
+#: Consecutive fruitless spins after which waits sleep at once for a while.
+SPIN_MAX_MISSES = 8
 #: Longest record written to a FIFO (POSIX guarantees atomic writes up to PIPE_BUF).
 MAX_RECORD = 4096
 SHM_DIR = "/dev/shm"
@@ -89,7 +91,7 @@ class ShmChannel:
         self.buffer = b""
         self.round = 0
         self.spin = world_size <= (os.cpu_count() or 1)
-        self.spin_budget = SPIN_SECONDS
+        self.spin_misses = 0
         self.sleeps = 0
         self.activity = "idle"
         self._created: list[str] = []
@@ -209,16 +211,16 @@ class ShmChannel:
             self._read(src, sig, seq, deadline)
 
     def _read(self, src: int, sig: wire.Signature, seq: int, deadline: float) -> None:
-        data = self._spin() if self.spin and self.spin_budget > 0 else b""
+        data = self._spin() if self.spin and self.spin_misses < SPIN_MAX_MISSES else b""
         if data:
             self.buffer += data
             self._parse(sig, seq)
             return
         ready, _, _ = select.select([self.inbox], [], [], WAIT_SLICE)
-        if self.spin and self.spin_budget == 0.0:
+        if self.spin and self.spin_misses >= SPIN_MAX_MISSES:
             self.sleeps += 1
-            if self.sleeps % 64 == 0:
-                self.spin_budget = SPIN_SECONDS / 8  # try spinning again now and then
+            if self.sleeps % 32 == 0:
+                self.spin_misses = SPIN_MAX_MISSES // 2  # try spinning again now and then
         if not ready:
             self.check(src)
             if time.monotonic() >= deadline:
@@ -239,22 +241,22 @@ class ShmChannel:
 
         A peer on another core usually answers within microseconds; catching its
         record without sleeping saves two wake-ups (tens of microseconds each).
-        Only used when there is a core per rank. The budget adapts: it doubles
-        (up to SPIN_SECONDS) when a spin catches the record and halves when it
-        does not, so on a busy machine, where the peer is not running, spinning
-        stops stealing the CPU it needs.
+        Only used when there is a core per rank. After SPIN_MAX_MISSES spins in a
+        row that caught nothing (a busy machine, where the peer is not running),
+        spinning pauses so it stops stealing the CPU the peer needs; it is tried
+        again every 32 sleeps.
         """
-        end = time.perf_counter() + self.spin_budget
+        end = time.perf_counter() + SPIN_SECONDS
         inbox = self.inbox
         while True:
             try:
                 data = os.read(inbox, 65536)
-                self.spin_budget = min(SPIN_SECONDS, self.spin_budget * 2)
+                self.spin_misses = 0
                 return data
             except BlockingIOError:
                 pass
             if time.perf_counter() > end:
-                self.spin_budget = self.spin_budget / 2 if self.spin_budget > 1e-6 else 0.0
+                self.spin_misses += 1
                 return b""
 
     def _parse(self, sig: wire.Signature, seq: int) -> None:
