@@ -24,7 +24,10 @@ and this entrypoint, before it runs the command:
    (``swarmfd.get_config().local_rank``);
 3. waits until ``MASTER_ADDR`` resolves, at most ``SWARMFD_RESOLVE_TIMEOUT`` seconds
    (default 60; exit code 3 on timeout), because rank 0's name exists in DNS only once
-   its container has started;
+   its container has started. It is gone again once rank 0's task has ended: a command
+   that never joins the group (``python -c "print(1)"``) can let rank 0 finish before a
+   slower rank looks it up, and that rank then ends with exit code 3. A swarmfd
+   program cannot hit this: rank 0 waits in the rendezvous for every rank;
 4. replaces itself with the command (``os.execvp``), so signals from ``docker stop``
    or service removal reach the command directly (run the service with ``init=True``
    so that a PID-1 init forwards them). A first word ending in ``.py`` runs with this
@@ -232,7 +235,9 @@ def wait_for_host(
             raise RendezvousTimeout(
                 f"{ENV_MASTER_ADDR}={host!r} did not resolve within {timeout:g} s "
                 f"({ENV_RESOLVE_TIMEOUT}); last error: {last_error}. Rank 0's task may have "
-                f"failed to start, or {ENV_MASTER_ADDR} names no task on this network "
+                "failed to start, or already ended (its name leaves DNS with it: a command "
+                "that does not join the group lets rank 0 finish before the others look it "
+                f"up), or {ENV_MASTER_ADDR} names no task on this network "
                 "(expected {{.Service.Name}}-1 with hostname {{.Service.Name}}-{{.Task.Slot}})"
             )
         time.sleep(min(interval, remaining))
