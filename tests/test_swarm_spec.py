@@ -450,6 +450,52 @@ def test_timestamps_are_timezone_aware():
     assert view.updated < dt.datetime.now(dt.timezone.utc)
 
 
+# --- log plumbing -------------------------------------------------------------------------
+
+
+def test_line_splitter_keeps_partial_lines_until_complete():
+    """Chunks split anywhere still give whole lines; the unterminated rest comes at flush."""
+    from swarmfd.swarm.follow import _Lines
+
+    lines = _Lines()
+    got = list(lines.feed(b"one\ntw")) + list(lines.feed(b"o\r\nthr")) + list(lines.flush())
+    assert got == [b"one", b"two", b"thr"]
+    assert list(lines.flush()) == []
+
+
+def test_line_splitter_cuts_very_long_lines():
+    """A line longer than 64 KiB is passed on in 64 KiB pieces, never buffered without end."""
+    from swarmfd.swarm.follow import MAX_LINE, _Lines
+
+    pieces = list(_Lines().feed(b"x" * (2 * MAX_LINE + 5)))
+    assert [len(p) for p in pieces] == [MAX_LINE, MAX_LINE]
+
+
+def test_service_log_details_name_the_task():
+    """A service log chunk with details starts with the attributes, task ID among them."""
+    from swarmfd.swarm.follow import _parse_details
+
+    chunk = (b"com.docker.swarm.node.id=n1,com.docker.swarm.service.id=s1,"
+             b"com.docker.swarm.task.id=t42 hello world\n")
+    assert _parse_details(chunk) == ("t42", b"hello world\n")
+
+
+def test_rank_output_prefixes_whole_lines_per_stream():
+    """stdout lines go to out, stderr lines to err, each prefixed (or not)."""
+    import io
+
+    from swarmfd.swarm.follow import RankOutput
+
+    out, err = io.BytesIO(), io.BytesIO()
+    write = RankOutput(out, err)
+    write(2, "out", b"hello")
+    write(0, "err", b"oops")
+    assert (out.getvalue(), err.getvalue()) == (b"[rank 2] hello\n", b"[rank 0] oops\n")
+    plain = io.BytesIO()
+    RankOutput(plain, plain, prefix=False)(1, "out", b"x")
+    assert plain.getvalue() == b"x\n"
+
+
 # --- the command line, before any engine is contacted -----------------------------------
 
 

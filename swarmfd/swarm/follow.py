@@ -44,6 +44,7 @@ __all__ = ["FollowResult", "LogPump", "RankOutput", "follow_job", "print_logs"]
 DEFAULT_POLL = 0.3
 STOP_TIMEOUT = 30.0
 DRAIN_TIMEOUT = 10.0
+SERVICE_LOG_GRACE = 1.0
 MAX_LINE = 64 * 1024
 
 Sink = Callable[[int, str, bytes, "_dt.datetime | None"], None]
@@ -142,6 +143,7 @@ class LogPump:
         self._streams: list[Any] = []
         self._service_reader = False
         self._lock = threading.Lock()
+        self._closed = threading.Event()
         self.errors: list[str] = []
 
     def update(self, views: dict[int, TaskView]) -> None:
@@ -174,6 +176,8 @@ class LogPump:
         thread.start()
 
     def _emit(self, rank: int, which: str, line: bytes) -> None:
+        if self._closed.is_set():
+            return  # a service log stream cannot be cancelled: silence it instead
         when = None
         if self.timestamps:
             when, line = _split_timestamp(line)
@@ -255,10 +259,14 @@ class LogPump:
         waited = [t for t, local in self._threads if local or not self.follow]
         for thread in waited:
             thread.join(max(0.0, deadline - time.monotonic()))
+        if self.follow and self._service_reader:
+            # Give the service log a moment to deliver the ended tasks' last lines.
+            time.sleep(max(0.0, min(SERVICE_LOG_GRACE, deadline - time.monotonic())))
         return not any(t.is_alive() for t in waited)
 
     def close(self) -> None:
-        """Cancel the open log streams (their threads then end)."""
+        """Cancel the open log streams (their threads then end); nothing is written after."""
+        self._closed.set()
         for stream in list(self._streams):
             with contextlib.suppress(Exception):
                 stream.close()

@@ -9,6 +9,7 @@ image is passed by ID (the ``swarmfd_image`` fixture), or by a throw-away tag.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import queue
 import re
@@ -287,6 +288,17 @@ def test_detach_logs_ls_ps(swarm: Any, swarmfd_image: str, tmp_path: Path,
         wait_until(lambda: all(t["Status"]["State"] == "complete"
                                for t in swarm.api.tasks(filters={"service": service["ID"]})),
                    30, "both tasks complete")
+
+        # The path for ranks on other nodes: Swarm's service log (forced here by
+        # claiming that this node is another one) gives the same lines.
+        from swarmfd.swarm.follow import RankOutput, print_logs
+
+        remote_out, remote_err = io.BytesIO(), io.BytesIO()
+        problems = print_logs(swarm, service["ID"], "some-other-node",
+                              RankOutput(remote_out, remote_err))
+        assert problems == []
+        assert rank_lines(remote_out.getvalue().decode()) == out
+        assert rank_lines(remote_err.getvalue().decode()) == rank_lines(follow.stderr)
 
         ls = swarmfd("ls", timeout=60)
         assert ls.returncode == 0, ls.stderr
