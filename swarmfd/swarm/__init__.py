@@ -22,4 +22,22 @@ slot 1, rank 0), ``MASTER_PORT`` and ``SWARMFD_JOB``; the entrypoint sets
 execs the command. ``swarmfd deploy`` follows the job: task progress on stderr,
 every rank's output prefixed ``[rank R]``, and when a rank fails it stops the
 others and exits with that rank's exit code, naming the rank and its node.
+
+Decisions worth knowing:
+
+* Keep or remove. A job whose ranks all exited 0 is removed once followed to the
+  end; a failed job is kept so ``ps`` and ``logs`` can show what happened
+  (``--keep`` / ``--rm`` override; a ``--detach`` job is kept until ``swarmfd rm``).
+* Stopping after a failure. Scaling the service to 0 or removing it would make Swarm
+  drop the tasks, and with them the evidence. So the remaining ranks on this node are
+  stopped through their containers: their tasks end ``failed`` (143) and stay
+  listed, with their logs. The failure is recorded in the service label
+  ``org.swarmfd.failure``. Ranks on other nodes, or not started yet, can only be
+  stopped by scaling to 0, which is then done.
+* Ctrl-C while following stops following, not the job; the message says how to
+  follow it again or remove it.
+* Logs come from each task's container on this node. Tasks on other nodes go
+  through Swarm's service log stream, the only way to reach them.
+* ``LOCAL_RANK`` is per container by default (0 of 1). ``--local-ranks node`` makes
+  swarmfd derive it per node at rendezvous instead.
 """
