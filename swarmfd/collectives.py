@@ -36,7 +36,8 @@ per dtype. Integer sums wrap around as numpy's do.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -57,8 +58,10 @@ SMALL_MAX_WORLD = 8
 #: Over shared memory, up to this many bytes every rank reduces the whole round itself
 #: (one barrier); above it each rank reduces its 1/N and copies the rest (two barriers).
 SHM_SMALL_BYTES = 1 << 18
-#: Tag of the acknowledgement that ends broadcast and reduce (message tags count up from 0).
+#: Tags of the acknowledgement that ends broadcast and reduce, and of the signature every
+#: rank shows its successor in them (message tags count up from 0).
 ACK = 0xFFFFFFFF
+SIG = 0xFFFFFFFE
 
 T = TypeVar("T")
 
@@ -221,6 +224,15 @@ def _recv_into(c: _Call, src: int, tag: int, out: np.ndarray) -> None:
         c.t.recv(src, c.sig, c.seq, tag, out.nbytes, into=out)  # type: ignore[union-attr]
 
 
+@contextlib.contextmanager
+def _signature_ring(c: _Call, t: Any) -> Iterator[None]:
+    """Send this call's signature to the next rank first; take the previous one's last."""
+    N = c.N
+    t.send((c.rank + 1) % N, c.sig, c.seq, SIG, b"")
+    yield
+    t.recv((c.rank - 1) % N, c.sig, c.seq, SIG, 0)
+
+
 def _use_direct(nbytes: int, world: int) -> bool:
     return nbytes <= SMALL_BYTES and world <= SMALL_MAX_WORLD
 
@@ -299,7 +311,14 @@ def _broadcast_flat(c: _Call, buf: np.ndarray, src: int) -> None:
     assert t is not None
     # Senders only send, so each collective that has them ends with an acknowledgement
     # (tag ACK) to them: a rank that called something else is then caught in this call,
-    # on every rank, instead of leaving its data unread.
+    # on every rank, instead of leaving its data unread. And every rank shows its
+    # signature to the next one (tag SIG): if the ranks disagree on the root so that
+    # all of them wait to receive, the waits end at once in a MismatchError.
+    with _signature_ring(c, t):
+        _broadcast_tcp(c, t, buf, src)
+
+
+def _broadcast_tcp(c: _Call, t: Any, buf: np.ndarray, src: int) -> None:
     if _use_direct(buf.nbytes, c.N) or c.N == 2:
         if c.rank == src:
             for p in range(c.N):
@@ -339,6 +358,11 @@ def _reduce_flat(c: _Call, buf: np.ndarray, dst: int, op: ReduceOp) -> None:
     if c.s is not None:
         _shm_reduce(c, c.s, buf, dst, ufunc)
         return
+    with _signature_ring(c, t):  # see _broadcast_flat
+        _reduce_tcp(c, t, buf, dst, ufunc)
+
+
+def _reduce_tcp(c: _Call, t: Any, buf: np.ndarray, dst: int, ufunc: np.ufunc) -> None:
     if _use_direct(buf.nbytes, c.N):
         if c.rank != dst:
             t.send(dst, c.sig, c.seq, 0, buf)
@@ -591,6 +615,7 @@ def all_reduce(x: T, op: str = "sum") -> T:
     """
     g = _group.current("all_reduce()")
     rop, mean = _parse_op(op, "all_reduce")
+    wire_op = ReduceOp.MEAN if mean else rop
     world = g.config.world_size
 
     def body(c: _Call, flat: np.ndarray) -> None:
@@ -601,14 +626,14 @@ def all_reduce(x: T, op: str = "sum") -> T:
             np.divide(flat, world, out=flat)
 
     if isinstance(x, (list, tuple)):
-        _fused(g, x, "all_reduce", Collective.ALL_REDUCE, rop, wire.NO_ROOT, body,
+        _fused(g, x, "all_reduce", Collective.ALL_REDUCE, wire_op, wire.NO_ROOT, body,
                lambda a: _check_op_dtype(rop, mean, a.dtype, "all_reduce"))
         return x
     arr = _to_numpy(x, "all_reduce")
     code = _check_array(arr, "all_reduce")
     _check_op_dtype(rop, mean, arr.dtype, "all_reduce")
     flat, write_back = _flat(arr)
-    _run(g, _signature(Collective.ALL_REDUCE, [arr], code, rop), lambda c: body(c, flat))
+    _run(g, _signature(Collective.ALL_REDUCE, [arr], code, wire_op), lambda c: body(c, flat))
     if write_back is not None:
         write_back()
     return x
@@ -661,7 +686,8 @@ def reduce(x: T, dst: int = 0, op: str = "sum") -> T:
                 c.t.flush()
             np.divide(flat, world, out=flat)
 
-    _run(g, _signature(Collective.REDUCE, [arr], code, rop, dst), body)
+    _run(g, _signature(Collective.REDUCE, [arr], code, ReduceOp.MEAN if mean else rop, dst),
+         body)
     if write_back is not None and g.config.rank == dst:
         write_back()
     return x

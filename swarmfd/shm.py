@@ -188,7 +188,12 @@ class ShmChannel:
             except BlockingIOError:
                 pass
             except BrokenPipeError:
-                raise PeerLostError(f"{self.activity}: rank {dst} is gone") from None
+                # The peer closed its inbox: it failed, and its abort (sent before it
+                # closed) is in ours. Raise that reason rather than a bare "gone".
+                self._read_pending(sig, seq)
+                raise PeerLostError(
+                    f"{self.activity}: rank {dst} closed its inbox (it failed or exited)"
+                ) from None
             if time.monotonic() > deadline:
                 raise CollectiveTimeout(
                     f"{self.activity}: rank {dst} did not read its messages within "
@@ -230,6 +235,14 @@ class ShmChannel:
                     "(set the timeout with init(timeout=...) or SWARMFD_TIMEOUT)"
                 )
             return
+        try:
+            self.buffer += os.read(self.inbox, 65536)
+        except BlockingIOError:
+            return
+        self._parse(sig, seq)
+
+    def _read_pending(self, sig: wire.Signature, seq: int) -> None:
+        """Parse whatever is already in the inbox (raises on an abort or a mismatch)."""
         try:
             self.buffer += os.read(self.inbox, 65536)
         except BlockingIOError:

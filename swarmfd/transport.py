@@ -241,6 +241,8 @@ class Transport:
         stashed = self.stash.pop(key, None)
         if stashed is not None:
             payload = stashed[1]
+            if not stashed[0].matches(sig):
+                raise self._mismatch(stashed[0], sig)
             self._check_size(stashed[0], nbytes)
             if into is None:
                 return payload

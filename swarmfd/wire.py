@@ -82,6 +82,7 @@ class ReduceOp(enum.IntEnum):
     PROD = 2
     MIN = 3
     MAX = 4
+    MEAN = 5  # reduces as SUM; distinct on the wire so sum-vs-mean is a mismatch
 
     @property
     def label(self) -> str:
