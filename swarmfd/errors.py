@@ -91,9 +91,30 @@ def error_from_abort(activity: str, src: int, payload: bytes) -> CollectiveError
     import json
 
     try:
-        info = json.loads(payload.decode("utf-8"))
+        info = json.loads(bytes(payload).decode("utf-8"))
         kind, message = str(info["kind"]), str(info["message"])
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         kind, message = "error", "(unreadable reason)"
     cls = _ABORT_KINDS.get(kind, AbortedError)
     return cls(f"{activity}: rank {src} failed and aborted the group: {message}")
+
+
+def _abort_info(payload: bytes) -> dict[str, object]:
+    import json
+
+    try:
+        info = json.loads(bytes(payload).decode("utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def abort_waited_for(payload: bytes) -> int | None:
+    """The rank a timed-out peer was waiting for, from its abort message (or None)."""
+    value = _abort_info(payload).get("waiting_for")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def abort_is_provisional(payload: bytes) -> bool:
+    """True for a timeout report sent while the stuck rank is still being found."""
+    return _abort_info(payload).get("provisional") is True

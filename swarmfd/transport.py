@@ -52,10 +52,15 @@ from .errors import (
     ProtocolError,
     RendezvousError,
     RendezvousTimeout,
+    abort_is_provisional,
     abort_kind,
+    abort_waited_for,
     error_from_abort,
 )
 
+#: After a timeout, how long a rank listens to the others' timeout reports to find the
+#: rank that is really stuck (see Transport._timeout).
+TIMEOUT_GRACE = 0.4
 #: How long a peer whose connection closed may still deliver what it had sent.
 LOST_PEER_GRACE = 0.3
 #: A blocking receive returns at least this often (ms) to check deadlines and lost peers.
@@ -104,6 +109,7 @@ class Transport:
         self.lost: dict[int, float] = {}
         self.trackers: list[tuple[int, zmq.MessageTracker]] = []
         self.garbage = 0
+        self.waiting_for = -1
         self.closed = False
         # What the caller is doing, for error messages.
         self.activity = "rendezvous"
@@ -195,6 +201,7 @@ class Transport:
                 )
             self._check_monitors()
             if dst in self.lost and _now() - self.lost[dst] > LOST_PEER_GRACE:
+                self._raise_pending_abort()
                 raise PeerLostError(
                     f"{self.activity}: rank {dst} disconnected before receiving this rank's data"
                     f" ({self._where(dst)})"
@@ -207,6 +214,8 @@ class Transport:
         """Tell every peer that this rank failed, so they fail fast too (best effort)."""
         if isinstance(error, AbortedError):
             return  # the originator already told everyone
+        if getattr(error, "announced", False):
+            return  # a timeout: announced to everyone while its culprit was found
         body = json.dumps({"kind": abort_kind(error), "rank": self.rank,
                            "message": str(error)}).encode()
         sig = wire.Signature(wire.Collective.NONE)
@@ -250,6 +259,7 @@ class Transport:
             return None
         deadline = _now() + self.timeout
         pull = self.pull
+        self.waiting_for = src
         while True:
             try:
                 raw = pull.recv()  # blocks at most WAIT_SLICE (RCVTIMEO), GIL released
@@ -291,6 +301,10 @@ class Transport:
         """Handle a message that is not the one being waited for."""
         payload = raw[wire.HEADER_SIZE:] if hdr.inline else self._payload()
         if hdr.kind == wire.Kind.ABORT:
+            waited = abort_waited_for(payload)
+            if abort_is_provisional(payload) and waited is not None and self.waiting_for >= 0:
+                # A peer timed out: find out, with everyone, who is really stuck.
+                raise self._timeout(self.waiting_for, sig, {hdr.src: waited})
             raise self._aborted(hdr, payload)
         if hdr.kind != wire.Kind.DATA or hdr.src >= self.world_size or hdr.src == self.rank:
             self.garbage += 1
@@ -345,21 +359,86 @@ class Transport:
         self._check_monitors()
         now = _now()
         if src in self.lost and now - self.lost[src] > LOST_PEER_GRACE:
+            self._raise_pending_abort()
             raise PeerLostError(
                 f"{self.activity} {sig.describe()}: lost rank {src} ({self._where(src)}): "
                 "its connection closed (the process died or exited) before it sent its data"
             )
         if now >= deadline:
-            raise CollectiveTimeout(
-                f"{self.activity} {sig.describe()}: timed out after {self.timeout:g} s waiting "
-                f"for rank {src} ({self._where(src)}); it may be stuck, stopped or in another "
-                "collective (set the timeout with init(timeout=...) or SWARMFD_TIMEOUT)"
-            )
+            raise self._timeout(src, sig, {})
+
+    def _timeout(self, src: int, sig: wire.Signature, waits: dict[int, int]) -> CollectiveTimeout:
+        """The error for a wait on ``src`` that timed out, naming the rank really at fault.
+
+        In a ring, rank A may time out waiting for B while B waits for a stopped C. So
+        a rank that times out first tells everyone whom it waited for, then listens
+        for TIMEOUT_GRACE to the others' reports (``waits``: rank -> rank it waited
+        for), and follows the chain from ``src`` to the first rank that reported
+        nothing: the one that is stuck.
+        """
+        waits[self.rank] = src
+        self._announce_timeout(src)
+        end = _now() + TIMEOUT_GRACE
+        while _now() < end:
+            try:
+                raw = self.pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                time.sleep(0.005)
+                continue
+            hdr = self._parse(raw)
+            if hdr is None:
+                continue
+            payload = raw[wire.HEADER_SIZE:] if hdr.inline else self._payload()
+            if hdr.kind == wire.Kind.ABORT:
+                waited = abort_waited_for(payload)
+                if waited is not None and 0 <= waited < self.world_size:
+                    waits.setdefault(hdr.src, waited)
+        culprit, chain = src, [self.rank, src]
+        while culprit in waits and waits[culprit] not in chain:
+            culprit = waits[culprit]
+            chain.append(culprit)
+        via = " -> ".join(f"rank {r}" for r in chain)
+        error = CollectiveTimeout(
+            f"{self.activity} {sig.describe()}: timed out after {self.timeout:g} s: rank "
+            f"{culprit} ({self._where(culprit)}) never answered; it may be stuck, stopped or in "
+            f"another collective (waits: {via}; set the timeout with init(timeout=...) or "
+            "SWARMFD_TIMEOUT)"
+        )
+        error.announced = True  # type: ignore[attr-defined]
+        return error
+
+    def _announce_timeout(self, src: int) -> None:
+        body = json.dumps({"kind": "timeout", "rank": self.rank, "waiting_for": src,
+                           "message": f"rank {self.rank} timed out waiting for rank {src}",
+                           "provisional": True}).encode()
+        sig = wire.Signature(wire.Collective.NONE)
+        header = wire.pack_header(wire.Kind.ABORT, sig, self.rank, 0, 0, len(body),
+                                  wire.FLAG_INLINE)
+        for sock in self.push.values():
+            with contextlib.suppress(zmq.ZMQError):
+                sock.send(header + body, zmq.NOBLOCK)
+
+    def _raise_pending_abort(self) -> None:
+        """Read what already arrived and raise the first abort in it (it explains a loss)."""
+        while True:
+            try:
+                raw = self.pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            hdr = self._parse(raw)
+            if hdr is None:
+                continue
+            payload = raw[wire.HEADER_SIZE:] if hdr.inline else self._payload()
+            if hdr.kind == wire.Kind.ABORT and not abort_is_provisional(payload):
+                raise self._aborted(hdr, payload)
+            if hdr.kind == wire.Kind.DATA and 0 <= hdr.src < self.world_size:
+                self.stash[(hdr.src, hdr.seq, hdr.tag)] = (hdr, payload)
 
     def check_peer(self, src: int | None) -> None:
         """Raise :class:`PeerLostError` when ``src`` disconnected (for waits outside zmq)."""
         self._check_monitors()
         if src is not None and src in self.lost and _now() - self.lost[src] > LOST_PEER_GRACE:
+            self._raise_pending_abort()
             raise PeerLostError(
                 f"{self.activity}: lost rank {src} ({self._where(src)}): its connection closed "
                 "(the process died or exited) before it signalled"
