@@ -108,12 +108,14 @@ class Ranks:
         assert transport in ("tcp", "shm"), transport
         self.world = world
         self.port = free_port()
-        self.events = _CTX.Queue()
+        # One queue per rank: a queue's write lock is shared by its writers, and a rank
+        # stopped (SIGSTOP) while its feeder thread holds it would block the others' reports.
+        self.queues = [_CTX.Queue() for _ in range(world)]
         self.go = _CTX.Value("b", 0, lock=False)
         self.mark = _CTX.Value("d", 0.0, lock=False)
         self.procs = [
             _CTX.Process(target=_child, daemon=True, args=(
-                fn, r, world, self.port, args, init, group_timeout, transport, self.events,
+                fn, r, world, self.port, args, init, group_timeout, transport, self.queues[r],
                 self.go, self.mark))
             for r in range(world)
         ]
@@ -157,6 +159,18 @@ class Ranks:
                 return self._seen.pop(i)
         return None
 
+    def _poll(self) -> bool:
+        """Move every event already queued by any rank to ``_seen``; True if there was one."""
+        found = False
+        for q in self.queues:
+            while True:
+                try:
+                    self._seen.append(q.get_nowait())
+                except queue.Empty:
+                    break
+                found = True
+        return found
+
     def wait(self, kind: str, ranks: Iterable[int] | None = None,
              timeout: float = 30.0) -> dict[int, Any]:
         """Wait until each of ``ranks`` (default all) reported ``kind``; {rank: value}.
@@ -182,18 +196,17 @@ class Ranks:
                 raise AssertionError(
                     f"timed out after {timeout} s waiting for {kind!r} from rank(s) "
                     f"{sorted(want - set(got))}; other events: {self._seen}")
-            try:
-                self._seen.append(self.events.get(timeout=min(remaining, 0.2)))
-            except queue.Empty:
-                dead = [r for r in want - set(got) if not self.procs[r].is_alive()]
-                if dead and self.events.empty():
-                    # One more look: the queue may have been fed just before the exit.
-                    time.sleep(0.2)
-                    if self.events.empty():
-                        raise AssertionError(
-                            f"rank(s) {dead} exited (codes "
-                            f"{[self.procs[r].exitcode for r in dead]}) before reporting "
-                            f"{kind!r}") from None
+            if self._poll():
+                continue
+            time.sleep(0.005)
+            dead = [r for r in want - set(got) if not self.procs[r].is_alive()]
+            if dead and not self._poll():
+                # One more look: the queue may have been fed just before the exit.
+                time.sleep(0.2)
+                if not self._poll():
+                    raise AssertionError(
+                        f"rank(s) {dead} exited (codes "
+                        f"{[self.procs[r].exitcode for r in dead]}) before reporting {kind!r}")
         return got
 
     def results(self, ranks: Iterable[int] | None = None,
@@ -221,8 +234,9 @@ class Ranks:
                 p.kill()
             p.join(timeout=10)
         alive = [p.pid for p in self.procs if p.is_alive()]
-        self.events.close()
-        self.events.cancel_join_thread()
+        for q in self.queues:
+            q.close()
+            q.cancel_join_thread()
         assert not alive, f"processes {alive} survived SIGKILL"
 
 

@@ -491,6 +491,11 @@ _TCP_STASH = pytest.mark.xfail(
     "ProtocolError 'announced N bytes' instead of MismatchError (or, at equal size, silently "
     "accepted; see test_a_stashed_message_is_checked_against_the_signature)")
 
+_TCP_FLUSH = pytest.mark.xfail(
+    strict=False, reason="product bug (tcp, N>=3, large, racy): a rank waiting in flush() for "
+    "zero-copy sends to a peer that failed and left raises PeerLostError('rank X disconnected "
+    "before receiving this rank's data') without reading the ABORT with the real reason")
+
 
 def _mismatch_params() -> list[Any]:
     params = []
@@ -503,6 +508,8 @@ def _mismatch_params() -> list[Any]:
                         marks.append(_SHM_GONE)
                     if world >= 3 and transport == "tcp" and kind == "shape":
                         marks.append(_TCP_STASH)
+                    if world >= 3 and transport == "tcp" and size == "large":
+                        marks.append(_TCP_FLUSH)
                     params.append(pytest.param(kind, world, size, transport, marks=marks,
                                                id=f"{kind}-{world}-{size}-{transport}"))
     return params
