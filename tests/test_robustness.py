@@ -621,3 +621,28 @@ def test_a_stashed_message_is_checked_against_the_signature() -> None:
     record("stash-signature[tcp]", rank0=out[0])
     silent = [i for i, o in enumerate(out[0]) if o.startswith("returned")]
     assert not silent, f"rank 0's mismatched broadcast returned in rounds {silent}: {out[0]}"
+
+
+def _cleanup_after_loss(ctx: RankCtx) -> dict[str, Any]:
+    info = _large_loop(ctx, 1, 3, True)
+    t0 = time.monotonic()
+    fd.cleanup()
+    info["cleanup"] = time.monotonic() - t0
+    return info
+
+
+_SLOW_CLEANUP = pytest.mark.xfail(
+    strict=False, reason="product bug: after a failed collective, cleanup() closes the PUSH "
+    "sockets with LINGER=min(timeout, 5 s) while messages for the lost peer (data, the ABORT) "
+    "are still queued, so it blocks 5 s (and so does the interpreter's exit through atexit)")
+
+
+@_SLOW_CLEANUP
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_cleanup_after_a_lost_peer_is_prompt(transport: str) -> None:
+    """A survivor's cleanup() after PeerLostError returns within a second (exit is prompt)."""
+    with Ranks(_cleanup_after_loss, 2, group_timeout=LONG_TIMEOUT, transport=transport) as ranks:
+        info = ranks.results([0], timeout=60)[0]
+    assert info["type"] is not None and "PeerLostError" in info["mro"], info
+    record(f"cleanup-after-loss[{transport}]", cleanup=round(info["cleanup"], 3))
+    assert info["cleanup"] < 1.0, f"cleanup() took {info['cleanup']:.2f} s after the loss"
