@@ -442,10 +442,18 @@ def _run_mismatch(kind: str, world: int, size: str, transport: str,
                   group_timeout: float) -> dict[int, dict[str, Any]]:
     n = 1_500_000 if size == "large" else 100  # large: > 4 MiB, past every direct path
     cases = _cases(n, world)[kind]
-    ports = [free_port() for _ in cases]
-    with Ranks(_mismatching, world, cases, ports, init=False, group_timeout=group_timeout,
-               transport=transport) as ranks:
-        return ranks.results(timeout=(group_timeout + 15) * len(cases) + 30)
+    # One set of processes runs every case in turn; with a short timeout, one set per case
+    # (the next rendezvous would have to wait for the slowest cleanup of the last case).
+    batches = [cases] if group_timeout >= 30 else [[c] for c in cases]
+    out: dict[int, dict[str, Any]] = {}
+    for batch in batches:
+        ports = [free_port() for _ in batch]
+        with Ranks(_mismatching, world, batch, ports, init=False, group_timeout=group_timeout,
+                   transport=transport) as ranks:
+            for rank, per_case in ranks.results(
+                    timeout=(group_timeout + 15) * len(batch) + 30).items():
+                out.setdefault(rank, {}).update(per_case)
+    return out
 
 
 def _check_mismatch(kind: str, world: int, size: str, transport: str,
