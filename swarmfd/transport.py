@@ -399,8 +399,8 @@ class Transport:
             chain.append(culprit)
         via = " -> ".join(f"rank {r}" for r in chain)
         error = CollectiveTimeout(
-            f"{self.activity} {sig.describe()}: timed out after {self.timeout:g} s: rank "
-            f"{culprit} ({self._where(culprit)}) never answered; it may be stuck, stopped or in "
+            f"{self.activity} {sig.describe()}: timed out after {self.timeout:g} s waiting "
+            f"for rank {culprit} ({self._where(culprit)}); it may be stuck, stopped or in "
             f"another collective (waits: {via}; set the timeout with init(timeout=...) or "
             "SWARMFD_TIMEOUT)"
         )
