@@ -2,10 +2,10 @@
 
 Usage (from the repository root, with the bench extras installed; see README.md)::
 
-    /work/venv/bin/python benchmarks/compare.py            # N=2 and N=4, 5 sizes, 3 runs
-    /work/venv/bin/python benchmarks/compare.py --quick    # 30 iterations per size, 2 runs
-    /work/venv/bin/python benchmarks/compare.py --all-sizes -n 2   # 4K..64M by x4
-    /work/venv/bin/python benchmarks/compare.py -n 2 --systems gloo,swarmfd --runs 1
+    .venv/bin/python benchmarks/compare.py            # N=2 and N=4, 5 sizes, 3 runs
+    .venv/bin/python benchmarks/compare.py --quick    # 30 iterations per size, 2 runs
+    .venv/bin/python benchmarks/compare.py --all-sizes -n 2   # 4K..64M by x4
+    .venv/bin/python benchmarks/compare.py -n 2 --systems gloo,swarmfd --runs 1
 
 Every system runs as its own job with its own launcher, all on loopback:
 

@@ -4,7 +4,7 @@
 # Open MPI comes from Debian (mpi4py builds against it); torch is pinned to a CPU
 # wheel (an unpinned torch downloads a multi-GB CUDA build). Needs root for apt.
 set -euo pipefail
-VENV="${VENV:-/work/venv}"
+VENV="${VENV:-$(cd "$(dirname "$0")/.." && pwd)/.venv}"
 here="$(cd "$(dirname "$0")" && pwd)"
 if ! command -v mpirun >/dev/null 2>&1; then
     apt-get update
