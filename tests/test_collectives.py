@@ -427,3 +427,24 @@ def test_bad_transport_setting_is_refused() -> None:
                         timeout=30, group_timeout=5)
     assert all(not ok and "SWARMFD_TRANSPORT='carrier-pigeon' is invalid" in tb
                for ok, tb in out.values())
+
+
+def _torch_tensors(rank: int, world: int) -> list[float]:
+    import torch
+
+    t = torch.full((3, 4), float(rank + 1))
+    assert fd.all_reduce(t) is t  # in place through a zero-copy numpy view
+    p = torch.nn.Parameter(torch.full((5,), float(rank)))
+    fd.broadcast(p, src=world - 1)  # a parameter that requires grad works too
+    grads = [torch.full((2,), float(rank)), torch.full((3,), float(2 * rank))]
+    fd.all_reduce_mean(grads)
+    g = fd.all_gather(torch.tensor([rank], dtype=torch.int64))
+    return [float(t[0, 0]), float(p[0]), float(grads[0][0]), float(grads[1][0]),
+            *[float(x[0]) for x in g]]
+
+
+def test_cpu_torch_tensors_are_accepted_in_place() -> None:
+    """CPU torch tensors (and parameters) go through collectives in place, zero-copy."""
+    pytest.importorskip("torch")
+    out = run_ranks(_torch_tensors, 2)
+    assert out == [[3.0, 1.0, 0.5, 1.0, 0.0, 1.0]] * 2
