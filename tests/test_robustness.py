@@ -380,14 +380,14 @@ def _cases(n: int, world: int) -> dict[str, list[tuple[str, Spec, Spec, list[str
             ("reduce-dst", ("reduce", f32, a, "sum", odd),
              ("reduce", f32, a, "sum", 0), ["root=0", f"root={odd}"]),
         ],
-        # Roots such that every rank believes it must wait for another (see the xfail test).
+        # Roots such that every rank believes it must wait for another.
         "root-all-wait": [
             ("broadcast-src-all-receive", ("broadcast", f32, a, "", odd),
              ("broadcast", f32, a, "", 0), ["root=0", f"root={odd}"]),
             ("reduce-dst-self", ("reduce", f32, a, "sum", 0),
              ("reduce", f32, a, "sum", odd), ["root=0", f"root={odd}"]),
         ],
-        # Known gaps, kept separate so the cases above stay strict (see the xfail tests).
+        # Kept apart: equal counts (see the xfail test) and op=mean against op=sum.
         "reshape": [
             ("all_reduce-2x3-vs-3x2", ("all_reduce", f32, (2, h), "sum", 0),
              ("all_reduce", f32, (h, 2), "sum", 0), [str((2, h)), str((h, 2))]),
@@ -489,60 +489,25 @@ def _check_mismatch(kind: str, world: int, size: str, transport: str,
     assert not problems, "\n".join(problems)
 
 
-_SHM_GONE = pytest.mark.xfail(
-    strict=False, reason="product bug (shm, N>=3, racy): a rank writing to the FIFO of a peer "
-    "that already failed and closed gets EPIPE and raises PeerLostError('rank X is gone') "
-    "without reading the ABORT (with the mismatch) waiting in its own inbox")
-_TCP_STASH = pytest.mark.xfail(
-    strict=False, reason="product bug (tcp, N>=3, racy): a message stashed while the receiver "
-    "was still in the previous call is popped with a size check but no signature check: "
-    "ProtocolError 'announced N bytes' instead of MismatchError (or, at equal size, silently "
-    "accepted; see test_a_stashed_message_is_checked_against_the_signature)")
-
-_TCP_FLUSH = pytest.mark.xfail(
-    strict=False, reason="product bug (tcp, N>=3, large, racy): a rank waiting in flush() for "
-    "zero-copy sends to a peer that failed and left raises PeerLostError('rank X disconnected "
-    "before receiving this rank's data') without reading the ABORT with the real reason")
 
 
-def _mismatch_params() -> list[Any]:
-    params = []
-    for kind in ["collective", "shape", "dtype", "op", "root"]:
-        for world in [2, 3]:
-            for size in ["small", "large"]:
-                for transport in TRANSPORTS:
-                    marks = []
-                    if world >= 3 and transport == "shm":
-                        marks.append(_SHM_GONE)
-                    if world >= 3 and transport == "tcp" and kind == "shape":
-                        marks.append(_TCP_STASH)
-                    if world >= 3 and transport == "tcp" and size == "large":
-                        marks.append(_TCP_FLUSH)
-                    params.append(pytest.param(kind, world, size, transport, marks=marks,
-                                               id=f"{kind}-{world}-{size}-{transport}"))
-    return params
 
-
-@pytest.mark.parametrize(("kind", "world", "size", "transport"), _mismatch_params())
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("size", ["small", "large"])
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("kind", ["collective", "shape", "dtype", "op", "root"])
 def test_mismatch_is_detected_by_every_rank(kind: str, world: int, size: str,
                                             transport: str) -> None:
     """Ranks disagreeing on the call: all raise, naming collective, both values, the rank."""
     _check_mismatch(kind, world, size, transport)
 
 
-_ALL_WAIT = pytest.mark.xfail(
-    strict=False, reason="product bug (tcp): when every rank believes it must wait for another "
-    "(reduce where each names itself dst, broadcast where none names itself src) nobody "
-    "sends, and all ranks wait for the full timeout instead of raising a MismatchError")
-
-
-@pytest.mark.parametrize(("world", "transport"), [
-    pytest.param(2, "tcp", marks=_ALL_WAIT), pytest.param(3, "tcp", marks=_ALL_WAIT),
-    pytest.param(2, "shm"), pytest.param(3, "shm", marks=_SHM_GONE)])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("world", [2, 3])
 def test_root_mismatch_where_every_rank_waits_is_detected(world: int, transport: str) -> None:
     """Roots that leave every rank a receiver are still a MismatchError within 1 s.
 
-    (Group timeout 5 s here, to bound the run time while this fails.)
+    (Group timeout 5 s here, so that a regression costs seconds, not minutes.)
     """
     _check_mismatch("root-all-wait", world, "small", transport, group_timeout=5.0)
 
@@ -556,9 +521,6 @@ def test_mismatched_shapes_with_equal_counts_name_both_shapes(world: int, transp
     _check_mismatch("reshape", world, "small", transport)
 
 
-@pytest.mark.xfail(strict=False, reason="product bug: op='mean' travels as op=sum, so sum on "
-                   "one rank and mean on another is not detected (ranks end with different "
-                   "values)")
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world", [2, 3])
 def test_sum_against_mean_is_detected(world: int, transport: str) -> None:
@@ -575,8 +537,7 @@ def _late_to_a_mismatch(ctx: RankCtx) -> dict[str, Any]:
     return _until_error(ctx, lambda: fd.all_reduce(x), since=time.monotonic(), limit=3.0)
 
 
-@pytest.mark.parametrize("transport", [
-    "tcp", pytest.param("shm", marks=_SHM_GONE)])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_rank_arriving_after_the_others_failed_learns_why(transport: str) -> None:
     """Rank 1 enters a collective after ranks 0 and 2 raised a mismatch and left the group:
     it raises the mismatch (sent to it as an abort), not a bare 'rank 2 is gone'."""
@@ -617,9 +578,6 @@ def _stash_rounds(ctx: RankCtx, ports: list[int]) -> list[str]:
     return outcomes
 
 
-@pytest.mark.xfail(strict=False, reason="product bug (tcp): Transport.recv returns a stashed "
-                   "message after checking only its size, never its signature: a rank can "
-                   "return data of another dtype as its result, without error")
 def test_a_stashed_message_is_checked_against_the_signature() -> None:
     """N=3 over TCP, 8 rounds: rank 0's mismatched broadcast never returns (garbage)."""
     ports = [free_port() for _ in range(8)]
