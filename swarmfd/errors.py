@@ -93,7 +93,7 @@ def error_from_abort(activity: str, src: int, payload: bytes) -> CollectiveError
     try:
         info = json.loads(bytes(payload).decode("utf-8"))
         kind, message = str(info["kind"]), str(info["message"])
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError, OverflowError):
         kind, message = "error", "(unreadable reason)"
     cls = _ABORT_KINDS.get(kind, AbortedError)
     return cls(f"{activity}: rank {src} failed and aborted the group: {message}")
@@ -104,7 +104,7 @@ def _abort_info(payload: bytes) -> dict[str, object]:
 
     try:
         info = json.loads(bytes(payload).decode("utf-8"))
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return {}
     return info if isinstance(info, dict) else {}
 

@@ -233,6 +233,11 @@ def cleanup() -> None:
     if g is not None and g.shm is not None:
         g.shm.close()
     if g is not None and g.transport is not None:
+        if g.broken is not None:
+            # A failed group: what is still queued (for a lost peer, say) will never be
+            # delivered or needed, so do not wait for it.
+            g.transport.close(linger=0)
+            return
         try:
             g.transport.flush()
         except SwarmfdError:

@@ -130,8 +130,8 @@ class Transport:
             self.push[peer.rank] = sock
             self.monitors[mon] = peer.rank
 
-    def close(self) -> None:
-        """Close every socket; pending sends get a short linger. Idempotent."""
+    def close(self, linger: int | None = None) -> None:
+        """Close every socket; pending sends get a short linger (or ``linger`` ms). Idempotent."""
         if self.closed:
             return
         self.closed = True
@@ -144,7 +144,7 @@ class Transport:
         for mon in self.monitors:
             mon.close(linger=0)
         for sock in self.push.values():
-            sock.close()
+            sock.close(linger=linger)
         self.pull.close(linger=0)
         self.ctx.term()
 
@@ -260,6 +260,7 @@ class Transport:
         deadline = _now() + self.timeout
         pull = self.pull
         self.waiting_for = src
+        last_check = _now()
         while True:
             try:
                 raw = pull.recv()  # blocks at most WAIT_SLICE (RCVTIMEO), GIL released
@@ -268,6 +269,11 @@ class Transport:
             if raw is None:
                 self._between_slices(src, deadline, sig)
                 continue
+            if _now() - last_check > WAIT_SLICE_MS / 1000:
+                # Messages keep coming but not the one awaited (a flood of garbage, say):
+                # the deadline and the peer's liveness still count.
+                self._between_slices(src, deadline, sig)
+                last_check = _now()
             hdr = self._parse(raw)
             if hdr is None:
                 continue
@@ -528,8 +534,15 @@ def _hello(me: PeerInfo, world_size: int) -> bytes:
     }).encode()
 
 
+def _int(value: Any) -> int:
+    """A JSON integer, strictly (no bool, no float): TypeError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"expected an integer, got {value!r}")
+    return value
+
+
 def _peer(d: dict[str, Any]) -> PeerInfo:
-    return PeerInfo(int(d["rank"]), str(d["endpoint"]), str(d["host"]), int(d["pid"]),
+    return PeerInfo(_int(d["rank"]), str(d["endpoint"]), str(d["host"]), _int(d["pid"]),
                     str(d.get("hostkey", "")))
 
 
@@ -567,8 +580,9 @@ def _serve_rendezvous(
             try:
                 hello = json.loads(body.decode("utf-8"))
                 peer = _peer(hello)
-                version, world = int(hello["swarmfd"]), int(hello["world_size"])
-            except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+                version, world = _int(hello["swarmfd"]), _int(hello["world_size"])
+            except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError,
+                    OverflowError):
                 continue  # not a swarmfd hello: ignore
             error = None
             if version != wire.PROTOCOL_VERSION:
