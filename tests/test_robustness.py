@@ -597,13 +597,6 @@ def _cleanup_after_loss(ctx: RankCtx) -> dict[str, Any]:
     return info
 
 
-_SLOW_CLEANUP = pytest.mark.xfail(
-    strict=False, reason="product bug: after a failed collective, cleanup() closes the PUSH "
-    "sockets with LINGER=min(timeout, 5 s) while messages for the lost peer (data, the ABORT) "
-    "are still queued, so it blocks 5 s (and so does the interpreter's exit through atexit)")
-
-
-@_SLOW_CLEANUP
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_cleanup_after_a_lost_peer_is_prompt(transport: str) -> None:
     """A survivor's cleanup() after PeerLostError returns within a second (exit is prompt)."""
