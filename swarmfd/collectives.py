@@ -184,6 +184,8 @@ def _run(g: _group.Group, sig: Signature, body: Callable[[_Call], T]) -> T:
     if call.s is not None:
         call.s.activity = t.activity
     try:
+        if t.data_via_shm:
+            t.drain_unused()
         result = body(call)
         t.flush()
         return result

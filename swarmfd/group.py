@@ -187,6 +187,7 @@ def _setup_shm(g: Group, token: str) -> None:
     channel.unlink_own()
     if ok[0]:
         g.shm = channel
+        t.data_via_shm = True
     else:
         channel.close()
 

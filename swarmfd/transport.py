@@ -110,6 +110,7 @@ class Transport:
         self.trackers: list[tuple[int, zmq.MessageTracker]] = []
         self.garbage = 0
         self.waiting_for = -1
+        self.data_via_shm = False  # set once the group moves its data to shared memory
         self.closed = False
         # What the caller is doing, for error messages.
         self.activity = "rendezvous"
@@ -440,8 +441,29 @@ class Transport:
             if hdr.kind == wire.Kind.DATA and 0 <= hdr.src < self.world_size:
                 self.stash[(hdr.src, hdr.seq, hdr.tag)] = (hdr, payload)
 
+    def drain_unused(self) -> None:
+        """Empty the data socket of a group whose data goes through shared memory.
+
+        Nothing legitimate arrives there but aborts (raised here); anything else a
+        stranger sends is dropped and counted, so it cannot pile up in memory.
+        """
+        for _ in range(10_000):
+            try:
+                raw = self.pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            hdr = self._parse(raw)
+            if hdr is None:
+                continue
+            payload = raw[wire.HEADER_SIZE:] if hdr.inline else self._payload()
+            if hdr.kind == wire.Kind.ABORT and not abort_is_provisional(payload):
+                raise self._aborted(hdr, payload)
+            self.garbage += 1
+
     def check_peer(self, src: int | None) -> None:
         """Raise :class:`PeerLostError` when ``src`` disconnected (for waits outside zmq)."""
+        if self.data_via_shm:
+            self.drain_unused()
         self._check_monitors()
         if src is not None and src in self.lost and _now() - self.lost[src] > LOST_PEER_GRACE:
             self._raise_pending_abort()

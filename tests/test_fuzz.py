@@ -326,13 +326,7 @@ def test_hostile_json_hellos_do_not_stop_rendezvous() -> None:
 # -- a running job under fuzz ---------------------------------------------------------------
 
 
-_SHM_UNREAD = pytest.mark.xfail(
-    strict=False, reason="product bug (shm): the TCP data socket (RCVHWM=0) is never read once "
-    "a group uses shared memory, so whatever a stranger sends to it stays queued in the "
-    "rank's memory forever")
-
-
-@pytest.mark.parametrize("transport", ["tcp", pytest.param("shm", marks=_SHM_UNREAD)])
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_garbage_and_random_connections_do_not_disturb_a_job(transport: str) -> None:
     """Raw bytes, ZMTP junk, random PUSH/DEALER messages: results exact, memory flat."""
     out, fuzzer = _run_fuzzed_job(transport, ("raw", "zmtp", "push", "dealer"), seed=1)
