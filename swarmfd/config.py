@@ -112,8 +112,12 @@ def _check_int(name: str, value: object, *, minimum: int) -> None:
         raise ConfigError(f"{name} must be >= {minimum}, got {value}")
 
 
-def parse_env_int(environ: Mapping[str, str], name: str, *, minimum: int = 0) -> int | None:
-    """Read an integer environment variable; ``None`` when unset or empty."""
+def parse_env_int(environ: Mapping[str, str], name: str, *, minimum: int = 0,
+                  hint: str = "") -> int | None:
+    """Read an integer environment variable; ``None`` when unset or empty.
+
+    ``hint`` is appended to the error message (where the value should come from).
+    """
     raw = environ.get(name)
     if raw is None or raw.strip() == "":
         return None
@@ -122,11 +126,12 @@ def parse_env_int(environ: Mapping[str, str], name: str, *, minimum: int = 0) ->
     except ValueError:
         raise ConfigError(
             f"environment variable {name}={raw!r} is not an integer: "
-            f"expected an integer >= {minimum}"
+            f"expected an integer >= {minimum}{hint}"
         ) from None
     if value < minimum:
         raise ConfigError(
             f"environment variable {name}={raw!r} is invalid: expected an integer >= {minimum}"
+            f"{hint}"
         )
     return value
 

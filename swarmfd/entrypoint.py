@@ -66,6 +66,7 @@ from .config import (
     ENV_MASTER_ADDR,
     ENV_RANK,
     ENV_WORLD_SIZE,
+    parse_env_int,
 )
 from .errors import ConfigError, RendezvousTimeout
 
@@ -98,26 +99,6 @@ Environment (set by the service):
 """
 
 
-def _int_var(environ: Mapping[str, str], name: str, *, minimum: int, hint: str = "") -> int | None:
-    """Parse the integer variable ``name``; ``None`` when unset or empty."""
-    raw = environ.get(name)
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        value = int(raw.strip(), 10)
-    except ValueError:
-        raise ConfigError(
-            f"environment variable {name}={raw!r} is not an integer: expected an integer "
-            f">= {minimum}{hint}"
-        ) from None
-    if value < minimum:
-        raise ConfigError(
-            f"environment variable {name}={raw!r} is invalid: expected an integer >= {minimum}"
-            f"{hint}"
-        )
-    return value
-
-
 _SLOT_HINT = (
     f" (Swarm sets {ENV_TASK_SLOT}={{{{.Task.Slot}}}} to 1..replicas in 'replicated' mode; "
     "'global' and 'replicated-job' services get a node ID instead, and templates are "
@@ -133,8 +114,8 @@ def task_env(environ: Mapping[str, str]) -> dict[str, str]:
     (a ``ValueError``) naming the variable when the task's place cannot be determined.
     """
     env = dict(environ)
-    slot = _int_var(env, ENV_TASK_SLOT, minimum=1, hint=_SLOT_HINT)
-    world_size = _int_var(env, ENV_WORLD_SIZE, minimum=1)
+    slot = parse_env_int(env, ENV_TASK_SLOT, minimum=1, hint=_SLOT_HINT)
+    world_size = parse_env_int(env, ENV_WORLD_SIZE, minimum=1)
     if slot is not None:
         if world_size is None:
             raise ConfigError(

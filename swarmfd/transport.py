@@ -427,19 +427,7 @@ class Transport:
 
     def _raise_pending_abort(self) -> None:
         """Read what already arrived and raise the first abort in it (it explains a loss)."""
-        while True:
-            try:
-                raw = self.pull.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            hdr = self._parse(raw)
-            if hdr is None:
-                continue
-            payload = raw[wire.HEADER_SIZE:] if hdr.inline else self._payload()
-            if hdr.kind == wire.Kind.ABORT and not abort_is_provisional(payload):
-                raise self._aborted(hdr, payload)
-            if hdr.kind == wire.Kind.DATA and 0 <= hdr.src < self.world_size:
-                self.stash[(hdr.src, hdr.seq, hdr.tag)] = (hdr, payload)
+        self._read_available(keep_data=True)
 
     def drain_unused(self) -> None:
         """Empty the data socket of a group whose data goes through shared memory.
@@ -447,7 +435,14 @@ class Transport:
         Nothing legitimate arrives there but aborts (raised here); anything else a
         stranger sends is dropped and counted, so it cannot pile up in memory.
         """
-        for _ in range(10_000):
+        self._read_available(keep_data=False)
+
+    def _read_available(self, *, keep_data: bool, limit: int = 10_000) -> None:
+        """Read up to ``limit`` waiting messages without blocking; raise on a final abort.
+
+        Data messages are stashed for a later receive (``keep_data``) or dropped.
+        """
+        for _ in range(limit):
             try:
                 raw = self.pull.recv(zmq.NOBLOCK)
             except zmq.Again:
@@ -458,7 +453,10 @@ class Transport:
             payload = raw[wire.HEADER_SIZE:] if hdr.inline else self._payload()
             if hdr.kind == wire.Kind.ABORT and not abort_is_provisional(payload):
                 raise self._aborted(hdr, payload)
-            self.garbage += 1
+            if keep_data and hdr.kind == wire.Kind.DATA and 0 <= hdr.src < self.world_size:
+                self.stash[(hdr.src, hdr.seq, hdr.tag)] = (hdr, payload)
+            else:
+                self.garbage += 1
 
     def check_peer(self, src: int | None) -> None:
         """Raise :class:`PeerLostError` when ``src`` disconnected (for waits outside zmq)."""
