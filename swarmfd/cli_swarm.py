@@ -57,9 +57,9 @@ def _swarm_errors(func: F) -> F:
 
 
 def _docker_api_error() -> type[Exception]:
-    import docker.errors
+    from .swarm.engine import docker_error
 
-    return docker.errors.DockerException
+    return docker_error()
 
 
 class _TextSink:

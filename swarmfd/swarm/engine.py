@@ -433,3 +433,8 @@ def _remove_network(client: docker.DockerClient, net: dict[str, Any], deadline: 
 
 def _explain(exc: docker.errors.APIError) -> str:
     return str(getattr(exc, "explanation", None) or exc)
+
+
+def docker_error() -> type[Exception]:
+    """The Docker SDK's base exception (so callers outside this package need not import it)."""
+    return docker.errors.DockerException
