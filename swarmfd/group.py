@@ -34,6 +34,8 @@ from .errors import (
 )
 
 ENV_NODE = "SWARMFD_NODE"
+#: Seconds a failed group's sockets may take at cleanup to deliver the abort messages.
+ABORT_LINGER = 0.5
 #: ``auto`` (default): shared memory between ranks of one host, TCP otherwise; ``tcp``: TCP only.
 ENV_TRANSPORT = "SWARMFD_TRANSPORT"
 
@@ -235,9 +237,10 @@ def cleanup() -> None:
         g.shm.close()
     if g is not None and g.transport is not None:
         if g.broken is not None:
-            # A failed group: what is still queued (for a lost peer, say) will never be
-            # delivered or needed, so do not wait for it.
-            g.transport.close(linger=0)
+            # A failed group: give the abort messages queued behind unsent data a
+            # moment to leave (peers learn the reason), but do not wait for data a lost
+            # peer will never take.
+            g.transport.close(linger=int(ABORT_LINGER * 1000))
             return
         try:
             g.transport.flush()

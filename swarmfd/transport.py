@@ -60,7 +60,7 @@ from .errors import (
 
 #: After a timeout, how long a rank listens to the others' timeout reports to find the
 #: rank that is really stuck (see Transport._timeout).
-TIMEOUT_GRACE = 0.4
+TIMEOUT_GRACE = 0.6
 #: How long a peer whose connection closed may still deliver what it had sent.
 LOST_PEER_GRACE = 0.3
 #: A blocking receive returns at least this often (ms) to check deadlines and lost peers.
