@@ -52,7 +52,6 @@ Exit codes when the command does not start: 2 bad environment or usage,
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 import sys
@@ -66,6 +65,7 @@ from .config import (
     ENV_MASTER_ADDR,
     ENV_RANK,
     ENV_WORLD_SIZE,
+    parse_env_float,
     parse_env_int,
 )
 from .errors import ConfigError, RendezvousTimeout
@@ -146,19 +146,8 @@ def task_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 def resolve_timeout(environ: Mapping[str, str]) -> float:
     """Seconds to wait for ``MASTER_ADDR`` to resolve (``SWARMFD_RESOLVE_TIMEOUT``, default 60)."""
-    raw = environ.get(ENV_RESOLVE_TIMEOUT)
-    if raw is None or raw.strip() == "":
-        return DEFAULT_RESOLVE_TIMEOUT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise ConfigError(
-            f"environment variable {ENV_RESOLVE_TIMEOUT}={raw!r} is invalid: expected a positive "
-            "number of seconds"
-        )
-    return value
+    value = parse_env_float(environ, ENV_RESOLVE_TIMEOUT)
+    return DEFAULT_RESOLVE_TIMEOUT if value is None else value
 
 
 def command_argv(args: Sequence[str], python: str = sys.executable) -> list[str]:
