@@ -11,19 +11,24 @@
 #               (skipped when wheelhouse/.stamp matches the dependency list)
 #   image       build the swarmfd image ($SWARMFD_IMAGE) from the Dockerfile with
 #               --build-arg BASE_IMAGE=$SWARMFD_BASE_IMAGE (layer cache keeps it fast)
-#   all         engine base wheelhouse image (the default)
+#   node        build the multi-node test Swarm's node image ($SWARMFD_NODE_IMAGE): Debian
+#               with docker.io, by mmdebstrap like the base image, unless it exists
+#               (FORCE_NODE=1 rebuilds); tests/multinode/ runs several of them as a Swarm
+#   all         engine base wheelhouse image node (the default)
 #   status      print engine, swarm and image state; change nothing
-# The last line printed by `image` (and `all`) is `SWARMFD_IMAGE_ID=sha256:...`.
+# `image` prints a line `SWARMFD_IMAGE_ID=sha256:...`, `node` one `SWARMFD_NODE_IMAGE=<tag>`.
 #
 # Environment:
 #   SWARMFD_IMAGE        image tag to build (default swarmfd:latest)
 #   SWARMFD_BASE_IMAGE   local base image tag (default swarmfd-base:<suite>-1)
+#   SWARMFD_NODE_IMAGE   multi-node test node image tag (default swarmfd-node:<suite>-1)
 #   SWARMFD_APT_SOURCES  apt sources file for mmdebstrap (default: the host's
 #                        /etc/apt/sources.list.d/debian.sources, else /etc/apt/sources.list)
 #   SWARMFD_SUITE        Debian suite (default: VERSION_CODENAME of the host)
 #   DOCKERD_LOG          dockerd log file (default /var/log/swarmfd-dockerd.log)
 #   DOCKER_WAIT          seconds to wait for the engine to answer (default 60)
 #   FORCE_BASE=1         rebuild the base image even if it exists
+#   FORCE_NODE=1         rebuild the node image even if it exists
 #
 # The mirror is never written in this file: mmdebstrap reads the host's sources file.
 set -euo pipefail
@@ -33,6 +38,11 @@ SUITE="${SWARMFD_SUITE:-$(. /etc/os-release && echo "${VERSION_CODENAME:-bookwor
 BASE_RECIPE=1   # bump when the base package list or options below change
 BASE_IMAGE="${SWARMFD_BASE_IMAGE:-swarmfd-base:${SUITE}-${BASE_RECIPE}}"
 IMAGE="${SWARMFD_IMAGE:-swarmfd:latest}"
+NODE_RECIPE=1   # bump when the node package list, options or entry script change
+NODE_IMAGE="${SWARMFD_NODE_IMAGE:-swarmfd-node:${SUITE}-${NODE_RECIPE}}"
+# docker.io pulls containerd, runc, tini and iptables; mount and iproute2 are for the
+# entry script and overlay networking. No Python: the node only runs dockerd.
+NODE_PKGS="docker.io,mount,iproute2,procps"
 DOCKERD_LOG="${DOCKERD_LOG:-/var/log/swarmfd-dockerd.log}"
 DOCKER_WAIT="${DOCKER_WAIT:-60}"
 WHEELHOUSE="$ROOT/wheelhouse"
@@ -160,26 +170,19 @@ apt_sources_file() {
   die "no usable apt sources file (looked at /etc/apt/sources.list.d/debian.sources and /etc/apt/sources.list); set SWARMFD_APT_SOURCES"
 }
 
-step_base() {
-  require_engine
-  if [ "${FORCE_BASE:-0}" != 1 ] && "$DOCKER" image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
-    log "base image $BASE_IMAGE exists (FORCE_BASE=1 rebuilds it)"
-    return
-  fi
-  need_root "building the base image"
+# mmdebstrap a rootfs tarball of $SUITE with the packages $2 (comma-separated) into $1,
+# from the host's own apt sources file; extra arguments are more mmdebstrap options.
+debootstrap_tar() {
+  local out="$1" pkgs="$2"; shift 2
   command -v mmdebstrap >/dev/null 2>&1 || { log "installing mmdebstrap"; apt_install mmdebstrap; }
   local src; src="$(apt_sources_file)"
-  local work; work="$(mktemp -d /tmp/swarmfd-base.XXXXXX)"
-  # shellcheck disable=SC2064
-  trap "rm -rf '$work'" RETURN
-  log "building $BASE_IMAGE: mmdebstrap $SUITE from $src ($BASE_PKGS)"
-  local t0 t1; t0=$(now)
+  log "mmdebstrap $SUITE from $src ($pkgs)"
   # Check-Valid-Until false: the host's mirror may be a dated snapshot whose Release
   # files are past Valid-Until; mmdebstrap does not read the host's apt.conf.d.
   # shellcheck disable=SC2016  # "$1" is expanded by mmdebstrap's hook shell, not here
-  mmdebstrap --quiet \
+  mmdebstrap ${MMDEBSTRAP_VERBOSE:---quiet} \
     --variant=apt --mode=root --format=tar \
-    --include="$BASE_PKGS" \
+    --include="$pkgs" \
     --aptopt='Acquire::Check-Valid-Until "false"' \
     --aptopt='Acquire::Languages "none"' \
     --dpkgopt='path-exclude=/usr/share/man/*' \
@@ -187,10 +190,26 @@ step_base() {
     --dpkgopt='path-include=/usr/share/doc/*/copyright' \
     --dpkgopt='path-exclude=/usr/share/locale/*' \
     --dpkgopt='path-exclude=/usr/share/info/*' \
+    "$@" \
     --customize-hook='rm -f "$1"/etc/apt/sources.list "$1"/etc/apt/sources.list.d/* "$1"/var/cache/apt/*.bin' \
     --customize-hook='rm -rf "$1"/var/lib/apt/lists/*' \
-    "$SUITE" "$work/rootfs.tar" "$src" \
+    "$SUITE" "$out" "$src" \
     || die "mmdebstrap failed (apt sources: $src, suite: $SUITE)"
+}
+
+step_base() {
+  require_engine
+  if [ "${FORCE_BASE:-0}" != 1 ] && "$DOCKER" image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
+    log "base image $BASE_IMAGE exists (FORCE_BASE=1 rebuilds it)"
+    return
+  fi
+  need_root "building the base image"
+  local work; work="$(mktemp -d /tmp/swarmfd-base.XXXXXX)"
+  # shellcheck disable=SC2064
+  trap "rm -rf '$work'" RETURN
+  log "building $BASE_IMAGE"
+  local t0 t1; t0=$(now)
+  debootstrap_tar "$work/rootfs.tar" "$BASE_PKGS"
   t1=$(now)
   "$DOCKER" import \
     --change 'ENV LANG=C.UTF-8 PYTHONUNBUFFERED=1' \
@@ -199,6 +218,36 @@ step_base() {
   log "base image $BASE_IMAGE built in $(since "$t0") (mmdebstrap" \
       "$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1fs", b - a }'), import $(since "$t1")):" \
       "$("$DOCKER" image inspect -f '{{.Size}}' "$BASE_IMAGE" | awk '{printf "%.0f MB", $1/1e6}')"
+}
+
+# The node image of the multi-node test Swarm: dockerd (docker.io) started by
+# scripts/multinode-node-entry.sh. A node needs no Python and no swarmfd: the swarmfd
+# image is loaded into each node's engine by the harness.
+step_node() {
+  require_engine
+  if [ "${FORCE_NODE:-0}" != 1 ] && "$DOCKER" image inspect "$NODE_IMAGE" >/dev/null 2>&1; then
+    log "node image $NODE_IMAGE exists (FORCE_NODE=1 rebuilds it)"
+    echo "SWARMFD_NODE_IMAGE=$NODE_IMAGE"
+    return
+  fi
+  need_root "building the node image"
+  local work; work="$(mktemp -d /tmp/swarmfd-node.XXXXXX)"
+  # shellcheck disable=SC2064
+  trap "rm -rf '$work'" RETURN
+  log "building $NODE_IMAGE"
+  local t0; t0=$(now)
+  debootstrap_tar "$work/rootfs.tar" "$NODE_PKGS" \
+    --customize-hook="copy-in $ROOT/scripts/multinode-node-entry.sh /usr/local/bin" \
+    --customize-hook='rm -f "$1"/var/cache/debconf/*-old'
+  "$DOCKER" import \
+    --change 'ENV LANG=C.UTF-8' \
+    --change 'VOLUME /var/lib/docker' \
+    --change 'LABEL org.swarmfd.node-recipe='"$NODE_RECIPE" \
+    --change 'ENTRYPOINT ["/usr/local/bin/multinode-node-entry.sh"]' \
+    "$work/rootfs.tar" "$NODE_IMAGE" >/dev/null || die "docker import of the node rootfs failed"
+  log "node image $NODE_IMAGE built in $(since "$t0"):" \
+      "$("$DOCKER" image inspect -f '{{.Size}}' "$NODE_IMAGE" | awk '{printf "%.0f MB", $1/1e6}')"
+  echo "SWARMFD_NODE_IMAGE=$NODE_IMAGE"
 }
 
 # Requirement list: the project's runtime dependencies (read from pyproject.toml) plus
@@ -282,10 +331,11 @@ main() {
       base) step_base ;;
       wheelhouse) step_wheelhouse ;;
       image) step_image ;;
-      all) step_engine; step_base; step_wheelhouse; step_image ;;
+      node) step_node ;;
+      all) step_engine; step_base; step_wheelhouse; step_image; step_node ;;
       status) step_status ;;
       -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; return 0 ;;
-      *) die "unknown step '$s' (expected engine, base, wheelhouse, image, all or status)" ;;
+      *) die "unknown step '$s' (expected engine, base, wheelhouse, image, node, all or status)" ;;
     esac
   done
   log "done in $(since "$t0")"

@@ -157,6 +157,9 @@ class _DeployCommand(click.Command):
               show_default=True,
               help="LOCAL_RANK per container (0 of 1 in each) or per node (derived by swarmfd "
                    "at rendezvous; read it with swarmfd.get_config().local_rank).")
+@click.option("--encrypt-network", is_flag=True,
+              help="Encrypt the job's overlay network between nodes (IPsec, Docker's "
+                   "'encrypted' overlay option; every node's kernel needs ESP support).")
 @click.option("--pull", is_flag=True,
               help="IMAGE is in a registry every node can reach: let each node pull it "
                    "(default: IMAGE must be on this node and runs by its ID).")
@@ -191,6 +194,7 @@ def deploy(
     timeout: float | None,
     max_per_node: int | None,
     local_ranks: str,
+    encrypt_network: bool,
     pull: bool,
     detach: bool,
     keep_flag: bool,
@@ -263,6 +267,7 @@ def deploy(
             timeout=timeout,
             max_per_node=max_per_node,
             local_ranks=local_ranks,
+            encrypt_network=encrypt_network,
             version=__version__,
         )
     except (ValueError, TypeError) as exc:

@@ -18,6 +18,8 @@ from swarmfd.swarm.tasks import (
     first_failure,
     job_state,
     latest_per_rank,
+    lost_message,
+    lost_ranks,
     parse_timestamp,
     phase_of,
     summarize,
@@ -126,6 +128,14 @@ def test_resources_placement_mounts_workdir_and_networks():
         {"Type": "bind", "Source": "/data", "Target": "/data", "ReadOnly": True}]
     assert task["ContainerSpec"]["Dir"] == "/work"
     assert task["Networks"] == [{"Target": "job-1"}, {"Target": "shared"}]
+
+
+def test_encrypt_network_sets_the_overlay_option():
+    """--encrypt-network: Docker's `encrypted` overlay option, nothing else changes."""
+    plain = S.build_network_spec(make_job())
+    assert "options" not in plain
+    encrypted = S.build_network_spec(make_job(encrypt_network=True))
+    assert encrypted == {**plain, "options": {"encrypted": ""}}
 
 
 def test_minimal_spec_has_no_empty_optional_sections():
@@ -427,6 +437,21 @@ def test_rejected_and_stopped_tasks_are_failures_with_exit_code_1():
     assert exit_code_for(stopped) == 1
     # A failed task beats a stopped one, whatever their times.
     assert first_failure([stopped, TaskView.from_api(task(3, "failed", exit_code=2))]).rank == 2
+
+
+def test_ranks_on_a_node_that_left_are_lost():
+    """A task still 'running' on a node the manager declared down is lost; ended tasks
+    and tasks on ready nodes are not."""
+    views = latest_per_rank([
+        task(1, "running", node="n1"), task(2, "failed", exit_code=1, node="n2"),
+        task(3, "running", node="n3"), task(4, "running", node="n3"),
+        task(5, "complete", node="n3"),
+    ]).values()
+    lost = lost_ranks(views, ["n3"])
+    assert [v.rank for v in lost] == [2, 3]
+    assert lost_ranks(views, []) == []
+    assert lost_message(lost[0], "node-3", "down (heartbeat failure)") == (
+        "rank 2 was lost: its node node-3 is down (heartbeat failure)")
 
 
 def test_summary_and_job_state():

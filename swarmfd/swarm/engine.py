@@ -45,6 +45,7 @@ __all__ = [
     "job_tasks",
     "list_jobs",
     "node_names",
+    "node_states",
     "remove_job",
     "resolve_image",
     "set_labels",
@@ -223,6 +224,34 @@ def node_names(client: docker.DockerClient) -> dict[str, str]:
                 for n in client.api.nodes()}
     except docker.errors.APIError:
         return {}
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """A Swarm node as the manager sees it: host name, state (ready, down, ...), why."""
+
+    name: str
+    state: str
+    message: str = ""
+
+    def describe(self) -> str:
+        return f"{self.state} ({self.message})" if self.message else self.state
+
+
+def node_states(client: docker.DockerClient) -> dict[str, NodeState]:
+    """Node ID -> :class:`NodeState` (empty when the nodes cannot be listed)."""
+    try:
+        nodes = client.api.nodes()
+    except docker.errors.APIError:
+        return {}
+    return {
+        n["ID"]: NodeState(
+            name=n.get("Description", {}).get("Hostname", n["ID"][:12]),
+            state=str((n.get("Status") or {}).get("State", "unknown")),
+            message=str((n.get("Status") or {}).get("Message", "")),
+        )
+        for n in nodes
+    }
 
 
 @dataclass(frozen=True)

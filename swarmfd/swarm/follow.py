@@ -29,12 +29,16 @@ from typing import Any, BinaryIO
 import docker
 import docker.errors
 
-from .engine import job_tasks, node_names, stop_job
+from .engine import NodeState, job_tasks, node_states, set_labels, stop_job
+from .spec import LABEL_FAILURE
 from .tasks import (
+    NODE_GONE_STATES,
     TaskView,
     exit_code_for,
     failure_message,
     first_failure,
+    lost_message,
+    lost_ranks,
     parse_timestamp,
     summarize,
 )
@@ -284,6 +288,7 @@ class FollowResult:
     all_running_after: float | None = None
     elapsed: float = 0.0
     stopped_after: float | None = None  # seconds from noticing the failure to all stopped
+    lost: tuple[int, ...] = ()  # ranks whose node left the Swarm
 
 
 def follow_job(
@@ -336,10 +341,12 @@ def follow_job(
                 all_running = elapsed
                 progress(f"{name}: all {world_size} ranks running after {elapsed:.1f} s")
             failure = first_failure(views.values())
-            if failure is not None:
+            nodes = node_states(client)
+            lost = _lost(views, nodes)
+            if failure is not None or lost:
                 return _stop_after_failure(client, name, service_id, world_size, node_id,
-                                           failure, pump, progress, t0, all_running,
-                                           stop_timeout, drain_timeout)
+                                           failure, lost, nodes, pump, progress, t0,
+                                           all_running, stop_timeout, drain_timeout)
             if len(views) >= world_size and all(v.phase == "done" for v in views.values()):
                 if pump is not None:
                     pump.wait(drain_timeout)
@@ -364,13 +371,44 @@ def follow_job(
             pump.close()
 
 
+def _lost(views: dict[int, TaskView], nodes: dict[str, NodeState]) -> list[TaskView]:
+    """The ranks whose node has left the Swarm (their tasks can no longer end)."""
+    gone = [nid for nid, st in nodes.items() if st.state in NODE_GONE_STATES]
+    return lost_ranks(views.values(), gone)
+
+
+def _describe_failure(failure: TaskView | None, lost: list[TaskView],
+                      nodes: dict[str, NodeState]) -> tuple[TaskView, str, str]:
+    """The rank that caused the failure, its node's name and the message naming both.
+
+    A rank whose node left is the cause: the ranks that failed meanwhile lost their
+    peer (swarmfd's PeerLostError), so their failure follows from it.
+    """
+    def node_of(view: TaskView) -> NodeState:
+        return nodes.get(view.node_id, NodeState(view.node_id[:12], "unknown"))
+
+    if lost:
+        cause = lost[0]
+        state = node_of(cause)
+        message = lost_message(cause, state.name, state.describe())
+        if failure is not None:
+            message += (f"; rank {failure.rank} failed after it "
+                        f"({failure_message(failure, node_of(failure).name)})")
+        return cause, state.name, message
+    assert failure is not None
+    node = node_of(failure).name
+    return failure, node, failure_message(failure, node)
+
+
 def _stop_after_failure(
     client: docker.DockerClient,
     name: str,
     service_id: str,
     world_size: int,
     node_id: str,
-    failure: TaskView,
+    failure: TaskView | None,
+    lost: list[TaskView],
+    nodes: dict[str, NodeState],
     pump: LogPump | None,
     progress: Callable[[str], None],
     t0: float,
@@ -378,8 +416,7 @@ def _stop_after_failure(
     stop_timeout: float,
     drain_timeout: float,
 ) -> FollowResult:
-    node = node_names(client).get(failure.node_id, failure.node_id[:12])
-    message = failure_message(failure, node)
+    cause, node, message = _describe_failure(failure, lost, nodes)
     progress(f"{name}: {message}; stopping the other ranks")
     noticed = time.monotonic()
     try:
@@ -391,13 +428,29 @@ def _stop_after_failure(
                  "directly (Swarm drops their tasks)")
     deadline = noticed + stop_timeout
     views = job_tasks(client, service_id)
-    while not all(v.terminal for v in views.values()) and time.monotonic() < deadline:
+    # Wait until every rank ended or is lost. A rank whose node left never ends: Swarm
+    # shows it running until the node is back. The manager declares such a node down
+    # only after missed heartbeats, so a rank that failed meanwhile (its peer vanished)
+    # is renamed as a consequence once the lost rank is known.
+    while time.monotonic() < deadline:
+        nodes = node_states(client) or nodes
+        now_lost = _lost(views, nodes)
+        if now_lost and not lost:
+            lost = now_lost
+            cause, node, message = _describe_failure(failure, lost, nodes)
+            progress(f"{name}: {message}")
+            with contextlib.suppress(docker.errors.APIError):
+                set_labels(client, service_id, {LABEL_FAILURE: message[:1000]})
+        lost_ids = {v.task_id for v in now_lost}
+        if all(v.terminal or v.task_id in lost_ids for v in views.values()):
+            break
         if pump is not None:
             pump.update(views)
         time.sleep(DEFAULT_POLL)
         views = job_tasks(client, service_id)
     stopped_after = time.monotonic() - noticed
-    left = [r for r, v in views.items() if not v.terminal]
+    lost_ids = {v.task_id for v in lost}
+    left = [r for r, v in views.items() if not v.terminal and v.task_id not in lost_ids]
     if left:
         progress(f"{name}: ranks {left} did not stop within {stop_timeout:.0f} s")
     elif world_size > 1:
@@ -406,9 +459,10 @@ def _stop_after_failure(
     if pump is not None:
         pump.update(views)
         pump.wait(drain_timeout)
-    return FollowResult("failed", exit_code_for(failure), message, failure=failure,
-                        failure_node=node, all_running_after=all_running,
-                        elapsed=time.monotonic() - t0, stopped_after=stopped_after)
+    code = exit_code_for(failure) if failure is not None else 1
+    return FollowResult("failed", code, message, failure=cause, failure_node=node,
+                        all_running_after=all_running, elapsed=time.monotonic() - t0,
+                        stopped_after=stopped_after, lost=tuple(v.rank for v in lost))
 
 
 def print_logs(

@@ -35,6 +35,8 @@ __all__ = [
     "first_failure",
     "job_state",
     "latest_per_rank",
+    "lost_message",
+    "lost_ranks",
     "parse_timestamp",
     "phase_of",
     "summarize",
@@ -167,6 +169,26 @@ def first_failure(views: Iterable[TaskView]) -> TaskView | None:
         if bad:
             return min(bad, key=lambda v: (v.updated, v.rank))
     return None
+
+
+#: Node states (``GET /nodes`` ``Status.State``) whose tasks can no longer report.
+NODE_GONE_STATES = frozenset({"down", "disconnected", "unknown"})
+
+
+def lost_ranks(views: Iterable[TaskView], gone_nodes: Iterable[str]) -> list[TaskView]:
+    """The tasks not ended yet whose node has left (down, disconnected): their ranks are
+    lost. Swarm keeps showing such a task as running (desired state ``remove``) until the
+    node comes back, so it never ends on its own. Sorted by rank."""
+    gone = set(gone_nodes)
+    return sorted((v for v in views if not v.terminal and v.node_id in gone),
+                  key=lambda v: v.rank)
+
+
+def lost_message(lost: TaskView, node: str = "", node_state: str = "") -> str:
+    """One line naming a lost rank and its node, e.g. ``rank 2 was lost: its node n3 is
+    down (heartbeat failure)``."""
+    where = f"its node {node}" if node else "its node"
+    return f"rank {lost.rank} was lost: {where} is {node_state or 'down'}"
 
 
 def exit_code_for(failure: TaskView) -> int:

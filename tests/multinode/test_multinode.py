@@ -1,0 +1,359 @@
+"""swarmfd across nodes: a Swarm of docker-in-docker nodes (the ``multinode`` fixture).
+
+Ranks sit on different Docker engines and talk over the job's overlay network
+(VXLAN between the nodes). swarmfd runs on the host, pointed at the inner manager
+with ``--host`` or ``DOCKER_HOST``. Every test runs the real command line in a
+subprocess with a timeout and removes its job. The node-loss test stops a node, so
+it runs last (file order).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from swarmfd.swarm.spec import LABEL_JOB
+
+pytestmark = [pytest.mark.swarm, pytest.mark.multinode]
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN = "/opt/swarmfd/examples/train.py"
+CLI_TIMEOUT = 180.0
+
+
+def swarmfd(cluster: Any, *args: str, via_env: bool = False,
+            timeout: float = CLI_TIMEOUT) -> subprocess.CompletedProcess[str]:
+    """``python -m swarmfd ARGS`` against the inner manager: ``--host`` after the
+    subcommand, or ``DOCKER_HOST`` in the environment with ``via_env``."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("DOCKER_HOST", None)
+    argv = list(args)
+    if via_env:
+        env["DOCKER_HOST"] = cluster.manager.docker_host
+    else:
+        argv[1:1] = ["--host", cluster.manager.docker_host]
+    return subprocess.run([sys.executable, "-m", "swarmfd", *argv], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def rank_lines(text: str) -> dict[int, list[str]]:
+    lines: dict[int, list[str]] = {}
+    for line in text.splitlines():
+        m = re.match(r"^\[rank (\d+)\] (.*)$", line)
+        if m:
+            lines.setdefault(int(m.group(1)), []).append(m.group(2))
+    return lines
+
+
+def job_objects_on(node: Any, name: str) -> dict[str, list[str]]:
+    """What of job ``name`` exists on one node's engine (containers, the network)."""
+    with node.client() as client:
+        containers = client.api.containers(all=True,
+                                           filters={"label": f"{LABEL_JOB}={name}"})
+        networks = [n for n in client.api.networks(names=[name]) if n.get("Name") == name]
+        services = client.api.services(filters={"label": f"{LABEL_JOB}={name}"}) \
+            if node.index == 1 else []
+    return {"containers": [c["Id"][:12] for c in containers],
+            "networks": [n["Name"] for n in networks],
+            "services": [s["Spec"]["Name"] for s in services]}
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout:.0f} s")
+        time.sleep(0.3)
+
+
+@pytest.fixture
+def job_name(multinode: Any) -> Iterator[Callable[[str], str]]:
+    """Unique job names; every job named by it is removed from the inner Swarm after."""
+    import docker
+
+    from swarmfd.swarm.engine import remove_job
+    from swarmfd.swarm.errors import JobNotFoundError, SwarmJobError
+
+    names: list[str] = []
+
+    def make(what: str) -> str:
+        name = f"mn-{what}-{uuid.uuid4().hex[:6]}"
+        names.append(name)
+        return name
+
+    yield make
+    client = docker.DockerClient(base_url=multinode.manager.docker_host, timeout=60)
+    try:
+        for name in names:
+            with contextlib.suppress(JobNotFoundError, SwarmJobError):
+                remove_job(client, name, timeout=60)
+    finally:
+        client.close()
+
+
+def node_names(cluster: Any) -> list[str]:
+    return [n.name for n in cluster.nodes]
+
+
+# --- 1. one rank per node: the example training job ------------------------------------
+
+
+def test_train_one_rank_per_node(multinode: Any, job_name: Callable[[str], str]) -> None:
+    """N ranks, --max-per-node 1: exit 0, identical parameters on every rank, and
+    `swarmfd ps` (through DOCKER_HOST) reports each rank on a different node."""
+    n = len(multinode.nodes)
+    name = job_name("train")
+    started = time.monotonic()
+    proc = swarmfd(multinode, "deploy", multinode.image_id, "-n", str(n), "--name", name,
+                   "--max-per-node", "1", "--keep", "--", "python", TRAIN, "--epochs", "3")
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = rank_lines(proc.stdout)
+    for rank in range(n):
+        assert f"rank {rank}: trained on {7200 // n} samples" in lines.get(rank, []), proc.stdout
+    assert any(f"params identical on all {n} ranks: OK" in line for line in lines[0])
+
+    ps = swarmfd(multinode, "ps", name, via_env=True)
+    assert ps.returncode == 0, ps.stderr
+    assert ps.stdout.splitlines()[0] == f"job {name}: done ({n} ranks)"
+    rows = [line.split() for line in ps.stdout.splitlines()[2:]]
+    assert [(r[0], r[1], r[3]) for r in rows] == [(str(k), "complete", "0") for k in range(n)]
+    assert sorted(r[2] for r in rows) == sorted(node_names(multinode)), ps.stdout
+    rm = swarmfd(multinode, "rm", name)
+    assert rm.returncode == 0, rm.stderr
+    print(f"\nmultinode N={n}, one rank per node, train.py --epochs 3: {elapsed:.1f} s "
+          f"end to end\n{ps.stdout}")
+
+
+# --- 2. two ranks per node: LOCAL_RANK --------------------------------------------------
+
+LOCAL_PROBE = (
+    "import os\n"
+    "import swarmfd as fd\n"
+    "cfg = fd.init_from_env(timeout=60)\n"
+    "print(f'local {cfg.rank} {cfg.local_rank} {cfg.local_world_size} "
+    "{os.environ[\"SWARMFD_NODE\"]}', flush=True)\n"
+    "fd.barrier()\n"
+    "fd.cleanup()\n"
+)
+
+
+def _local_ranks(stdout: str) -> dict[str, list[tuple[int, int, int]]]:
+    per_node: dict[str, list[tuple[int, int, int]]] = {}
+    for lines in rank_lines(stdout).values():
+        for line in lines:
+            if line.startswith("local "):
+                _, rank, local, size, node = line.split()
+                per_node.setdefault(node, []).append((int(rank), int(local), int(size)))
+    return {node: sorted(v) for node, v in per_node.items()}
+
+
+def test_two_ranks_per_node_get_local_rank_0_and_1(multinode: Any,
+                                                   job_name: Callable[[str], str]) -> None:
+    """2N ranks, --max-per-node 2, --local-ranks node: on every node LOCAL_RANK is 0 and
+    1 (in rank order) and LOCAL_WORLD_SIZE is 2."""
+    n = 2 * len(multinode.nodes)
+    name = job_name("local")
+    started = time.monotonic()
+    proc = swarmfd(multinode, "deploy", multinode.image_id, "-n", str(n), "--name", name,
+                   "--max-per-node", "2", "--local-ranks", "node", "--",
+                   "python", "-c", LOCAL_PROBE)
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    per_node = _local_ranks(proc.stdout)
+    assert sorted(per_node) == sorted(node_names(multinode)), proc.stdout
+    for node, ranks in per_node.items():
+        assert [(local, size) for _rank, local, size in ranks] == [(0, 2), (1, 2)], (node, ranks)
+    print(f"\nmultinode N={n}, two ranks per node: {elapsed:.1f} s end to end; {per_node}")
+
+
+def test_constraints_and_resources_place_ranks(
+        multinode: Any, job_name: Callable[[str], str]) -> None:
+    """A --constraint on a node's host name (with a memory reservation) pins every rank
+    to that node; LOCAL_RANK then counts them there."""
+    target = multinode.nodes[-1].name
+    pinned = job_name("pin")
+    proc = swarmfd(multinode, "deploy", multinode.image_id, "-n", "2", "--name", pinned,
+                   "--constraint", f"node.hostname=={target}", "--local-ranks", "node",
+                   "--reserve-memory", "32M", "--", "python", "-c", LOCAL_PROBE)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _local_ranks(proc.stdout) == {target: [(0, 0, 2), (1, 1, 2)]}, proc.stdout
+
+
+# --- 3. the benchmark across nodes, plain and encrypted ---------------------------------
+
+BENCH = ("swarmfd", "bench", "--sizes", "64K,1M,16M", "--iters", "10", "--quiet")
+
+
+def _bench_table(stdout: str) -> str:
+    return "\n".join(rank_lines(stdout).get(0, []))
+
+
+def test_bench_across_nodes_plain_and_encrypted(multinode: Any,
+                                                job_name: Callable[[str], str]) -> None:
+    """`swarmfd bench` with one rank per node over the plain overlay; then over an
+    encrypted one (--encrypt-network). The encrypted network is checked to carry the
+    option; where the nodes' kernel cannot do IPsec the ranks cannot reach each other,
+    which the job must then report as a failure within its timeout."""
+    n = len(multinode.nodes)
+    plain = job_name("bench")
+    started = time.monotonic()
+    proc = swarmfd(multinode, "deploy", multinode.image_id, "-n", str(n), "--name", plain,
+                   "--max-per-node", "1", "--", *BENCH)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    table = _bench_table(proc.stdout)
+    assert "busbw" in table, table
+    print(f"\nswarmfd bench, {n} ranks on {n} nodes, plain overlay "
+          f"({time.monotonic() - started:.1f} s):\n{table}")
+
+    encrypted = job_name("bench-enc")
+    ipsec_error = multinode.ipsec_error()
+    done: dict[str, Any] = {}
+    runner = threading.Thread(target=lambda: done.setdefault("proc", swarmfd(
+        multinode, "deploy", multinode.image_id, "-n", str(n), "--name", encrypted,
+        "--max-per-node", "1", "--encrypt-network", "--timeout", "15", "--", *BENCH)),
+        daemon=True)
+    started = time.monotonic()
+    runner.start()
+    import docker
+
+    client = docker.DockerClient(base_url=multinode.manager.docker_host, timeout=60)
+    try:
+        net = wait_until(lambda: [n for n in client.api.networks(names=[encrypted])
+                                  if n.get("Name") == encrypted], 60, "the job's network")[0]
+        assert "encrypted" in (client.api.inspect_network(net["Id"]).get("Options") or {})
+    finally:
+        client.close()
+    runner.join(CLI_TIMEOUT)
+    proc = done["proc"]
+    elapsed = time.monotonic() - started
+    if not ipsec_error:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        print(f"\nswarmfd bench, {n} ranks on {n} nodes, encrypted overlay "
+              f"({elapsed:.1f} s):\n{_bench_table(proc.stdout)}")
+        return
+    # No IPsec in this kernel: Docker creates the network and starts the tasks, but
+    # drops the unencrypted VXLAN traffic between nodes. The ranks must fail (not hang)
+    # and deploy must say so.
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert re.search(r"rank \d+ exited with code \d+ on node", proc.stderr), proc.stderr
+    assert elapsed < 120, f"the encrypted job took {elapsed:.0f} s to fail"
+    print(f"\nencrypted overlay: this kernel cannot do IPsec ({ipsec_error}); the job "
+          f"failed as expected after {elapsed:.1f} s:\n"
+          + "\n".join(line for line in proc.stderr.splitlines() if "error" in line.lower())[:1500])
+
+
+# --- 4. a node is lost mid-job (last: it stops a node) ----------------------------------
+
+LOOP = (
+    "import os, time, numpy as np\n"
+    "import swarmfd as fd\n"
+    "cfg = fd.init_from_env(timeout=60)\n"
+    "print(f'up {cfg.rank} {os.environ[\"SWARMFD_NODE\"]}', flush=True)\n"
+    "x = np.ones(4096, np.float32)\n"
+    "try:\n"
+    "    while True:\n"
+    "        fd.all_reduce(x); x[:] = 1; time.sleep(0.02)\n"
+    "except Exception as exc:\n"
+    "    print(f'failed {cfg.rank} at {time.time():.3f}: {type(exc).__name__}: {exc}',\n"
+    "          flush=True)\n"
+    "    raise SystemExit(1)\n"
+)
+
+
+class _Reader:
+    """Collects a process's output lines with their arrival times, in a thread."""
+
+    def __init__(self, stream: Any) -> None:
+        self.lines: list[tuple[float, str]] = []
+        self._thread = threading.Thread(target=self._run, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _run(self, stream: Any) -> None:
+        for line in stream:
+            self.lines.append((time.time(), line.rstrip("\n")))
+
+    def text(self) -> str:
+        return "\n".join(line for _t, line in self.lines)
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+
+def test_node_loss_fails_the_job_naming_the_rank_and_node(
+        multinode: Any, job_name: Callable[[str], str]) -> None:
+    """Stop the last node's container mid-job: every surviving rank fails within seconds
+    naming the lost rank; deploy exits non-zero naming that rank and its node; nothing
+    of the job is left on the other nodes."""
+    n = len(multinode.nodes)
+    if n < 2:
+        pytest.skip("needs at least two nodes")
+    name = job_name("loss")
+    victim = multinode.nodes[-1]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("DOCKER_HOST", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "swarmfd", "deploy", "--host", multinode.manager.docker_host,
+         multinode.image_id, "-n", str(n), "--name", name, "--max-per-node", "1", "--rm",
+         "--local-ranks", "node", "--", "python", "-c", LOOP],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    out, err = _Reader(proc.stdout), _Reader(proc.stderr)
+    try:
+        wait_until(lambda: proc.poll() is not None or sum(
+            line.split("] ", 1)[-1].startswith("up ") for _t, line in out.lines) == n,
+            90, "every rank up")
+        assert proc.poll() is None, f"deploy ended early:\n{out.text()}\n{err.text()}"
+        time.sleep(1.0)  # a few hundred all_reduces across the nodes
+        ups = [line.split("] ", 1)[1].split() for _t, line in out.lines if "] up " in line]
+        lost_rank = next(int(r) for _up, r, node in ups if node == victim.name)
+        stopped_at = time.time()
+        multinode.stop_node(victim.index)
+        stop_took = time.time() - stopped_at
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    out.join(10)
+    err.join(10)
+    exited_after = max(t for t, _line in err.lines) - stopped_at
+    stdout, stderr = out.text(), err.text()
+    assert proc.returncode != 0, stdout + stderr
+    # Every surviving rank failed on its own, naming the lost rank, within seconds.
+    failures = {}
+    for _t, line in out.lines:
+        m = re.match(r"^\[rank (\d+)\] failed (\d+) at ([\d.]+): (\w+): (.*)$", line)
+        if m:
+            failures[int(m.group(1))] = (float(m.group(3)) - stopped_at, m.group(4), m.group(5))
+    survivors = sorted(set(range(n)) - {lost_rank})
+    assert sorted(failures) == survivors, stdout
+    for rank, (after, kind, message) in failures.items():
+        assert kind == "PeerLostError", (rank, message)
+        assert f"lost rank {lost_rank}" in message, (rank, message)
+        assert after < 15, f"rank {rank} noticed the loss only after {after:.1f} s"
+    # deploy names the lost rank and its node.
+    assert f"rank {lost_rank} was lost: its node {victim.name} is down" in stderr, stderr
+    assert f"job {name} failed: rank {lost_rank} was lost" in stderr, stderr
+    # Nothing of the job is left on the nodes that are still up.
+    for node in multinode.nodes[:-1]:
+        wait_until(lambda node=node: not any(job_objects_on(node, name).values()), 60,
+                   f"job {name} gone from {node.name}")
+    detect = {rank: f"{after:.1f} s" for rank, (after, _k, _m) in failures.items()}
+    print(f"\nnode loss: `docker stop` of {victim.name} took {stop_took:.1f} s; surviving "
+          f"ranks failed after {detect}; deploy exited {proc.returncode} after "
+          f"{exited_after:.1f} s\n" + "\n".join(line for line in stderr.splitlines()
+                                                 if line.startswith("swarmfd deploy")))
