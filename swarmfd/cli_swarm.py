@@ -157,6 +157,10 @@ class _DeployCommand(click.Command):
               show_default=True,
               help="LOCAL_RANK per container (0 of 1 in each) or per node (derived by swarmfd "
                    "at rendezvous; read it with swarmfd.get_config().local_rank).")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
+              metavar="K",
+              help="When a rank fails, tear the whole group down and start it again, up to "
+                   "K times (SWARMFD_RESTART_COUNT tells the ranks; same job secret).")
 @click.option("--encrypt-network", is_flag=True,
               help="Encrypt the job's overlay network between nodes (IPsec, Docker's "
                    "'encrypted' overlay option; every node's kernel needs ESP support).")
@@ -194,6 +198,7 @@ def deploy(
     timeout: float | None,
     max_per_node: int | None,
     local_ranks: str,
+    max_restarts: int,
     encrypt_network: bool,
     pull: bool,
     detach: bool,
@@ -205,10 +210,11 @@ def deploy(
 ) -> None:
     """Run COMMAND as N ranks on the Docker Swarm, as one job.
 
-    Creates one replicated service (N tasks of IMAGE) and one overlay network, both
-    labelled with the job name. Each rank gets WORLD_SIZE, RANK (from its task
-    slot), LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR (<job>-1, rank 0) and
-    MASTER_PORT; IMAGE must use swarmfd's entrypoint (the swarmfd image does).
+    Creates one replicated service (N tasks of IMAGE), one overlay network and one
+    secret (<job>-secret: a random key every rank reads at
+    /run/secrets/swarmfd_secret), all labelled with the job name. Each rank gets
+    WORLD_SIZE, RANK (from its task slot), LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR
+    (<job>-1, rank 0) and MASTER_PORT; IMAGE must use swarmfd's entrypoint (the swarmfd image does).
     Put '--' before COMMAND when COMMAND has options of its own.
 
     Then it follows the job: task progress on stderr, every rank's output prefixed
@@ -235,6 +241,10 @@ def deploy(
             f"'swarmfd deploy {image} -n {world_size} -- python train.py'", ctx)
     if keep_flag and rm_flag:
         raise click.UsageError("--keep and --rm contradict each other: give one", ctx)
+    if detach and max_restarts:
+        raise click.UsageError(
+            "--max-restarts needs deploy to follow the job (to restart it): not with "
+            "--detach", ctx)
     if detach and rm_flag:
         raise click.UsageError(
             "--rm needs deploy to follow the job: a detached job is kept until "
@@ -276,7 +286,8 @@ def deploy(
     output = _rank_output(prefix=not no_prefix)
     try:
         result = run_deploy(job, host=host, pull=pull, detach=detach, keep=keep, output=output,
-                            progress=stderr_progress("swarmfd deploy"))
+                            progress=stderr_progress("swarmfd deploy"),
+                            max_restarts=max_restarts)
     except KeyboardInterrupt:  # before following began (while checking or creating)
         click.echo(f"swarmfd deploy: interrupted; if job {job.name} was created already, "
                    f"`swarmfd ps {job.name}` shows it and `swarmfd rm {job.name}` removes it",

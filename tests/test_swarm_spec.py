@@ -138,6 +138,22 @@ def test_encrypt_network_sets_the_overlay_option():
     assert encrypted == {**plain, "options": {"encrypted": ""}}
 
 
+def test_job_secret_is_mounted_as_a_root_only_file_and_restart_count_is_in_the_env():
+    """The secret's ID and name (never its value) in the spec: target swarmfd_secret,
+    uid/gid 0, mode 0400; SWARMFD_RESTART_COUNT carries the restart count."""
+    spec = S.build_service_spec(make_job(restart_count=2), "sid123")
+    assert spec["TaskTemplate"]["ContainerSpec"]["Secrets"] == [{
+        "SecretID": "sid123", "SecretName": "job-1-secret",
+        "File": {"Name": "swarmfd_secret", "UID": "0", "GID": "0", "Mode": 0o400}}]
+    assert env_of(spec)["SWARMFD_RESTART_COUNT"] == "2"
+    assert "Secrets" not in S.build_service_spec(make_job())["TaskTemplate"]["ContainerSpec"]
+    assert env_of(S.build_service_spec(make_job()))["SWARMFD_RESTART_COUNT"] == "0"
+    with pytest.raises(ValueError, match="SWARMFD_RESTART_COUNT is set by swarmfd"):
+        make_job(env={"SWARMFD_RESTART_COUNT": "1"})
+    with pytest.raises(ValueError, match="restart_count must be an integer >= 0"):
+        make_job(restart_count=-1)
+
+
 def test_minimal_spec_has_no_empty_optional_sections():
     """No Resources/Placement/Mounts/Dir unless asked for."""
     task = S.build_service_spec(make_job())["TaskTemplate"]
@@ -542,6 +558,9 @@ def deploy(*args: str):
         (["img", "-n", "2", "--mount", "type=bind,dst=/x", "--", "true"], "absolute source"),
         (["img", "-n", "2", "--keep", "--rm", "--", "true"], "contradict"),
         (["img", "-n", "2", "-d", "--rm", "--", "true"], "--rm needs deploy to follow"),
+        (["img", "-n", "2", "-d", "--max-restarts", "1", "--", "true"],
+         "--max-restarts needs deploy to follow"),
+        (["img", "-n", "2", "--max-restarts", "-1", "--", "true"], "-1 is not in the range"),
         (["img", "-n", "2", "python", "-c", "pass"], "put '--' before COMMAND"),
     ],
 )

@@ -6,12 +6,16 @@ line before any engine is contacted) and does the rest:
 1. checks, before anything is created: an engine answers, it is a Swarm manager, the
    job name is free, the extra networks exist, the image is on this node (its ID is
    then what the service runs, so no task start consults a registry);
-2. creates the job's overlay network and service (a failure removes the network);
+2. creates the job's secret (``<job>-secret``, mounted in every rank as
+   ``/run/secrets/swarmfd_secret``), overlay network and service (a failure removes
+   what was created);
 3. with ``detach``, returns; else follows the job (:func:`.follow.follow_job`):
    progress on ``progress``, every rank's output to ``output``;
 4. when every rank exited 0: removes the job unless ``keep == "always"``; when a rank
    failed: the others were stopped, and the job is kept for inspection unless
    ``keep == "never"``. Ctrl-C stops following and leaves the job running.
+5. with ``max_restarts`` K, a failed group is recreated (same secret and network,
+   ``SWARMFD_RESTART_COUNT`` k+1) up to K times before 4. applies.
 
 Exit code: 0 when every rank exited 0; the failed rank's exit code (1 when it has
 none: rejected, or stopped by Swarm); 130 after Ctrl-C; 1 when the job was removed
@@ -32,7 +36,9 @@ from .engine import (
     check_networks,
     connect,
     create_job,
+    create_service,
     remove_job,
+    remove_service,
     resolve_image,
 )
 from .follow import FollowResult, Sink, follow_job
@@ -54,6 +60,7 @@ class DeployResult:
     follow: FollowResult | None = None
     removed: bool = False
     created_after: float = 0.0  # seconds from the call to the service existing
+    restarts: int = 0  # how often the group was recreated (--max-restarts)
 
 
 def interrupt_hint(name: str) -> str:
@@ -76,14 +83,23 @@ def run_deploy(
     output: Sink | None,
     progress: Callable[[str], None],
     poll: float = 0.3,
+    max_restarts: int = 0,
 ) -> DeployResult:
     """Create job ``job`` on the Swarm at ``host`` and (unless ``detach``) follow it.
+
+    With ``max_restarts`` K, a failed group is torn down (its service removed, its
+    network and secret kept) and created again with ``SWARMFD_RESTART_COUNT`` k+1, up
+    to K times; each restart is reported on ``progress``.
 
     Raises :class:`~.errors.SwarmJobError` (or a subclass) before anything is created
     when a check fails; the message says what to do.
     """
     if keep not in KEEP_POLICIES:
         raise ValueError(f"keep must be one of {', '.join(KEEP_POLICIES)}, got {keep!r}")
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"--max-restarts must be an integer >= 0, got {max_restarts!r}")
+    if detach and max_restarts:
+        raise ValueError("--max-restarts needs deploy to follow the job: not with --detach")
     started = time.monotonic()
     # Each followed rank holds two log connections; keep them out of the pool's way.
     client = connect(host, max_pool_size=max(10, 2 * job.world_size + 6))
@@ -99,15 +115,28 @@ def run_deploy(
                 "slot; build your image FROM the swarmfd image, or set "
                 'ENTRYPOINT ["python", "-m", "swarmfd.entrypoint"]'
             )
-        job = dataclasses.replace(job, image_ref=image.ref)
-        service_id = create_job(client, job)
+        job = dataclasses.replace(job, image_ref=image.ref, restart_count=0)
+        service_id, secret_id = create_job(client, job)
         result = DeployResult(job.name, 0, service_id, created_after=time.monotonic() - started)
         if detach:
             return result
         ranks = "1 rank" if job.world_size == 1 else f"{job.world_size} ranks"
         progress(f"created job {job.name}: {ranks} of {job.image} ({image.ref[:19]})")
-        followed = follow_job(client, job.name, service_id, job.world_size, node_id,
-                              output=output, progress=progress, started=started, poll=poll)
+        while True:
+            followed = follow_job(client, job.name, service_id, job.world_size, node_id,
+                                  output=output, progress=progress, started=started, poll=poll)
+            if followed.outcome != "failed" or job.restart_count >= max_restarts:
+                break
+            attempt = job.restart_count + 1
+            progress(f"restart {attempt}/{max_restarts} of job {job.name}: "
+                     f"{followed.message}; recreating all {job.world_size} ranks")
+            took = remove_service(client, service_id)
+            job = dataclasses.replace(job, restart_count=attempt)
+            service_id = create_service(client, job, secret_id)
+            result.service_id = service_id
+            progress(f"restart {attempt}/{max_restarts}: old ranks removed in {took:.1f} s, "
+                     f"new ranks created with SWARMFD_RESTART_COUNT={attempt}")
+        result.restarts = job.restart_count
         result.follow = followed
         result.exit_code = followed.exit_code
         if followed.outcome == "interrupted":
@@ -118,7 +147,11 @@ def run_deploy(
             return result
         remove = keep == "never" or (keep == "on-failure" and followed.outcome == "done")
         if followed.outcome == "done":
-            progress(f"job {job.name} done: {followed.message}")
+            progress(f"job {job.name} done: {followed.message}"
+                     + (f" (after {job.restart_count} restart(s))" if job.restart_count else ""))
+        elif max_restarts:
+            progress(f"job {job.name} failed after {job.restart_count} restart(s) "
+                     f"(--max-restarts {max_restarts}): {followed.message}")
         else:
             progress(f"job {job.name} failed: {followed.message}")
         if remove:

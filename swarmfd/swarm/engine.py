@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import math
+import secrets
 import threading
 import time
 from collections.abc import Iterable
@@ -30,6 +31,7 @@ from .spec import (
     JobSpec,
     build_network_spec,
     build_service_spec,
+    secret_name,
 )
 from .tasks import TaskView, job_state, latest_per_rank, parse_timestamp, summarize
 
@@ -41,12 +43,15 @@ __all__ = [
     "check_networks",
     "connect",
     "create_job",
+    "create_secret",
+    "create_service",
     "find_service",
     "job_tasks",
     "list_jobs",
     "node_names",
     "node_states",
     "remove_job",
+    "remove_service",
     "resolve_image",
     "set_labels",
     "stop_job",
@@ -149,6 +154,13 @@ def check_name_free(client: docker.DockerClient, name: str) -> None:
             f"a job named {name!r} already exists: pick another --name, or remove it first "
             f"with `swarmfd rm {name}`"
         )
+    secret = secret_name(name)
+    if [s for s in client.api.secrets(filters={"name": secret})
+            if s.get("Spec", {}).get("Name") == secret]:
+        raise SwarmJobError(
+            f"a Docker secret named {secret!r} already exists (not a swarmfd job's): pick "
+            f"another --name (or remove it: `docker secret rm {secret}`)"
+        )
     if services:
         raise SwarmJobError(
             f"a Swarm service named {name!r} already exists (not a swarmfd job): pick "
@@ -179,14 +191,24 @@ def check_networks(client: docker.DockerClient, names: Iterable[str]) -> None:
             )
 
 
-def create_job(client: docker.DockerClient, job: JobSpec) -> str:
-    """Create the job's network and service; return the service ID.
+def create_secret(client: docker.DockerClient, job: JobSpec) -> str:
+    """Create the job's secret ``<job>-secret`` (64 random hex digits, labelled with the
+    job); return its ID. The value exists only in Swarm's encrypted store and in the
+    ranks' ``/run/secrets/swarmfd_secret``: it is never printed, logged or labelled."""
+    try:
+        created = client.api.create_secret(secret_name(job.name),
+                                           secrets.token_hex(32).encode("ascii"),
+                                           labels=job.job_labels())
+    except docker.errors.APIError as exc:
+        raise SwarmJobError(
+            f"Swarm refused to create the secret {secret_name(job.name)!r}: {_explain(exc)}"
+        ) from None
+    return str(created["ID"])
 
-    If the service cannot be created (or this is interrupted), the network is removed
-    again, so a failed deploy leaves nothing behind.
-    """
-    network = client.networks.create(**build_network_spec(job))
-    spec = build_service_spec(job)
+
+def create_service(client: docker.DockerClient, job: JobSpec, secret_id: str | None) -> str:
+    """Create the job's service (its network must exist); return the service ID."""
+    spec = build_service_spec(job, secret_id)
     try:
         created = client.api.create_service(
             spec["TaskTemplate"],
@@ -195,15 +217,62 @@ def create_job(client: docker.DockerClient, job: JobSpec) -> str:
             mode=spec["Mode"],
             endpoint_spec=spec["EndpointSpec"],
         )
+    except docker.errors.APIError as exc:
+        raise SwarmJobError(
+            f"Swarm refused to create the service {job.name!r}: {_explain(exc)}"
+        ) from None
+    return str(created["ID"])
+
+
+def _tasks_or_none(client: docker.DockerClient, service_id: str) -> list[dict[str, Any]]:
+    try:
+        return list(client.api.tasks(filters={"service": service_id}))
+    except docker.errors.NotFound:
+        return []
+
+
+def create_job(client: docker.DockerClient, job: JobSpec) -> tuple[str, str]:
+    """Create the job's secret, network and service; return (service ID, secret ID).
+
+    If any of them cannot be created (or this is interrupted), what was created is
+    removed again, so a failed deploy leaves nothing behind.
+    """
+    secret_id = create_secret(client, job)
+    network = None
+    try:
+        network = client.networks.create(**build_network_spec(job))
+        return create_service(client, job, secret_id), secret_id
     except BaseException as exc:
+        if network is not None:
+            with contextlib.suppress(docker.errors.APIError):
+                network.remove()
         with contextlib.suppress(docker.errors.APIError):
-            network.remove()
+            client.api.remove_secret(secret_id)
         if isinstance(exc, docker.errors.APIError):
             raise SwarmJobError(
-                f"Swarm refused to create the service {job.name!r}: {_explain(exc)}"
+                f"Swarm refused to create the network {job.name!r}: {_explain(exc)}"
             ) from None
         raise
-    return str(created["ID"])
+
+
+def remove_service(client: docker.DockerClient, service_id: str, *,
+                   timeout: float = REMOVE_TIMEOUT) -> float:
+    """Remove one service and wait (bounded) until its tasks are gone from the Swarm and
+    its containers from this node, so a new service of the same name starts clean
+    (its task names resolve to the new tasks only). Returns the seconds it took."""
+    started = time.monotonic()
+    deadline = started + timeout
+    with contextlib.suppress(docker.errors.NotFound):
+        client.api.remove_service(service_id)
+    _wait_containers_gone(client, service_id, deadline)
+    while _tasks_or_none(client, service_id):
+        if time.monotonic() > deadline:
+            raise SwarmJobError(
+                f"the tasks of service {service_id[:12]} are still listed "
+                f"{timeout:.0f} s after it was removed"
+            )
+        time.sleep(0.2)
+    return time.monotonic() - started
 
 
 def find_service(client: docker.DockerClient, name: str) -> dict[str, Any] | None:

@@ -35,6 +35,8 @@ __all__ = [
     "LABEL_WORLD_SIZE",
     "LOCAL_RANK_MODES",
     "RESERVED_ENV",
+    "SECRET_MODE",
+    "SECRET_TARGET",
     "JobSpec",
     "build_network_spec",
     "build_service_spec",
@@ -46,6 +48,7 @@ __all__ = [
     "parse_labels",
     "parse_memory",
     "parse_mount",
+    "secret_name",
     "validate_job_name",
 ]
 
@@ -76,7 +79,12 @@ RESERVED_ENV = {
     "MASTER_PORT": "--master-port",
     "SWARMFD_TIMEOUT": "--timeout",
     "SWARMFD_JOB": "--name",
+    "SWARMFD_RESTART_COUNT": "--max-restarts (deploy counts the restarts)",
 }
+
+#: The job secret in every rank: ``/run/secrets/<SECRET_TARGET>``, readable by root only.
+SECRET_TARGET = "swarmfd_secret"
+SECRET_MODE = 0o400
 
 _JOB_NAME_RE = re.compile(r"^[a-z]([a-z0-9-]*[a-z0-9])?$")
 _ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -408,6 +416,7 @@ class JobSpec:
     max_per_node: int | None = None
     local_ranks: str = "container"
     encrypt_network: bool = False
+    restart_count: int = 0
     version: str = ""
 
     def __post_init__(self) -> None:
@@ -445,6 +454,9 @@ class JobSpec:
             raise ValueError(f"--max-per-node must be an integer >= 1, got {self.max_per_node!r}")
         if self.workdir is not None and not self.workdir.startswith("/"):
             raise ValueError(f"--workdir must be an absolute path, got {self.workdir!r}")
+        if isinstance(self.restart_count, bool) or not isinstance(self.restart_count, int) \
+                or self.restart_count < 0:
+            raise ValueError(f"restart_count must be an integer >= 0, got {self.restart_count!r}")
         if self.local_ranks not in LOCAL_RANK_MODES:
             raise ValueError(
                 f"--local-ranks must be one of {', '.join(LOCAL_RANK_MODES)}, "
@@ -484,6 +496,7 @@ class JobSpec:
             "MASTER_ADDR": "{{.Service.Name}}-1",
             "MASTER_PORT": str(self.master_port),
             "SWARMFD_JOB": self.name,
+            "SWARMFD_RESTART_COUNT": str(self.restart_count),
         }
         if self.timeout is not None:
             contract["SWARMFD_TIMEOUT"] = f"{self.timeout:g}"
@@ -496,8 +509,18 @@ class JobSpec:
         return [f"{k}={v}" for k, v in merged.items()]
 
 
-def build_service_spec(job: JobSpec) -> dict[str, Any]:
-    """The Engine API ``ServiceSpec`` of the job (``POST /services/create`` body)."""
+def secret_name(job_name: str) -> str:
+    """The name of a job's Docker secret: ``<job>-secret``."""
+    return f"{job_name}-secret"
+
+
+def build_service_spec(job: JobSpec, secret_id: str | None = None) -> dict[str, Any]:
+    """The Engine API ``ServiceSpec`` of the job (``POST /services/create`` body).
+
+    ``secret_id``: the job's Docker secret (``<job>-secret``), mounted in every rank at
+    ``/run/secrets/swarmfd_secret``, owned by root, mode 0400. Only its ID and name are
+    in the spec; its content never is (nor in the environment or command line).
+    """
     container: dict[str, Any] = {
         "Image": job.image_ref,
         # Args, not Command: Command would replace the image's ENTRYPOINT (the swarmfd
@@ -512,6 +535,12 @@ def build_service_spec(job: JobSpec) -> dict[str, Any]:
         container["Dir"] = job.workdir
     if job.mounts:
         container["Mounts"] = [dict(m) for m in job.mounts]
+    if secret_id:
+        container["Secrets"] = [{
+            "SecretID": secret_id,
+            "SecretName": secret_name(job.name),
+            "File": {"Name": SECRET_TARGET, "UID": "0", "GID": "0", "Mode": SECRET_MODE},
+        }]
     resources: dict[str, Any] = {}
     limits = {k: v for k, v in (("NanoCPUs", job.limit_cpu),
                                 ("MemoryBytes", job.limit_memory)) if v is not None}

@@ -13,6 +13,7 @@ import io
 import os
 import queue
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -205,6 +206,16 @@ def test_stack_file_deploys_and_completes(swarm: Any, swarmfd_image: str, stack_
     docker_cli = "/usr/bin/docker" if Path("/usr/bin/docker").exists() else "docker"
     deploy_env = {**os.environ, **env, "SWARMFD_IMAGE": swarmfd_image}
     label = {"label": f"com.docker.stack.namespace={stack}"}
+    # The stacks use the external secret swarmfd_secret, made as stacks/README.md says
+    # (a test-owned one if none exists; one already there is used and left alone).
+    import docker.errors
+
+    own_secret = None
+    if not [x for x in swarm.api.secrets(filters={"name": "swarmfd_secret"})
+            if x["Spec"]["Name"] == "swarmfd_secret"]:
+        own_secret = swarm.api.create_secret(
+            "swarmfd_secret", secrets.token_hex(32).encode(),
+            labels={"org.swarmfd.test": "1"})["ID"]
     try:
         proc = subprocess.run(
             [docker_cli, "stack", "deploy", "--resolve-image", "never", "-c",
@@ -233,6 +244,9 @@ def test_stack_file_deploys_and_completes(swarm: Any, swarmfd_image: str, stack_
         for net in swarm.api.networks(filters=label):
             wait_until(lambda net=net: _try_remove_network(swarm, net["Id"]), 60,
                        f"network {net['Name']} to be removable")
+        if own_secret:
+            with contextlib.suppress(docker.errors.NotFound):
+                swarm.api.remove_secret(own_secret)
 
 
 # --- 4. detach, logs -f, ls, ps, logs ---------------------------------------------------
@@ -439,3 +453,106 @@ def test_four_ranks_start_and_group_per_node(swarm: Any, swarmfd_image: str,
     m = re.search(r"all 4 ranks running after ([\d.]+) s", proc.stderr)
     assert m, proc.stderr
     print(f"deploy -n 4: all 4 ranks running {float(m.group(1)):.1f} s after the deploy call")
+
+
+# --- the job secret -----------------------------------------------------------------------
+
+SECRET_PROBE = (
+    "import os, stat, sys\n"
+    "path = '/run/secrets/swarmfd_secret'\n"
+    "st = os.stat(path)\n"
+    "value = open(path).read().strip()\n"
+    "print(f'secret {len(value)} {oct(stat.S_IMODE(st.st_mode))} {st.st_uid}', flush=True)\n"
+    "# for the test only: hand the value to the host, to look for it where it must not be\n"
+    "with open(f'/out/secret-{os.environ[\"RANK\"]}', 'w') as f:\n"
+    "    f.write(value)\n"
+)
+
+
+def test_job_secret_is_mounted_in_every_rank_and_exposed_nowhere(
+        swarm: Any, swarmfd_image: str, tmp_path: Path,
+        job_name: Callable[[str], str]) -> None:
+    """deploy creates <job>-secret (labelled), every rank reads the same 64 hex digits at
+    /run/secrets/swarmfd_secret (root, 0400); the value is in no env, argument, label or
+    log line; rm removes the secret with the job."""
+    name = job_name("secret")
+    proc = swarmfd("deploy", swarmfd_image, "-n", "2", "--name", name, "--keep",
+                   "--mount", f"type=bind,src={tmp_path},dst=/out", "--",
+                   "python", "-c", SECRET_PROBE, timeout=90)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = rank_lines(proc.stdout)
+    assert lines == {0: ["secret 64 0o400 0"], 1: ["secret 64 0o400 0"]}, proc.stdout
+    values = {(tmp_path / f"secret-{r}").read_text() for r in (0, 1)}
+    assert len(values) == 1
+    value = values.pop()
+    assert re.fullmatch(r"[0-9a-f]{64}", value)
+
+    found = swarm.api.secrets(filters={"label": f"{LABEL_JOB}={name}"})
+    assert [x["Spec"]["Name"] for x in found] == [f"{name}-secret"]
+    service = swarm.api.services(filters={"label": f"{LABEL_JOB}={name}"})[0]
+    container = service["Spec"]["TaskTemplate"]["ContainerSpec"]
+    assert container["Secrets"] == [{
+        "SecretID": found[0]["ID"], "SecretName": f"{name}-secret",
+        "File": {"Name": "swarmfd_secret", "UID": "0", "GID": "0", "Mode": 0o400}}]
+    inspected = str(swarm.api.inspect_service(service["ID"])) + str(found)
+    logs = swarmfd("logs", name, timeout=60)
+    assert logs.returncode == 0, logs.stderr
+    for where, text in (("service/secret inspect", inspected), ("deploy output",
+                        proc.stdout + proc.stderr), ("logs", logs.stdout + logs.stderr)):
+        assert value not in text, f"the secret appears in the {where}"
+    assert not any(value in e for e in container.get("Env", []) + container.get("Args", []))
+
+    rm = swarmfd("rm", name, timeout=90)
+    assert rm.returncode == 0, rm.stderr
+    assert "1 secret(s)" in rm.stdout
+    assert not any(job_objects(swarm, name).values())
+
+
+# --- --max-restarts ----------------------------------------------------------------------
+
+
+def test_max_restarts_recreates_the_group_which_resumes_from_its_checkpoint(
+        swarm: Any, swarmfd_image: str, tmp_path: Path,
+        job_name: Callable[[str], str]) -> None:
+    """train.py fails on restart 0 after saving epoch 2 (to a bind-mounted host folder);
+    deploy --max-restarts 1 recreates both ranks with SWARMFD_RESTART_COUNT=1, which
+    resume from the checkpoint and finish: exit 0, job removed."""
+    name = job_name("restart")
+    tmp_path.chmod(0o777)
+    started = time.monotonic()
+    proc = swarmfd("deploy", swarmfd_image, "-n", "2", "--name", name, "--max-restarts", "1",
+                   "--mount", f"type=bind,src={tmp_path},dst=/ckpt", "--",
+                   "python", TRAIN, "--epochs", "4", "--fail-at-epoch", "2",
+                   "--checkpoint-dir", "/ckpt", timeout=180)
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(r"restart 1/1 of job \S+: rank 1 exited with code 3 on node \S+",
+                     proc.stderr), proc.stderr
+    assert "new ranks created with SWARMFD_RESTART_COUNT=1" in proc.stderr
+    assert "simulated failure after epoch 2" in proc.stdout + proc.stderr
+    assert re.search(r"resumed from \S+ at epoch 2/4", proc.stdout), proc.stdout
+    assert "params identical on all 2 ranks: OK" in proc.stdout
+    assert f"job {name} done: all 2 ranks exited 0" in proc.stderr
+    assert "(after 1 restart(s))" in proc.stderr
+    assert not any(job_objects(swarm, name).values())
+    print(f"deploy --max-restarts 1 (fail, restart, resume): {elapsed:.1f} s")
+
+
+def test_max_restarts_gives_up_after_the_last_failure(
+        swarm: Any, swarmfd_image: str, job_name: Callable[[str], str]) -> None:
+    """A rank that fails every time: K+1 attempts, then deploy exits with its code and
+    names it; the failed job is kept (with its secret) for inspection."""
+    name = job_name("giveup")
+    script = ("import os, sys, time\n"
+              "print('attempt', os.environ['SWARMFD_RESTART_COUNT'], flush=True)\n"
+              "time.sleep(1)\n"
+              "sys.exit(4 if os.environ['RANK'] == '1' else 0)\n")
+    proc = swarmfd("deploy", swarmfd_image, "-n", "2", "--name", name, "--max-restarts", "2",
+                   "--", "python", "-c", script, timeout=180)
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert "restart 1/2 of job" in proc.stderr and "restart 2/2 of job" in proc.stderr
+    assert re.search(r"job \S+ failed after 2 restart\(s\) \(--max-restarts 2\): rank 1 "
+                     r"exited with code 4", proc.stderr), proc.stderr
+    assert rank_lines(proc.stdout)[1] == ["attempt 0", "attempt 1", "attempt 2"], proc.stdout
+    objects = job_objects(swarm, name)
+    assert len(objects["services"]) == 1 and len(objects["secrets"]) == 1
