@@ -11,7 +11,10 @@ A *job* is N ranks of one command, run as Swarm tasks:
   service VIP needs IPVS, which some hosts lack), ``init`` (SIGTERM reaches the
   command), image referenced by ID when it is on this node (no registry lookup
   when a task starts), hostname ``<job>-<slot>``;
-* one attachable overlay network of the same name;
+* one attachable overlay network of the same name (``--encrypt-network``: Docker's
+  IPsec ``encrypted`` option);
+* one Docker secret ``<job>-secret`` (random, never printed), mounted in every rank at
+  ``/run/secrets/swarmfd_secret`` (root, 0400);
 * the label ``org.swarmfd.job=<job>`` on both (and on the containers), which is how
   ``ls``, ``ps``, ``logs`` and ``rm`` find the job, and all ``rm`` removes.
 
@@ -40,4 +43,9 @@ Decisions worth knowing:
   through Swarm's service log stream, the only way to reach them.
 * ``LOCAL_RANK`` is per container by default (0 of 1). ``--local-ranks node`` makes
   swarmfd derive it per node at rendezvous instead.
+* A rank whose node the manager declares down is *lost*: Swarm keeps showing its task
+  as running, so deploy treats it as ended and names it, with its node, as the cause
+  of the failure (the ranks that failed meanwhile lost their peer).
+* ``--max-restarts K``: a failed group's service is removed and created again (same
+  network and secret) with ``SWARMFD_RESTART_COUNT`` k+1, up to K times.
 """
