@@ -454,8 +454,11 @@ def _stop_after_failure(
     if left:
         progress(f"{name}: ranks {left} did not stop within {stop_timeout:.0f} s")
     elif world_size > 1:
-        progress(f"{name}: {summarize(views.values(), world_size)}; the other ranks stopped "
-                 f"in {stopped_after:.1f} s")
+        # Ranks stopped by scaling to 0 have no task any more: count only what is listed.
+        listed = [v for v in views.values() if v.task_id not in lost_ids]
+        shown = ", ".join(([summarize(listed)] if listed else [])
+                          + ([f"{len(lost)} lost"] if lost else [])) or "no tasks"
+        progress(f"{name}: {shown}; the other ranks stopped in {stopped_after:.1f} s")
     if pump is not None:
         pump.update(views)
         pump.wait(drain_timeout)

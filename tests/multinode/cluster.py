@@ -277,6 +277,30 @@ class Cluster:
         """Stop node ``index``'s container (its engine and every task on it go away)."""
         self.host.api.stop(self.nodes[index - 1].container_id, timeout=timeout)
 
+    def disconnect_node(self, index: int) -> None:
+        """Cut node ``index`` off the other nodes (a network partition: its processes
+        live on, nothing tells the peers, packets are simply lost)."""
+        self.host.api.disconnect_container_from_network(self.nodes[index - 1].container_id,
+                                                        self.network_name)
+
+    def reconnect_node(self, index: int, timeout: float = READY_WAIT) -> None:
+        """Undo :meth:`disconnect_node` (same address) and wait until the manager lists the
+        node as ready again."""
+        node = self.nodes[index - 1]
+        self.host.api.connect_container_to_network(node.container_id, self.network_name,
+                                                   ipv4_address=node.ip)
+        deadline = _now() + timeout
+        with self.manager.client() as mgr:
+            while True:
+                states = {n["Description"]["Hostname"]: n["Status"]["State"]
+                          for n in mgr.api.nodes()}
+                if states.get(node.name) == "ready":
+                    return
+                if _now() > deadline:
+                    raise RuntimeError(f"{node.name} is {states.get(node.name)!r}, not ready, "
+                                       f"{timeout:.0f} s after reconnecting it")
+                time.sleep(0.3)
+
     def ipsec_error(self) -> str:
         """Why IPsec (ESP with AES-GCM, what Docker's encrypted overlay uses) cannot work
         in node 1's kernel, or "" when it can: tries to add such an ESP state in a

@@ -262,7 +262,7 @@ def test_bench_across_nodes_plain_and_encrypted(multinode: Any,
 LOOP = (
     "import os, time, numpy as np\n"
     "import swarmfd as fd\n"
-    "cfg = fd.init_from_env(timeout=60)\n"
+    "cfg = fd.init_from_env()  # SWARMFD_TIMEOUT from --timeout\n"
     "print(f'up {cfg.rank} {os.environ[\"SWARMFD_NODE\"]}', flush=True)\n"
     "x = np.ones(4096, np.float32)\n"
     "try:\n"
@@ -294,22 +294,50 @@ class _Reader:
         self._thread.join(timeout)
 
 
-def test_node_loss_fails_the_job_naming_the_rank_and_node(
+def test_partitioned_node_is_named_and_the_job_ends(
         multinode: Any, job_name: Callable[[str], str]) -> None:
-    """Stop the last node's container mid-job: every surviving rank fails within seconds
-    naming the lost rank; deploy exits non-zero naming that rank and its node; nothing
-    of the job is left on the other nodes."""
+    """Cut node 2 off the network mid-job (no FIN, no RST: its processes live on). The
+    surviving ranks fail by --timeout at the latest, naming the rank they wait for;
+    deploy names the lost rank and its node once the manager declares it down, and
+    nothing of the job is left on the nodes still reachable. Node 2 is reconnected."""
     n = len(multinode.nodes)
-    if n < 2:
-        pytest.skip("needs at least two nodes")
-    name = job_name("loss")
-    victim = multinode.nodes[-1]
+    if n < 3:
+        pytest.skip("needs at least three nodes")
+    name = job_name("part")
+    victim = multinode.nodes[1]
+    try:
+        _stdout, stderr, failures, lost_rank, exited_after = _run_and_break(
+            multinode, name, victim, timeout="8",
+            action=lambda: multinode.disconnect_node(victim.index))
+        assert f"rank {lost_rank} was lost: its node {victim.name} is down" in stderr, stderr
+        assert f"job {name} failed: rank {lost_rank} was lost" in stderr, stderr
+        for rank, (after, kind, message) in failures.items():
+            assert kind in ("CollectiveTimeout", "PeerLostError"), (rank, message)
+            assert f"rank {lost_rank}" in message, (rank, message)
+            assert after < 8 + 5, f"rank {rank} failed only after {after:.1f} s"
+        for node in multinode.nodes:
+            if node is not victim:
+                wait_until(lambda node=node: not any(job_objects_on(node, name).values()), 60,
+                           f"job {name} gone from {node.name}")
+    finally:
+        multinode.reconnect_node(victim.index)
+    detect = {rank: f"{after:.1f} s {kind}" for rank, (after, kind, _m) in failures.items()}
+    print(f"\npartition of {victim.name}: surviving ranks failed after {detect}; deploy "
+          f"exited after {exited_after:.1f} s")
+
+
+def _run_and_break(cluster: Any, name: str, victim: Any, action: Callable[[], None],
+                   timeout: str = "60") -> tuple[str, str, dict[int, Any], int, float]:
+    """Deploy LOOP with one rank per node, break ``victim`` with ``action`` once every
+    rank runs, wait for deploy; return its output, each rank's failure (seconds after
+    the action, error type, message), the rank on the victim and deploy's exit time."""
+    n = len(cluster.nodes)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("DOCKER_HOST", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "swarmfd", "deploy", "--host", multinode.manager.docker_host,
-         multinode.image_id, "-n", str(n), "--name", name, "--max-per-node", "1", "--rm",
-         "--local-ranks", "node", "--", "python", "-c", LOOP],
+        [sys.executable, "-m", "swarmfd", "deploy", "--host", cluster.manager.docker_host,
+         cluster.image_id, "-n", str(n), "--name", name, "--max-per-node", "1", "--rm",
+         "--local-ranks", "node", "--timeout", timeout, "--", "python", "-c", LOOP],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
     out, err = _Reader(proc.stdout), _Reader(proc.stderr)
     try:
@@ -320,9 +348,8 @@ def test_node_loss_fails_the_job_naming_the_rank_and_node(
         time.sleep(1.0)  # a few hundred all_reduces across the nodes
         ups = [line.split("] ", 1)[1].split() for _t, line in out.lines if "] up " in line]
         lost_rank = next(int(r) for _up, r, node in ups if node == victim.name)
-        stopped_at = time.time()
-        multinode.stop_node(victim.index)
-        stop_took = time.time() - stopped_at
+        broken_at = time.time()
+        action()
         proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
@@ -330,17 +357,38 @@ def test_node_loss_fails_the_job_naming_the_rank_and_node(
             proc.wait(timeout=10)
     out.join(10)
     err.join(10)
-    exited_after = max(t for t, _line in err.lines) - stopped_at
+    exited_after = max(t for t, _line in err.lines) - broken_at
     stdout, stderr = out.text(), err.text()
     assert proc.returncode != 0, stdout + stderr
-    # Every surviving rank failed on its own, naming the lost rank, within seconds.
     failures = {}
     for _t, line in out.lines:
         m = re.match(r"^\[rank (\d+)\] failed (\d+) at ([\d.]+): (\w+): (.*)$", line)
         if m:
-            failures[int(m.group(1))] = (float(m.group(3)) - stopped_at, m.group(4), m.group(5))
+            failures[int(m.group(1))] = (float(m.group(3)) - broken_at, m.group(4), m.group(5))
     survivors = sorted(set(range(n)) - {lost_rank})
     assert sorted(failures) == survivors, stdout
+    return stdout, stderr, failures, lost_rank, exited_after
+
+
+def test_node_loss_fails_the_job_naming_the_rank_and_node(
+        multinode: Any, job_name: Callable[[str], str]) -> None:
+    """Stop the last node's container mid-job: every surviving rank fails within seconds
+    naming the lost rank; deploy exits non-zero naming that rank and its node; nothing
+    of the job is left on the other nodes."""
+    n = len(multinode.nodes)
+    if n < 2:
+        pytest.skip("needs at least two nodes")
+    name = job_name("loss")
+    victim = multinode.nodes[-1]
+    timing: dict[str, float] = {}
+
+    def stop() -> None:
+        started = time.time()
+        multinode.stop_node(victim.index)
+        timing["stop"] = time.time() - started
+
+    _stdout, stderr, failures, lost_rank, exited_after = _run_and_break(
+        multinode, name, victim, stop)
     for rank, (after, kind, message) in failures.items():
         assert kind == "PeerLostError", (rank, message)
         assert f"lost rank {lost_rank}" in message, (rank, message)
@@ -353,7 +401,6 @@ def test_node_loss_fails_the_job_naming_the_rank_and_node(
         wait_until(lambda node=node: not any(job_objects_on(node, name).values()), 60,
                    f"job {name} gone from {node.name}")
     detect = {rank: f"{after:.1f} s" for rank, (after, _k, _m) in failures.items()}
-    print(f"\nnode loss: `docker stop` of {victim.name} took {stop_took:.1f} s; surviving "
-          f"ranks failed after {detect}; deploy exited {proc.returncode} after "
-          f"{exited_after:.1f} s\n" + "\n".join(line for line in stderr.splitlines()
-                                                 if line.startswith("swarmfd deploy")))
+    print(f"\nnode loss: `docker stop` of {victim.name} took {timing['stop']:.1f} s; "
+          f"surviving ranks failed after {detect}; deploy exited after {exited_after:.1f} s\n"
+          + "\n".join(line for line in stderr.splitlines() if line.startswith("swarmfd deploy")))
