@@ -43,8 +43,8 @@ from typing import Any, TypeVar
 import numpy as np
 
 from . import group as _group
+from . import malloc_tuning, wire
 from . import shm as _shm
-from . import wire
 from .errors import SwarmfdError
 from .wire import Collective, ReduceOp, Signature
 
@@ -190,6 +190,8 @@ def _run(g: _group.Group, sig: Signature, body: Callable[[_Call], T]) -> T:
     try:
         if t.data_via_shm:
             t.drain_unused()
+        else:
+            malloc_tuning.tune()  # received pieces reuse heap memory (see its docstring)
         result = body(call)
         t.flush()
         return result
@@ -718,16 +720,45 @@ def reduce(x: T, dst: int = 0, op: str = "sum") -> T:
     return x
 
 
-def all_gather(x: Any) -> list[np.ndarray]:
-    """Every rank's ``x``, as a list of new arrays in rank order (same shape and dtype)."""
+def all_gather(x: Any, out: Any = None) -> list[np.ndarray]:
+    """Every rank's ``x``, as a list of arrays in rank order (same shape and dtype).
+
+    Without ``out`` the result is a new array of N times ``x``'s size, allocated
+    every call. In a loop, pass ``out``: a writable C-contiguous numpy array (or
+    CPU tensor) of shape ``(world_size, *x.shape)`` and ``x``'s dtype, reused
+    every call; it is filled in place and the list holds views of its rows
+    (no allocation, and no fresh pages to fault in for large results).
+    """
     g = _group.current("all_gather()")
     arr = _to_numpy(x, "all_gather")
     code = _check_array(arr, "all_gather", writable=False)
     flat = np.ascontiguousarray(arr).reshape(-1)
-    out = np.empty((g.config.world_size, flat.size), dtype=arr.dtype)
+    world = g.config.world_size
+    if out is None:
+        rows = np.empty((world, flat.size), dtype=arr.dtype)
+    else:
+        rows = _gather_out(_to_numpy(out, "all_gather"), arr, world).reshape(world, flat.size)
     _run(g, _signature(Collective.ALL_GATHER, [arr], code, ReduceOp.NONE),
-         lambda c: _all_gather_flat(c, flat, out))
-    return [out[r].reshape(arr.shape) for r in range(g.config.world_size)]
+         lambda c: _all_gather_flat(c, flat, rows))
+    return [rows[r].reshape(arr.shape) for r in range(world)]
+
+
+def _gather_out(out: np.ndarray, arr: np.ndarray, world: int) -> np.ndarray:
+    """``out`` checked as all_gather's result buffer for ``arr`` (ValueError/TypeError)."""
+    want = (world, *arr.shape)
+    if out.dtype != arr.dtype:
+        raise TypeError(f"swarmfd.all_gather: out has dtype {out.dtype}, expected x's dtype "
+                        f"{arr.dtype}")
+    if out.shape != want:
+        raise ValueError(f"swarmfd.all_gather: out has shape {out.shape}, expected "
+                         f"(world_size, *x.shape) = {want}")
+    if not out.flags.c_contiguous:
+        raise ValueError("swarmfd.all_gather: out must be C-contiguous (e.g. from np.empty)")
+    if not out.flags.writeable:
+        raise ValueError("swarmfd.all_gather: out is read-only; pass a writable array")
+    if np.shares_memory(out, arr):
+        raise ValueError("swarmfd.all_gather: out overlaps x; pass a separate buffer")
+    return out
 
 
 def barrier() -> None:
