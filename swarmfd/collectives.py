@@ -17,7 +17,9 @@ Algorithms (N ranks, S bytes):
   rank.
 * **all_reduce**, small (S <= ``SMALL_BYTES``): a direct exchange, every rank
   sends its buffer to every other one and reduces all N in rank order: one
-  network hop instead of 2(N-1), and again identical on every rank.
+  network hop instead of 2(N-1), and again identical on every rank. Two ranks
+  do this up to ``PAIR_MAX_BYTES`` (1 MiB), in place, with one message each way.
+* **all_gather** can write into a caller's reused result (``out=``).
 * **broadcast**: small, the root sends to everyone; large, a pipelined chain
   from the root (every link carries S once).
 * **reduce**: small, everyone sends to ``dst``; large, a pipelined chain that
