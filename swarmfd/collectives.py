@@ -19,13 +19,12 @@ Algorithms (N ranks, S bytes):
   sends its buffer to every other one and reduces all N in rank order: one
   network hop instead of 2(N-1), and again identical on every rank. Two ranks
   do this up to ``PAIR_MAX_BYTES`` (1 MiB), in place, with one message each way.
-* **all_gather** can write into a caller's reused result (``out=``).
 * **broadcast**: small, the root sends to everyone; large, a pipelined chain
   from the root (every link carries S once).
 * **reduce**: small, everyone sends to ``dst``; large, a pipelined chain that
   ends at ``dst``. Only ``dst``'s array changes.
 * **all_gather**: small, direct; large, a pipelined ring (each rank sends
-  (N-1)/N of the result).
+  (N-1)/N of the result); into a new result, or a caller's reused one (``out=``).
 * **barrier**: dissemination, ceil(log2 N) rounds of empty messages.
 
 Inputs: numpy arrays of any dtype in :data:`swarmfd.wire.DTYPES`, any shape
