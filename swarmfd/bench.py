@@ -19,7 +19,8 @@ host, or as a Swarm job) and measures, for each collective and message size:
 ``size`` is the bytes of each rank's input array. For all_gather, whose result
 is N arrays of that size, ``algbw`` counts the N*size bytes every rank ends up
 with (as nccl-tests, whose all_gather size is the output buffer), so
-``busbw = (N-1)*size / time``: the bytes each rank had to receive.
+``busbw = (N-1)*size / time``: the bytes each rank had to receive. all_gather
+writes into one preallocated result (``out=``) reused every iteration.
 
 The default iteration counts follow PERFORMANCE.md (300 up to 1 MiB, 64 up to
 16 MiB, 16 above), after 3 warm-ups. This module is a library: it never
@@ -204,9 +205,13 @@ class _Case:
             self.source = self.pattern * dtype.type(rank + 1)
         self.x = np.empty_like(self.source)
         self.result: object = None
+        # all_gather fills one preallocated result (out=), as nccl-tests' output buffer.
+        self.out = np.empty((world, count), dtype=dtype) if collective == "all_gather" else None
 
     def reset(self) -> None:
         np.copyto(self.x, self.source)
+        if self.out is not None:
+            self.out.fill(0)  # so the check sees what the last call wrote
 
     def run(self) -> None:
         if self.collective == "all_reduce":
@@ -214,7 +219,7 @@ class _Case:
         elif self.collective == "broadcast":
             fd.broadcast(self.x, src=0)
         else:
-            self.result = fd.all_gather(self.x)
+            self.result = fd.all_gather(self.x, out=self.out)
 
     def wrong(self) -> int:
         """Number of wrong elements in the last result on this rank."""

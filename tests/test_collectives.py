@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import re
 
 import numpy as np
 import pytest
 
 import swarmfd as fd
-from swarmfd import collectives
+from swarmfd import collectives, malloc_tuning
+from swarmfd import transport as zmq_transport
 
 from .conftest import RankFailure, run_ranks, run_ranks_raw
 
@@ -207,11 +209,129 @@ def _identical_floats(rank: int, world: int) -> str:
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_float_results_are_bitwise_identical_on_every_rank(world: int, transport: str) -> None:
     """Random floats with wide exponents: every rank ends with the same bytes."""
     results = run_ranks(_identical_floats, world, env={"SWARMFD_TRANSPORT": transport})
     assert len(set(results)) == 1
+
+
+#: Sizes (bytes) around the transport's inline / copied / zero-copy limits and the
+#: two-rank single-message limit, so every path and its edges run.
+BOUNDARY_BYTES = sorted({
+    zmq_transport.INLINE_MAX_BYTES, zmq_transport.INLINE_MAX_BYTES + 4,
+    zmq_transport.COPY_MAX_BYTES, zmq_transport.COPY_MAX_BYTES + 4,
+    collectives.PAIR_MAX_BYTES - 4, collectives.PAIR_MAX_BYTES, collectives.PAIR_MAX_BYTES + 4,
+})
+
+
+def _boundaries(rank: int, world: int) -> list[str]:
+    out = []
+    for nbytes in BOUNDARY_BYTES:
+        n = nbytes // 4
+        x = ((np.arange(n, dtype=np.int64) + rank) % 11).astype(np.float32)
+        fd.all_reduce(x)
+        want = sum(((np.arange(n, dtype=np.int64) + r) % 11) for r in range(world))
+        np.testing.assert_array_equal(x, want.astype(np.float32), err_msg=f"{nbytes} B")
+        rng = np.random.default_rng(rank)
+        y = rng.standard_normal(n).astype(np.float32) * 10.0 ** rng.integers(-5, 5, n)
+        fd.all_reduce(y)
+        out.append(_digest(y))
+        # Signed zeros and NaNs: min/max must pick the same bits on every rank.
+        z = np.where(np.arange(n) % 3 == 0, 0.0, -0.0).astype(np.float32)
+        if rank % 2:
+            z = -z
+        z[::7] = np.nan if rank == 0 else z[::7]
+        fd.all_reduce(z, op="max")
+        out.append(_digest(z))
+        b = np.full(n, rank, np.float32)
+        fd.broadcast(b, src=world - 1)
+        assert (b == world - 1).all(), f"broadcast {nbytes} B"
+        g = fd.all_gather(np.full(n, rank, np.int32))
+        assert all((g[r] == r).all() for r in range(world)), f"all_gather {nbytes} B"
+    return out
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("world", [2, 3])
+def test_sizes_at_the_message_path_limits(world: int, transport: str) -> None:
+    """Sizes at the inline/copy/zero-copy and two-rank limits: right, identical bits."""
+    results = run_ranks(_boundaries, world, timeout=120, env={"SWARMFD_TRANSPORT": transport})
+    assert all(r == results[0] for r in results)
+
+
+def _gather_into(rank: int, world: int) -> None:
+    for shape, dtype in [((3, 5), np.float64), ((100_003,), np.int32), ((0,), np.float32),
+                         ((), np.int16), ((1 << 20,), np.float32)]:
+        out = np.full((world, *shape), -1, dtype)
+        for salt in range(2):  # the same out twice: filled again, not stale
+            x = np.full(shape, rank * 10 + salt, dtype)
+            parts = fd.all_gather(x, out=out)
+            assert len(parts) == world
+            for r, part in enumerate(parts):
+                assert part.shape == shape and part.dtype == np.dtype(dtype)
+                assert np.shares_memory(part, out) or part.size == 0
+                assert (part == r * 10 + salt).all()
+            assert (out == np.arange(world).reshape((world,) + (1,) * len(shape)) * 10
+                    + salt).all()
+    x = np.zeros(4, np.float32)
+    bad = [
+        (np.empty((world, 4), np.float64), TypeError, "dtype float64"),
+        (np.empty((world + 1, 4), np.float32), ValueError, "expected (world_size, *x.shape)"),
+        (np.empty((world, 8), np.float32)[:, ::2], ValueError, "C-contiguous"),
+        ([[0.0] * 4] * world, TypeError, "numpy array"),
+    ]
+    ro = np.empty((world, 4), np.float32)
+    ro.flags.writeable = False
+    bad.append((ro, ValueError, "read-only"))
+    for out, exc, text in bad:
+        with pytest.raises(exc, match=re.escape(text)):
+            fd.all_gather(x, out=out)
+    whole = np.zeros((world, 4), np.float32)
+    with pytest.raises(ValueError, match="overlaps"):
+        fd.all_gather(whole[0], out=whole)
+    fd.barrier()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_all_gather_into_a_reused_out_array(world: int, transport: str) -> None:
+    """all_gather(x, out=...) fills the caller's (N, *shape) array; bad outs are refused."""
+    if world == 1 and transport == "tcp":
+        pytest.skip("a world of one uses no transport")
+    run_ranks(_gather_into, world, timeout=120, env={"SWARMFD_TRANSPORT": transport})
+
+
+def test_malloc_tuning_respects_the_users_settings() -> None:
+    """glibc's thresholds are tuned unless the environment opts out or sets its own."""
+    assert malloc_tuning.wanted({})
+    assert not malloc_tuning.wanted({"SWARMFD_TUNE_MALLOC": "0"})
+    assert not malloc_tuning.wanted({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1"})
+    assert malloc_tuning.wanted({"GLIBC_TUNABLES": "glibc.pthread.rseq=0"})
+    assert not malloc_tuning.wanted({"MALLOC_TRIM_THRESHOLD_": "100"})
+    assert not malloc_tuning.wanted({"MALLOC_MMAP_THRESHOLD_": "100"})
+
+
+def _malloc_tuned(rank: int, world: int) -> int:
+    import resource
+
+    x = np.ones(16 << 18, np.float32)  # 16 MiB: the ring's 1 MiB pieces
+    for _ in range(3):
+        fd.all_reduce(x)
+    start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(5):
+        fd.all_reduce(x)
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start) // 5
+    return faults if malloc_tuning._result else -1
+
+
+def test_tcp_groups_tune_malloc_so_received_pieces_reuse_memory() -> None:
+    """Over TCP, received pieces come from reused heap memory: few page faults per call."""
+    tuned = run_ranks(_malloc_tuned, 2, timeout=120, env={"SWARMFD_TRANSPORT": "tcp"})
+    assert all(0 <= faults < 200 for faults in tuned), tuned  # untuned: about 1,000
+    off = run_ranks(_malloc_tuned, 2, timeout=120,
+                    env={"SWARMFD_TRANSPORT": "tcp", "SWARMFD_TUNE_MALLOC": "0"})
+    assert off == [-1, -1]
 
 
 def test_world_of_one_without_sockets() -> None:
