@@ -47,6 +47,16 @@ MAGIC = b"SWFD"
 PROTOCOL_VERSION = 1
 NO_ROOT = 0xFFFF
 
+#: Target size of one data message: collectives cut every buffer into pieces of about
+#: this many bytes (well below glibc's 32 MiB mmap cliff), so no message is ever larger
+#: than MAX_PAYLOAD and a receiver can refuse anything bigger (MAXMSGSIZE).
+PIECE_BYTES = 1 << 20
+#: The largest payload of any message: a piece, rounded up to whole elements (<= 16 bytes
+#: each), with room to spare. Transport.send refuses larger ones (a bug, not an input).
+MAX_PAYLOAD = PIECE_BYTES + 1024
+#: The longest reason text an abort message carries (so it stays far below MAX_PAYLOAD).
+MAX_ABORT_TEXT = 8192
+
 HEADER = struct.Struct("<4sBBBBBBHHIIQIIH")
 FLAG_INLINE = 1
 HEADER_SIZE = HEADER.size  # 40
