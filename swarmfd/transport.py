@@ -430,39 +430,39 @@ class Transport:
             if raw is None:
                 self._between_slices(src, deadline, sig)
                 continue
+            hdr = self._parse(raw)
+            if hdr is not None:
+                if (hdr.src, hdr.seq, hdr.tag) == key and hdr.kind == wire.Kind.DATA:
+                    if not hdr.matches(sig):
+                        self._drain()
+                        raise self._mismatch(hdr, sig)
+                    self._check_size(hdr, nbytes)
+                    if hdr.inline:
+                        inline = memoryview(raw)[wire.HEADER_SIZE:]
+                        if into is None:
+                            return inline
+                        memoryview(into).cast("B")[:] = inline
+                        return None
+                    if not pull.get(zmq.RCVMORE):
+                        raise ProtocolError(
+                            f"{self.activity}: rank {src} sent a header without payload"
+                        )
+                    if into is not None:
+                        got = pull.recv_into(into)
+                        if got != nbytes:
+                            raise ProtocolError(f"{self.activity}: rank {src} sent {got} bytes, "
+                                                f"expected {nbytes}")
+                        return None
+                    if nbytes > INLINE_MAX_BYTES:
+                        return pull.recv(copy=False)
+                    return pull.recv()
+                self._other(hdr, sig, seq, raw)
+            # Messages keep coming but not the one awaited (a flood of garbage, say): the
+            # deadline and the peer's liveness still count. Checked after the message was
+            # handled: arriving at the deadline, it may be the report that explains the wait.
             if _now() - last_check > WAIT_SLICE_MS / 1000:
-                # Messages keep coming but not the one awaited (a flood of garbage, say):
-                # the deadline and the peer's liveness still count.
                 self._between_slices(src, deadline, sig)
                 last_check = _now()
-            hdr = self._parse(raw)
-            if hdr is None:
-                continue
-            if (hdr.src, hdr.seq, hdr.tag) == key and hdr.kind == wire.Kind.DATA:
-                if not hdr.matches(sig):
-                    self._drain()
-                    raise self._mismatch(hdr, sig)
-                self._check_size(hdr, nbytes)
-                if hdr.inline:
-                    inline = memoryview(raw)[wire.HEADER_SIZE:]
-                    if into is None:
-                        return inline
-                    memoryview(into).cast("B")[:] = inline
-                    return None
-                if not pull.get(zmq.RCVMORE):
-                    raise ProtocolError(
-                        f"{self.activity}: rank {src} sent a header without payload"
-                    )
-                if into is not None:
-                    got = pull.recv_into(into)
-                    if got != nbytes:
-                        raise ProtocolError(f"{self.activity}: rank {src} sent {got} bytes, "
-                                            f"expected {nbytes}")
-                    return None
-                if nbytes > INLINE_MAX_BYTES:
-                    return pull.recv(copy=False)
-                return pull.recv()
-            self._other(hdr, sig, seq, raw)
 
     def _other(self, hdr: wire.Header, sig: wire.Signature, seq: int, raw: bytes) -> None:
         """Handle a message that is not the one being waited for."""
