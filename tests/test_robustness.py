@@ -254,11 +254,8 @@ STOP_CASES = [
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize(("name", "world"), STOP_CASES)
 def test_sigstop_times_out_after_the_configured_timeout(name: str, world: int,
-                                                        transport: str,
-                                                        request: pytest.FixtureRequest) -> None:
+                                                        transport: str) -> None:
     """A stopped rank: the others time out after the timeout (+< 1 s), naming it."""
-    if world >= 3 and transport == "tcp":
-        request.applymarker(_RING_NAMING)
     victim = world - 1
     survivors = [r for r in range(world) if r != victim]
     with Ranks(_stopped, world, name, victim, 0, group_timeout=STOP_TIMEOUT,
@@ -310,13 +307,7 @@ def _stop_loop(ctx: RankCtx) -> Any:
     return info
 
 
-_RING_NAMING = pytest.mark.xfail(
-    strict=False, reason="product bug (tcp, N>=3): a rank whose wait chain passes through "
-    "another waiting rank does not always receive that rank's timeout report within "
-    "TIMEOUT_GRACE, so it names the rank it waited for, not the stopped one")
-
-
-@pytest.mark.parametrize("transport", [pytest.param("tcp", marks=_RING_NAMING), "shm"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_sigstop_during_a_loop_of_large_all_reduces(transport: str) -> None:
     """N=3, rank 2 stopped mid-loop: ranks 0 and 1 time out ~timeout after the stop."""
     victim = 2
