@@ -57,7 +57,7 @@ MIN_SECRET_CHARS = 32
 #: A secret file larger than this is not a secret file (refused before reading it all).
 MAX_SECRET_BYTES = 4096
 #: Data-plane encryption when SWARMFD_ENCRYPT is unset. Chosen by measurement (README,
-#: "Security"): CURVE doubles the time of an all_reduce at 1 MiB and at 64 MiB, while
+#: "Security"): CURVE costs 2-3x the time of an all_reduce at 1 MiB and at 64 MiB, while
 #: authentication alone (rendezvous always encrypted, data plane authenticated) already
 #: keeps strangers from joining, injecting data or aborting a job.
 DEFAULT_ENCRYPT = False
