@@ -32,6 +32,7 @@ from .config import Config
 from .errors import (
     AbortedError,
     AlreadyInitializedError,
+    AuthenticationError,
     CollectiveError,
     CollectiveTimeout,
     ConfigError,
@@ -58,6 +59,7 @@ from .utils import checkpoint_barrier, get_seed, print, print_config, should_sav
 __all__ = [
     "AbortedError",
     "AlreadyInitializedError",
+    "AuthenticationError",
     "CollectiveError",
     "CollectiveTimeout",
     "Config",

@@ -71,8 +71,10 @@ def run(
 ) -> None:
     """Start N local ranks of COMMAND and supervise them.
 
-    Each rank gets WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR
-    and MASTER_PORT; a first word ending in .py runs with this Python. Output
+    Each rank gets WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT and SWARMFD_SECRET_FILE (the path of a fresh job secret, private
+    to this run and deleted at its end); a first word ending in .py runs with
+    this Python. Output
     lines are prefixed with the rank. The first failing rank stops the others
     and sets the exit code; Ctrl-C stops every rank (exit 130).
 

@@ -49,8 +49,9 @@ from . import shm as _shm
 from .errors import SwarmfdError
 from .wire import Collective, ReduceOp, Signature
 
-#: Target size of one wire message of the ring (well below glibc's 32 MiB mmap cliff).
-PIECE_BYTES = 1 << 20
+#: Target size of one wire message (see wire.PIECE_BYTES: every send is at most a piece,
+#: well below glibc's 32 MiB mmap cliff).
+PIECE_BYTES = wire.PIECE_BYTES
 #: Two ranks all-reduce up to this many bytes as one message each way (see _pair_all_reduce);
 #: above it the ring's pipelined pieces win (interleaved A/B over TCP: 0.78-0.86x the ring's
 #: time at 1 MiB, even at 2 MiB with two pieces).
@@ -347,7 +348,7 @@ def _broadcast_flat(c: _Call, buf: np.ndarray, src: int) -> None:
 
 
 def _broadcast_tcp(c: _Call, t: Any, buf: np.ndarray, src: int) -> None:
-    if _use_direct(buf.nbytes, c.N) or c.N == 2:
+    if _use_direct(buf.nbytes, c.N):
         if c.rank == src:
             for p in range(c.N):
                 if p != src:
@@ -359,7 +360,7 @@ def _broadcast_tcp(c: _Call, t: Any, buf: np.ndarray, src: int) -> None:
             _recv_into(c, src, 0, buf)
             t.send(src, c.sig, c.seq, ACK, b"")
         return
-    # Pipelined chain src -> src+1 -> ... -> src-1.
+    # Pipelined chain src -> src+1 -> ... -> src-1 (at N=2: the direct send, in pieces).
     pos = (c.rank - src) % c.N
     nxt, prv = (c.rank + 1) % c.N, (c.rank - 1) % c.N
     for j, (a, b) in enumerate(_split(buf.size, _num_pieces(buf.size, buf.itemsize))):

@@ -56,6 +56,10 @@ class RendezvousTimeout(RendezvousError, TimeoutError):
     """Rendezvous did not complete within the timeout."""
 
 
+class AuthenticationError(RendezvousError, PermissionError):
+    """This process could not prove it belongs to the job (another or no job secret)."""
+
+
 class _AbortedTimeout(AbortedError, CollectiveTimeout):
     """Another rank timed out; re-raised here as a timeout too."""
 

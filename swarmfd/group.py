@@ -25,7 +25,7 @@ import numpy as np
 
 from . import shm as _shm
 from . import transport as _transport
-from .config import Config, config_from_env
+from .config import Config, config_from_env, encrypt_enabled, require_secret
 from .errors import (
     AlreadyInitializedError,
     ConfigError,
@@ -84,12 +84,18 @@ def init(
     master_addr: str | None = None,
     master_port: int | None = None,
     timeout: float | None = None,
+    secret: str | bytes | None = None,
 ) -> Config:
     """Join a process group of ``world_size`` ranks as ``rank`` and return its :class:`Config`.
 
     Transport details not given as arguments come from the environment
     (``MASTER_ADDR``, ``MASTER_PORT``, ``SWARMFD_TIMEOUT``). Blocks until every
     rank has joined, at most ``timeout`` seconds.
+
+    A world of more than one rank needs the job secret (at least 32 characters,
+    the same on every rank): ``secret``, or else the file named by
+    ``SWARMFD_SECRET_FILE`` (default ``/run/secrets/swarmfd_secret``), unless
+    ``SWARMFD_AUTH=off``. Only processes holding it can join, send data or abort.
     """
     env = config_from_env({k: v for k, v in os.environ.items()
                            if k in ("MASTER_ADDR", "MASTER_PORT", "SWARMFD_TIMEOUT",
@@ -104,18 +110,28 @@ def init(
         timeout=timeout if timeout is not None else env.timeout,
         restart_count=env.restart_count,
     )
-    return _start(config)
+    return _start(config, secret)
 
 
-def init_from_env(*, timeout: float | None = None) -> Config:
+def init_from_env(*, timeout: float | None = None, secret: str | bytes | None = None
+                  ) -> Config:
     """Join the group the environment describes (``WORLD_SIZE``, ``RANK``, ...).
 
-    With none of the variables set this is a world of one.
+    With none of the variables set this is a world of one. The job secret is
+    found as :func:`init` finds it.
     """
-    return _start(config_from_env(timeout=timeout))
+    return _start(config_from_env(timeout=timeout), secret)
 
 
-def _start(config: Config) -> Config:
+def _security(config: Config, secret: str | bytes | None) -> _transport.Security | None:
+    """The group's keys (derived from the job secret), or None without authentication."""
+    job_secret = require_secret(config.world_size, secret)
+    if job_secret is None:
+        return None
+    return _transport.Security.from_secret(job_secret, encrypt_enabled())
+
+
+def _start(config: Config, secret: str | bytes | None = None) -> Config:
     global _group
     with _lock:
         if _group is not None:
@@ -132,10 +148,12 @@ def _start(config: Config) -> Config:
             _group = Group(config, None)
             return config
         assert config.master_addr is not None  # Config guarantees it for world_size > 1
+        security = _security(config, secret)
         deadline = time.monotonic() + config.timeout
         master_ip = _transport.resolve(config.master_addr, deadline)
         bind_ip = _transport.local_address_toward(master_ip)
-        t = _transport.Transport(config.rank, config.world_size, config.timeout, bind_ip)
+        t = _transport.Transport(config.rank, config.world_size, config.timeout, bind_ip,
+                                 security)
         try:
             host = os.environ.get(ENV_NODE) or socket.gethostname()
             mode = (os.environ.get(ENV_TRANSPORT) or "auto").strip().lower()

@@ -12,6 +12,7 @@ word ending in ``.py`` runs with the current Python, ``sys.executable``). Each c
                            on MASTER_ADDR (a new one on every restart)
 ``SWARMFD_TIMEOUT``        ``--timeout``, when given
 ``SWARMFD_RESTART_COUNT``  0 on the first attempt, then 1, 2, ... on each restart
+``SWARMFD_SECRET_FILE``    the path of this run's job secret (see below)
 ``PYTHONUNBUFFERED``       1 (so Python ranks stream their output promptly)
 
 plus the launcher's own environment and any ``-e KEY=VALUE``. The contract
@@ -37,6 +38,13 @@ to every rank; after ``grace`` seconds (or at a second signal) the ranks are
 killed. The launcher then exits with 128+signal (130 for Ctrl-C). It never
 restarts after an interruption.
 
+Job secret. Every run draws a fresh secret (``secrets.token_hex(32)``) and
+writes it to a file (mode 0600) in a private temporary directory (mode 0700);
+the ranks get only its path, in ``SWARMFD_SECRET_FILE``, never the secret in
+their environment or command line. Restarts reuse it. The directory is
+removed when the run ends, however it ends (failure, Ctrl-C, or, through the
+guardian, a SIGKILLed launcher).
+
 No orphans. Each rank runs in its own session and process group, and the
 launcher signals the whole group, so processes a rank started are stopped too,
 even after a successful run. If the launcher itself is SIGKILLed, each rank
@@ -51,11 +59,13 @@ import contextlib
 import ctypes
 import math
 import os
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -87,6 +97,7 @@ RESERVED_ENV = frozenset(
         "MASTER_ADDR",
         "MASTER_PORT",
         "SWARMFD_RESTART_COUNT",
+        "SWARMFD_SECRET_FILE",
     }
 )
 _ENV_TIMEOUT = "SWARMFD_TIMEOUT"
@@ -372,12 +383,16 @@ for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
     signal.signal(s, signal.SIG_IGN)
 grace = float(sys.argv[1])
 groups = set()
+secret_dir = b""
 for line in sys.stdin.buffer:
     op, _, arg = line.strip().partition(b" ")
     if op == b"add":
         groups.add(int(arg))
     elif op == b"del":
         groups.discard(int(arg))
+    elif op == b"secret":
+        secret_dir = arg
+
 def alive(g):
     try:
         os.killpg(g, 0)
@@ -393,6 +408,16 @@ for sig in (signal.SIGTERM, signal.SIGKILL):
     deadline = time.monotonic() + grace
     while any(alive(g) for g in groups) and time.monotonic() < deadline:
         time.sleep(0.05)
+if secret_dir:
+    for name in os.listdir(secret_dir) if os.path.isdir(secret_dir) else ():
+        try:
+            os.unlink(os.path.join(secret_dir, name))
+        except OSError:
+            pass
+    try:
+        os.rmdir(secret_dir)
+    except OSError:
+        pass
 """
 
 
@@ -434,6 +459,10 @@ class _Guardian:
 
     def forget(self, pgid: int) -> None:
         self._send(f"del {pgid}")
+
+    def remove_at_exit(self, directory: str) -> None:
+        """Have the guardian delete ``directory`` (the secret's) if the launcher cannot."""
+        self._send(f"secret {directory}")
 
     def close(self) -> None:
         if self._proc is None:
@@ -637,7 +666,8 @@ class _Attempt:
                 self.guardian.forget(proc.pid)
 
 
-def _rank_env(config: LaunchConfig, port: int, restart: int) -> dict[str, str]:
+def _rank_env(config: LaunchConfig, port: int, restart: int,
+              secret_file: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     env.update(config.env)
@@ -647,10 +677,23 @@ def _rank_env(config: LaunchConfig, port: int, restart: int) -> dict[str, str]:
         MASTER_ADDR=config.master_addr,
         MASTER_PORT=str(port),
         SWARMFD_RESTART_COUNT=str(restart),
+        SWARMFD_SECRET_FILE=secret_file,
     )
     if config.timeout is not None:
         env[_ENV_TIMEOUT] = repr(float(config.timeout))
     return env
+
+
+def _write_secret() -> tuple[str, str]:
+    """A fresh job secret in a new private directory: (directory, file path)."""
+    directory = tempfile.mkdtemp(prefix="swarmfd-secret-")  # mode 0700
+    path = os.path.join(directory, "secret")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, (secrets.token_hex(32) + "\n").encode())
+    finally:
+        os.close(fd)
+    return directory, path
 
 
 def launch(
@@ -680,14 +723,17 @@ def launch(
         stderr if stderr is not None else sys.stderr.buffer,
     )
     guardian = _Guardian(config.grace)
+    secret_dir = ""
     try:
+        secret_dir, secret_file = _write_secret()
+        guardian.remove_at_exit(secret_dir)
         with _Signals() as signals:
             restart = 0
             while True:
                 if signals.received:  # arrived between two attempts: do not start another
                     return 128 + signals.received[0]
                 port = config.master_port or find_free_port(config.master_addr)
-                env = _rank_env(config, port, restart)
+                env = _rank_env(config, port, restart, secret_file)
                 outcome = _Attempt(config, argv, env, output, guardian, signals).run()
                 if outcome.code == 0 or outcome.interrupted:
                     return outcome.code
@@ -704,4 +750,6 @@ def launch(
                     "rank(s) again"
                 )
     finally:
+        if secret_dir:
+            shutil.rmtree(secret_dir, ignore_errors=True)
         guardian.close()

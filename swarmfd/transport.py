@@ -25,26 +25,55 @@ Rendezvous (:func:`rendezvous`) also lives here: rank 0 serves a ROUTER at
 ``MASTER_ADDR:MASTER_PORT``; every other rank sends it a JSON hello (rank,
 world size, protocol version, data endpoint, host) and gets back the table of
 all endpoints. No other fixed port is used.
+
+Security (:class:`Security`, built from the job secret). Every rank derives
+the same CURVE keypair from the secret (SHA-256 of it, with a domain label, is
+the secret key). Every socket that binds is a server, every socket that
+connects a client, and a ZAP handler (pyzmq's ``ThreadAuthenticator``) admits
+only connections that prove they hold the job's key:
+
+* rendezvous: always CURVE (authenticated and encrypted);
+* data plane, ``encrypt=True``: CURVE as well;
+* data plane, ``encrypt=False``: ZMQ PLAIN with a random per-session token
+  that each rank draws for its own data socket and announces over the
+  encrypted rendezvous; ZAP admits only that token. Strangers cannot connect,
+  inject or abort; the bytes themselves travel in clear (readable by whoever
+  can sniff the network, as the token is; see README "Security").
+
+A process whose secret differs fails its handshake with rank 0 and raises
+:class:`AuthenticationError` at once. Without a secret (``SWARMFD_AUTH=off``)
+every socket uses the NULL mechanism, as before.
+
+Bounds against a peer gone wrong: data sockets refuse frames over
+``MAX_FRAME`` (libzmq drops the connection before allocating), messages for
+calls more than ``MAX_CALLS_AHEAD`` ahead are a protocol error, and TCP
+keepalive (``KEEPALIVE_*``) finds a peer whose host vanished without a FIN.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import json
+import logging
 import os
 import secrets
 import socket
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
 from . import wire
 from .errors import (
     AbortedError,
+    AuthenticationError,
     CollectiveError,
     CollectiveTimeout,
     MismatchError,
@@ -75,6 +104,82 @@ INLINE_MAX_BYTES = 64 << 10
 COPY_MAX_BYTES = 512 << 10
 #: Limit on a rendezvous message (a hello or a table), against garbage.
 MAX_RENDEZVOUS_MESSAGE = 1 << 20
+#: Limit on one frame of the data socket: the largest legitimate one (a header with an
+#: inline payload, or a payload of MAX_PAYLOAD) plus CURVE's few bytes of overhead.
+MAX_FRAME = wire.HEADER_SIZE + wire.MAX_PAYLOAD + 4096
+#: A peer's message for a call this far ahead of the receiver's is a protocol error
+#: (collectives end with every rank having heard from the others, so a correct peer is
+#: at most a call or two ahead); bounds what the stash can hold.
+MAX_CALLS_AHEAD = 16
+#: TCP keepalive on every connection: probe after KEEPALIVE_IDLE s of silence, every
+#: KEEPALIVE_INTVL s, give up after KEEPALIVE_CNT unanswered probes. A host that vanished
+#: (no FIN) is then found within about IDLE + INTVL * CNT seconds; a stopped process still
+#: answers (its kernel does), so a SIGSTOP stays a timeout, not a loss.
+KEEPALIVE_IDLE = 1
+KEEPALIVE_INTVL = 1
+KEEPALIVE_CNT = 3
+#: After this many failed handshakes with rank 0 (another secret), rendezvous gives up.
+MAX_HANDSHAKE_FAILURES = 2
+#: ZAP domains of the two planes.
+ZAP_RENDEZVOUS = "swarmfd-rendezvous"
+ZAP_DATA = "swarmfd-data"
+_PLAIN_USER = "swarmfd"
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+#: pyzmq's authenticator logs credentials at DEBUG; its logger here never does.
+_ZAP_LOG = logging.getLogger("swarmfd.zap")
+_ZAP_LOG.setLevel(logging.WARNING)
+
+
+@dataclass(frozen=True)
+class Security:
+    """The job's CURVE keypair (derived from the job secret) and the data-plane mode.
+
+    Built with :meth:`from_secret`; the secret itself is not kept. ``repr`` shows
+    neither key.
+    """
+
+    public: bytes = field(repr=False)
+    secret: bytes = field(repr=False)
+    encrypt: bool = False
+
+    @classmethod
+    def from_secret(cls, job_secret: bytes, encrypt: bool) -> Security:
+        """Derive the keypair: every rank with the same secret gets the same one."""
+        seed = hashlib.sha256(b"swarmfd CURVE key v1\0" + job_secret).digest()
+        secret = z85.encode(seed)
+        return cls(zmq.curve_public(secret), secret, encrypt)
+
+    def curve_server(self, sock: zmq.Socket, domain: str) -> None:
+        sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, self.secret)
+
+    def curve_client(self, sock: zmq.Socket) -> None:
+        sock.setsockopt(zmq.CURVE_SERVERKEY, self.public)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, self.public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, self.secret)
+
+
+class _JobKey:
+    """ZAP credentials check: admit only the job's public key; count the others."""
+
+    def __init__(self, public: bytes) -> None:
+        self.public = public
+        self.denied = 0
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        ok = hmac.compare_digest(key, self.public)
+        if not ok:
+            self.denied += 1
+        return ok
+
+
+def _keepalive(sock: zmq.Socket) -> None:
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_IDLE)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE_INTVL)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, KEEPALIVE_CNT)
 
 
 @dataclass(frozen=True)
@@ -86,6 +191,8 @@ class PeerInfo:
     host: str
     pid: int
     hostkey: str = ""
+    #: The PLAIN password of this rank's data socket (unencrypted data plane only).
+    token: str = field(default="", repr=False)
 
 
 def _now() -> float:
@@ -95,23 +202,38 @@ def _now() -> float:
 class Transport:
     """Point-to-point messaging between the ranks of one group (see module docstring)."""
 
-    def __init__(self, rank: int, world_size: int, timeout: float, bind_host: str) -> None:
+    def __init__(self, rank: int, world_size: int, timeout: float, bind_host: str,
+                 security: Security | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
+        self.security = security
         self.ctx = zmq.Context(io_threads=1)
         self.ctx.setsockopt(zmq.LINGER, 0)
-        self.pull = self.ctx.socket(zmq.PULL)
-        self.pull.setsockopt(zmq.RCVHWM, 0)
-        self.pull.setsockopt(zmq.MAXMSGSIZE, -1)
-        self.pull.setsockopt(zmq.RCVTIMEO, WAIT_SLICE_MS)
-        port = self.pull.bind_to_random_port(f"tcp://{bind_host}")
+        self.auth: ThreadAuthenticator | None = None
+        self.job_key: _JobKey | None = None
+        #: The password peers give this rank's data socket (unencrypted data plane).
+        self.token = ""
+        try:
+            self.pull = self.ctx.socket(zmq.PULL)
+            if security is not None:
+                self._start_auth(security)
+            self.pull.setsockopt(zmq.RCVHWM, 0)
+            self.pull.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
+            self.pull.setsockopt(zmq.RCVTIMEO, WAIT_SLICE_MS)
+            _keepalive(self.pull)
+            port = self.pull.bind_to_random_port(f"tcp://{bind_host}")
+        except BaseException:
+            self._stop_auth()
+            self.ctx.destroy(linger=0)
+            raise
         self.endpoint = f"tcp://{bind_host}:{port}"
         self.push: dict[int, zmq.Socket] = {}
         self.monitors: dict[zmq.Socket, int] = {}
         self.peers: list[PeerInfo] = []
         self.stash: dict[tuple[int, int, int], tuple[wire.Header, bytes]] = {}
         self.lost: dict[int, float] = {}
+        self.refused: set[int] = set()  # peers whose data socket refused our handshake
         self.trackers: list[tuple[int, zmq.MessageTracker]] = []
         self.garbage = 0
         self.waiting_for = -1
@@ -122,6 +244,38 @@ class Transport:
 
     # -- setup --------------------------------------------------------------------------
 
+    def _start_auth(self, security: Security) -> None:
+        """Start the ZAP handler and make the data socket a server of the right mechanism."""
+        self.auth = ThreadAuthenticator(self.ctx, log=_ZAP_LOG)
+        self.auth.start()
+        self.job_key = _JobKey(security.public)
+        self.auth.configure_curve_callback(ZAP_RENDEZVOUS, self.job_key)
+        if security.encrypt:
+            self.auth.configure_curve_callback(ZAP_DATA, self.job_key)
+            security.curve_server(self.pull, ZAP_DATA)
+        else:
+            self.token = secrets.token_hex(16)
+            self.auth.configure_plain(ZAP_DATA, {_PLAIN_USER: self.token})
+            self.pull.setsockopt(zmq.ZAP_DOMAIN, ZAP_DATA.encode())
+            self.pull.setsockopt(zmq.PLAIN_SERVER, 1)
+
+    def _stop_auth(self) -> None:
+        if self.auth is not None:
+            with contextlib.suppress(Exception):
+                self.auth.stop()
+            self.auth = None
+
+    def client(self, sock: zmq.Socket, peer: PeerInfo | None = None) -> None:
+        """Make ``sock`` a client of the rendezvous (``peer`` None) or of ``peer``'s data socket."""
+        sec = self.security
+        if sec is None:
+            return
+        if peer is None or sec.encrypt:
+            sec.curve_client(sock)
+        else:
+            sock.setsockopt(zmq.PLAIN_USERNAME, _PLAIN_USER.encode())
+            sock.setsockopt(zmq.PLAIN_PASSWORD, peer.token.encode())
+
     def connect(self, peers: Sequence[PeerInfo]) -> None:
         """Open a PUSH connection (with a loss monitor) to every other rank."""
         self.peers = list(peers)
@@ -131,7 +285,9 @@ class Transport:
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.LINGER, int(min(self.timeout, 5.0) * 1000))
-            mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            _keepalive(sock)
+            self.client(sock, peer)
+            mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
             sock.connect(peer.endpoint)
             self.push[peer.rank] = sock
             self.monitors[mon] = peer.rank
@@ -152,6 +308,7 @@ class Transport:
         for sock in self.push.values():
             sock.close(linger=linger)
         self.pull.close(linger=0)
+        self._stop_auth()
         self.ctx.term()
 
     # -- sending ------------------------------------------------------------------------
@@ -181,6 +338,9 @@ class Transport:
             size = len(payload)
         else:
             size = memoryview(payload).nbytes
+        if size > wire.MAX_PAYLOAD:
+            raise ValueError(f"swarmfd bug: a message of {size} bytes exceeds the limit of "
+                             f"{wire.MAX_PAYLOAD}; collectives must cut buffers into pieces")
         sock = self.push[dst]
         if size <= INLINE_MAX_BYTES:
             # One frame: header and payload together (one send, one receive).
@@ -216,7 +376,7 @@ class Transport:
                 self._raise_pending_abort()
                 raise PeerLostError(
                     f"{self.activity}: rank {dst} disconnected before receiving this rank's data"
-                    f" ({self._where(dst)})"
+                    f" ({self._where(dst)}): {self._why_lost(dst)}"
                 )
             with contextlib.suppress(zmq.NotDone):
                 pending[0][1].wait(0.01)
@@ -229,7 +389,7 @@ class Transport:
         if getattr(error, "announced", False):
             return  # a timeout: announced to everyone while its culprit was found
         body = json.dumps({"kind": abort_kind(error), "rank": self.rank,
-                           "message": str(error)}).encode()
+                           "message": str(error)[:wire.MAX_ABORT_TEXT]}).encode()
         sig = wire.Signature(wire.Collective.NONE)
         header = wire.pack_header(wire.Kind.ABORT, sig, self.rank, 0, 0, len(body))
         for sock in self.push.values():
@@ -281,53 +441,57 @@ class Transport:
             if raw is None:
                 self._between_slices(src, deadline, sig)
                 continue
+            hdr = self._parse(raw)
+            if hdr is not None:
+                if (hdr.src, hdr.seq, hdr.tag) == key and hdr.kind == wire.Kind.DATA:
+                    if not hdr.matches(sig):
+                        self._drain()
+                        raise self._mismatch(hdr, sig)
+                    self._check_size(hdr, nbytes)
+                    if hdr.inline:
+                        inline = memoryview(raw)[wire.HEADER_SIZE:]
+                        if into is None:
+                            return inline
+                        memoryview(into).cast("B")[:] = inline
+                        return None
+                    if not pull.get(zmq.RCVMORE):
+                        raise ProtocolError(
+                            f"{self.activity}: rank {src} sent a header without payload"
+                        )
+                    if into is not None:
+                        got = pull.recv_into(into)
+                        if got != nbytes:
+                            raise ProtocolError(f"{self.activity}: rank {src} sent {got} bytes, "
+                                                f"expected {nbytes}")
+                        return None
+                    if nbytes > INLINE_MAX_BYTES:
+                        return pull.recv(copy=False)
+                    return pull.recv()
+                self._other(hdr, sig, seq, raw)
+            # Messages keep coming but not the one awaited (a flood of garbage, say): the
+            # deadline and the peer's liveness still count. Checked after the message was
+            # handled: arriving at the deadline, it may be the report that explains the wait.
             if _now() - last_check > WAIT_SLICE_MS / 1000:
-                # Messages keep coming but not the one awaited (a flood of garbage, say):
-                # the deadline and the peer's liveness still count.
                 self._between_slices(src, deadline, sig)
                 last_check = _now()
-            hdr = self._parse(raw)
-            if hdr is None:
-                continue
-            if (hdr.src, hdr.seq, hdr.tag) == key and hdr.kind == wire.Kind.DATA:
-                if not hdr.matches(sig):
-                    self._drain()
-                    raise self._mismatch(hdr, sig)
-                self._check_size(hdr, nbytes)
-                if hdr.inline:
-                    inline = memoryview(raw)[wire.HEADER_SIZE:]
-                    if into is None:
-                        return inline
-                    memoryview(into).cast("B")[:] = inline
-                    return None
-                if not pull.get(zmq.RCVMORE):
-                    raise ProtocolError(
-                        f"{self.activity}: rank {src} sent a header without payload"
-                    )
-                if into is not None:
-                    got = pull.recv_into(into)
-                    if got != nbytes:
-                        raise ProtocolError(f"{self.activity}: rank {src} sent {got} bytes, "
-                                            f"expected {nbytes}")
-                    return None
-                if nbytes > INLINE_MAX_BYTES:
-                    return pull.recv(copy=False)
-                return pull.recv()
-            self._other(hdr, sig, seq, raw)
 
     def _other(self, hdr: wire.Header, sig: wire.Signature, seq: int, raw: bytes) -> None:
         """Handle a message that is not the one being waited for."""
         payload = raw[wire.HEADER_SIZE:] if hdr.inline else self._payload()
+        if not self._from_peer(hdr):
+            self.garbage += 1
+            return
         if hdr.kind == wire.Kind.ABORT:
             waited = abort_waited_for(payload)
             if abort_is_provisional(payload) and waited is not None and self.waiting_for >= 0:
                 # A peer timed out: find out, with everyone, who is really stuck.
                 raise self._timeout(self.waiting_for, sig, {hdr.src: waited})
             raise self._aborted(hdr, payload)
-        if hdr.kind != wire.Kind.DATA or hdr.src >= self.world_size or hdr.src == self.rank:
+        if hdr.kind != wire.Kind.DATA:
             self.garbage += 1
             return
         behind = (seq - hdr.seq) & 0xFFFFFFFF
+        ahead = (hdr.seq - seq) & 0xFFFFFFFF
         if behind == 0 and not hdr.matches(sig):
             raise self._mismatch(hdr, sig)
         if 0 < behind < 0x80000000:
@@ -338,8 +502,18 @@ class Transport:
                 f"for call #{hdr.seq}, which rank {self.rank} had already finished as another "
                 "collective; every rank must call the same collectives in the same order"
             )
+        if MAX_CALLS_AHEAD < ahead < 0x80000000:
+            raise ProtocolError(
+                f"{self.activity}: rank {hdr.src} sent data for call #{hdr.seq}, {ahead} calls "
+                f"ahead of this rank (at most {MAX_CALLS_AHEAD} are possible); it does not "
+                "follow the protocol"
+            )
         # Early message (another peer, or a later collective of a faster peer): keep it.
         self.stash[(hdr.src, hdr.seq, hdr.tag)] = (hdr, payload)
+
+    def _from_peer(self, hdr: wire.Header) -> bool:
+        """True when ``hdr`` claims a source that is another rank of this group."""
+        return 0 <= hdr.src < self.world_size and hdr.src != self.rank
 
     def _parse(self, raw: bytes) -> wire.Header | None:
         try:
@@ -380,7 +554,7 @@ class Transport:
             self._raise_pending_abort()
             raise PeerLostError(
                 f"{self.activity} {sig.describe()}: lost rank {src} ({self._where(src)}): "
-                "its connection closed (the process died or exited) before it sent its data"
+                f"{self._why_lost(src)} before it sent its data"
             )
         if now >= deadline:
             raise self._timeout(src, sig, {})
@@ -407,7 +581,7 @@ class Transport:
             if hdr is None:
                 continue
             payload = raw[wire.HEADER_SIZE:] if hdr.inline else self._payload()
-            if hdr.kind == wire.Kind.ABORT:
+            if hdr.kind == wire.Kind.ABORT and self._from_peer(hdr):
                 waited = abort_waited_for(payload)
                 if waited is not None and 0 <= waited < self.world_size:
                     waits.setdefault(hdr.src, waited)
@@ -462,9 +636,12 @@ class Transport:
             if hdr is None:
                 continue
             payload = raw[wire.HEADER_SIZE:] if hdr.inline else self._payload()
+            if not self._from_peer(hdr):
+                self.garbage += 1
+                continue
             if hdr.kind == wire.Kind.ABORT and not abort_is_provisional(payload):
                 raise self._aborted(hdr, payload)
-            if keep_data and hdr.kind == wire.Kind.DATA and 0 <= hdr.src < self.world_size:
+            if keep_data and hdr.kind == wire.Kind.DATA:
                 self.stash[(hdr.src, hdr.seq, hdr.tag)] = (hdr, payload)
             else:
                 self.garbage += 1
@@ -477,8 +654,8 @@ class Transport:
         if src is not None and src in self.lost and _now() - self.lost[src] > LOST_PEER_GRACE:
             self._raise_pending_abort()
             raise PeerLostError(
-                f"{self.activity}: lost rank {src} ({self._where(src)}): its connection closed "
-                "(the process died or exited) before it signalled"
+                f"{self.activity}: lost rank {src} ({self._where(src)}): "
+                f"{self._why_lost(src)} before it signalled"
             )
 
     def _check_monitors(self) -> None:
@@ -491,6 +668,17 @@ class Transport:
                 event = parse_monitor_message(msg)
                 if event["event"] == zmq.EVENT_DISCONNECTED:
                     self.lost.setdefault(peer, _now())
+                elif event["event"] & _HANDSHAKE_FAILED:
+                    # A peer that refuses this rank's credentials: no data will ever flow.
+                    self.lost.setdefault(peer, _now())
+                    self.refused.add(peer)
+
+    def _why_lost(self, rank: int) -> str:
+        if rank in self.refused:
+            return ("its data socket refused this rank's authentication handshake (does it "
+                    "run with another job secret or SWARMFD_AUTH setting?)")
+        return ("its connection closed (the process died or exited, or its host stopped "
+                "answering TCP keepalive probes)")
 
     def _where(self, rank: int) -> str:
         if 0 <= rank < len(self.peers):
@@ -552,7 +740,8 @@ def rendezvous(
     Returns the peer table in rank order and the job token rank 0 drew (random,
     names this group's local resources such as shared-memory files).
     """
-    me = PeerInfo(transport.rank, transport.endpoint, host, os.getpid(), hostkey)
+    me = PeerInfo(transport.rank, transport.endpoint, host, os.getpid(), hostkey,
+                  transport.token)
     if transport.rank == 0:
         return _serve_rendezvous(transport, me, master_ip, master_port, deadline)
     return _join_rendezvous(transport, me, master_ip, master_port, deadline)
@@ -562,6 +751,7 @@ def _hello(me: PeerInfo, world_size: int) -> bytes:
     return json.dumps({
         "swarmfd": wire.PROTOCOL_VERSION, "rank": me.rank, "world_size": world_size,
         "endpoint": me.endpoint, "host": me.host, "pid": me.pid, "hostkey": me.hostkey,
+        "token": me.token,
     }).encode()
 
 
@@ -574,7 +764,7 @@ def _int(value: Any) -> int:
 
 def _peer(d: dict[str, Any]) -> PeerInfo:
     return PeerInfo(_int(d["rank"]), str(d["endpoint"]), str(d["host"]), _int(d["pid"]),
-                    str(d.get("hostkey", "")))
+                    str(d.get("hostkey", "")), str(d.get("token", "")))
 
 
 def _serve_rendezvous(
@@ -583,6 +773,11 @@ def _serve_rendezvous(
     router = t.ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.MAXMSGSIZE, MAX_RENDEZVOUS_MESSAGE)
     router.setsockopt(zmq.LINGER, 2000)
+    _keepalive(router)
+    if t.security is not None:
+        t.security.curve_server(router, ZAP_RENDEZVOUS)
+    monitor = router.get_monitor_socket(_HANDSHAKE_FAILED)
+    refused = 0
     bind_ip = master_ip if master_ip.startswith("127.") else "*"
     try:
         router.bind(f"tcp://{bind_ip}:{port}")
@@ -598,11 +793,17 @@ def _serve_rendezvous(
             remaining = deadline - _now()
             if remaining <= 0:
                 missing = sorted(set(range(1, t.world_size)) - set(joined))
+                hint = (f"; {refused} connection(s) failed the authentication handshake "
+                        "(processes with another job secret or SWARMFD_AUTH setting?)"
+                        if refused else "")
                 raise RendezvousTimeout(
                     f"rendezvous timed out after {t.timeout:g} s: rank 0 waited for rank(s) "
-                    f"{missing} of {t.world_size} to join at port {port}"
+                    f"{missing} of {t.world_size} to join at port {port}{hint}"
                 )
-            if not router.poll(int(min(remaining, 1.0) * 1000) + 1):
+            while monitor.poll(0):
+                monitor.recv_multipart()
+                refused += 1
+            if not router.poll(int(min(remaining, 0.25) * 1000) + 1):
                 continue
             frames = router.recv_multipart()
             if len(frames) != 2:
@@ -642,7 +843,7 @@ def _serve_rendezvous(
             router.send_multipart([ident, reply])
         return table, token
     finally:
-        router.close()
+        _close_monitored(router, monitor)
 
 
 def _join_rendezvous(
@@ -651,10 +852,20 @@ def _join_rendezvous(
     dealer = t.ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.MAXMSGSIZE, MAX_RENDEZVOUS_MESSAGE)
     dealer.setsockopt(zmq.LINGER, 0)
+    _keepalive(dealer)
+    t.client(dealer)
+    monitor = dealer.get_monitor_socket(_HANDSHAKE_FAILED)
     dealer.connect(f"tcp://{master_ip}:{port}")
+    failures = 0
     try:
         dealer.send(_hello(me, t.world_size))
         while True:
+            while monitor.poll(0):
+                event = parse_monitor_message(monitor.recv_multipart())
+                failures += 1 if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL else (
+                    MAX_HANDSHAKE_FAILURES)
+            if failures >= MAX_HANDSHAKE_FAILURES:
+                raise AuthenticationError(_refused_by_rank0(t, me.rank, master_ip, port))
             remaining = deadline - _now()
             if remaining <= 0:
                 raise RendezvousTimeout(
@@ -662,7 +873,7 @@ def _join_rendezvous(
                     f"from rank 0 at {master_ip}:{port} (MASTER_ADDR/MASTER_PORT); is rank 0 "
                     "running?"
                 )
-            if not dealer.poll(int(min(remaining, 1.0) * 1000) + 1):
+            if not dealer.poll(int(min(remaining, 0.1) * 1000) + 1):
                 continue
             body = dealer.recv()
             try:
@@ -682,4 +893,28 @@ def _join_rendezvous(
                 raise ProtocolError("rank 0 sent a malformed job token")
             return peers, token
     finally:
-        dealer.close()
+        _close_monitored(dealer, monitor)
+
+
+def _refused_by_rank0(t: Transport, rank: int, master_ip: str, port: int) -> str:
+    if t.security is None:
+        mine = "runs without authentication (SWARMFD_AUTH=off)"
+    else:
+        mine = "holds a job secret"
+    return (
+        f"rank {rank} cannot join: the authentication handshake with rank 0 at "
+        f"{master_ip}:{port} failed. This process {mine}; rank 0 runs with another job secret"
+        f"{' or with authentication' if t.security is None else ' or without authentication'}"
+        ". Every rank of a job must read the same secret (SWARMFD_SECRET_FILE, default "
+        "/run/secrets/swarmfd_secret) and the same SWARMFD_AUTH setting"
+    )
+
+
+def _close_monitored(sock: zmq.Socket, monitor: zmq.Socket) -> None:
+    """Stop a socket's monitor, then close both (see Transport.close on the order)."""
+    while monitor.poll(0):
+        monitor.recv_multipart()
+    with contextlib.suppress(zmq.ZMQError):
+        sock.disable_monitor()
+    monitor.close(linger=0)
+    sock.close()

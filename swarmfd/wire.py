@@ -47,6 +47,16 @@ MAGIC = b"SWFD"
 PROTOCOL_VERSION = 1
 NO_ROOT = 0xFFFF
 
+#: Target size of one data message: collectives cut every buffer into pieces of about
+#: this many bytes (well below glibc's 32 MiB mmap cliff), so no message is ever larger
+#: than MAX_PAYLOAD and a receiver can refuse anything bigger (MAXMSGSIZE).
+PIECE_BYTES = 1 << 20
+#: The largest payload of any message: a piece, rounded up to whole elements (<= 16 bytes
+#: each), with room to spare. Transport.send refuses larger ones (a bug, not an input).
+MAX_PAYLOAD = PIECE_BYTES + 1024
+#: The longest reason text an abort message carries (so it stays far below MAX_PAYLOAD).
+MAX_ABORT_TEXT = 8192
+
 HEADER = struct.Struct("<4sBBBBBBHHIIQIIH")
 FLAG_INLINE = 1
 HEADER_SIZE = HEADER.size  # 40
@@ -133,6 +143,50 @@ def shape_hash(shape: tuple[object, ...]) -> int:
     return zlib.crc32(repr(shape).encode())
 
 
+#: recover_shape gives up on element counts above this (trial division gets slow).
+_RECOVER_MAX_COUNT = 1 << 32
+
+
+def _divisors(n: int) -> list[int]:
+    small, large = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
+
+
+def recover_shape(count: int, crc: int) -> str:
+    """The shape (of up to 3 dimensions) of ``count`` elements whose hash is ``crc``, or "".
+
+    A header carries only a hash of the sender's shape; on a mismatch the
+    receiver names the sender's shape by hashing every shape of ``count``
+    elements with up to 3 dimensions (transposed and reshaped arrays, the usual
+    mistakes). Only used on error paths.
+    """
+    if count == 1 and crc == shape_hash(()):
+        return "()"
+    if count < 0 or count > _RECOVER_MAX_COUNT:
+        return ""
+    if count == 0:
+        return "(0,)" if crc == shape_hash((0,)) else ""
+    divs = _divisors(count)
+    for cand in [(count,)] + [(a, count // a) for a in divs]:
+        if shape_hash(cand) == crc:
+            return str(cand)
+    for a in divs:
+        rest = count // a
+        for b in divs:
+            if b > rest:
+                break
+            if rest % b == 0 and shape_hash((a, b, rest // b)) == crc:
+                return str((a, b, rest // b))
+    return ""
+
+
 @dataclass(frozen=True)
 class Signature:
     """What every rank of one collective call must agree on."""
@@ -178,7 +232,8 @@ class Header(NamedTuple):
     inline: bool = False
 
     def signature(self) -> Signature:
-        """The sender's view of the collective's signature."""
+        """The sender's view of the collective's signature (its shape recovered from the
+        hash when it has up to 3 dimensions; see :func:`recover_shape`)."""
         try:
             coll = Collective(self.coll)
         except ValueError:
@@ -187,7 +242,8 @@ class Header(NamedTuple):
             op = ReduceOp(self.op)
         except ValueError:
             op = ReduceOp.NONE
-        return Signature(coll, op, self.dtype, self.root, self.count, self.shape)
+        return Signature(coll, op, self.dtype, self.root, self.count, self.shape,
+                         recover_shape(self.count, self.shape) if self.dtype else "")
 
     def matches(self, sig: Signature) -> bool:
         """True when the sender agrees with ``sig`` (the receiver's own view)."""

@@ -5,6 +5,11 @@ a swarmfd group in each, calls ``fn(rank, world_size, *args)`` and returns the
 results in rank order. A child's exception comes back as its formatted
 traceback; a rank that does not finish within the timeout fails the test; every
 child is killed and reaped whatever happens, so no test can hang or leak.
+
+The test session has one job secret, as ``swarmfd run`` gives a run: a file
+(0600) in a private directory (0700), named by ``SWARMFD_SECRET_FILE`` in this
+process's environment, so every rank a test spawns inherits the path (and the
+directory is removed at the end of the session).
 """
 
 from __future__ import annotations
@@ -12,7 +17,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import secrets
+import shutil
 import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -21,6 +29,28 @@ from typing import Any
 import pytest
 
 _CTX = mp.get_context("spawn")
+_SECRET_DIR: str | None = None
+
+
+def write_secret_file(directory: str, name: str = "secret", value: str | None = None) -> str:
+    """Write a job secret (a fresh one unless ``value``) to ``directory/name``, mode 0600."""
+    path = os.path.join(directory, name)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write((value if value is not None else secrets.token_hex(32)) + "\n")
+    return path
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Give the session's ranks a job secret (see the module docstring)."""
+    global _SECRET_DIR
+    _SECRET_DIR = tempfile.mkdtemp(prefix="swarmfd-test-secret-")
+    os.environ["SWARMFD_SECRET_FILE"] = write_secret_file(_SECRET_DIR)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _SECRET_DIR is not None:
+        shutil.rmtree(_SECRET_DIR, ignore_errors=True)
 
 
 def free_port() -> int:
