@@ -44,8 +44,8 @@ from typing import Any, TypeVar
 import numpy as np
 
 from . import group as _group
-from . import malloc_tuning, wire
 from . import shm as _shm
+from . import wire
 from .errors import SwarmfdError
 from .wire import Collective, ReduceOp, Signature
 
@@ -192,8 +192,6 @@ def _run(g: _group.Group, sig: Signature, body: Callable[[_Call], T]) -> T:
     try:
         if t.data_via_shm:
             t.drain_unused()
-        else:
-            malloc_tuning.tune()  # received pieces reuse heap memory (see its docstring)
         result = body(call)
         t.flush()
         return result

@@ -25,7 +25,14 @@ import numpy as np
 
 from . import shm as _shm
 from . import transport as _transport
-from .config import Config, config_from_env, encrypt_enabled, require_secret
+from .config import (
+    ENV_LOCAL_RANK,
+    ENV_LOCAL_WORLD_SIZE,
+    Config,
+    config_from_env,
+    encrypt_enabled,
+    require_secret,
+)
 from .errors import (
     AlreadyInitializedError,
     ConfigError,
@@ -62,6 +69,8 @@ class Group:
 
 _group: Group | None = None
 _lock = threading.Lock()
+#: Environment variables init set (see _export_local_ranks); cleanup removes them.
+_exported: list[str] = []
 
 
 def current(what: str = "this call") -> Group:
@@ -146,6 +155,7 @@ def _start(config: Config, secret: str | bytes | None = None) -> Config:
                 local_world_size=config.local_world_size or 1,
             )
             _group = Group(config, None)
+            _export_local_ranks(config)
             return config
         assert config.master_addr is not None  # Config guarantees it for world_size > 1
         security = _security(config, secret)
@@ -170,6 +180,7 @@ def _start(config: Config, secret: str | bytes | None = None) -> Config:
         t.activity = "idle"
         g = Group(config, t)
         _group = g
+        _export_local_ranks(config)
     if hostkey and all(p.hostkey == hostkey for p in peers):
         try:
             _setup_shm(g, token)
@@ -226,6 +237,23 @@ def _with_local_ranks(config: Config, hosts: list[str]) -> Config:
         raise ConfigError(f"{exc} (after grouping ranks by host)") from None
 
 
+def _export_local_ranks(config: Config) -> None:
+    """Put derived LOCAL_RANK/LOCAL_WORLD_SIZE in the environment where they were unset.
+
+    torchrun sets both before a script starts; under ``swarmfd deploy --local-ranks
+    node`` they are only known after the rendezvous groups ranks by node, so code
+    that reads ``os.environ["LOCAL_RANK"]`` after ``init`` (to pick a GPU, say)
+    finds them there, as it would under torchrun. Values already set are left alone
+    (they were what the config was built from); :func:`cleanup` removes the ones
+    set here, so a later group (or a child process) does not inherit stale values.
+    """
+    for name, value in ((ENV_LOCAL_RANK, config.local_rank),
+                        (ENV_LOCAL_WORLD_SIZE, config.local_world_size)):
+        if value is not None and not os.environ.get(name, "").strip():
+            os.environ[name] = str(value)
+            _exported.append(name)
+
+
 def is_initialized() -> bool:
     """True between a successful :func:`init` and :func:`cleanup`."""
     return _group is not None
@@ -251,6 +279,8 @@ def cleanup() -> None:
     global _group
     with _lock:
         g, _group = _group, None
+        while _exported:
+            os.environ.pop(_exported.pop(), None)
     if g is not None and g.shm is not None:
         g.shm.close()
     if g is not None and g.transport is not None:

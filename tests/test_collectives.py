@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 import swarmfd as fd
-from swarmfd import collectives, malloc_tuning
+from swarmfd import collectives
 from swarmfd import transport as zmq_transport
 
-from .conftest import RankFailure, run_ranks, run_ranks_raw
+from .conftest import RankFailure, free_port, run_ranks, run_ranks_raw
 
 INTS = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64]
 FLOATS = [np.float16, np.float32, np.float64]
@@ -302,38 +302,6 @@ def test_all_gather_into_a_reused_out_array(world: int, transport: str) -> None:
     run_ranks(_gather_into, world, timeout=120, env={"SWARMFD_TRANSPORT": transport})
 
 
-def test_malloc_tuning_respects_the_users_settings() -> None:
-    """glibc's thresholds are tuned unless the environment opts out or sets its own."""
-    assert malloc_tuning.wanted({})
-    assert not malloc_tuning.wanted({"SWARMFD_TUNE_MALLOC": "0"})
-    assert not malloc_tuning.wanted({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1"})
-    assert malloc_tuning.wanted({"GLIBC_TUNABLES": "glibc.pthread.rseq=0"})
-    assert not malloc_tuning.wanted({"MALLOC_TRIM_THRESHOLD_": "100"})
-    assert not malloc_tuning.wanted({"MALLOC_MMAP_THRESHOLD_": "100"})
-
-
-def _malloc_tuned(rank: int, world: int) -> int:
-    import resource
-
-    x = np.ones(16 << 18, np.float32)  # 16 MiB: the ring's 1 MiB pieces
-    for _ in range(3):
-        fd.all_reduce(x)
-    start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(5):
-        fd.all_reduce(x)
-    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start) // 5
-    return faults if malloc_tuning._result else -1
-
-
-def test_tcp_groups_tune_malloc_so_received_pieces_reuse_memory() -> None:
-    """Over TCP, received pieces come from reused heap memory: few page faults per call."""
-    tuned = run_ranks(_malloc_tuned, 2, timeout=120, env={"SWARMFD_TRANSPORT": "tcp"})
-    assert all(0 <= faults < 200 for faults in tuned), tuned  # untuned: about 1,000
-    off = run_ranks(_malloc_tuned, 2, timeout=120,
-                    env={"SWARMFD_TRANSPORT": "tcp", "SWARMFD_TUNE_MALLOC": "0"})
-    assert off == [-1, -1]
-
-
 def test_world_of_one_without_sockets() -> None:
     """A world of one runs every collective locally, with no transport at all."""
     cfg = fd.init(1, 0)
@@ -426,8 +394,6 @@ def _reinit(rank: int, world: int, port: int) -> float:
 
 def test_a_group_can_be_formed_again_after_cleanup() -> None:
     """cleanup() then init() forms a new working group in the same processes."""
-    from .conftest import free_port
-
     out = run_ranks(_reinit, 3, free_port())
     assert out == [18.0, 18.0, 18.0]
 
@@ -568,3 +534,23 @@ def test_cpu_torch_tensors_are_accepted_in_place() -> None:
     pytest.importorskip("torch")
     out = run_ranks(_torch_tensors, 2)
     assert out == [[3.0, 1.0, 0.5, 1.0, 0.0, 1.0]] * 2
+
+
+def _local_ranks_by_node(rank: int, world: int, port: int) -> tuple[str, ...]:
+    import os
+
+    os.environ["SWARMFD_NODE"] = f"node-{rank % 2}"  # ranks 0, 2 on one node; 1, 3 on the other
+    before = os.environ.get("LOCAL_RANK", "unset")
+    cfg = fd.init(world, rank, master_addr="127.0.0.1", master_port=port, timeout=30)
+    during = (os.environ.get("LOCAL_RANK", ""), os.environ.get("LOCAL_WORLD_SIZE", ""))
+    assert (str(cfg.local_rank), str(cfg.local_world_size)) == during
+    fd.cleanup()
+    return (before, *during, os.environ.get("LOCAL_RANK", "gone"),
+            os.environ.get("LOCAL_WORLD_SIZE", "gone"))
+
+
+def test_local_ranks_grouped_by_node_reach_the_environment() -> None:
+    """Ranks grouped by SWARMFD_NODE get their per-node LOCAL_RANK/LOCAL_WORLD_SIZE in
+    os.environ after init (as under torchrun); cleanup takes them away again."""
+    got = run_ranks(_local_ranks_by_node, 4, free_port(), timeout=120, init=False)
+    assert got == [("unset", str(r // 2), "2", "gone", "gone") for r in range(4)]
