@@ -282,8 +282,10 @@ LOOP = (
     "    while True:\n"
     "        fd.all_reduce(x); x[:] = 1; time.sleep(0.02)\n"
     "except Exception as exc:\n"
-    "    print(f'failed {cfg.rank} at {time.time():.3f}: {type(exc).__name__}: {exc}',\n"
-    "          flush=True)\n"
+    "    # a peer's abort relays its loss or timeout: name the public class it is\n"
+    "    kind = next((k.__name__ for k in (fd.PeerLostError, fd.CollectiveTimeout)\n"
+    "                 if isinstance(exc, k)), type(exc).__name__)\n"
+    "    print(f'failed {cfg.rank} at {time.time():.3f}: {kind}: {exc}', flush=True)\n"
     "    raise SystemExit(1)\n"
 )
 
