@@ -269,6 +269,18 @@ def _direct_all_reduce(c: _Call, buf: np.ndarray, ufunc: np.ufunc) -> None:
     for p in range(c.N):
         if p != c.rank:
             t.send(p, c.sig, c.seq, 0, buf)
+    acc = _reduce_in_rank_order(c, buf, ufunc)
+    t.flush()  # buf may still be on its way out (zero-copy) before it is overwritten
+    buf[...] = acc
+
+
+def _reduce_in_rank_order(c: _Call, buf: np.ndarray, ufunc: np.ufunc) -> np.ndarray:
+    """Every rank's buffer (tag 0; this rank's own is ``buf``) reduced in rank order.
+
+    The operands are always combined as ((x0 op x1) op x2) ..., whichever rank
+    computes it, so every rank that reduces gets the same bits (a contract: floating
+    point sums depend on the order). Returns a new array; ``buf`` is left as it was.
+    """
     acc: np.ndarray | None = None
     for p in range(c.N):
         arr = buf if p == c.rank else _recv_array(c, p, 0, buf)
@@ -276,8 +288,8 @@ def _direct_all_reduce(c: _Call, buf: np.ndarray, ufunc: np.ufunc) -> None:
             acc = arr.copy()
         else:
             ufunc(acc, arr, out=acc)
-    t.flush()  # buf may still be on its way out (zero-copy) before it is overwritten
-    buf[...] = acc
+    assert acc is not None  # c.N >= 1
+    return acc
 
 
 def _pair_all_reduce(c: _Call, buf: np.ndarray, ufunc: np.ufunc) -> None:
@@ -395,13 +407,7 @@ def _reduce_tcp(c: _Call, t: Any, buf: np.ndarray, dst: int, ufunc: np.ufunc) ->
             t.send(dst, c.sig, c.seq, 0, buf)
             t.recv(dst, c.sig, c.seq, ACK, 0)  # see _broadcast_flat
             return
-        acc: np.ndarray | None = None
-        for p in range(c.N):
-            arr = buf if p == dst else _recv_array(c, p, 0, buf)
-            if acc is None:
-                acc = arr.copy()
-            else:
-                ufunc(acc, arr, out=acc)
+        acc = _reduce_in_rank_order(c, buf, ufunc)  # this rank is dst
         for p in range(c.N):
             if p != dst:
                 t.send(p, c.sig, c.seq, ACK, b"")

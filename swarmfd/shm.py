@@ -229,11 +229,7 @@ class ShmChannel:
         if not ready:
             self.check(src)
             if time.monotonic() >= deadline:
-                raise CollectiveTimeout(
-                    f"{self.activity} {sig.describe()}: timed out after {self.timeout:g} s "
-                    f"waiting for rank {src}; it may be stuck, stopped or in another collective "
-                    "(set the timeout with init(timeout=...) or SWARMFD_TIMEOUT)"
-                )
+                raise wire.timeout_error(self.activity, sig, self.timeout, src)
             return
         try:
             self.buffer += os.read(self.inbox, 65536)
@@ -318,12 +314,7 @@ class ShmChannel:
                 os.write(fd, record)
 
     def _mismatch(self, hdr: wire.Header, sig: wire.Signature) -> MismatchError:
-        return MismatchError(
-            f"collective mismatch at call #{hdr.seq}: rank {self.rank} called "
-            f"{sig.describe()} but rank {hdr.src} called {hdr.signature().describe()}; every "
-            "rank must call the same collectives in the same order with the same dtype, shape, "
-            "op and root"
-        )
+        return wire.mismatch_error(self.rank, sig, hdr)
 
     def _aborted(self, hdr: wire.Header, payload: bytes) -> CollectiveError:
         return error_from_abort(self.activity, hdr.src, payload)

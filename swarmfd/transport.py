@@ -590,12 +590,8 @@ class Transport:
             culprit = waits[culprit]
             chain.append(culprit)
         via = " -> ".join(f"rank {r}" for r in chain)
-        error = CollectiveTimeout(
-            f"{self.activity} {sig.describe()}: timed out after {self.timeout:g} s waiting "
-            f"for rank {culprit} ({self._where(culprit)}); it may be stuck, stopped or in "
-            f"another collective (waits: {via}; set the timeout with init(timeout=...) or "
-            "SWARMFD_TIMEOUT)"
-        )
+        error = wire.timeout_error(self.activity, sig, self.timeout, culprit,
+                                   where=self._where(culprit), waits=via)
         error.announced = True  # type: ignore[attr-defined]
         return error
 
@@ -687,12 +683,7 @@ class Transport:
         return "unknown address"
 
     def _mismatch(self, hdr: wire.Header, sig: wire.Signature) -> MismatchError:
-        theirs = hdr.signature()
-        return MismatchError(
-            f"collective mismatch at call #{hdr.seq}: rank {self.rank} called "
-            f"{sig.describe()} but rank {hdr.src} called {theirs.describe()}; every rank must "
-            "call the same collectives in the same order with the same dtype, shape, op and root"
-        )
+        return wire.mismatch_error(self.rank, sig, hdr)
 
     def _aborted(self, hdr: wire.Header, payload: bytes) -> CollectiveError:
         return error_from_abort(self.activity, hdr.src, payload)

@@ -41,7 +41,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .errors import ProtocolError
+from .errors import CollectiveTimeout, MismatchError, ProtocolError
 
 MAGIC = b"SWFD"
 PROTOCOL_VERSION = 1
@@ -287,3 +287,36 @@ def unpack_header(data: bytes | memoryview) -> Header:
         raise ProtocolError(f"frame of {len(data)} bytes does not match its header "
                             f"({nbytes} payload bytes, inline={inline})")
     return Header(kind, coll, op, dtype, src, root, seq, tag, count, shape, nbytes, inline)
+
+
+# -- error messages shared by the channels (TCP and shared memory) ----------------------
+
+
+def mismatch_error(rank: int, sig: Signature, hdr: Header) -> MismatchError:
+    """The error for a message ``hdr`` of this call whose signature disagrees with ``sig``.
+
+    One wording for every channel, so a mismatch reads the same over TCP and shm.
+    """
+    return MismatchError(
+        f"collective mismatch at call #{hdr.seq}: rank {rank} called "
+        f"{sig.describe()} but rank {hdr.src} called {hdr.signature().describe()}; every "
+        "rank must call the same collectives in the same order with the same dtype, shape, "
+        "op and root"
+    )
+
+
+def timeout_error(activity: str, sig: Signature, timeout: float, culprit: int,
+                  where: str = "", waits: str = "") -> CollectiveTimeout:
+    """The error for a wait that timed out on rank ``culprit`` (the same on every channel).
+
+    ``where`` (the culprit's address) and ``waits`` (the chain of waiting ranks) are
+    added when the channel knows them.
+    """
+    at = f" ({where})" if where else ""
+    hint = "set the timeout with init(timeout=...) or SWARMFD_TIMEOUT"
+    if waits:
+        hint = f"waits: {waits}; {hint}"
+    return CollectiveTimeout(
+        f"{activity} {sig.describe()}: timed out after {timeout:g} s waiting for rank "
+        f"{culprit}{at}; it may be stuck, stopped or in another collective ({hint})"
+    )
