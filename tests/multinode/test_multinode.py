@@ -9,14 +9,12 @@ it runs last (file order).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +22,7 @@ from typing import Any
 import pytest
 
 from swarmfd.swarm.spec import LABEL_JOB
+from tests.swarm_jobs import job_names, rank_lines, wait_until
 
 pytestmark = [pytest.mark.swarm, pytest.mark.multinode]
 
@@ -47,15 +46,6 @@ def swarmfd(cluster: Any, *args: str, via_env: bool = False,
                           text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
-def rank_lines(text: str) -> dict[int, list[str]]:
-    lines: dict[int, list[str]] = {}
-    for line in text.splitlines():
-        m = re.match(r"^\[rank (\d+)\] (.*)$", line)
-        if m:
-            lines.setdefault(int(m.group(1)), []).append(m.group(2))
-    return lines
-
-
 def job_objects_on(node: Any, name: str) -> dict[str, list[str]]:
     """What of job ``name`` exists on one node's engine (containers, the network)."""
     with node.client() as client:
@@ -69,38 +59,17 @@ def job_objects_on(node: Any, name: str) -> dict[str, list[str]]:
             "services": [s["Spec"]["Name"] for s in services]}
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout:.0f} s")
-        time.sleep(0.3)
-
-
 @pytest.fixture
 def job_name(multinode: Any) -> Iterator[Callable[[str], str]]:
     """Unique job names; every job named by it is removed from the inner Swarm after."""
     import docker
 
-    from swarmfd.swarm.engine import remove_job
-    from swarmfd.swarm.errors import JobNotFoundError, SwarmJobError
+    from swarmfd.swarm.errors import SwarmJobError
 
-    names: list[str] = []
-
-    def make(what: str) -> str:
-        name = f"mn-{what}-{uuid.uuid4().hex[:6]}"
-        names.append(name)
-        return name
-
-    yield make
     client = docker.DockerClient(base_url=multinode.manager.docker_host, timeout=60)
     try:
-        for name in names:
-            with contextlib.suppress(JobNotFoundError, SwarmJobError):
-                remove_job(client, name, timeout=60)
+        with job_names(client, "mn", tolerate=(SwarmJobError,)) as make:
+            yield make
     finally:
         client.close()
 
@@ -211,27 +180,21 @@ def test_bench_across_nodes_plain_and_encrypted(multinode: Any,
     option; where the nodes' kernel cannot do IPsec the ranks cannot reach each other,
     which the job must then report as a failure within its timeout."""
     n = len(multinode.nodes)
-    plain = job_name("bench")
-    started = time.monotonic()
-    proc = swarmfd(multinode, "deploy", multinode.image_id, "-n", str(n), "--name", plain,
-                   "--max-per-node", "1", "--", *BENCH)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    table = _bench_table(proc.stdout)
-    assert "busbw" in table, table
-    print(f"\nswarmfd bench, {n} ranks on {n} nodes, plain overlay "
-          f"({time.monotonic() - started:.1f} s):\n{table}")
 
+    def bench(what: str, label: str, *options: str) -> None:
+        started = time.monotonic()
+        proc = swarmfd(multinode, "deploy", multinode.image_id, "-n", str(n), "--name",
+                       job_name(what), "--max-per-node", "1", *options, "--", *BENCH)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        table = _bench_table(proc.stdout)
+        assert "busbw" in table, table
+        print(f"\nswarmfd bench, {n} ranks on {n} nodes, {label} "
+              f"({time.monotonic() - started:.1f} s):\n{table}")
+
+    bench("bench", "plain overlay")
     # The transport's own encryption (CURVE on the data plane) over the same plain
     # overlay: the alternative to an encrypted overlay, and what works on any kernel.
-    curve = job_name("bench-curve")
-    started = time.monotonic()
-    proc = swarmfd(multinode, "deploy", multinode.image_id, "-n", str(n), "--name", curve,
-                   "--max-per-node", "1", "-e", "SWARMFD_ENCRYPT=1", "--", *BENCH)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    table = _bench_table(proc.stdout)
-    assert "busbw" in table, table
-    print(f"\nswarmfd bench, {n} ranks on {n} nodes, plain overlay, SWARMFD_ENCRYPT=1 "
-          f"({time.monotonic() - started:.1f} s):\n{table}")
+    bench("bench-curve", "plain overlay, SWARMFD_ENCRYPT=1", "-e", "SWARMFD_ENCRYPT=1")
 
     encrypted = job_name("bench-enc")
     ipsec_error = multinode.ipsec_error()

@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 from swarmfd.swarm.spec import LABEL_JOB
+from tests.swarm_jobs import job_names, rank_lines, wait_until
 
 pytestmark = pytest.mark.swarm
 
@@ -55,17 +56,6 @@ def job_objects(client: Any, name: str) -> dict[str, list[Any]]:
     }
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout:.0f} s")
-        time.sleep(0.25)
-
-
 def _try_remove_network(client: Any, network_id: str) -> bool:
     import docker.errors
 
@@ -81,29 +71,8 @@ def _try_remove_network(client: Any, network_id: str) -> bool:
 @pytest.fixture
 def job_name(swarm: Any) -> Iterator[Callable[[str], str]]:
     """A factory of unique job names; every job named by it is removed at teardown."""
-    from swarmfd.swarm.engine import remove_job
-    from swarmfd.swarm.errors import JobNotFoundError
-
-    names: list[str] = []
-
-    def make(what: str) -> str:
-        name = f"sfdt-{what}-{uuid.uuid4().hex[:6]}"
-        names.append(name)
-        return name
-
-    yield make
-    for name in names:
-        with contextlib.suppress(JobNotFoundError):
-            remove_job(swarm, name, timeout=60)
-
-
-def rank_lines(text: str) -> dict[int, list[str]]:
-    lines: dict[int, list[str]] = {}
-    for line in text.splitlines():
-        m = re.match(r"^\[rank (\d+)\] (.*)$", line)
-        if m:
-            lines.setdefault(int(m.group(1)), []).append(m.group(2))
-    return lines
+    with job_names(swarm, "sfdt") as make:
+        yield make
 
 
 # --- 1. the example training job --------------------------------------------------------
