@@ -447,18 +447,27 @@ def test_run_removes_the_secret_after_failure_and_restarts_reuse_it(tmp_path: Pa
     assert not os.path.exists(_reports(text)[0]["path"])
 
 
-def test_run_removes_the_secret_after_ctrl_c(tmp_path: Path) -> None:
+def _start_sleepers(tmp_path: Path, n: int) -> subprocess.Popen[str]:
+    """`swarmfd run -n N` of ranks that print their secret file's path and sleep."""
     script = tmp_path / "sleeper.py"
     script.write_text("import os, time\nprint('PATH', os.environ['SWARMFD_SECRET_FILE'],"
                       " flush=True)\ntime.sleep(60)\n")
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.Popen([PY, "-m", "swarmfd", "run", "-n", "2", "--grace", "1",
+    return subprocess.Popen([PY, "-m", "swarmfd", "run", "-n", str(n), "--grace", "1",
                              str(script)], env=env, stdout=subprocess.PIPE, text=True)
+
+
+def _secret_path(proc: subprocess.Popen[str]) -> str:
+    """The secret file's path, as the first rank printed it."""
+    assert proc.stdout is not None
+    return proc.stdout.readline().split("PATH ", 1)[1].strip()
+
+
+def test_run_removes_the_secret_after_ctrl_c(tmp_path: Path) -> None:
+    proc = _start_sleepers(tmp_path, 2)
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        path = line.split("PATH ", 1)[1].strip()
+        path = _secret_path(proc)
         assert os.path.exists(path)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 130
@@ -470,16 +479,9 @@ def test_run_removes_the_secret_after_ctrl_c(tmp_path: Path) -> None:
 
 
 def test_run_secret_removed_by_guardian_when_launcher_is_killed(tmp_path: Path) -> None:
-    script = tmp_path / "sleeper.py"
-    script.write_text("import os, time\nprint('PATH', os.environ['SWARMFD_SECRET_FILE'],"
-                      " flush=True)\ntime.sleep(60)\n")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.Popen([PY, "-m", "swarmfd", "run", "-n", "1", "--grace", "1",
-                             str(script)], env=env, stdout=subprocess.PIPE, text=True)
+    proc = _start_sleepers(tmp_path, 1)
     try:
-        assert proc.stdout is not None
-        path = proc.stdout.readline().split("PATH ", 1)[1].strip()
+        path = _secret_path(proc)
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
         proc.kill()
         proc.wait(timeout=10)
