@@ -226,30 +226,30 @@ _SECRET_HINT = (
 )
 
 
-def auth_enabled(environ: Mapping[str, str] | None = None) -> bool:
-    """False when ``SWARMFD_AUTH=off`` (or 0/false/no): no secret, no authentication."""
-    env = os.environ if environ is None else environ
-    raw = (env.get(ENV_AUTH) or "").strip().lower()
-    if raw in ("", "on", "1", "true", "yes"):
-        return True
-    if raw in ("off", "0", "false", "no"):
-        return False
-    raise ConfigError(f"environment variable {ENV_AUTH}={env.get(ENV_AUTH)!r} is invalid: "
-                      "expected 'on' (the default) or 'off'")
-
-
-def encrypt_enabled(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether the data plane is encrypted (``SWARMFD_ENCRYPT``, default DEFAULT_ENCRYPT)."""
-    env = os.environ if environ is None else environ
-    raw = (env.get(ENV_ENCRYPT) or "").strip().lower()
+def _parse_env_switch(env: Mapping[str, str], name: str, default: bool, expected: str) -> bool:
+    """An on/off environment variable: 1/on/true/yes or 0/off/false/no; ``default`` when
+    unset or empty; ConfigError naming ``expected`` otherwise."""
+    raw = (env.get(name) or "").strip().lower()
     if raw == "":
-        return DEFAULT_ENCRYPT
+        return default
     if raw in ("1", "on", "true", "yes"):
         return True
     if raw in ("0", "off", "false", "no"):
         return False
-    raise ConfigError(f"environment variable {ENV_ENCRYPT}={env.get(ENV_ENCRYPT)!r} is "
-                      "invalid: expected 1 (encrypt the data plane) or 0 (do not)")
+    raise ConfigError(f"environment variable {name}={env.get(name)!r} is invalid: "
+                      f"expected {expected}")
+
+
+def auth_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """False when ``SWARMFD_AUTH=off`` (or 0/false/no): no secret, no authentication."""
+    return _parse_env_switch(os.environ if environ is None else environ, ENV_AUTH, True,
+                             "'on' (the default) or 'off'")
+
+
+def encrypt_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the data plane is encrypted (``SWARMFD_ENCRYPT``, default DEFAULT_ENCRYPT)."""
+    return _parse_env_switch(os.environ if environ is None else environ, ENV_ENCRYPT,
+                             DEFAULT_ENCRYPT, "1 (encrypt the data plane) or 0 (do not)")
 
 
 def check_secret(secret: str | bytes, origin: str) -> bytes:
