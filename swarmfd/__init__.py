@@ -31,6 +31,9 @@ from .collectives import (
 from .config import Config
 from .errors import (
     AbortedError,
+    AbortedMismatchError,
+    AbortedPeerLostError,
+    AbortedTimeout,
     AlreadyInitializedError,
     AuthenticationError,
     CollectiveError,
@@ -58,6 +61,9 @@ from .utils import checkpoint_barrier, get_seed, print, print_config, should_sav
 
 __all__ = [
     "AbortedError",
+    "AbortedMismatchError",
+    "AbortedPeerLostError",
+    "AbortedTimeout",
     "AlreadyInitializedError",
     "AuthenticationError",
     "CollectiveError",

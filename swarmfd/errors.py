@@ -60,22 +60,27 @@ class AuthenticationError(RendezvousError, PermissionError):
     """This process could not prove it belongs to the job (another or no job secret)."""
 
 
-class _AbortedTimeout(AbortedError, CollectiveTimeout):
-    """Another rank timed out; re-raised here as a timeout too."""
+class AbortedTimeout(AbortedError, CollectiveTimeout):
+    """Another rank timed out and aborted the group; also a :class:`CollectiveTimeout`.
+
+    Raised on the ranks that learn of the timeout from the rank that hit it, so
+    ``except swarmfd.CollectiveTimeout`` handles a timeout wherever it surfaced.
+    """
 
 
-class _AbortedLost(AbortedError, PeerLostError):
-    """Another rank lost a peer; re-raised here as a lost peer too."""
+class AbortedPeerLostError(AbortedError, PeerLostError):
+    """Another rank lost a peer and aborted the group; also a :class:`PeerLostError`."""
 
 
-class _AbortedMismatch(AbortedError, MismatchError):
-    """Another rank saw a mismatch; re-raised here as a mismatch too."""
+class AbortedMismatchError(AbortedError, MismatchError):
+    """Another rank saw a mismatch and aborted the group; also a :class:`MismatchError`."""
 
 
+#: The error a relayed abort of each kind (see :func:`abort_kind`) is raised as.
 _ABORT_KINDS: dict[str, type[CollectiveError]] = {
-    "timeout": _AbortedTimeout,
-    "lost": _AbortedLost,
-    "mismatch": _AbortedMismatch,
+    "timeout": AbortedTimeout,
+    "lost": AbortedPeerLostError,
+    "mismatch": AbortedMismatchError,
 }
 
 

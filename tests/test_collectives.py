@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import re
+from typing import Any
 
 import numpy as np
 import pytest
@@ -467,6 +469,57 @@ def test_a_silent_rank_times_out_naming_the_peer(transport: str) -> None:
     ok, tb = out[0]
     assert not ok and "CollectiveTimeout" in tb and "waiting for rank 1" in tb, tb
     assert "timed out after 2 s" in tb, tb
+
+
+@pytest.mark.parametrize(("kind", "name", "base"), [
+    ("timeout", "AbortedTimeout", fd.CollectiveTimeout),
+    ("lost", "AbortedPeerLostError", fd.PeerLostError),
+    ("mismatch", "AbortedMismatchError", fd.MismatchError),
+])
+def test_relayed_aborts_are_public_errors_of_their_kind(kind: str, name: str,
+                                                        base: type) -> None:
+    """An abort of each kind becomes a public swarmfd error: AbortedError and the kind's."""
+    payload = json.dumps({"kind": kind, "rank": 1, "message": "why"}).encode()
+    err = fd.errors.error_from_abort("barrier (call #3 on rank 0)", 1, payload)
+    assert type(err) is getattr(fd, name) and name in fd.__all__
+    assert isinstance(err, fd.AbortedError) and isinstance(err, base)
+    assert str(err) == "barrier (call #3 on rank 0): rank 1 failed and aborted the group: why"
+
+
+def _relayed_timeout(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 times out waiting for rank 1, which then learns of it from rank 0's abort."""
+    import time
+    import traceback
+
+    if rank == 0:
+        with pytest.raises(fd.CollectiveTimeout) as caught:
+            fd.barrier()
+        time.sleep(3.0)  # rank 0 stays up (its inbox open) while rank 1 reads the abort
+        return {"name": type(caught.value).__name__}
+    time.sleep(2.0)  # past rank 0's 1 s timeout
+    try:
+        for _ in range(5):
+            fd.barrier()
+    except fd.CollectiveError as exc:
+        return {"name": type(exc).__name__, "traceback": traceback.format_exc(),
+                "aborted": isinstance(exc, fd.AbortedError),
+                "timeout": isinstance(exc, fd.CollectiveTimeout)}
+    return {"name": None}
+
+
+def test_a_relayed_abort_has_a_public_type() -> None:
+    """Rank 1, late, raises rank 0's timeout as fd.AbortedTimeout, public in its traceback
+    (shared memory: there a timeout is relayed as an abort, not re-detected)."""
+    out = run_ranks(_relayed_timeout, 2, timeout=30, group_timeout=1,
+                    env={"SWARMFD_TRANSPORT": "auto"})
+    assert out[0]["name"] == "CollectiveTimeout", out[0]
+    relayed = out[1]
+    assert relayed["name"] == "AbortedTimeout", relayed
+    assert relayed["aborted"] and relayed["timeout"], relayed
+    assert re.search(r"\nswarmfd\.errors\.AbortedTimeout: barrier \(call #\d+ on rank 1\): rank 0 "
+                     r"failed and aborted the group: .* timed out after 1 s waiting for rank 1",
+                     relayed["traceback"]), relayed["traceback"]
+    assert "swarmfd.errors._" not in relayed["traceback"], relayed["traceback"]
 
 
 def test_rank_failure_reports_tracebacks() -> None:

@@ -555,6 +555,7 @@ def test_a_rank_arriving_after_the_others_failed_learns_why(transport: str) -> N
     for rank, info in sorted(out.items()):
         assert info["type"] is not None, f"rank {rank} did not fail"
         assert "MismatchError" in info["mro"], f"rank {rank}: {info['type']}: {info['message']}"
+        assert hasattr(fd, info["type"]), f"rank {rank}: {info['type']} is not a public error"
         assert "float32" in info["message"] and "float64" in info["message"], info["message"]
         assert info["elapsed"] < 1.0, info
     record(f"late-to-mismatch[{transport}]", types={r: i["type"] for r, i in out.items()})
