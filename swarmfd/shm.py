@@ -285,11 +285,7 @@ class ShmChannel:
             if behind == 0 and not hdr.matches(sig):
                 raise self._mismatch(hdr, sig)
             if 0 < behind < 0x80000000:
-                raise MismatchError(
-                    f"collective mismatch: rank {hdr.src} signalled "
-                    f"{hdr.signature().describe()} for call #{hdr.seq}, which rank {self.rank} "
-                    "had already finished as another collective"
-                )
+                raise wire.finished_call_error(self.rank, hdr)
             self.pending[(hdr.src, hdr.seq, hdr.tag)] = (hdr, payload)
 
     def barrier(self, sig: wire.Signature, seq: int, tag: int) -> None:

@@ -497,11 +497,7 @@ class Transport:
         if 0 < behind < 0x80000000:
             # Every message of a call is consumed within that call: one that arrives
             # after the call ended means the sender was in another collective.
-            raise MismatchError(
-                f"collective mismatch: rank {hdr.src} sent data of {hdr.signature().describe()} "
-                f"for call #{hdr.seq}, which rank {self.rank} had already finished as another "
-                "collective; every rank must call the same collectives in the same order"
-            )
+            raise wire.finished_call_error(self.rank, hdr)
         if MAX_CALLS_AHEAD < ahead < 0x80000000:
             raise ProtocolError(
                 f"{self.activity}: rank {hdr.src} sent data for call #{hdr.seq}, {ahead} calls "

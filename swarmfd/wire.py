@@ -305,6 +305,21 @@ def mismatch_error(rank: int, sig: Signature, hdr: Header) -> MismatchError:
     )
 
 
+def finished_call_error(rank: int, hdr: Header) -> MismatchError:
+    """The error for a message ``hdr`` of a call this rank (``rank``) already finished.
+
+    Every message of a call is consumed within that call, so one that arrives
+    afterwards means its sender was in another collective. One wording for every
+    channel.
+    """
+    return MismatchError(
+        f"collective mismatch: rank {hdr.src} sent a message of "
+        f"{hdr.signature().describe()} for call #{hdr.seq}, which rank {rank} had already "
+        "finished as another collective; every rank must call the same collectives in the "
+        "same order"
+    )
+
+
 def timeout_error(activity: str, sig: Signature, timeout: float, culprit: int,
                   where: str = "", waits: str = "") -> CollectiveTimeout:
     """The error for a wait that timed out on rank ``culprit`` (the same on every channel).

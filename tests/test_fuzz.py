@@ -105,6 +105,21 @@ def test_abort_payload_decoder_survives_deep_nesting() -> None:
     assert isinstance(err, errors.CollectiveError)
 
 
+def test_a_message_of_a_finished_call_is_a_mismatch_naming_both_sides() -> None:
+    """The one wording both channels (TCP and shm) use for a message of a call this rank
+    already finished: sender, what it sent, call number, this rank, and the rule."""
+    sig = wire.Signature(wire.Collective.ALL_REDUCE, wire.ReduceOp.SUM,
+                         wire.dtype_code(np.dtype(np.float32)), count=6,
+                         shape=wire.shape_hash((2, 3)))
+    hdr = wire.unpack_header(wire.pack_header(wire.Kind.DATA, sig, 2, 7, 0, 24))
+    err = wire.finished_call_error(0, hdr)
+    assert isinstance(err, errors.MismatchError)
+    assert str(err) == (
+        "collective mismatch: rank 2 sent a message of (all_reduce, op=sum, dtype=float32, "
+        "shape=(2, 3)) for call #7, which rank 0 had already finished as another collective; "
+        "every rank must call the same collectives in the same order")
+
+
 _UNSAFE_MODULES = {"pickle", "cPickle", "_pickle", "marshal", "shelve", "dill", "cloudpickle",
                    "joblib"}
 _UNSAFE_CALLS = {"eval", "exec", "compile", "__import__", "loads_pyobj", "recv_pyobj",
