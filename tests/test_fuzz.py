@@ -627,3 +627,37 @@ def test_a_peer_shape_is_recovered_from_its_hash(dims: list[int]) -> None:
     else:
         assert got == str(shape)
     assert wire.recover_shape(count, wire.shape_hash(shape) ^ 1) != str(shape)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(min_value=1, max_value=30), min_size=4, max_size=4))
+def test_a_4d_peer_shape_is_recovered_from_its_hash(dims: list[int]) -> None:
+    """4-D shapes (up to 30**4 elements: always within the search budget) come back
+    exactly; another hash never gives them."""
+    shape = tuple(dims)
+    count = int(np.prod(shape))
+    assert wire.recover_shape(count, wire.shape_hash(shape)) == str(shape)
+    assert wire.recover_shape(count, wire.shape_hash(shape) ^ 1) != str(shape)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (5, 4, 3, 2), (32, 3, 224, 224),
+                                   (64, 64, 56, 56), (8, 9, 10, 1001), (720720, 1, 1, 1)])
+def test_nchw_and_highly_composite_4d_shapes_are_recovered(shape: tuple[int, ...]) -> None:
+    """Typical NCHW tensors, and 720720 elements (240 divisors, 89600 4-D shapes)."""
+    assert wire.recover_shape(int(np.prod(shape)), wire.shape_hash(shape)) == str(shape)
+
+
+@pytest.mark.parametrize(("shape", "found"), [
+    ((16, 27, 25, 323323), ""),         # 3491888400: 1920 divisors, 7.2 million 4-D shapes
+    ((32, 27, 25, 77), ""),             # 1663200: the smallest count whose 4-D shapes exceed it
+    ((1680, 990, 1), "(1680, 990, 1)"),  # 1663200 still gets its 3-D shapes
+    ((1440, 1430, 2040), ""),           # 4200768000 (1280 divisors): 3-D over the budget too
+])
+def test_shape_recovery_stays_bounded(shape: tuple[int, ...], found: str) -> None:
+    """Past the search budget a shape is not named (the error shows its count), and even the
+    most composite counts below the limit are answered in well under a second."""
+    count = int(np.prod(shape))
+    start = time.perf_counter()
+    assert wire.recover_shape(count, wire.shape_hash(shape)) == found
+    assert wire.recover_shape(count, wire.shape_hash(shape) ^ 1) == ""
+    assert time.perf_counter() - start < 0.5

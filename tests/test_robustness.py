@@ -391,6 +391,8 @@ def _cases(n: int, world: int) -> dict[str, list[tuple[str, Spec, Spec, list[str
         "reshape": [
             ("all_reduce-2x3-vs-3x2", ("all_reduce", f32, (2, h), "sum", 0),
              ("all_reduce", f32, (h, 2), "sum", 0), [str((2, h)), str((h, 2))]),
+            ("all_reduce-4d-reversed", ("all_reduce", f32, (2, 3, 4, 5), "sum", 0),
+             ("all_reduce", f32, (5, 4, 3, 2), "sum", 0), ["(2, 3, 4, 5)", "(5, 4, 3, 2)"]),
         ],
         "mean": [
             ("all_reduce-sum-vs-mean", ("all_reduce", f32, a, "sum", 0),
@@ -517,8 +519,9 @@ def test_root_mismatch_where_every_rank_waits_is_detected(world: int, transport:
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world", [2, 3])
 def test_mismatched_shapes_with_equal_counts_name_both_shapes(world: int, transport: str) -> None:
-    """(2, h) against (h, 2): every rank's error shows both shapes (the header carries a
-    hash of the shape; the receiver recovers the sender's shape from it)."""
+    """(2, h) against (h, 2), and (2, 3, 4, 5) against (5, 4, 3, 2): every rank's error
+    shows both shapes (the header carries a hash of the shape; the receiver recovers the
+    sender's shape from it)."""
     _check_mismatch("reshape", world, "small", transport)
 
 
