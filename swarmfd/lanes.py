@@ -75,6 +75,8 @@ MAC_SIZE = 32
 _MAC_LABEL = b"swarmfd socket data plane v1\0"
 #: Handshakes of unknown connections in progress at once; more are closed at accept.
 MAX_PENDING_HANDSHAKES = 64
+#: At close, how long to read (and drop) what peers still send until they close too.
+CLOSE_DRAIN = 1.0
 #: How long an unknown connection may take to complete its handshake.
 HANDSHAKE_TIMEOUT = 10.0
 
@@ -310,23 +312,29 @@ class Lanes:
                 if not self.token:
                     hs.stage = "done"
                     break
-                client, server, nc, ns = self._roles(hs)
-                role = b"c" if hs.peer != NO_RANK and hs.peer < self.rank else b"s"
-                hs.outbuf += _mac(tokens[hs.peer_rank], role, client, server, nc, ns)
                 hs.stage, need = "mac", MAC_SIZE
-                try:
-                    n = sock.send(hs.outbuf)
-                except BlockingIOError:
-                    n = 0
-                hs.outbuf = hs.outbuf[n:]
+                if hs.peer != NO_RANK:  # the client proves itself first
+                    self._send_mac(hs, tokens)
             else:
                 client, server, nc, ns = self._roles(hs)
                 role = b"s" if self.rank > hs.peer_rank else b"c"
                 if not hmac.compare_digest(msg, _mac(self.token, role, client, server, nc, ns)):
                     raise ValueError(f"bad handshake MAC from a connection claiming rank "
                                      f"{hs.peer_rank}")
+                if hs.peer == NO_RANK:  # the server answers only a proven client
+                    self._send_mac(hs, tokens)
                 hs.stage = "done"
         return hs.stage == "done" and not hs.outbuf
+
+    def _send_mac(self, hs: _Handshake, tokens: dict[int, str]) -> None:
+        client, server, nc, ns = self._roles(hs)
+        role = b"c" if hs.peer != NO_RANK else b"s"
+        hs.outbuf += _mac(tokens[hs.peer_rank], role, client, server, nc, ns)
+        try:
+            n = hs.sock.send(hs.outbuf)
+        except BlockingIOError:
+            n = 0
+        hs.outbuf = hs.outbuf[n:]
 
     def _check_hello(self, hs: _Handshake, msg: bytes) -> None:
         magic, version, sender, receiver, nonce = HELLO.unpack(msg)
@@ -440,8 +448,10 @@ class Lanes:
         return sent > 0
 
     def unsent(self) -> list[int]:
-        """Peers still holding a view of a caller's buffer in their queue."""
-        return [lane.rank for lane in self.lanes.values() if lane.zc and not lane.dead]
+        """Peers with queued bytes. All of them, not only views of caller buffers: with no
+        I/O thread, bytes left queued would move only when this rank next calls in, and a
+        peer may need them to finish the collective this rank is leaving."""
+        return [lane.rank for lane in self.lanes.values() if lane.out and not lane.dead]
 
     def pending_bytes(self) -> bool:
         return any(lane.out and not lane.dead for lane in self.lanes.values())
@@ -640,6 +650,29 @@ class Lanes:
             if self.pending_bytes():
                 self.sel.select(min(0.05, max(0.0, end - _now())))
         self.stop_listening()
+        # Closing a socket with unread bytes makes the kernel send a reset, which destroys
+        # what the peer has not read yet (the abort this rank just sent, say). So: end
+        # our side (FIN after the queued bytes) and read until the peers end theirs.
+        live = [lane for lane in self.lanes.values() if not lane.dead]
+        for lane in live:
+            with contextlib.suppress(OSError):
+                lane.sock.shutdown(socket.SHUT_WR)
+            lane.out.clear()
+            lane.hdr = None
+            self._update(lane)  # read interest only
+        end = min(end, _now() + CLOSE_DRAIN)
+        while live and _now() < end:
+            for key, _ in self.sel.select(min(0.05, max(0.0, end - _now()))):
+                lane = key.data
+                try:
+                    n = lane.sock.recv_into(lane.rview)
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    n = 0
+                if n == 0:
+                    self._lost(lane)
+            live = [lane for lane in live if not lane.dead]
         for lane in self.lanes.values():
             lane.sock.close()
         self.sel.close()
