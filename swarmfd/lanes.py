@@ -108,7 +108,7 @@ def _mac(token: str, role: bytes, client: int, server: int, nonce_c: bytes,
 class _Lane:
     """One established connection to a peer: its receive buffer and send queue."""
 
-    __slots__ = ("busy", "dead", "hdr", "mask", "out", "rank", "rbuf", "rend", "rstart",
+    __slots__ = ("busy", "dead", "hdr", "mask", "muted", "out", "rank", "rbuf", "rend", "rstart",
                  "rview", "sock", "zc")
 
     def __init__(self, rank: int, sock: socket.socket) -> None:
@@ -120,6 +120,7 @@ class _Lane:
         self.rend = 0
         self.hdr: wire.Header | None = None  # parsed, payload not read yet
         self.busy = False  # its payload is being read
+        self.muted = False  # read interest off while a parsed header waits (see _select)
         self.dead = False
         self.out: collections.deque[list[Any]] = collections.deque()  # [view, zero-copy]
         self.zc = 0  # queued zero-copy views of caller buffers
@@ -484,10 +485,17 @@ class Lanes:
             lane = key.data
             if mask & selectors.EVENT_WRITE:
                 progress |= self._push(lane)
-            if mask & selectors.EVENT_READ and not lane.busy:
+            if not mask & selectors.EVENT_READ:
+                continue
+            if lane.busy:
+                progress = True  # its payload reader takes it
+            elif lane.hdr is not None:
+                # Readable, but its header waits for its payload to be read: stop
+                # watching it until then (else every wait would return at once).
+                lane.muted = True
+                self._update(lane)
+            else:
                 progress |= self._pump(lane)
-            elif lane.busy:
-                progress = True
         return progress
 
     def _take(self) -> wire.Header:
@@ -545,14 +553,14 @@ class Lanes:
         lane.rstart += wire.HEADER_SIZE
         lane.hdr = hdr
         self.ready.append(lane)
-        self._update(lane)
         return True
 
     def read_payload(self, hdr: wire.Header, into: Any,
-                     between: Callable[[], None]) -> Any:
+                     between: Callable[[], None], keep: bool = False) -> Any:
         """Read the payload of the header :meth:`next_header` returned: into ``into``
-        (returns None) or into a new bytearray (returned). Calls ``between`` after every
-        wait slice without progress (it raises on a deadline or a lost peer)."""
+        (returns None) or into a new bytearray (returned; ``keep`` changes nothing here).
+        Calls ``between`` after every wait slice without progress (it raises on a
+        deadline or a lost peer)."""
         lane = self.current
         assert lane is not None
         self.current = None
@@ -563,14 +571,15 @@ class Lanes:
         if got:
             target[:got] = lane.rview[lane.rstart:lane.rstart + got]
             lane.rstart += got
+        if lane.muted:
+            lane.muted = False
+            self._update(lane)
         if got < n:
             lane.busy = True
-            self._update(lane)
             try:
                 self._read_rest(lane, target, got, n, between)
             finally:
                 lane.busy = False
-                self._update(lane)
         if not lane.dead:
             self._parse(lane)
         return buf
@@ -614,7 +623,7 @@ class Lanes:
     def _update(self, lane: _Lane) -> None:
         if lane.dead:
             return
-        mask = (selectors.EVENT_READ if lane.hdr is None else 0) | (
+        mask = (0 if lane.muted else selectors.EVENT_READ) | (
             selectors.EVENT_WRITE if lane.out else 0)
         if mask != lane.mask:
             if lane.mask == 0:
@@ -659,6 +668,7 @@ class Lanes:
                 lane.sock.shutdown(socket.SHUT_WR)
             lane.out.clear()
             lane.hdr = None
+            lane.muted = False
             self._update(lane)  # read interest only
         end = min(end, _now() + CLOSE_DRAIN)
         while live and _now() < end:

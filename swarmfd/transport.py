@@ -1,19 +1,32 @@
-"""The ZeroMQ transport: the only module of swarmfd that imports zmq.
+"""The transport: point-to-point messages between ranks; the only module that imports zmq.
 
-One process group owns one :class:`Transport`:
+One process group owns one :class:`Transport`. It is one *message layer* over one of
+two *data planes* (``SWARMFD_DATA_PLANE``, all ranks must agree; rendezvous checks):
 
-* a PULL socket bound on a free port of this host (every peer sends to it);
-* one PUSH socket connected to each peer, with a socket monitor that reports
-  when the peer's connection closes (the peer died or exited);
-* receives that block in short slices (``WAIT_SLICE_MS``), so every wait is
-  bounded by the group timeout and a lost peer is noticed within a fraction
-  of a second.
+* ``socket`` (the default): plain TCP connections, one per pair of ranks, and a
+  single-threaded progress engine (:mod:`swarmfd.lanes`). Receives land straight in
+  the caller's array. Chosen because ZeroMQ's I/O thread, hand-offs and receive copy
+  were the floor of the TCP path: measured on loopback at N=2, a bare exchange of
+  16 MiB / 64 MiB took 9.5-10.2 ms / 35-46 ms through pyzmq PUSH/PULL and
+  6.2 ms / 20.5 ms through non-blocking sockets (see the lanes docstring);
+* ``zmq``: a PULL socket bound on a free port of this host (every peer sends to
+  it) and one PUSH socket connected to each peer, with a socket monitor that
+  reports when the peer's connection closes. Required for an encrypted data plane
+  (``SWARMFD_ENCRYPT=1``: CURVE), selectable otherwise.
 
-Messages are (header, payload) frame pairs from :mod:`swarmfd.wire`. Sends
-never block (no high-water mark): the sockets queue and libzmq's I/O thread
-moves the bytes while the caller reduces the previous piece. Large payloads
-are sent zero-copy; :meth:`Transport.flush` waits until libzmq released them,
-so a collective never returns while the caller's array is still being read.
+The message layer is the same on both: receives that block in short slices
+(``WAIT_SLICE_MS``), so every wait is bounded by the group timeout and a lost peer
+is noticed within a fraction of a second; a stash for early messages; signatures
+checked on every message; aborts and the timeout culprit chain.
+
+Messages are a :mod:`swarmfd.wire` header and a payload (on zmq, one or two
+frames; on sockets, the header and exactly ``nbytes`` bytes on the stream). Sends
+never block: on zmq the sockets queue (no high-water mark) and libzmq's I/O thread
+moves the bytes while the caller reduces the previous piece; on sockets what the
+kernel does not take at once is queued and every wait drives it. Large payloads
+are sent zero-copy; :meth:`Transport.flush` waits until the data plane released
+them (on sockets: sent every queued byte), so a collective never returns while
+the caller's array is still being read.
 
 Receives name what they wait for (source rank, sequence number, tag). A
 message that arrives early (from another peer, or from a later collective of
@@ -23,8 +36,9 @@ Nothing received is ever unpickled: control payloads are JSON.
 
 Rendezvous (:func:`rendezvous`) also lives here: rank 0 serves a ROUTER at
 ``MASTER_ADDR:MASTER_PORT``; every other rank sends it a JSON hello (rank,
-world size, protocol version, data endpoint, host) and gets back the table of
-all endpoints. No other fixed port is used.
+world size, protocol version, data plane, data endpoint, host) and gets back the
+table of all endpoints. No other fixed port is used; the socket plane's listening
+port is closed as soon as its connections are set up.
 
 Security (:class:`Security`, built from the job secret). Every rank derives
 the same CURVE keypair from the secret (SHA-256 of it, with a domain label, is
@@ -34,18 +48,22 @@ only connections that prove they hold the job's key:
 
 * rendezvous: always CURVE (authenticated and encrypted);
 * data plane, ``encrypt=True``: CURVE as well;
-* data plane, ``encrypt=False``: ZMQ PLAIN with a random per-session token
-  that each rank draws for its own data socket and announces over the
-  encrypted rendezvous; ZAP admits only that token. Strangers cannot connect,
-  inject or abort; the bytes themselves travel in clear (readable by whoever
-  can sniff the network, as the token is; see README "Security").
+* data plane, ``encrypt=False``: a random per-session token that each rank
+  draws and announces over the encrypted rendezvous. On zmq it is the ZMQ PLAIN
+  password of its data socket (ZAP admits only that token); on sockets, the key
+  of the HMAC-SHA256 each side of a connection proves itself with (mutual, with
+  nonces; see :mod:`swarmfd.lanes`). Strangers cannot connect, inject or abort;
+  the bytes themselves travel in clear (readable by whoever can sniff the
+  network; see README "Security").
 
 A process whose secret differs fails its handshake with rank 0 and raises
 :class:`AuthenticationError` at once. Without a secret (``SWARMFD_AUTH=off``)
-every socket uses the NULL mechanism, as before.
+every zmq socket uses the NULL mechanism and the socket plane's handshake carries no
+HMAC: anyone who can reach a port during setup can join the mesh.
 
-Bounds against a peer gone wrong: data sockets refuse frames over
-``MAX_FRAME`` (libzmq drops the connection before allocating), messages for
+Bounds against a peer gone wrong: zmq data sockets refuse frames over
+``MAX_FRAME`` (libzmq drops the connection before allocating), the socket plane
+refuses any header over ``wire.MAX_PAYLOAD`` (and drops the stream), messages for
 calls more than ``MAX_CALLS_AHEAD`` ahead are a protocol error, and TCP
 keepalive (``KEEPALIVE_*``) finds a peer whose host vanished without a FIN.
 """
@@ -334,15 +352,17 @@ class _ZmqPlane:
             return hdr
         return None
 
-    def read_payload(self, hdr: wire.Header, into: Any, between: Callable[[], None]) -> Any:
+    def read_payload(self, hdr: wire.Header, into: Any, between: Callable[[], None],
+                     keep: bool = False) -> Any:
         """The payload of the header next_header returned: into ``into`` (None returned)
-        or as a buffer."""
+        or as a buffer (``bytes`` when the caller ``keep``s it, e.g. in the stash: a zmq
+        Frame must not outlive the receive that returned it)."""
         pull, raw = self.pull, self.raw
         self.raw = b""
         if hdr.inline:
             inline = memoryview(raw)[wire.HEADER_SIZE:]
             if into is None:
-                return inline
+                return bytes(inline) if keep else inline
             memoryview(into).cast("B")[:] = inline
             return None
         if not pull.get(zmq.RCVMORE):
@@ -357,7 +377,8 @@ class _ZmqPlane:
                 raise ProtocolError(f"{self.t.activity}: rank {hdr.src} sent {got} bytes, "
                                     f"expected {hdr.nbytes}")
             return None
-        data = pull.recv(copy=False) if hdr.nbytes > INLINE_MAX_BYTES else pull.recv()
+        data = pull.recv(copy=False) if hdr.nbytes > INLINE_MAX_BYTES and not keep else (
+            pull.recv())
         self._drain()
         return data
 
@@ -627,7 +648,7 @@ class Transport:
     def _other(self, hdr: wire.Header, sig: wire.Signature, seq: int,
                between: Callable[[], None]) -> None:
         """Handle a message that is not the one being waited for."""
-        payload = self.ch.read_payload(hdr, None, between)
+        payload = self.ch.read_payload(hdr, None, between, keep=True)
         if not self._from_peer(hdr):
             self.garbage += 1
             return
@@ -749,7 +770,7 @@ class Transport:
     def _keep(self, hdr: wire.Header, *, keep_data: bool, between: Callable[[], None]) -> None:
         """Take a message that arrived outside a receive: raise a final abort, stash data
         (``keep_data``) or drop and count it."""
-        payload = self.ch.read_payload(hdr, None, between)
+        payload = self.ch.read_payload(hdr, None, between, keep=True)
         if not self._from_peer(hdr):
             self.garbage += 1
             return
