@@ -56,7 +56,6 @@ PIECE_BYTES = wire.PIECE_BYTES
 #: above it the ring's pipelined pieces win (interleaved A/B over TCP: 0.78-0.86x the ring's
 #: time at 1 MiB, even at 2 MiB with two pieces).
 PAIR_MAX_BYTES = PIECE_BYTES
-RX_SCRATCH = 1
 #: Up to this many bytes, all_reduce/reduce/broadcast/all_gather use a direct exchange.
 SMALL_BYTES = 256 << 10
 #: The direct exchange sends (N-1) copies: use it only for groups up to this size.
@@ -324,12 +323,7 @@ def _ring_all_reduce(c: _Call, buf: np.ndarray, ufunc: np.ufunc) -> None:
     for k in range(N - 1):
         for j, (a, b) in enumerate(pieces[(rank - k - 1) % N]):
             seg = buf[a:b]
-            if RX_SCRATCH:
-                incoming = c.g.rx(seg.dtype, seg.size)
-                _recv_into(c, prv, k * P + j, incoming)
-                ufunc(seg, incoming, out=seg)
-            else:
-                ufunc(seg, _recv_array(c, prv, k * P + j, seg), out=seg)
+            ufunc(seg, _recv_array(c, prv, k * P + j, seg), out=seg)
             # The reduced piece goes on at once: to the next reduce step, or, after the
             # last one, as the first all-gather step.
             t.send(nxt, sig, seq, (k + 1) * P + j, seg)

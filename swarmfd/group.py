@@ -58,7 +58,6 @@ class Group:
         self.shm: _shm.ShmChannel | None = None
         self.broken: BaseException | None = None
         self._scratch: dict[np.dtype, np.ndarray] = {}
-        self._rx = np.empty(0, np.uint8)
 
     def scratch(self, dtype: np.dtype, count: int) -> np.ndarray:
         """A reusable flat buffer (for fusing lists of arrays) of at least ``count`` items."""
@@ -67,15 +66,6 @@ class Group:
             buf = np.empty(max(count, 1), dtype=dtype)
             self._scratch[dtype] = buf
         return buf[:count]
-
-
-    def rx(self, dtype: np.dtype, count: int) -> np.ndarray:
-        """A reusable buffer of ``count`` items that incoming pieces land in before they
-        are reduced (one per group, so no allocation per received piece)."""
-        nbytes = count * dtype.itemsize
-        if self._rx.nbytes < nbytes:
-            self._rx = np.empty(nbytes, np.uint8)
-        return self._rx[:nbytes].view(dtype)
 
 
 _group: Group | None = None
