@@ -614,9 +614,21 @@ class Lanes:
         self.read_payload(hdr, None, between)
 
     def wait(self, timeout: float) -> wire.Header | None:
-        """Progress for up to ``timeout`` s while sends are queued; a header that arrived
-        meanwhile is returned (its payload must then be read)."""
-        return self.next_header(timeout)
+        """Drive queued sends until they are all out (None), or ``timeout`` s passed
+        (None), or a message arrived meanwhile (its header; its payload must then be
+        read: a peer may be flushing towards this rank at the same time)."""
+        end = _now() + timeout
+        while not self.ready:
+            for lane in self.lanes.values():
+                if lane.out:
+                    self._push(lane)
+            if not self.unsent():
+                return None
+            wait = end - _now()
+            if wait <= 0:
+                return None
+            self._select(wait)
+        return self._take()
 
     # -- bookkeeping --------------------------------------------------------------------
 
