@@ -20,6 +20,9 @@ and, for the job's security (see :func:`load_secret`):
 ``SWARMFD_AUTH``      ``off`` to run without authentication (trusted networks only)
 ``SWARMFD_ENCRYPT``   ``1`` to encrypt the data plane too, ``0`` not to (default
                       :data:`DEFAULT_ENCRYPT`)
+``SWARMFD_DATA_PLANE`` ``socket`` (plain TCP sockets, the default) or ``zmq``
+                      (ZeroMQ; the default and the only choice with
+                      ``SWARMFD_ENCRYPT=1``); see :func:`data_plane`
 
 Every value is validated here, once; bad input raises :class:`ConfigError`
 (a ``ValueError``) naming the variable, the value and what was expected.

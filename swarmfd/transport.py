@@ -83,6 +83,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
@@ -636,6 +637,12 @@ class Transport:
                 if not hdr.matches(sig):
                     raise self._mismatch(hdr, sig)
                 self._check_size(hdr, nbytes)
+                if into is None and nbytes and self.plane == "socket":
+                    # An uninitialised array to receive into: bytearray(n) would zero it
+                    # first (interleaved A/B, N=2: 0.95-0.98x the time at 64 KiB-16 MiB).
+                    into = np.empty(nbytes, np.uint8)
+                    ch.read_payload(hdr, into, between)
+                    return into
                 return ch.read_payload(hdr, into, between)
             self._other(hdr, sig, seq, between)
             # Messages keep coming but not the one awaited (a flood of garbage, say): the
