@@ -450,6 +450,11 @@ class Lanes:
         self._update(lane)
         return sent > 0
 
+    def _push_all(self) -> None:
+        for lane in self.lanes.values():
+            if lane.out:
+                self._push(lane)
+
     def unsent(self) -> list[int]:
         """Peers with queued bytes. All of them, not only views of caller buffers: with no
         I/O thread, bytes left queued would move only when this rank next calls in, and a
@@ -466,14 +471,19 @@ class Lanes:
         :meth:`read_payload`), or None after ``timeout`` seconds; drives sends."""
         if self.ready:
             return self._take()
-        end = _now() + timeout
         for lane in self.lanes.values():
             if lane.hdr is None and not lane.busy and not lane.dead:
                 self._pump(lane)
+        return self._progress(timeout, until_sent=False)
+
+    def _progress(self, timeout: float, until_sent: bool) -> wire.Header | None:
+        """Drive sends and receives until a header is ready (returned), ``timeout`` s
+        passed or, ``until_sent``, the send queues are empty (None)."""
+        end = _now() + timeout
         while not self.ready:
-            for lane in self.lanes.values():
-                if lane.out:
-                    self._push(lane)
+            self._push_all()
+            if until_sent and not self.unsent():
+                return None
             wait = end - _now()
             if wait <= 0:
                 return None
@@ -603,9 +613,7 @@ class Lanes:
                     continue
                 if k == 0:
                     self._lost(lane)
-            for other in self.lanes.values():
-                if other.out:
-                    self._push(other)
+            self._push_all()
             if _now() - last >= self.wait_slice:
                 between()
                 last = _now()
@@ -619,18 +627,7 @@ class Lanes:
         """Drive queued sends until they are all out (None), or ``timeout`` s passed
         (None), or a message arrived meanwhile (its header; its payload must then be
         read: a peer may be flushing towards this rank at the same time)."""
-        end = _now() + timeout
-        while not self.ready:
-            for lane in self.lanes.values():
-                if lane.out:
-                    self._push(lane)
-            if not self.unsent():
-                return None
-            wait = end - _now()
-            if wait <= 0:
-                return None
-            self._select(wait)
-        return self._take()
+        return self._progress(timeout, until_sent=True)
 
     # -- bookkeeping --------------------------------------------------------------------
 
@@ -667,9 +664,7 @@ class Lanes:
         self.closed = True
         end = _now() + linger
         while self.pending_bytes() and _now() < end:
-            for lane in self.lanes.values():
-                if lane.out:
-                    self._push(lane)
+            self._push_all()
             if self.pending_bytes():
                 self.sel.select(min(0.05, max(0.0, end - _now())))
         self.stop_listening()
