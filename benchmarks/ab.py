@@ -8,7 +8,7 @@ Run it inside a group; every rank must get the same arguments::
         --variant piece2m:collectives.PIECE_BYTES=2097152
 
 A variant is a name and module attribute overrides (``collectives.X=V``,
-``transport.X=V``; integer values) applied before its iterations and undone
+``transport.X=V``, ``lanes.X=V``; integer values) applied before its iterations and undone
 after. Because the variants alternate iteration by iteration in the same
 processes, they see the same machine load: on a shared machine this is far
 steadier than comparing separate jobs. Per iteration: reset the input
@@ -29,10 +29,10 @@ from typing import Any
 import numpy as np
 
 import swarmfd as fd
-from swarmfd import collectives, transport
+from swarmfd import collectives, lanes, transport
 from swarmfd.bench import default_iters, parse_sizes
 
-MODULES = {"collectives": collectives, "transport": transport}
+MODULES = {"collectives": collectives, "lanes": lanes, "transport": transport}
 
 
 def parse_variant(text: str) -> tuple[str, dict[tuple[Any, str], int]]:

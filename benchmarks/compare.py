@@ -496,7 +496,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--systems", help="comma list among gloo,mpi-tcp,mpi-shm and the swarmfd "
                                      "variant names (default: all available)")
     p.add_argument("--variant", action="append", type=parse_variant, metavar="NAME[:K=V,...]",
-                   help="a swarmfd variant: a name and environment; repeatable (default: "
+                   help="a swarmfd variant: a name and environment; repeatable, added to "
+                        "the defaults ("
                         "'swarmfd' = default transport, shared memory on one host, and "
                         "'swarmfd-tcp:SWARMFD_TRANSPORT=tcp')")
     p.add_argument("--no-extra-collectives", action="store_true",
@@ -521,7 +522,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         iters, warmup, runs = iters or 30, min(warmup, 2), min(runs, 2)
     plan = [(s, iters or default_iters(s)) for s in sizes]
-    variants = args.variant or list(DEFAULT_VARIANTS)
+    # Given variants are added to the defaults (one of the same name replaces it).
+    given = {v.name: v for v in args.variant or []}
+    variants = [given.pop(v.name, v) for v in DEFAULT_VARIANTS] + list(given.values())
     systems, notes = available_systems(variants)
     if args.systems:
         wanted = [s.strip() for s in args.systems.split(",") if s.strip()]

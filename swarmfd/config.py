@@ -20,6 +20,9 @@ and, for the job's security (see :func:`load_secret`):
 ``SWARMFD_AUTH``      ``off`` to run without authentication (trusted networks only)
 ``SWARMFD_ENCRYPT``   ``1`` to encrypt the data plane too, ``0`` not to (default
                       :data:`DEFAULT_ENCRYPT`)
+``SWARMFD_DATA_PLANE`` ``socket`` (plain TCP sockets, the default) or ``zmq``
+                      (ZeroMQ; the default and the only choice with
+                      ``SWARMFD_ENCRYPT=1``); see :func:`data_plane`
 
 Every value is validated here, once; bad input raises :class:`ConfigError`
 (a ``ValueError``) naming the variable, the value and what was expected.
@@ -49,6 +52,10 @@ ENV_RESTART_COUNT = "SWARMFD_RESTART_COUNT"
 ENV_SECRET_FILE = "SWARMFD_SECRET_FILE"
 ENV_AUTH = "SWARMFD_AUTH"
 ENV_ENCRYPT = "SWARMFD_ENCRYPT"
+ENV_DATA_PLANE = "SWARMFD_DATA_PLANE"
+#: The data planes of the TCP path: plain sockets (the default, see swarmfd/lanes.py) or
+#: ZeroMQ (required for SWARMFD_ENCRYPT=1: CURVE).
+DATA_PLANES = ("socket", "zmq")
 
 #: Where ``swarmfd deploy`` mounts the job secret (a Docker secret) in every rank.
 DEFAULT_SECRET_FILE = "/run/secrets/swarmfd_secret"
@@ -250,6 +257,26 @@ def encrypt_enabled(environ: Mapping[str, str] | None = None) -> bool:
     """Whether the data plane is encrypted (``SWARMFD_ENCRYPT``, default DEFAULT_ENCRYPT)."""
     return _parse_env_switch(os.environ if environ is None else environ, ENV_ENCRYPT,
                              DEFAULT_ENCRYPT, "1 (encrypt the data plane) or 0 (do not)")
+
+
+def data_plane(environ: Mapping[str, str] | None = None) -> str:
+    """The TCP data plane (``SWARMFD_DATA_PLANE``): 'socket' by default, 'zmq' when the
+    data plane is encrypted (``SWARMFD_ENCRYPT=1``: only ZeroMQ CURVE encrypts)."""
+    env = os.environ if environ is None else environ
+    encrypt = encrypt_enabled(env)
+    raw = (env.get(ENV_DATA_PLANE) or "").strip().lower()
+    if raw == "":
+        return "zmq" if encrypt else "socket"
+    if raw not in DATA_PLANES:
+        raise ConfigError(f"environment variable {ENV_DATA_PLANE}={env.get(ENV_DATA_PLANE)!r} is "
+                          "invalid: expected 'socket' (plain TCP sockets, the default) or 'zmq' "
+                          "(ZeroMQ)")
+    if raw == "socket" and encrypt:
+        raise ConfigError(f"{ENV_DATA_PLANE}=socket cannot be combined with {ENV_ENCRYPT}=1: the "
+                          "socket data plane does not encrypt (only the zmq data plane does, "
+                          f"with CURVE); unset {ENV_DATA_PLANE} or set {ENV_DATA_PLANE}=zmq to "
+                          f"encrypt, or set {ENV_ENCRYPT}=0")
+    return raw
 
 
 def check_secret(secret: str | bytes, origin: str) -> bytes:

@@ -30,6 +30,7 @@ from .config import (
     ENV_LOCAL_WORLD_SIZE,
     Config,
     config_from_env,
+    data_plane,
     encrypt_enabled,
     require_secret,
 )
@@ -159,11 +160,12 @@ def _start(config: Config, secret: str | bytes | None = None) -> Config:
             return config
         assert config.master_addr is not None  # Config guarantees it for world_size > 1
         security = _security(config, secret)
+        plane = data_plane()
         deadline = time.monotonic() + config.timeout
         master_ip = _transport.resolve(config.master_addr, deadline)
         bind_ip = _transport.local_address_toward(master_ip)
         t = _transport.Transport(config.rank, config.world_size, config.timeout, bind_ip,
-                                 security)
+                                 security, plane)
         try:
             host = os.environ.get(ENV_NODE) or socket.gethostname()
             mode = (os.environ.get(ENV_TRANSPORT) or "auto").strip().lower()
@@ -172,7 +174,7 @@ def _start(config: Config, secret: str | bytes | None = None) -> Config:
             hostkey = _shm.host_key() if mode == "auto" else ""
             peers, token = _transport.rendezvous(t, master_ip, config.master_port, deadline,
                                                  host, hostkey)
-            t.connect(peers)
+            t.connect(peers, deadline)
             config = _with_local_ranks(config, [p.host for p in peers])
         except BaseException:
             t.close()

@@ -53,6 +53,14 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(_SECRET_DIR, ignore_errors=True)
 
 
+def transport_env(transport: str) -> dict[str, str]:
+    """Environment selecting a transport by test name: "auto"/"shm" (shared memory on one
+    host), "tcp" (TCP, the default socket data plane) or "zmq" (TCP, ZeroMQ data plane)."""
+    return {"auto": {"SWARMFD_TRANSPORT": "auto"}, "shm": {"SWARMFD_TRANSPORT": "auto"},
+            "tcp": {"SWARMFD_TRANSPORT": "tcp"},
+            "zmq": {"SWARMFD_TRANSPORT": "tcp", "SWARMFD_DATA_PLANE": "zmq"}}[transport]
+
+
 def free_port() -> int:
     """A TCP port that was free a moment ago on 127.0.0.1."""
     with socket.socket() as s:

@@ -12,8 +12,10 @@
   ``CLOCK_MONOTONIC`` is system-wide on Linux, so times taken in different
   processes compare directly.
 
-``transport`` ("tcp" or "shm") selects ``SWARMFD_TRANSPORT`` (tcp / auto) and
-every :meth:`RankCtx.init` checks the group really uses it.
+``transport`` ("tcp", "zmq" or "shm") selects ``SWARMFD_TRANSPORT`` (tcp / tcp /
+auto) and ``SWARMFD_DATA_PLANE`` ("zmq": the ZeroMQ data plane; otherwise the
+default, the socket plane), and every :meth:`RankCtx.init` checks the group really
+uses them.
 
 Whatever happens, leaving the ``with`` block sends SIGCONT then SIGKILL to
 every child still alive and joins it; :meth:`Ranks.close` asserts none is left.
@@ -76,12 +78,18 @@ class RankCtx:
         if on_shm != (self.transport == "shm"):
             raise AssertionError(f"rank {self.rank} wanted the {self.transport} transport but "
                                  f"the group {'is' if on_shm else 'is not'} on shared memory")
+        plane = getattr(group.current().transport, "plane", None)
+        if self.transport == "zmq" and plane != "zmq":
+            raise AssertionError(f"rank {self.rank} wanted the {self.transport} transport but "
+                                 f"its data plane is {plane}")
 
 
 def _child(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...],
            init: bool, group_timeout: float, transport: str, events: Any, go: Any,
            mark: Any) -> None:
-    os.environ["SWARMFD_TRANSPORT"] = {"tcp": "tcp", "shm": "auto"}[transport]
+    os.environ["SWARMFD_TRANSPORT"] = {"tcp": "tcp", "zmq": "tcp", "shm": "auto"}[transport]
+    if transport == "zmq":
+        os.environ["SWARMFD_DATA_PLANE"] = "zmq"
     ctx = RankCtx(rank, world, port, events, go, mark, group_timeout, transport)
     try:
         if init:
@@ -105,7 +113,7 @@ class Ranks:
     def __init__(self, fn: Callable[..., Any], world: int, *args: Any,
                  group_timeout: float = 60.0, init: bool = True,
                  transport: str = "tcp") -> None:
-        assert transport in ("tcp", "shm"), transport
+        assert transport in ("tcp", "zmq", "shm"), transport
         self.world = world
         self.port = free_port()
         # One queue per rank: a queue's write lock is shared by its writers, and a rank

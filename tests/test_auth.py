@@ -304,13 +304,15 @@ def _strangers(ports: list[int], master_port: int, seconds: float) -> dict[str, 
     return sent
 
 
-@pytest.mark.parametrize("encrypt", ["0", "1"])
+@pytest.mark.parametrize("encrypt", ["0", "0-zmq", "1"])
 def test_strangers_inject_nothing_and_cannot_abort(encrypt: str,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Forged aborts and data from every kind of unauthenticated socket, at every port,
-    while 3 ranks loop on exact all_reduces over TCP: nothing reaches the ranks."""
-    monkeypatch.setenv("SWARMFD_ENCRYPT", encrypt)
-    with Ranks(_looping_job, 3, group_timeout=60.0, transport="tcp") as ranks:
+    while 3 ranks loop on exact all_reduces over TCP: nothing reaches the ranks (on the
+    socket data plane the data ports are even closed; "0-zmq": the zmq data plane)."""
+    monkeypatch.setenv("SWARMFD_ENCRYPT", encrypt[0])
+    with Ranks(_looping_job, 3, group_timeout=60.0,
+               transport="zmq" if encrypt == "0-zmq" else "tcp") as ranks:
         ports = ranks.wait("ports")
         sent = _strangers([ports[r] for r in range(3)], ranks.port, 5.0)
         ranks.release()
@@ -347,14 +349,17 @@ def _reference_results(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_auth_off_and_encryption_give_identical_results() -> None:
-    """Plain+token (default), CURVE-encrypted and unauthenticated groups agree bitwise."""
+    """Socket plane (default), zmq PLAIN+token, CURVE-encrypted and unauthenticated
+    groups agree bitwise."""
     results = {}
     for name, env in (("plain", {"SWARMFD_ENCRYPT": "0"}),
+                      ("zmq-plain", {"SWARMFD_ENCRYPT": "0", "SWARMFD_DATA_PLANE": "zmq"}),
                       ("encrypted", {"SWARMFD_ENCRYPT": "1"}),
                       ("auth-off", {"SWARMFD_AUTH": "off"})):
         env["SWARMFD_TRANSPORT"] = "tcp"
         results[name] = run_ranks(_reference_results, 2, env=env, timeout=120)
     assert results["plain"][0] == results["plain"][1]
+    assert results["zmq-plain"] == results["plain"]
     assert results["encrypted"] == results["plain"]
     assert results["auth-off"] == results["plain"]
 
@@ -524,15 +529,19 @@ def _waits_for_rank1(ctx: RankCtx) -> Any:
     return {"type": None}
 
 
-@pytest.mark.parametrize("vanish", [True, False], ids=["vanished", "stopped"])
-def test_a_vanished_peer_is_lost_within_seconds_a_stopped_one_times_out(vanish: bool) -> None:
-    """Rank 1 is stopped (its kernel still answers); with `vanished`, its port's packets are
-    also dropped (a host gone without FIN): rank 0 must see PeerLostError within a few
-    seconds instead of waiting for the 12 s timeout."""
+@pytest.mark.parametrize(("vanish", "plane"), [(True, "tcp"), (True, "zmq"), (False, "tcp")],
+                         ids=["vanished", "vanished-zmq", "stopped"])
+def test_a_vanished_peer_is_lost_within_seconds_a_stopped_one_times_out(vanish: bool,
+                                                                       plane: str) -> None:
+    """Rank 1 is stopped (its kernel still answers); with `vanished`, the packets of the
+    data ports are also dropped (a host gone without FIN): rank 0 must see PeerLostError
+    within a few seconds instead of waiting for the 12 s timeout. (Both ranks' ports: on
+    the socket plane the pair's connection is to rank 0's port, on zmq there is one each
+    way.)"""
     rule = None
     if vanish and not _iptables("-L", "OUTPUT", "-n"):
         pytest.skip("iptables is not usable here")
-    with Ranks(_waits_for_rank1, 2, group_timeout=12.0, transport="tcp") as ranks:
+    with Ranks(_waits_for_rank1, 2, group_timeout=12.0, transport=plane) as ranks:
         ports = ranks.wait("ready")
         ranks.signal(1, signal.SIGSTOP)
         ranks.release()
@@ -540,8 +549,8 @@ def test_a_vanished_peer_is_lost_within_seconds_a_stopped_one_times_out(vanish: 
         try:
             if vanish:
                 rule = ["OUTPUT", "-o", "lo", "-p", "tcp", "-m", "multiport", "--ports",
-                        str(ports[1]), "-m", "comment", "--comment", "swarmfd-test-vanish",
-                        "-j", "DROP"]
+                        f"{ports[0]},{ports[1]}", "-m", "comment", "--comment",
+                        "swarmfd-test-vanish", "-j", "DROP"]
                 assert _iptables("-I", *rule), "cannot add the iptables rule"
             ranks.mark.value = time.monotonic()
             info = ranks.results([0], timeout=40)[0]
@@ -549,7 +558,7 @@ def test_a_vanished_peer_is_lost_within_seconds_a_stopped_one_times_out(vanish: 
             if rule is not None:
                 _iptables("-D", *rule)
         ranks.signal(1, signal.SIGKILL)
-    record(f"keepalive[{'vanished' if vanish else 'stopped'}]", **info)
+    record(f"keepalive[{'vanished' if vanish else 'stopped'},{plane}]", **info)
     if vanish:
         assert info["type"] == "PeerLostError", info
         limit = transport.KEEPALIVE_IDLE + transport.KEEPALIVE_INTVL * (

@@ -14,7 +14,7 @@ import swarmfd as fd
 from swarmfd import collectives
 from swarmfd import transport as zmq_transport
 
-from .conftest import RankFailure, free_port, run_ranks, run_ranks_raw
+from .conftest import RankFailure, free_port, run_ranks, run_ranks_raw, transport_env
 
 INTS = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64]
 FLOATS = [np.float16, np.float32, np.float64]
@@ -97,7 +97,9 @@ def _battery(rank: int, world: int) -> list[str]:
     return digests
 
 
-TRANSPORTS = ["auto", "tcp"]  # auto: shared memory between ranks of one host
+TRANSPORTS = ["auto", "tcp"]  # auto: shared memory between ranks of one host; tcp: sockets
+#: The ZeroMQ data plane (SWARMFD_DATA_PLANE=zmq) runs a representative subset.
+ZMQ = "zmq"
 
 
 def _worlds_and_transports(*worlds: int) -> list[tuple[int, str]]:
@@ -105,10 +107,11 @@ def _worlds_and_transports(*worlds: int) -> list[tuple[int, str]]:
     return [(w, t) for w in worlds for t in TRANSPORTS if w > 1 or t == "auto"]
 
 
-@pytest.mark.parametrize(("world", "transport"), _worlds_and_transports(1, 2, 3, 4))
+@pytest.mark.parametrize(("world", "transport"),
+                         [*_worlds_and_transports(1, 2, 3, 4), (3, ZMQ)])
 def test_every_collective_dtype_shape_and_root(world: int, transport: str) -> None:
     """All collectives, every dtype group and shape, all roots; floats identical on all ranks."""
-    results = run_ranks(_battery, world, timeout=240, env={"SWARMFD_TRANSPORT": transport})
+    results = run_ranks(_battery, world, timeout=240, env=transport_env(transport))
     for r in range(1, world):
         assert results[r] == results[0], f"rank {r} ended with different bytes than rank 0"
 
@@ -141,11 +144,11 @@ def _big(rank: int, world: int, mib: int) -> list[str]:
     return [_digest(x)]
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize(("world", "transport"),
+                         [(w, t) for w in (2, 3, 4) for t in TRANSPORTS] + [(2, ZMQ), (3, ZMQ)])
 def test_16_mib_arrays(world: int, transport: str) -> None:
     """16 MiB arrays take the pipelined ring/chain paths; float results identical everywhere."""
-    results = run_ranks(_big, world, 16, timeout=180, env={"SWARMFD_TRANSPORT": transport})
+    results = run_ranks(_big, world, 16, timeout=180, env=transport_env(transport))
     assert all(r == results[0] for r in results)
 
 
@@ -216,7 +219,7 @@ def _identical_floats(rank: int, world: int) -> str:
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_float_results_are_bitwise_identical_on_every_rank(world: int, transport: str) -> None:
     """Random floats with wide exponents: every rank ends with the same bytes."""
-    results = run_ranks(_identical_floats, world, env={"SWARMFD_TRANSPORT": transport})
+    results = run_ranks(_identical_floats, world, env=transport_env(transport))
     assert len(set(results)) == 1
 
 
@@ -256,11 +259,11 @@ def _boundaries(rank: int, world: int) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", [*TRANSPORTS, ZMQ])
 @pytest.mark.parametrize("world", [2, 3])
 def test_sizes_at_the_message_path_limits(world: int, transport: str) -> None:
     """Sizes at the inline/copy/zero-copy and two-rank limits: right, identical bits."""
-    results = run_ranks(_boundaries, world, timeout=120, env={"SWARMFD_TRANSPORT": transport})
+    results = run_ranks(_boundaries, world, timeout=120, env=transport_env(transport))
     assert all(r == results[0] for r in results)
 
 
@@ -300,7 +303,7 @@ def _gather_into(rank: int, world: int) -> None:
 @pytest.mark.parametrize(("world", "transport"), _worlds_and_transports(1, 2, 3))
 def test_all_gather_into_a_reused_out_array(world: int, transport: str) -> None:
     """all_gather(x, out=...) fills the caller's (N, *shape) array; bad outs are refused."""
-    run_ranks(_gather_into, world, timeout=120, env={"SWARMFD_TRANSPORT": transport})
+    run_ranks(_gather_into, world, timeout=120, env=transport_env(transport))
 
 
 def test_world_of_one_without_sockets() -> None:
@@ -418,7 +421,7 @@ def _mismatch(rank: int, world: int, kind: str) -> None:
 def test_mismatched_calls_raise_on_every_rank(kind: str, transport: str) -> None:
     """Ranks that disagree on a collective all raise a MismatchError naming both sides."""
     out = run_ranks_raw(_mismatch, 2, kind, timeout=30, group_timeout=20,
-                        env={"SWARMFD_TRANSPORT": transport})
+                        env=transport_env(transport))
     assert sorted(out) == [0, 1]
     for rank, (ok, tb) in out.items():
         assert not ok, f"rank {rank} did not fail"
@@ -443,7 +446,7 @@ def test_a_dead_rank_is_named_by_the_others(transport: str) -> None:
 
     t0 = time.monotonic()
     out = run_ranks_raw(_victim, 3, timeout=40, group_timeout=30,
-                        env={"SWARMFD_TRANSPORT": transport})
+                        env=transport_env(transport))
     elapsed = time.monotonic() - t0
     assert 1 not in out
     for rank in (0, 2):
@@ -465,7 +468,7 @@ def _stuck(rank: int, world: int) -> None:
 def test_a_silent_rank_times_out_naming_the_peer(transport: str) -> None:
     """A live rank that never calls the collective makes the other time out, naming it."""
     out = run_ranks_raw(_stuck, 2, timeout=30, group_timeout=2,
-                        env={"SWARMFD_TRANSPORT": transport})
+                        env=transport_env(transport))
     ok, tb = out[0]
     assert not ok and "CollectiveTimeout" in tb and "waiting for rank 1" in tb, tb
     assert "timed out after 2 s" in tb, tb

@@ -49,7 +49,10 @@ from .robust_fuzz import ZMTP_READY, Fuzzer, zmtp_handshake
 from .robust_harness import RankCtx, Ranks, error_info, record
 
 SWARMFD = Path(fd.__file__).parent
-TRANSPORTS = ["tcp", "shm"]
+#: The data-port fuzz runs against the zmq data plane and shared-memory groups (whose TCP
+#: side is the default socket plane). On the socket data plane the data ports are closed
+#: once init returned (tested below and in test_lanes.py, with strangers during setup).
+TRANSPORTS = ["zmq", "shm"]
 #: How long the job-level fuzz runs (the whole test stays well under a minute).
 FUZZ_SECONDS = 15.0
 #: RSS growth a rank may show across the fuzz (allocator noise, lazily mapped pages).
@@ -281,7 +284,7 @@ def _check_fuzzed_job(name: str, transport: str, out: dict[int, Any], fuzzer: Fu
         assert v["during"] >= 20, f"rank {r} made little progress under fuzz: {v}"
         if auth == "on":
             assert v["garbage"] == 0, f"stranger traffic reached rank {r} of a secret job: {v}"
-        elif transport == "tcp" and v["garbage"] is not None:
+        elif transport == "zmq" and v["garbage"] is not None:
             assert v["garbage"] > 0, f"rank {r} never saw the fuzz traffic (test bug?): {v}"
     assert all(g * (1 << 20) < RSS_SLACK for g in growth.values()), (
         f"RSS grew by {growth} MiB across the fuzz (limit {RSS_SLACK >> 20} MiB); "
@@ -361,7 +364,7 @@ def test_hostile_json_hellos_do_not_stop_rendezvous() -> None:
 
 
 @pytest.mark.parametrize("auth", ["on", "off"])
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_garbage_and_random_connections_do_not_disturb_a_job(
         transport: str, auth: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Raw bytes, ZMTP junk, random PUSH/DEALER messages: results exact, memory flat."""
@@ -430,7 +433,7 @@ def no_auth(monkeypatch: pytest.MonkeyPatch) -> None:
 def _forge_and_run(messages: Callable[[int], list[list[bytes]]],
                    calls: int = 20) -> dict[int, Any]:
     """Rank 0 of 2 receives ``messages(its call count)`` from a stranger, then all_reduces."""
-    with Ranks(_victim_of_forgery, 2, calls, group_timeout=20.0, transport="tcp") as ranks:
+    with Ranks(_victim_of_forgery, 2, calls, group_timeout=20.0, transport="zmq") as ranks:
         port, seq = ranks.wait("ready", [0])[0]
         ranks.wait("ready", [1])
         ctx = zmq.Context()
@@ -505,7 +508,7 @@ def _waits_under_flood(ctx: RankCtx, what: str) -> Any:
 def test_a_garbage_flood_does_not_hide_a_timeout_or_a_lost_peer(what: str) -> None:
     """Garbage every few ms at rank 0's port: its timeout / loss detection stay on time."""
     timeout = 2.0
-    with Ranks(_waits_under_flood, 2, what, group_timeout=timeout, transport="tcp") as ranks:
+    with Ranks(_waits_under_flood, 2, what, group_timeout=timeout, transport="zmq") as ranks:
         port = ranks.wait("ready")[0]
         ctx = zmq.Context()
         s = ctx.socket(zmq.PUSH)
@@ -541,7 +544,22 @@ def _oversized_target(ctx: RankCtx) -> Any:
 
 
 @pytest.mark.parametrize("auth", ["on", "off"])
-@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_socket_plane_data_ports_refuse_connections_after_init(
+        auth: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the socket data plane a rank's listening port is closed once init returned:
+    a stranger cannot even connect (with or without the job secret)."""
+    _auth(monkeypatch, auth)
+    with Ranks(_oversized_target, 3, group_timeout=60.0, transport="tcp") as ranks:
+        ports = ranks.wait("ready")
+        for r in range(3):
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection(("127.0.0.1", ports[r]), timeout=5).close()
+        ranks.release()
+        ranks.results(timeout=30)
+
+
+@pytest.mark.parametrize("auth", ["on", "off"])
+@pytest.mark.parametrize("transport", ["zmq"])  # the socket plane's ports are closed (above)
 def test_an_oversized_frame_is_refused_without_allocating_it(
         transport: str, auth: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A ZMTP peer announcing a 1 GiB frame and sending 256 MiB of it: RSS stays flat

@@ -40,7 +40,9 @@ KILL_DETECTION_LIMIT = 2.0
 #: The group timeout of the stop tests.
 STOP_TIMEOUT = 2.5
 #: Both data paths: TCP (ranks on several hosts) and shared memory (ranks on one host).
-TRANSPORTS = ["tcp", "shm"]
+TRANSPORTS = ["tcp", "shm"]  # tcp: the default (socket) data plane
+#: Also on the ZeroMQ data plane (SWARMFD_DATA_PLANE=zmq): a representative subset.
+WITH_ZMQ = ["tcp", "zmq", "shm"]
 
 
 def _call(name: str, rank: int, world: int, root: int) -> Callable[[], Any]:
@@ -142,7 +144,7 @@ def test_sigkill_of_the_root_is_detected_fast(name: str, transport: str) -> None
     _kill_and_check(name, 3, 2, 2, transport)
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", WITH_ZMQ)
 def test_sigkill_of_rank_0_after_rendezvous_is_detected_fast(transport: str) -> None:
     """Rank 0 is not special once the group formed: its loss is noticed as fast."""
     _kill_and_check("all_reduce_large", 3, 0, 1, transport)
@@ -189,7 +191,7 @@ def _large_loop(ctx: RankCtx, victim: int, kill_after: int, inside: bool) -> Any
     return _until_error(ctx, loop)
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", WITH_ZMQ)
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("inside", [False, True], ids=["between-calls", "inside-a-call"])
 def test_sigkill_during_a_sequence_of_large_all_reduces(world: int, inside: bool,
@@ -307,7 +309,7 @@ def _stop_loop(ctx: RankCtx) -> Any:
     return info
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", WITH_ZMQ)
 def test_sigstop_during_a_loop_of_large_all_reduces(transport: str) -> None:
     """N=3, rank 2 stopped mid-loop: ranks 0 and 1 time out ~timeout after the stop."""
     victim = 2
@@ -548,7 +550,7 @@ def _late_to_a_mismatch(ctx: RankCtx) -> dict[str, Any]:
     return _until_error(ctx, lambda: fd.all_reduce(x), since=time.monotonic(), limit=3.0)
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", WITH_ZMQ)
 def test_a_rank_arriving_after_the_others_failed_learns_why(transport: str) -> None:
     """Rank 1 enters a collective after ranks 0 and 2 raised a mismatch and left the group:
     it raises the mismatch (sent to it as an abort), not a bare 'rank 2 is gone'."""
@@ -609,7 +611,7 @@ def _cleanup_after_loss(ctx: RankCtx) -> dict[str, Any]:
     return info
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", WITH_ZMQ)
 def test_cleanup_after_a_lost_peer_is_prompt(transport: str) -> None:
     """A survivor's cleanup() after PeerLostError returns within a second (exit is prompt)."""
     with Ranks(_cleanup_after_loss, 2, group_timeout=LONG_TIMEOUT, transport=transport) as ranks:

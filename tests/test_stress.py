@@ -21,7 +21,7 @@ import pytest
 
 import swarmfd as fd
 
-from .conftest import run_ranks
+from .conftest import run_ranks, transport_env
 from .robust_harness import record
 
 STEPS = 1000
@@ -139,13 +139,13 @@ def _stress(rank: int, world: int, seed: int, steps: int) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(("world", "transport"), [
-    (3, "tcp"), (3, "shm"), (4, "shm"),
+    (3, "tcp"), (3, "zmq"), (3, "shm"), (4, "shm"),
     pytest.param(4, "tcp", marks=pytest.mark.slow),  # about 60 s on 2 cores
 ])
 def test_1000_random_collectives(world: int, transport: str) -> None:
     """1000 random collectives: integers exact, float results identical on every rank."""
     seed = 20240 + world
-    env = {"SWARMFD_TRANSPORT": "tcp" if transport == "tcp" else "auto"}
+    env = transport_env(transport)
     t0 = time.monotonic()
     out = run_ranks(_stress, world, seed, STEPS, timeout=600, group_timeout=60, env=env)
     elapsed = time.monotonic() - t0

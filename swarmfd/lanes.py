@@ -1,0 +1,698 @@
+"""The socket data plane: plain TCP connections and a single-threaded progress engine.
+
+Why. On the unencrypted TCP path ZeroMQ itself was the floor: libzmq's I/O thread
+(two busy threads per rank, four for two ranks on a 2-core host), the hand-offs
+between it and Python, and a copy out of its receive buffers. Measured on loopback
+(N=2, both ranks send S bytes in 1 MiB pieces and receive S bytes): pyzmq
+PUSH/PULL took 9.5-10.2 ms for 16 MiB and 35-46 ms for 64 MiB whatever the
+options; one thread per rank doing non-blocking ``send`` + ``recv_into`` straight
+into the array took 6.2 ms and 20.5 ms. That is the model of MPI and gloo, and
+this module implements it:
+
+* one TCP connection per pair of ranks (the full mesh, rank i connects to every
+  j < i and accepts from every j > i), each with TCP_NODELAY and keepalive;
+* messages are the 40-byte :mod:`swarmfd.wire` header followed by exactly
+  ``nbytes`` payload bytes on the stream. Every header is validated (magic,
+  version, source = the connection's rank, ``nbytes <= MAX_PAYLOAD``); a bad one
+  makes the stream unusable: :class:`ProtocolError` naming the rank, and the
+  connection is dropped. Nothing is ever read past a validated length, nothing
+  is unpickled;
+* sends go out at once when the kernel takes them (header and payload in one
+  ``sendmsg``, no copy) and are otherwise queued: zero-copy views of the caller's
+  array, or a copy of the rest when the caller asked for one. Every wait
+  (receive, flush, close) drives every queued send while it waits, so two ranks
+  sending large buffers to each other never deadlock;
+* the awaited message's payload is read with ``recv_into`` straight into the
+  caller's buffer; small messages come in one ``recv`` with their header.
+
+Setup and security. The listening socket is bound when the transport is created
+and announced in the (CURVE-encrypted) rendezvous; after the mesh is connected it
+is closed, so once ``init`` returned a stranger cannot even connect. Each
+connection starts with a mutual handshake: both sides send magic, version, ranks
+and a random nonce, then (with a job secret) HMAC-SHA256 keyed with the *other*
+side's per-session data token, which only the rendezvous distributed. A
+connection that fails (bad magic, wrong or duplicate rank, bad HMAC, silence) is
+closed and counted, never admitted, never fatal. The bytes themselves travel in
+clear, as on the ZeroMQ PLAIN data plane; SWARMFD_ENCRYPT=1 uses ZeroMQ CURVE
+instead (see :mod:`swarmfd.transport`).
+
+This module only moves bytes; the message semantics (stash, signatures, aborts,
+timeouts, lost-peer grace) live in :class:`swarmfd.transport.Transport`, the
+same for both data planes.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import errno
+import hashlib
+import hmac
+import os
+import selectors
+import socket
+import struct
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from . import wire
+from .errors import AuthenticationError, ProtocolError, RendezvousTimeout
+
+#: Per-connection receive buffer: headers and small payloads arrive in one recv.
+RECV_BUFFER = 128 << 10
+#: Payloads up to this size are copied when they must be queued (the caller's buffer
+#: is then free at once); larger ones are queued as zero-copy views unless copy=True.
+SMALL_SEND = 64 << 10
+#: At most this many queued buffers go into one sendmsg.
+MAX_IOV = 64
+#: Handshake: magic, protocol version, sender rank, receiver rank (NO_RANK from a
+#: server, which does not know yet who connected), 16-byte nonce.
+HANDSHAKE_MAGIC = b"SWFDLANE"
+HELLO = struct.Struct("<8sBHH16s")
+NO_RANK = 0xFFFF
+MAC_SIZE = 32
+_MAC_LABEL = b"swarmfd socket data plane v1\0"
+#: Handshakes of unknown connections in progress at once; more are closed at accept.
+MAX_PENDING_HANDSHAKES = 64
+#: At close, how long to read (and drop) what peers still send until they close too.
+CLOSE_DRAIN = 1.0
+#: How long an unknown connection may take to complete its handshake.
+HANDSHAKE_TIMEOUT = 10.0
+
+
+class _Owner(Protocol):
+    """What the engine needs from its transport."""
+
+    lost: dict[int, float]
+    refused: set[int]
+
+
+def _now() -> float:
+    return time.monotonic()
+
+
+def _keepalive(sock: socket.socket, idle: int, intvl: int, cnt: int) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, intvl)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, cnt)
+
+
+def _mac(token: str, role: bytes, client: int, server: int, nonce_c: bytes,
+         nonce_s: bytes) -> bytes:
+    msg = _MAC_LABEL + role + struct.pack("<HH", client, server) + nonce_c + nonce_s
+    return hmac.new(token.encode(), msg, hashlib.sha256).digest()
+
+
+class _Lane:
+    """One established connection to a peer: its receive buffer and send queue."""
+
+    __slots__ = ("busy", "dead", "hdr", "mask", "muted", "out", "rank", "rbuf", "rend", "rstart",
+                 "rview", "sock", "zc")
+
+    def __init__(self, rank: int, sock: socket.socket) -> None:
+        self.rank = rank
+        self.sock = sock
+        self.rbuf = bytearray(RECV_BUFFER)
+        self.rview = memoryview(self.rbuf)
+        self.rstart = 0
+        self.rend = 0
+        self.hdr: wire.Header | None = None  # parsed, payload not read yet
+        self.busy = False  # its payload is being read
+        self.muted = False  # read interest off while a parsed header waits (see _select)
+        self.dead = False
+        self.out: collections.deque[list[Any]] = collections.deque()  # [view, zero-copy]
+        self.zc = 0  # queued zero-copy views of caller buffers
+        self.mask = 0
+
+
+class _Handshake:
+    """A connection whose handshake is in progress."""
+
+    def __init__(self, sock: socket.socket, peer: int, started: float,
+                 endpoint: str = "") -> None:
+        self.sock = sock
+        self.peer = peer  # expected rank (client side) or NO_RANK (server side)
+        self.endpoint = endpoint
+        self.started = started
+        self.connected = peer == NO_RANK  # accepted sockets are connected
+        self.nonce = os.urandom(16)
+        self.peer_nonce = b""
+        self.peer_rank = peer
+        self.inbuf = bytearray()
+        self.outbuf = b""
+        self.stage = "hello"  # then "mac", then "done"
+
+
+class Lanes:
+    """The full mesh of one rank and its progress engine (see module docstring)."""
+
+    def __init__(self, owner: _Owner, rank: int, world_size: int, bind_host: str,
+                 token: str, keepalive: tuple[int, int, int], wait_slice: float) -> None:
+        self.owner = owner
+        self.wait_slice = wait_slice
+        self.rank = rank
+        self.world_size = world_size
+        self.token = token
+        self.keepalive = keepalive
+        self.listener: socket.socket | None = socket.create_server((bind_host, 0),
+                                                                   backlog=128)
+        self.listener.setblocking(False)
+        self.endpoint = f"tcp://{bind_host}:{self.listener.getsockname()[1]}"
+        self.sel = selectors.DefaultSelector()
+        self.lanes: dict[int, _Lane] = {}
+        self.ready: collections.deque[_Lane] = collections.deque()
+        self.current: _Lane | None = None
+        #: Connections refused during setup (strangers, bad handshakes).
+        self.strangers = 0
+        self.closed = False
+
+    # -- setup --------------------------------------------------------------------------
+
+    def connect(self, peers: Sequence[Any], deadline: float) -> None:
+        """Connect the mesh (handshakes included) by ``deadline``, then stop listening."""
+        tokens = {p.rank: p.token for p in peers}
+        endpoints = {p.rank: p.endpoint for p in peers}
+        hs_sel = selectors.DefaultSelector()
+        assert self.listener is not None
+        hs_sel.register(self.listener, selectors.EVENT_READ, None)
+        pending: dict[socket.socket, _Handshake] = {}
+        retry_at: dict[int, float] = {j: 0.0 for j in range(self.rank)}
+        try:
+            while len(self.lanes) < self.world_size - 1:
+                now = _now()
+                if now > deadline:
+                    missing = sorted(set(range(self.world_size)) - {self.rank}
+                                     - set(self.lanes))
+                    raise RendezvousTimeout(
+                        f"rank {self.rank} could not set up its data connections with "
+                        f"rank(s) {missing} within the timeout (socket data plane at "
+                        f"{self.endpoint}; {self.strangers} stranger connection(s) refused)"
+                    )
+                for j, at in list(retry_at.items()):
+                    if at <= now:
+                        del retry_at[j]
+                        hs = self._dial(j, endpoints[j], now)
+                        pending[hs.sock] = hs
+                        hs_sel.register(hs.sock, selectors.EVENT_READ | selectors.EVENT_WRITE,
+                                        hs)
+                for key, _ in hs_sel.select(min(0.05, max(0.0, deadline - now))):
+                    if key.data is None:
+                        self._accept(hs_sel, pending, now)
+                        continue
+                    hs = key.data
+                    try:
+                        done = self._step(hs, tokens)
+                    except (OSError, ValueError) as exc:
+                        self._drop(hs_sel, pending, hs)
+                        if hs.peer == NO_RANK:
+                            self.strangers += 1
+                            continue
+                        if not hs.connected or isinstance(exc, ConnectionRefusedError):
+                            retry_at[hs.peer] = _now() + 0.1  # not listening (yet)
+                            continue
+                        raise AuthenticationError(
+                            f"rank {self.rank}: rank {hs.peer}'s data socket ({hs.endpoint}) "
+                            f"refused this rank's handshake ({exc}); does it run with another "
+                            "job secret or SWARMFD_AUTH setting?"
+                        ) from None
+                    if done:
+                        hs_sel.unregister(hs.sock)
+                        del pending[hs.sock]
+                        self._admit(hs)
+                    else:
+                        hs_sel.modify(hs.sock, selectors.EVENT_READ
+                                      | (selectors.EVENT_WRITE if hs.outbuf or not hs.connected
+                                         else 0), hs)
+                for hs in [h for h in pending.values() if h.peer == NO_RANK
+                           and _now() - h.started > HANDSHAKE_TIMEOUT]:
+                    self._drop(hs_sel, pending, hs)
+                    self.strangers += 1
+        finally:
+            for hs in list(pending.values()):
+                self._drop(hs_sel, pending, hs)
+            hs_sel.close()
+            self.stop_listening()
+
+    def stop_listening(self) -> None:
+        """Close the listening socket: nobody can connect any more."""
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+
+    def _dial(self, j: int, endpoint: str, now: float) -> _Handshake:
+        host, port = endpoint.rsplit("/", 1)[-1].rsplit(":", 1)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        err = sock.connect_ex((host, int(port)))
+        hs = _Handshake(sock, j, now, endpoint)
+        if err not in (0, errno.EINPROGRESS):
+            hs.connected = False
+        hs.outbuf = HELLO.pack(HANDSHAKE_MAGIC, wire.PROTOCOL_VERSION, self.rank, j, hs.nonce)
+        return hs
+
+    def _accept(self, hs_sel: selectors.BaseSelector,
+                pending: dict[socket.socket, _Handshake], now: float) -> None:
+        assert self.listener is not None
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            if len(pending) >= MAX_PENDING_HANDSHAKES:
+                sock.close()
+                self.strangers += 1
+                continue
+            sock.setblocking(False)
+            hs = _Handshake(sock, NO_RANK, now)
+            hs.outbuf = HELLO.pack(HANDSHAKE_MAGIC, wire.PROTOCOL_VERSION, self.rank, NO_RANK,
+                                   hs.nonce)
+            pending[sock] = hs
+            hs_sel.register(sock, selectors.EVENT_READ | selectors.EVENT_WRITE, hs)
+
+    def _drop(self, hs_sel: selectors.BaseSelector,
+              pending: dict[socket.socket, _Handshake], hs: _Handshake) -> None:
+        pending.pop(hs.sock, None)
+        with contextlib.suppress(KeyError, ValueError):
+            hs_sel.unregister(hs.sock)
+        hs.sock.close()
+
+    def _step(self, hs: _Handshake, tokens: dict[int, str]) -> bool:
+        """Advance one handshake; True when the peer is proven. Raises on a bad peer."""
+        sock = hs.sock
+        if not hs.connected:
+            err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err == errno.EINPROGRESS:
+                return False
+            if err:
+                raise ConnectionRefusedError(err, os.strerror(err))
+            hs.connected = True
+        if hs.outbuf:
+            try:
+                n = sock.send(hs.outbuf)
+            except BlockingIOError:
+                n = 0
+            hs.outbuf = hs.outbuf[n:]
+        need = HELLO.size if hs.stage == "hello" else MAC_SIZE
+        while hs.stage != "done":
+            try:
+                data = sock.recv(need - len(hs.inbuf))
+            except BlockingIOError:
+                break
+            if not data:
+                raise ConnectionResetError("connection closed during the handshake")
+            hs.inbuf += data
+            if len(hs.inbuf) < need:
+                break
+            msg, hs.inbuf = bytes(hs.inbuf), bytearray()
+            if hs.stage == "hello":
+                self._check_hello(hs, msg)
+                if not self.token:
+                    hs.stage = "done"
+                    break
+                hs.stage, need = "mac", MAC_SIZE
+                if hs.peer != NO_RANK:  # the client proves itself first
+                    self._send_mac(hs, tokens)
+            else:
+                client, server, nc, ns = self._roles(hs)
+                role = b"s" if self.rank > hs.peer_rank else b"c"
+                if not hmac.compare_digest(msg, _mac(self.token, role, client, server, nc, ns)):
+                    raise ValueError(f"bad handshake MAC from a connection claiming rank "
+                                     f"{hs.peer_rank}")
+                if hs.peer == NO_RANK:  # the server answers only a proven client
+                    self._send_mac(hs, tokens)
+                hs.stage = "done"
+        return hs.stage == "done" and not hs.outbuf
+
+    def _send_mac(self, hs: _Handshake, tokens: dict[int, str]) -> None:
+        client, server, nc, ns = self._roles(hs)
+        role = b"c" if hs.peer != NO_RANK else b"s"
+        hs.outbuf += _mac(tokens[hs.peer_rank], role, client, server, nc, ns)
+        try:
+            n = hs.sock.send(hs.outbuf)
+        except BlockingIOError:
+            n = 0
+        hs.outbuf = hs.outbuf[n:]
+
+    def _check_hello(self, hs: _Handshake, msg: bytes) -> None:
+        magic, version, sender, receiver, nonce = HELLO.unpack(msg)
+        if magic != HANDSHAKE_MAGIC:
+            raise ValueError(f"bad handshake magic {magic!r}")
+        if version != wire.PROTOCOL_VERSION:
+            raise ValueError(f"peer speaks swarmfd wire protocol version {version}, this "
+                             f"process speaks {wire.PROTOCOL_VERSION}")
+        if hs.peer == NO_RANK:  # we accepted: only higher ranks connect to us
+            if receiver != self.rank or not self.rank < sender < self.world_size:
+                raise ValueError(f"handshake from rank {sender} for rank {receiver}")
+            if sender in self.lanes:
+                raise ValueError(f"duplicate connection from rank {sender}")
+        elif sender != hs.peer:
+            raise ValueError(f"expected rank {hs.peer}, the peer says it is rank {sender}")
+        hs.peer_rank = sender
+        hs.peer_nonce = nonce
+
+    def _roles(self, hs: _Handshake) -> tuple[int, int, bytes, bytes]:
+        """(client rank, server rank, client nonce, server nonce) of a handshake."""
+        peer = hs.peer_rank
+        if peer < self.rank:  # we connected: we are the client
+            return self.rank, peer, hs.nonce, hs.peer_nonce
+        return peer, self.rank, hs.peer_nonce, hs.nonce
+
+    def _admit(self, hs: _Handshake) -> None:
+        rank = hs.peer_rank
+        if rank in self.lanes:  # a duplicate that raced its twin (AUTH=off)
+            hs.sock.close()
+            self.strangers += 1
+            return
+        sock = hs.sock
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _keepalive(sock, *self.keepalive)
+        # SO_SNDBUF/SO_RCVBUF stay the kernel's (autotuned): 1 MiB and 4 MiB buffers
+        # measured no better at 64 KiB-64 MiB (interleaved compare.py runs, N=2).
+        lane = _Lane(rank, sock)
+        self.lanes[rank] = lane
+        lane.mask = selectors.EVENT_READ
+        self.sel.register(sock, lane.mask, lane)
+
+    # -- sending ------------------------------------------------------------------------
+
+    def send(self, dst: int, kind: int, sig: wire.Signature, seq: int, tag: int,
+             payload: Any, size: int, copy: bool) -> None:
+        """Send one message to ``dst`` now, or queue what the kernel did not take."""
+        lane = self.lanes[dst]
+        if lane.dead:
+            return  # the receive side reports the loss
+        header = wire.pack_header(kind, sig, self.rank, seq, tag, size)
+        view = memoryview(payload).cast("B") if size else None
+        if lane.out:
+            lane.out.append([memoryview(header), False])
+            if view is not None:
+                self._queue(lane, view, copy)
+            self._push(lane)
+            return
+        try:
+            n = lane.sock.sendmsg([header, view]) if view is not None else lane.sock.send(header)
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        except OSError:
+            self._lost(lane)
+            return
+        if n < len(header):
+            lane.out.append([memoryview(header)[n:], False])
+            n = 0
+        else:
+            n -= len(header)
+        if view is not None and n < size:
+            self._queue(lane, view[n:], copy)
+        self._update(lane)
+
+    def _queue(self, lane: _Lane, view: memoryview, copy: bool) -> None:
+        if copy or len(view) <= SMALL_SEND:
+            lane.out.append([memoryview(bytes(view)), False])
+        else:
+            lane.out.append([view, True])
+            lane.zc += 1
+
+    def send_all(self, header: bytes, body: bytes) -> None:
+        """Best effort: queue ``header + body`` to every live peer (aborts, reports)."""
+        for lane in self.lanes.values():
+            if not lane.dead:
+                lane.out.append([memoryview(header + body), False])
+                self._push(lane)
+
+    def _push(self, lane: _Lane) -> bool:
+        """Send what the kernel takes from ``lane``'s queue; True on progress."""
+        out = lane.out
+        if not out or lane.dead:
+            return False
+        try:
+            n = lane.sock.sendmsg([item[0] for item in list(out)[:MAX_IOV]])
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            self._lost(lane)
+            return False
+        sent = n
+        while n:
+            item = out[0]
+            size = len(item[0])
+            if n >= size:
+                n -= size
+                out.popleft()
+                if item[1]:
+                    lane.zc -= 1
+            else:
+                item[0] = item[0][n:]
+                n = 0
+        self._update(lane)
+        return sent > 0
+
+    def _push_all(self) -> None:
+        for lane in self.lanes.values():
+            if lane.out:
+                self._push(lane)
+
+    def unsent(self) -> list[int]:
+        """Peers with queued bytes. All of them, not only views of caller buffers: with no
+        I/O thread, bytes left queued would move only when this rank next calls in, and a
+        peer may need them to finish the collective this rank is leaving."""
+        return [lane.rank for lane in self.lanes.values() if lane.out and not lane.dead]
+
+    def pending_bytes(self) -> bool:
+        return any(lane.out and not lane.dead for lane in self.lanes.values())
+
+    # -- receiving ----------------------------------------------------------------------
+
+    def next_header(self, timeout: float) -> wire.Header | None:
+        """The next message's header (its payload must then be read with
+        :meth:`read_payload`), or None after ``timeout`` seconds; drives sends."""
+        if self.ready:
+            return self._take()
+        for lane in self.lanes.values():
+            if lane.hdr is None and not lane.busy and not lane.dead:
+                self._pump(lane)
+        return self._progress(timeout, until_sent=False)
+
+    def _progress(self, timeout: float, until_sent: bool) -> wire.Header | None:
+        """Drive sends and receives until a header is ready (returned), ``timeout`` s
+        passed or, ``until_sent``, the send queues are empty (None)."""
+        end = _now() + timeout
+        while not self.ready:
+            self._push_all()
+            if until_sent and not self.unsent():
+                return None
+            wait = end - _now()
+            if wait <= 0:
+                return None
+            self._select(wait)
+        return self._take()
+
+    def _select(self, wait: float) -> bool:
+        """One wait for readiness; pumps readable lanes and pushes writable ones."""
+        progress = False
+        for key, mask in self.sel.select(wait):
+            lane = key.data
+            if mask & selectors.EVENT_WRITE:
+                progress |= self._push(lane)
+            if not mask & selectors.EVENT_READ:
+                continue
+            if lane.busy:
+                progress = True  # its payload reader takes it
+            elif lane.hdr is not None:
+                # Readable, but its header waits for its payload to be read: stop
+                # watching it until then (else every wait would return at once).
+                lane.muted = True
+                self._update(lane)
+            else:
+                progress |= self._pump(lane)
+        return progress
+
+    def _take(self) -> wire.Header:
+        lane = self.ready.popleft()
+        hdr = lane.hdr
+        assert hdr is not None
+        lane.hdr = None
+        self.current = lane
+        return hdr
+
+    def _pump(self, lane: _Lane) -> bool:
+        """Read what is available into ``lane``'s buffer until a header is complete."""
+        if lane.hdr is not None or lane.dead:
+            return False
+        if self._parse(lane):
+            return True
+        if lane.rstart and lane.rstart == lane.rend:
+            lane.rstart = lane.rend = 0
+        elif lane.rstart > RECV_BUFFER // 2:
+            left = lane.rend - lane.rstart
+            lane.rview[:left] = lane.rview[lane.rstart:lane.rend]
+            lane.rstart, lane.rend = 0, left
+        try:
+            n = lane.sock.recv_into(lane.rview[lane.rend:])
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            n = 0
+        if n == 0:
+            self._lost(lane)
+            return True
+        lane.rend += n
+        self._parse(lane)
+        return True
+
+    def _parse(self, lane: _Lane) -> bool:
+        """Decode a complete header from ``lane``'s buffer; raise when it is not one."""
+        if lane.rend - lane.rstart < wire.HEADER_SIZE:
+            return False
+        start = lane.rstart
+        raw = lane.rview[start:start + wire.HEADER_SIZE]
+        try:
+            hdr = wire.unpack_header(raw)
+            if hdr.src != lane.rank:
+                raise ProtocolError(f"a header claims source rank {hdr.src}")
+            if hdr.nbytes > wire.MAX_PAYLOAD or hdr.inline:
+                raise ProtocolError(f"a header announces {hdr.nbytes} payload bytes "
+                                    f"(at most {wire.MAX_PAYLOAD}, never inline)")
+        except ProtocolError as exc:
+            self._lost(lane)
+            raise ProtocolError(
+                f"rank {lane.rank} sent bytes that are not a swarmfd message on its data "
+                f"connection ({exc}); the connection is dropped"
+            ) from None
+        lane.rstart += wire.HEADER_SIZE
+        lane.hdr = hdr
+        self.ready.append(lane)
+        return True
+
+    def read_payload(self, hdr: wire.Header, into: Any,
+                     between: Callable[[], None], keep: bool = False) -> Any:
+        """Read the payload of the header :meth:`next_header` returned: into ``into``
+        (returns None) or into a new bytearray (returned; ``keep`` changes nothing here).
+        Calls ``between`` after every wait slice without progress (it raises on a
+        deadline or a lost peer)."""
+        lane = self.current
+        assert lane is not None
+        self.current = None
+        n = hdr.nbytes
+        buf = bytearray(n) if into is None else None
+        target = memoryview(buf if buf is not None else into).cast("B")
+        got = min(n, lane.rend - lane.rstart)
+        if got:
+            target[:got] = lane.rview[lane.rstart:lane.rstart + got]
+            lane.rstart += got
+        if lane.muted:
+            lane.muted = False
+            self._update(lane)
+        if got < n:
+            lane.busy = True
+            try:
+                self._read_rest(lane, target, got, n, between)
+            finally:
+                lane.busy = False
+        if not lane.dead:
+            self._parse(lane)
+        return buf
+
+    def _read_rest(self, lane: _Lane, target: memoryview, got: int, n: int,
+                   between: Callable[[], None]) -> None:
+        sock = lane.sock
+        last = _now()
+        while got < n:
+            if not lane.dead:
+                try:
+                    k = sock.recv_into(target[got:])
+                except (BlockingIOError, InterruptedError):
+                    k = -1
+                except OSError:
+                    k = 0
+                if k > 0:
+                    got += k
+                    continue
+                if k == 0:
+                    self._lost(lane)
+            self._push_all()
+            if _now() - last >= self.wait_slice:
+                between()
+                last = _now()
+            self._select(self.wait_slice)
+
+    def skip(self, hdr: wire.Header, between: Callable[[], None]) -> None:
+        """Read and drop the payload of the current header."""
+        self.read_payload(hdr, None, between)
+
+    def wait(self, timeout: float) -> wire.Header | None:
+        """Drive queued sends until they are all out (None), or ``timeout`` s passed
+        (None), or a message arrived meanwhile (its header; its payload must then be
+        read: a peer may be flushing towards this rank at the same time)."""
+        return self._progress(timeout, until_sent=True)
+
+    # -- bookkeeping --------------------------------------------------------------------
+
+    def _update(self, lane: _Lane) -> None:
+        if lane.dead:
+            return
+        mask = (0 if lane.muted else selectors.EVENT_READ) | (
+            selectors.EVENT_WRITE if lane.out else 0)
+        if mask != lane.mask:
+            if lane.mask == 0:
+                self.sel.register(lane.sock, mask, lane)
+            elif mask == 0:
+                self.sel.unregister(lane.sock)
+            else:
+                self.sel.modify(lane.sock, mask, lane)
+            lane.mask = mask
+
+    def _lost(self, lane: _Lane) -> None:
+        """``lane``'s connection closed or broke: no more data will come from it."""
+        if lane.dead:
+            return
+        lane.dead = True
+        if lane.mask:
+            self.sel.unregister(lane.sock)
+            lane.mask = 0
+        lane.out.clear()
+        lane.zc = 0
+        self.owner.lost.setdefault(lane.rank, _now())
+
+    def close(self, linger: float) -> None:
+        """Give queued sends up to ``linger`` seconds, then close every socket."""
+        if self.closed:
+            return
+        self.closed = True
+        end = _now() + linger
+        while self.pending_bytes() and _now() < end:
+            self._push_all()
+            if self.pending_bytes():
+                self.sel.select(min(0.05, max(0.0, end - _now())))
+        self.stop_listening()
+        # Closing a socket with unread bytes makes the kernel send a reset, which destroys
+        # what the peer has not read yet (the abort this rank just sent, say). So: end
+        # our side (FIN after the queued bytes) and read until the peers end theirs.
+        live = [lane for lane in self.lanes.values() if not lane.dead]
+        for lane in live:
+            with contextlib.suppress(OSError):
+                lane.sock.shutdown(socket.SHUT_WR)
+            lane.out.clear()
+            lane.hdr = None
+            lane.muted = False
+            self._update(lane)  # read interest only
+        end = min(end, _now() + CLOSE_DRAIN)
+        while live and _now() < end:
+            for key, _ in self.sel.select(min(0.05, max(0.0, end - _now()))):
+                lane = key.data
+                try:
+                    n = lane.sock.recv_into(lane.rview)
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    n = 0
+                if n == 0:
+                    self._lost(lane)
+            live = [lane for lane in live if not lane.dead]
+        for lane in self.lanes.values():
+            lane.sock.close()
+        self.sel.close()
+

@@ -1,0 +1,427 @@
+"""The socket data plane (swarmfd/lanes.py): selection, setup, handshake, framing, flow.
+
+Most tests build two :class:`Transport` objects in this process (one thread
+connects each, as two ranks would) and talk to them directly, so that a test can
+write raw bytes where a peer or a stranger would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from swarmfd import lanes, transport, wire
+from swarmfd.config import data_plane
+from swarmfd.errors import ConfigError, ProtocolError
+
+from .conftest import run_ranks_raw
+from .robust_harness import RankCtx, Ranks
+
+SECRET = b"s" * 40
+SIG = wire.Signature(wire.Collective.ALL_REDUCE, wire.ReduceOp.SUM, 5, wire.NO_ROOT, 1, 0)
+
+
+# -- selection ------------------------------------------------------------------------------
+
+
+def test_the_socket_plane_is_the_default_and_encryption_selects_zmq() -> None:
+    assert data_plane({}) == "socket"
+    assert data_plane({"SWARMFD_DATA_PLANE": " ZMQ "}) == "zmq"
+    assert data_plane({"SWARMFD_ENCRYPT": "1"}) == "zmq"
+    assert data_plane({"SWARMFD_ENCRYPT": "1", "SWARMFD_DATA_PLANE": "zmq"}) == "zmq"
+    assert data_plane({"SWARMFD_ENCRYPT": "0", "SWARMFD_DATA_PLANE": "socket"}) == "socket"
+
+
+def test_an_unknown_data_plane_is_a_config_error_naming_the_choices() -> None:
+    with pytest.raises(ConfigError, match=r"SWARMFD_DATA_PLANE='udp' is invalid: expected "
+                                          r"'socket' .* or 'zmq'"):
+        data_plane({"SWARMFD_DATA_PLANE": "udp"})
+
+
+def test_the_socket_plane_cannot_encrypt() -> None:
+    with pytest.raises(ConfigError, match="SWARMFD_DATA_PLANE=socket cannot be combined with "
+                                          "SWARMFD_ENCRYPT=1: the socket data plane does not "
+                                          "encrypt"):
+        data_plane({"SWARMFD_DATA_PLANE": "socket", "SWARMFD_ENCRYPT": "1"})
+
+
+def _plane_of_rank(ctx: RankCtx) -> str:
+    os.environ["SWARMFD_DATA_PLANE"] = "zmq" if ctx.rank == 1 else "socket"
+    try:
+        ctx.init()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "joined"
+
+
+def test_ranks_on_different_data_planes_refuse_to_start() -> None:
+    with Ranks(_plane_of_rank, 2, group_timeout=15.0, init=False) as ranks:
+        out = ranks.results(timeout=40)
+    assert set(out) == {0, 1}
+    for r, text in out.items():
+        assert text.startswith("RendezvousError") and "data plane mismatch: rank 1 uses " \
+            "SWARMFD_DATA_PLANE='zmq', rank 0 uses SWARMFD_DATA_PLANE='socket'" in text, (r, text)
+
+
+def _which_plane(rank: int, world: int) -> str:
+    from swarmfd import group
+
+    t = group.current().transport
+    assert t is not None
+    return t.plane
+
+
+def test_a_bad_data_plane_setting_stops_init_with_a_config_error() -> None:
+    out = run_ranks_raw(_which_plane, 2, env={"SWARMFD_TRANSPORT": "tcp",
+                                              "SWARMFD_DATA_PLANE": "pigeon"}, timeout=60)
+    assert set(out) == {0, 1}
+    assert all(not ok and "ConfigError" in tb and "SWARMFD_DATA_PLANE='pigeon'" in tb
+               for ok, tb in out.values()), out
+
+
+# -- an in-process pair of transports -------------------------------------------------------
+
+
+def _make(rank: int, security: transport.Security | None, timeout: float = 10.0
+          ) -> transport.Transport:
+    return transport.Transport(rank, 2, timeout, "127.0.0.1", security, "socket")
+
+
+def _info(t: transport.Transport) -> transport.PeerInfo:
+    return transport.PeerInfo(t.rank, t.endpoint, "localhost", os.getpid(), "", t.token,
+                              t.plane)
+
+
+def _connect_all(ts: list[transport.Transport], timeout: float = 10.0) -> None:
+    peers = [_info(t) for t in ts]
+    errors: list[BaseException] = []
+
+    def run(t: transport.Transport) -> None:
+        try:
+            t.connect(peers, time.monotonic() + timeout)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in ts]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout + 5)
+    if errors:
+        raise errors[0]
+
+
+@pytest.fixture(params=["secret", "no-auth"])
+def pair(request: pytest.FixtureRequest) -> Iterator[list[transport.Transport]]:
+    sec = transport.Security.from_secret(SECRET, False) if request.param == "secret" else None
+    ts = [_make(0, sec), _make(1, sec)]
+    try:
+        _connect_all(ts)
+        yield ts
+    finally:
+        for t in ts:
+            t.close(linger=0)
+
+
+def _port(t: transport.Transport) -> int:
+    return int(t.endpoint.rsplit(":", 1)[1])
+
+
+def _lane_sock(t: transport.Transport, peer: int) -> socket.socket:
+    ch = t.ch
+    assert isinstance(ch, lanes.Lanes)
+    return ch.lanes[peer].sock
+
+
+def test_the_listening_port_is_closed_after_setup(pair: list[transport.Transport]) -> None:
+    for t in pair:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", _port(t)), timeout=2).close()
+
+
+def _stranger(port: int, payload: bytes) -> bytes:
+    """Connect, send ``payload``, return what came back before the server closed."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    got = b""
+    try:
+        s.sendall(payload)
+        s.shutdown(socket.SHUT_WR)
+        while True:
+            chunk = s.recv(4096)
+            if not chunk:
+                return got
+            got += chunk
+    except (ConnectionResetError, TimeoutError):
+        return got
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("auth", ["secret", "no-auth"])
+def test_strangers_during_setup_are_refused_and_counted(auth: str) -> None:
+    sec = transport.Security.from_secret(SECRET, False) if auth == "secret" else None
+    t0, t1 = _make(0, sec), _make(1, sec)
+    peers = [_info(t0), _info(t1)]
+    errors: list[BaseException] = []
+
+    def setup0() -> None:
+        try:
+            t0.connect(peers, time.monotonic() + 20)
+        except BaseException as exc:
+            errors.append(exc)
+
+    th = threading.Thread(target=setup0)
+    th.start()
+    try:
+        port = _port(t0)
+        replies = [
+            _stranger(port, os.urandom(300)),  # garbage
+            _stranger(port, b"GET / HTTP/1.0\r\n\r\n"),
+            # a well-formed hello claiming a rank that does not exist
+            _stranger(port, lanes.HELLO.pack(lanes.HANDSHAKE_MAGIC, wire.PROTOCOL_VERSION, 7,
+                                             0, os.urandom(16))),
+        ]
+        if sec is not None:
+            # rank 1's hello, then a MAC made with the wrong token
+            hello = lanes.HELLO.pack(lanes.HANDSHAKE_MAGIC, wire.PROTOCOL_VERSION, 1, 0,
+                                     os.urandom(16))
+            replies.append(_stranger(port, hello + b"\0" * lanes.MAC_SIZE))
+        # a silent stranger holds a connection open while the real rank 1 joins
+        silent = socket.create_connection(("127.0.0.1", port), timeout=5)
+        # Every stranger got at most the server's hello before being dropped.
+        assert all(len(r) <= lanes.HELLO.size for r in replies), replies
+        t1.connect(peers, time.monotonic() + 20)
+        th.join(20)
+        assert not errors, errors
+        silent.close()
+        ch = t0.ch
+        assert isinstance(ch, lanes.Lanes)
+        assert ch.strangers >= len(replies), ch.strangers
+        assert set(ch.lanes) == {1}
+        # ... and the real pair works.
+        t1.send(0, SIG, 1, 0, b"\1\2\3\4")
+        assert bytes(t0.recv(1, SIG, 1, 0, 4)) == b"\1\2\3\4"
+    finally:
+        th.join(25)
+        t0.close(linger=0)
+        t1.close(linger=0)
+
+
+def test_a_stranger_with_the_wrong_token_is_refused_by_hmac() -> None:
+    """A client that knows the protocol but not rank 0's token: its MAC fails."""
+    sec = transport.Security.from_secret(SECRET, False)
+    t0 = _make(0, sec)
+    try:
+        s = socket.create_connection(("127.0.0.1", _port(t0)), timeout=5)
+        nonce_c = os.urandom(16)
+        s.sendall(lanes.HELLO.pack(lanes.HANDSHAKE_MAGIC, wire.PROTOCOL_VERSION, 1, 0, nonce_c))
+        threading.Thread(target=lambda: _swallow(t0), daemon=True).start()
+        reply = b""
+        while len(reply) < lanes.HELLO.size:
+            reply += s.recv(lanes.HELLO.size - len(reply))
+        magic, _, sender, _, nonce_s = lanes.HELLO.unpack(reply)
+        assert magic == lanes.HANDSHAKE_MAGIC and sender == 0
+        s.sendall(lanes._mac("not-the-token", b"c", 1, 0, nonce_c, nonce_s))
+        rest = b""
+        with pytest.raises((ConnectionResetError, AssertionError)):
+            while True:
+                chunk = s.recv(64)
+                assert chunk, "closed"
+                rest += chunk
+        # The server may have sent its own MAC (keyed with the claimed rank's token, which
+        # tells the stranger nothing), but it closed the connection.
+        assert len(rest) <= lanes.MAC_SIZE
+        s.close()
+        deadline = time.monotonic() + 5
+        ch = t0.ch
+        assert isinstance(ch, lanes.Lanes)
+        while ch.strangers < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ch.strangers >= 1 and not ch.lanes
+    finally:
+        t0.close(linger=0)
+
+
+def _swallow(t: transport.Transport) -> None:
+    """Run rank 0's setup alone (its peer never comes): it times out, as it should."""
+    peers = [_info(t), transport.PeerInfo(1, "tcp://127.0.0.1:1", "x", 1, "", "tok", "socket")]
+    with contextlib.suppress(Exception):
+        t.connect(peers, time.monotonic() + 3)
+
+
+def test_a_peer_that_refuses_the_handshake_is_an_authentication_error() -> None:
+    """Rank 1 holds a table with another token for rank 0: rank 0 refuses it."""
+    sec = transport.Security.from_secret(SECRET, False)
+    t0, t1 = _make(0, sec), _make(1, sec)
+    errors: dict[int, BaseException] = {}
+    good = [_info(t0), _info(t1)]
+    bad = [transport.PeerInfo(0, t0.endpoint, "h", 1, "", "wrong-token", "socket"), good[1]]
+
+    def run(t: transport.Transport, peers: list[transport.PeerInfo]) -> None:
+        try:
+            t.connect(peers, time.monotonic() + 4)
+        except BaseException as exc:
+            errors[t.rank] = exc
+
+    try:
+        th = [threading.Thread(target=run, args=(t0, good)),
+              threading.Thread(target=run, args=(t1, bad))]
+        for x in th:
+            x.start()
+        for x in th:
+            x.join(15)
+        assert type(errors[1]).__name__ == "AuthenticationError", errors
+        assert "rank 0's data socket" in str(errors[1]) and "refused" in str(errors[1])
+        assert "RendezvousTimeout" in type(errors[0]).__name__, errors
+    finally:
+        t0.close(linger=0)
+        t1.close(linger=0)
+
+
+# -- framing --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", ["magic", "src", "nbytes", "version"])
+def test_a_corrupt_header_is_a_protocol_error_naming_the_peer(
+        pair: list[transport.Transport], bad: str) -> None:
+    t0, t1 = pair
+    header = bytearray(wire.pack_header(wire.Kind.DATA, SIG, 1, 1, 0, 4))
+    if bad == "magic":
+        header[:4] = b"EVIL"
+    elif bad == "version":
+        header[4] = 99
+    elif bad == "src":
+        header[:] = wire.pack_header(wire.Kind.DATA, SIG, 0, 1, 0, 4)
+    else:
+        header[:] = wire.pack_header(wire.Kind.DATA, SIG, 1, 1, 0, wire.MAX_PAYLOAD + 1)
+    _lane_sock(t1, 0).sendall(bytes(header) + b"\0" * 64)
+    start = time.monotonic()
+    with pytest.raises(ProtocolError, match="rank 1 sent bytes that are not a swarmfd message"):
+        t0.recv(1, SIG, 1, 0, 4)
+    assert time.monotonic() - start < 5
+
+
+def _exchange(t: transport.Transport, peer: int, out: np.ndarray, back: np.ndarray,
+              piece: int, copy: bool, errors: list[BaseException]) -> None:
+    try:
+        n = out.nbytes // piece
+        ob, ib = out.view(np.uint8), back.view(np.uint8)
+        for j in range(n):
+            t.send(peer, SIG, 1, j, ob[j * piece:(j + 1) * piece], copy=copy)
+        for j in range(n):
+            t.recv(peer, SIG, 1, j, piece, into=ib[j * piece:(j + 1) * piece])
+        t.flush()
+    except BaseException as exc:
+        errors.append(exc)
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_large_exchanges_both_ways_at_once_do_not_deadlock(
+        pair: list[transport.Transport], copy: bool) -> None:
+    size, piece = 48 << 20, wire.PIECE_BYTES
+    outs = [np.random.default_rng(r).integers(0, 255, size, np.uint8) for r in (0, 1)]
+    backs = [np.empty(size, np.uint8) for _ in (0, 1)]
+    errors: list[BaseException] = []
+    th = [threading.Thread(target=_exchange, args=(pair[r], 1 - r, outs[r], backs[r], piece,
+                                                   copy, errors)) for r in (0, 1)]
+    for x in th:
+        x.start()
+    for x in th:
+        x.join(60)
+    assert not any(x.is_alive() for x in th), "the exchange deadlocked"
+    assert not errors, errors
+    assert np.array_equal(backs[0], outs[1]) and np.array_equal(backs[1], outs[0])
+
+
+def test_flush_returns_only_when_the_buffer_is_no_longer_read(
+        pair: list[transport.Transport]) -> None:
+    """Zero-copy sends: after flush the caller may overwrite; the peer gets the old bytes."""
+    t0, t1 = pair
+    n = 8
+    data = np.arange(n * wire.PIECE_BYTES // 8, dtype=np.int64)
+    want = data.copy()
+    pieces = np.split(data.view(np.uint8), n)
+    got = np.empty_like(data)
+    gpieces = np.split(got.view(np.uint8), n)
+    for j, p in enumerate(pieces):
+        t0.send(1, SIG, 1, j, p)
+    ch = t0.ch
+    assert isinstance(ch, lanes.Lanes)
+    assert ch.unsent() == [1], "8 MiB should not all fit in the kernel's buffers"
+    done = threading.Event()
+
+    def reader() -> None:
+        time.sleep(0.3)  # the flush below must wait for this reader
+        for j, p in enumerate(gpieces):
+            t1.recv(0, SIG, 1, j, p.nbytes, into=p)
+        done.set()
+
+    threading.Thread(target=reader, daemon=True).start()
+    t0.flush()
+    assert ch.unsent() == []
+    data[:] = -1  # the caller reuses its buffer at once
+    assert done.wait(20)
+    assert np.array_equal(got, want)
+
+
+def test_copy_true_leaves_the_buffer_free_at_once(pair: list[transport.Transport]) -> None:
+    t0, t1 = pair
+    n = 8
+    data = np.arange(n * wire.PIECE_BYTES // 8, dtype=np.int64)
+    want = data.copy()
+    for j, p in enumerate(np.split(data.view(np.uint8), n)):
+        t0.send(1, SIG, 1, j, p, copy=True)
+    ch = t0.ch
+    assert isinstance(ch, lanes.Lanes)
+    assert ch.lanes[1].zc == 0, "copy=True must not keep views of the caller's buffer"
+    data[:] = -1
+    sender = threading.Thread(target=t0.flush)  # keeps the queued copies moving
+    sender.start()
+    got = np.empty_like(want)
+    for j, p in enumerate(np.split(got.view(np.uint8), n)):
+        t1.recv(0, SIG, 1, j, p.nbytes, into=p)
+    sender.join(10)
+    assert np.array_equal(got, want)
+
+
+def test_messages_are_matched_by_source_call_and_tag(pair: list[transport.Transport]) -> None:
+    """Out-of-order tags and small + large messages: each lands where it is asked for."""
+    t0, t1 = pair
+    sizes = [0, 3, 5000, 70_000, wire.PIECE_BYTES]
+    blobs = [os.urandom(s) for s in sizes]
+    for tag, b in enumerate(blobs):
+        t0.send(1, SIG, 2, tag, b)
+    t0.flush()
+    for tag in reversed(range(len(blobs))):
+        into = bytearray(sizes[tag])
+        t1.recv(0, SIG, 2, tag, sizes[tag], into=into if sizes[tag] else None)
+        if sizes[tag]:
+            assert bytes(into) == blobs[tag]
+
+
+def test_a_closed_peer_is_a_lost_peer_after_its_data(pair: list[transport.Transport]) -> None:
+    """Data sent before the connection closed is still delivered, then the loss shows."""
+    t0, t1 = pair
+    t1.send(0, SIG, 3, 0, b"last words")
+    t1.close()
+    assert bytes(t0.recv(1, SIG, 3, 0, 10)) == b"last words"
+    start = time.monotonic()
+    with pytest.raises(Exception, match="lost rank 1") as info:
+        t0.recv(1, SIG, 3, 1, 10)
+    assert type(info.value).__name__ == "PeerLostError"
+    assert time.monotonic() - start < 3
+
+
+def test_the_handshake_and_header_layouts_are_fixed() -> None:
+    """The handshake is part of the protocol: its layout changes only with the version."""
+    assert lanes.HELLO.size == 29 and lanes.MAC_SIZE == 32
+    assert struct.calcsize("<8sBHH16s") == lanes.HELLO.size
+
