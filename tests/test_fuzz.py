@@ -379,11 +379,19 @@ _FORGED_WITHOUT_AUTH = pytest.mark.xfail(
     "'from rank 1' aborts the job, forged DATA for an old call raises MismatchError")
 
 
-@pytest.mark.parametrize("auth", ["on", pytest.param("off", marks=_FORGED_WITHOUT_AUTH)])
+@pytest.mark.parametrize("auth", ["on", "off"])
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_fuzz_with_forged_headers_does_not_disturb_a_job(
-        transport: str, auth: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The issue's fuzz: every kind of payload incl. forged headers; exact, memory flat."""
+        transport: str, auth: str, monkeypatch: pytest.MonkeyPatch,
+        request: pytest.FixtureRequest) -> None:
+    """The issue's fuzz: every kind of payload incl. forged headers; exact, memory flat.
+
+    Only the zmq data plane without a secret is expected to fail: its data port stays
+    open to anyone. A shared-memory group's TCP side is the socket plane, whose ports
+    are closed once init returned, so even without a secret no forgery reaches it.
+    """
+    if transport == "zmq" and auth == "off":
+        request.applymarker(_FORGED_WITHOUT_AUTH)
     _auth(monkeypatch, auth)
     out, fuzzer = _run_fuzzed_job(transport, ("raw", "zmtp", "push", "dealer", "forged"),
                                   seed=2)
