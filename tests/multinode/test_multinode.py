@@ -174,8 +174,8 @@ def _bench_table(stdout: str) -> str:
 
 def test_bench_across_nodes_plain_and_encrypted(multinode: Any,
                                                 job_name: Callable[[str], str]) -> None:
-    """`swarmfd bench` with one rank per node over the plain overlay, then with the
-    transport's CURVE encryption (SWARMFD_ENCRYPT=1), then over an encrypted overlay
+    """`swarmfd bench` with one rank per node over the plain overlay (socket data plane,
+    then the ZeroMQ data plane), then with the transport's CURVE encryption (SWARMFD_ENCRYPT=1), then over an encrypted overlay
     (--encrypt-network). The encrypted network is checked to carry the
     option; where the nodes' kernel cannot do IPsec the ranks cannot reach each other,
     which the job must then report as a failure within its timeout."""
@@ -192,6 +192,10 @@ def test_bench_across_nodes_plain_and_encrypted(multinode: Any,
               f"({time.monotonic() - started:.1f} s):\n{table}")
 
     bench("bench", "plain overlay")
+    # The ZeroMQ data plane over the same overlay, for comparison with the default socket
+    # plane (and as the plane the encrypted run below uses).
+    bench("bench-zmq", "plain overlay, SWARMFD_DATA_PLANE=zmq", "-e",
+          "SWARMFD_DATA_PLANE=zmq")
     # The transport's own encryption (CURVE on the data plane) over the same plain
     # overlay: the alternative to an encrypted overlay, and what works on any kernel.
     bench("bench-curve", "plain overlay, SWARMFD_ENCRYPT=1", "-e", "SWARMFD_ENCRYPT=1")
