@@ -175,8 +175,9 @@ def _bench_table(stdout: str) -> str:
 def test_bench_across_nodes_plain_and_encrypted(multinode: Any,
                                                 job_name: Callable[[str], str]) -> None:
     """`swarmfd bench` with one rank per node over the plain overlay (socket data plane,
-    then the ZeroMQ data plane), then with the transport's CURVE encryption (SWARMFD_ENCRYPT=1), then over an encrypted overlay
-    (--encrypt-network). The encrypted network is checked to carry the
+    then the ZeroMQ data plane), then with the transport's CURVE encryption
+    (SWARMFD_ENCRYPT=1), then over an encrypted overlay (--encrypt-network). The
+    encrypted network is checked to carry the
     option; where the nodes' kernel cannot do IPsec the ranks cannot reach each other,
     which the job must then report as a failure within its timeout."""
     n = len(multinode.nodes)
