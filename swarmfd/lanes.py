@@ -416,8 +416,9 @@ class Lanes:
             lane.out.append([view, True])
             lane.zc += 1
 
-    def send_all(self, header: bytes, body: bytes) -> None:
-        """Best effort: queue ``header + body`` to every live peer (aborts, reports)."""
+    def send_all(self, kind: int, sig: wire.Signature, body: bytes) -> None:
+        """Best effort: queue ``body`` with its header to every live peer (aborts, reports)."""
+        header = wire.pack_header(kind, sig, self.rank, 0, 0, len(body))
         for lane in self.lanes.values():
             if not lane.dead:
                 lane.out.append([memoryview(header + body), False])

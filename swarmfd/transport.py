@@ -279,7 +279,8 @@ class _ZmqPlane:
             self.push[peer.rank] = sock
             self.monitors[mon] = peer.rank
 
-    def close(self, linger: int | None) -> None:
+    def close(self, linger: float) -> None:
+        """Close every socket; pending sends get ``linger`` seconds."""
         # Read the monitors empty, then stop them before closing their sockets: the other
         # order, or a full monitor pipe, can block in disable_monitor (libzmq#3575).
         self.check_lost()
@@ -289,7 +290,7 @@ class _ZmqPlane:
         for mon in self.monitors:
             mon.close(linger=0)
         for sock in self.push.values():
-            sock.close(linger=linger)
+            sock.close(linger=int(linger * 1000))
         self.pull.close(linger=0)
 
     def send(self, dst: int, kind: int, sig: wire.Signature, seq: int, tag: int,
@@ -309,7 +310,9 @@ class _ZmqPlane:
         tracker = sock.send(payload, copy=False, track=True)
         self.trackers.append((dst, tracker))
 
-    def send_all(self, header: bytes, body: bytes) -> None:
+    def send_all(self, kind: int, sig: wire.Signature, body: bytes) -> None:
+        """Best effort: ``body`` as one inline frame to every peer (aborts, reports)."""
+        header = wire.pack_header(kind, sig, self.t.rank, 0, 0, len(body), wire.FLAG_INLINE)
         for sock in self.push.values():
             with contextlib.suppress(zmq.ZMQError):
                 sock.send(header + body, zmq.NOBLOCK)
@@ -505,10 +508,7 @@ class Transport:
         if self.closed:
             return
         self.closed = True
-        if isinstance(self.ch, _ZmqPlane):
-            self.ch.close(linger)
-        else:
-            self.ch.close(min(self.timeout, 5.0) if linger is None else linger / 1000)
+        self.ch.close(min(self.timeout, 5.0) if linger is None else linger / 1000)
         self._stop_auth()
         self.ctx.term()
 
@@ -583,11 +583,7 @@ class Transport:
 
     def _send_control(self, text: str) -> None:
         """Send an abort message (JSON ``text``) to every peer, best effort."""
-        body = text.encode()
-        sig = wire.Signature(wire.Collective.NONE)
-        flags = wire.FLAG_INLINE if self.plane == "zmq" else 0
-        header = wire.pack_header(wire.Kind.ABORT, sig, self.rank, 0, 0, len(body), flags)
-        self.ch.send_all(header, body)
+        self.ch.send_all(wire.Kind.ABORT, wire.Signature(wire.Collective.NONE), text.encode())
 
     # -- receiving ----------------------------------------------------------------------
 
