@@ -3,8 +3,9 @@
 ``run_ranks(fn, world_size, *args)`` spawns one process per rank, initialises
 a swarmfd group in each, calls ``fn(rank, world_size, *args)`` and returns the
 results in rank order. A child's exception comes back as its formatted
-traceback; a rank that does not finish within the timeout fails the test; every
-child is killed and reaped whatever happens, so no test can hang or leak.
+traceback; a rank that does not finish within the timeout fails the test with
+the stack of each of its threads (see :func:`arm_stack_dump`); every child is
+killed and reaped whatever happens, so no test can hang or leak.
 
 The test session has one job secret, as ``swarmfd run`` gives a run: a file
 (0600) in a private directory (0700), named by ``SWARMFD_SECRET_FILE`` in this
@@ -14,11 +15,14 @@ directory is removed at the end of the session).
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
+import random
 import secrets
 import shutil
+import signal
 import socket
 import tempfile
 import time
@@ -30,6 +34,44 @@ import pytest
 
 _CTX = mp.get_context("spawn")
 _SECRET_DIR: str | None = None
+_STACK_FILES: list[Any] = []  # in a rank: the open file faulthandler writes to
+
+
+def arm_stack_dump(directory: str, rank: int) -> None:
+    """In a rank: on SIGUSR1, write every thread's stack to ``directory``/stack-RANK.txt.
+
+    A rank that hangs says where; :func:`collect_stacks` asks for the dumps.
+    """
+    f = open(os.path.join(directory, f"stack-{rank}.txt"), "w")  # noqa: SIM115 (kept open)
+    _STACK_FILES.append(f)
+    faulthandler.register(signal.SIGUSR1, file=f, all_threads=True)
+
+
+def collect_stacks(directory: str, procs: list[Any]) -> str:
+    """The thread stacks of every live rank in ``procs`` (None: skip), as text.
+
+    The ranks must have called :func:`arm_stack_dump` with the same ``directory``.
+    """
+    asked = []
+    for rank, p in enumerate(procs):
+        if p is not None and p.pid is not None and p.is_alive():
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+                asked.append(rank)
+            except ProcessLookupError:
+                pass
+    time.sleep(0.5)
+    parts = []
+    for rank in asked:
+        path = os.path.join(directory, f"stack-{rank}.txt")
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            text = ""
+        parts.append(f"--- rank {rank} stack (pid {procs[rank].pid}) ---\n"
+                     f"{text or '(no dump: the process did not answer SIGUSR1)'}")
+    return "\n".join(parts)
 
 
 def write_secret_file(directory: str, name: str = "secret", value: str | None = None) -> str:
@@ -61,16 +103,46 @@ def transport_env(transport: str) -> dict[str, str]:
             "zmq": {"SWARMFD_TRANSPORT": "tcp", "SWARMFD_DATA_PLANE": "zmq"}}[transport]
 
 
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port that was free a moment ago on 127.0.0.1, never handed out before here.
+
+    It lies below the kernel's ephemeral range, as a MASTER_PORT should: ports the
+    kernel hands out meanwhile (every connection's local end, every listener on port
+    0, such as the socket plane's) can then not take it before it is used.
+    """
+    high = _ephemeral_low()
+    low = max(1024, high - 12000)
+    rng = random.Random()
+    for _ in range(500):
+        port = rng.randrange(low, high)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free TCP port in {low}..{high - 1} on 127.0.0.1")
 
 
 def _child(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...],
-           init: bool, timeout: float, env: dict[str, str], results: Any) -> None:
+           init: bool, timeout: float, env: dict[str, str], results: Any,
+           stack_dir: str) -> None:
     os.environ.update(env)
+    arm_stack_dump(stack_dir, rank)
     try:
         import swarmfd as fd
 
@@ -98,6 +170,12 @@ class RankFailure(AssertionError):
         super().__init__(f"{len(failures)} rank(s) failed:\n{text}")
 
 
+class RankResults(dict[int, tuple[bool, Any]]):
+    """{rank: (ok, result or traceback)}; ``stacks``: the dumps of ranks that hung."""
+
+    stacks: str = ""
+
+
 def run_ranks_raw(
     fn: Callable[..., Any],
     world_size: int,
@@ -106,18 +184,23 @@ def run_ranks_raw(
     group_timeout: float = 30.0,
     init: bool = True,
     env: dict[str, str] | None = None,
-) -> dict[int, tuple[bool, Any]]:
-    """Run ``fn`` on every rank; {rank: (ok, result or traceback)} of the ranks that reported."""
+) -> RankResults:
+    """Run ``fn`` on every rank; {rank: (ok, result or traceback)} of the ranks that reported.
+
+    A rank that did not report within ``timeout`` is missing from the result, and
+    ``.stacks`` has its threads' stacks, taken just before it was killed.
+    """
     port = free_port()
     results = _CTX.Queue()
+    stack_dir = tempfile.mkdtemp(prefix="swarmfd-stacks-")
     procs = [
         _CTX.Process(target=_child, args=(fn, r, world_size, port, args, init, group_timeout,
-                                          env or {}, results), daemon=True)
+                                          env or {}, results, stack_dir), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
         p.start()
-    out: dict[int, tuple[bool, Any]] = {}
+    out = RankResults()
     deadline = time.monotonic() + timeout
     try:
         while len(out) < world_size:
@@ -131,7 +214,11 @@ def run_ranks_raw(
                     break
                 continue
             out[rank] = (ok, value)
+        if len(out) < world_size:
+            out.stacks = collect_stacks(stack_dir, [p if r not in out else None
+                                                    for r, p in enumerate(procs)])
     finally:
+        shutil.rmtree(stack_dir, ignore_errors=True)
         for p in procs:
             p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
         for p in procs:
@@ -150,6 +237,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any
     missing = sorted(set(range(world_size)) - set(out))
     for r in missing:
         failures[r] = f"rank {r} did not finish within {timeout} s (killed)"
+    if missing and out.stacks:
+        failures[missing[0]] += "\n" + out.stacks
     if failures:
         raise RankFailure(failures)
     return [out[r][1] for r in range(world_size)]

@@ -17,8 +17,10 @@ auto) and ``SWARMFD_DATA_PLANE`` ("zmq": the ZeroMQ data plane; otherwise the
 default, the socket plane), and every :meth:`RankCtx.init` checks the group really
 uses them.
 
-Whatever happens, leaving the ``with`` block sends SIGCONT then SIGKILL to
-every child still alive and joins it; :meth:`Ranks.close` asserts none is left.
+A wait that times out fails with every live rank's thread stacks (faulthandler,
+on SIGUSR1), so a hang says where it is. Whatever happens, leaving the ``with``
+block sends SIGCONT then SIGKILL to every child still alive and joins it;
+:meth:`Ranks.close` asserts none is left.
 """
 
 from __future__ import annotations
@@ -27,13 +29,15 @@ import contextlib
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import signal
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .conftest import free_port
+from .conftest import arm_stack_dump, collect_stacks, free_port
 
 _CTX = mp.get_context("spawn")
 
@@ -86,7 +90,8 @@ class RankCtx:
 
 def _child(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...],
            init: bool, group_timeout: float, transport: str, events: Any, go: Any,
-           mark: Any) -> None:
+           mark: Any, stack_dir: str) -> None:
+    arm_stack_dump(stack_dir, rank)
     os.environ["SWARMFD_TRANSPORT"] = {"tcp": "tcp", "zmq": "tcp", "shm": "auto"}[transport]
     if transport == "zmq":
         os.environ["SWARMFD_DATA_PLANE"] = "zmq"
@@ -121,10 +126,11 @@ class Ranks:
         self.queues = [_CTX.Queue() for _ in range(world)]
         self.go = _CTX.Value("b", 0, lock=False)
         self.mark = _CTX.Value("d", 0.0, lock=False)
+        self.stack_dir = tempfile.mkdtemp(prefix="swarmfd-stacks-")
         self.procs = [
             _CTX.Process(target=_child, daemon=True, args=(
                 fn, r, world, self.port, args, init, group_timeout, transport, self.queues[r],
-                self.go, self.mark))
+                self.go, self.mark, self.stack_dir))
             for r in range(world)
         ]
         self._seen: list[tuple[int, str, Any]] = []
@@ -203,7 +209,8 @@ class Ranks:
             if remaining <= 0:
                 raise AssertionError(
                     f"timed out after {timeout} s waiting for {kind!r} from rank(s) "
-                    f"{sorted(want - set(got))}; other events: {self._seen}")
+                    f"{sorted(want - set(got))}; other events: {self._seen}\n"
+                    + collect_stacks(self.stack_dir, self.procs))
             if self._poll():
                 continue
             time.sleep(0.005)
@@ -245,6 +252,7 @@ class Ranks:
         for q in self.queues:
             q.close()
             q.cancel_join_thread()
+        shutil.rmtree(self.stack_dir, ignore_errors=True)
         assert not alive, f"processes {alive} survived SIGKILL"
 
 
