@@ -510,7 +510,9 @@ class Transport:
         self.closed = True
         self.ch.close(min(self.timeout, 5.0) if linger is None else linger / 1000)
         self._stop_auth()
-        self.ctx.term()
+        # Every socket is closed by now (with its linger). destroy(), not term(): a socket
+        # left open by a bug would make term() wait forever; this closes it unlingered.
+        self.ctx.destroy(linger=0)
 
     # -- sending ------------------------------------------------------------------------
 
@@ -891,7 +893,6 @@ def _serve_rendezvous(
     _keepalive(router)
     if t.security is not None:
         t.security.curve_server(router, ZAP_RENDEZVOUS)
-    monitor = router.get_monitor_socket(_HANDSHAKE_FAILED)
     refused = 0
     bind_ip = master_ip if master_ip.startswith("127.") else "*"
     try:
@@ -902,6 +903,9 @@ def _serve_rendezvous(
             f"rank 0 cannot serve rendezvous on MASTER_PORT {port} ({exc}); is another job "
             "using it? choose a free MASTER_PORT"
         ) from None
+    # The monitor only once the bind worked: a socket left open would make ctx.term() wait
+    # for it forever.
+    monitor = router.get_monitor_socket(_HANDSHAKE_FAILED)
     joined: dict[int, tuple[bytes, PeerInfo]] = {}
     try:
         while len(joined) < t.world_size - 1:

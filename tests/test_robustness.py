@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -601,6 +602,31 @@ def test_a_stashed_message_is_checked_against_the_signature() -> None:
     record("stash-signature[tcp]", rank0=out[0])
     silent = [i for i, o in enumerate(out[0]) if o.startswith("returned")]
     assert not silent, f"rank 0's mismatched broadcast returned in rounds {silent}: {out[0]}"
+
+
+def _busy_master_port(ctx: RankCtx, port: int) -> dict[str, Any]:
+    t0 = time.monotonic()
+    try:
+        ctx.init(port, timeout=20.0)
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "took": time.monotonic() - t0}
+    return {"error": None, "took": time.monotonic() - t0}
+
+
+@pytest.mark.parametrize("transport", WITH_ZMQ)
+def test_a_busy_master_port_fails_init_at_once(transport: str) -> None:
+    """Rank 0 whose MASTER_PORT is taken gets RendezvousError naming the port in well under
+    the group timeout, and returns (a socket left open once made init hang forever)."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with Ranks(_busy_master_port, 2, port, init=False, transport=transport) as ranks:
+            info = ranks.results([0], timeout=30)[0]
+    assert info["error"] is not None, info
+    assert info["error"].startswith("RendezvousError"), info
+    assert f"MASTER_PORT {port}" in info["error"], info
+    assert info["took"] < 5.0, info
 
 
 def _cleanup_after_loss(ctx: RankCtx) -> dict[str, Any]:
