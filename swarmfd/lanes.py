@@ -654,6 +654,11 @@ class Lanes:
         if lane.mask:
             self.sel.unregister(lane.sock)
             lane.mask = 0
+        # End our side at once. A peer that is leaving waits in close() until its peers
+        # end theirs, so it exits now, before the ranks that lost it raise PeerLostError
+        # (0.3 s later): the launcher and Swarm then name it, the rank that ended the job.
+        with contextlib.suppress(OSError):
+            lane.sock.shutdown(socket.SHUT_WR)
         lane.out.clear()
         lane.zc = 0
         self.owner.lost.setdefault(lane.rank, _now())

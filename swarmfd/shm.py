@@ -52,6 +52,9 @@ SEGMENT_BYTES = 1 << 20
 SLOTS = 3
 #: A wait returns this often (s) to check the deadline and the peers' liveness.
 WAIT_SLICE = 0.05
+#: After a peer closed its inbox, how long (s) to wait for its abort or for the TCP side
+#: to report it lost (which takes the transport's 0.3 s grace) before raising anyway.
+PEER_GONE_WAIT = 1.0
 #: How long a wait polls before it sleeps (only when every rank can have its own core).
 SPIN_SECONDS = 50e-6
 #: Consecutive fruitless spins after which waits sleep at once for a while.
@@ -188,9 +191,16 @@ class ShmChannel:
             except BlockingIOError:
                 pass
             except BrokenPipeError:
-                # The peer closed its inbox: it failed, and its abort (sent before it
-                # closed) is in ours. Raise that reason rather than a bare "gone".
-                self._read_pending(sig, seq)
+                # The peer closed its inbox: it failed or exited, and an abort it sent
+                # before is in ours: raise that reason rather than a bare "gone". Else
+                # let the group's TCP side see it go (``check`` raises PeerLostError after
+                # its grace): the leaving rank then exits first, and the launcher and
+                # Swarm name it as the rank that ended the job, not this one.
+                gone = time.monotonic() + PEER_GONE_WAIT
+                while time.monotonic() < gone:
+                    self._read_pending(sig, seq)
+                    self.check(dst)
+                    time.sleep(0.01)
                 raise PeerLostError(
                     f"{self.activity}: rank {dst} closed its inbox (it failed or exited)"
                 ) from None

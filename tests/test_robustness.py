@@ -629,6 +629,41 @@ def test_a_busy_master_port_fails_init_at_once(transport: str) -> None:
     assert info["took"] < 5.0, info
 
 
+def _leave_mid_job(ctx: RankCtx) -> dict[str, Any]:
+    """Rank 1 leaves (cleanup) while rank 0 waits for it in an all_reduce."""
+    x = np.ones(1000, np.float32)
+    fd.all_reduce(x)
+    if ctx.rank == 1:
+        time.sleep(0.2)  # rank 0 is waiting by now
+        t0 = time.monotonic()
+        fd.cleanup()
+        return {"left": time.monotonic(), "cleanup": time.monotonic() - t0}
+    t0 = time.monotonic()
+    try:
+        fd.all_reduce(x)
+    except Exception as exc:
+        return error_info(exc, t0)
+    return {"type": None}
+
+
+@pytest.mark.parametrize("transport", WITH_ZMQ)
+def test_a_rank_that_leaves_is_gone_before_its_peers_raise(transport: str) -> None:
+    """A rank that leaves mid-job finishes its cleanup before the rank waiting for it
+    raises PeerLostError, so it exits first: `swarmfd run` and `swarmfd deploy` name the
+    first rank to exit as the one that ended the job, and must name it, not its victim.
+    (Its cleanup once waited for the victim's own exit: both ended together.)"""
+    for _ in range(3):
+        with Ranks(_leave_mid_job, 2, group_timeout=LONG_TIMEOUT, transport=transport) as ranks:
+            out = ranks.results(timeout=60)
+        left, victim = out[1], out[0]
+        assert victim["type"] is not None and "PeerLostError" in victim["mro"], victim
+        record(f"leave-mid-job[{transport}]", cleanup=round(left["cleanup"], 3),
+               head_start=round(victim["t"] - left["left"], 3))
+        assert left["left"] < victim["t"], (
+            f"rank 1's cleanup ended {left['left'] - victim['t']:.3f} s after rank 0 raised "
+            f"(cleanup took {left['cleanup']:.3f} s)")
+
+
 def _cleanup_after_loss(ctx: RankCtx) -> dict[str, Any]:
     info = _large_loop(ctx, 1, 3, True)
     t0 = time.monotonic()
