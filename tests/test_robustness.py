@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 import swarmfd as fd
+from swarmfd.group import ABORT_LINGER
 from swarmfd.transport import TIMEOUT_GRACE
 
 from .conftest import free_port
@@ -691,9 +692,16 @@ def _cleanup_after_loss(ctx: RankCtx) -> dict[str, Any]:
 
 @pytest.mark.parametrize("transport", WITH_ZMQ)
 def test_cleanup_after_a_lost_peer_is_prompt(transport: str) -> None:
-    """A survivor's cleanup() after PeerLostError returns within a second (exit is prompt)."""
+    """A survivor's cleanup() after PeerLostError returns within a second of the abort
+    linger (exit is prompt)."""
     with Ranks(_cleanup_after_loss, 2, group_timeout=LONG_TIMEOUT, transport=transport) as ranks:
         info = ranks.results([0], timeout=60)[0]
     assert info["type"] is not None and "PeerLostError" in info["mro"], info
     record(f"cleanup-after-loss[{transport}]", cleanup=round(info["cleanup"], 3))
-    assert info["cleanup"] < 1.0, f"cleanup() took {info['cleanup']:.2f} s after the loss"
+    # On the zmq plane the socket to the lost peer holds unsendable messages: cleanup gives
+    # them ABORT_LINGER (0.5 s) by design (measured 0.50-0.51 s; < 0.02 s elsewhere), so
+    # the old 1 s bound left 0.5 s for scheduling. A cleanup that waited for the peer (the
+    # group timeout, 60 s) or for the normal linger (5 s) is still far outside this one.
+    limit = ABORT_LINGER + 1.0
+    assert info["cleanup"] < limit, (
+        f"cleanup() took {info['cleanup']:.2f} s after the loss (limit {limit} s)")
