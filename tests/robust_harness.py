@@ -133,11 +133,13 @@ class Ranks:
         self.go = _CTX.Value("b", 0, lock=False)
         self.mark = _CTX.Value("d", 0.0, lock=False)
         self.stack_dir = tempfile.mkdtemp(prefix="swarmfd-stacks-")
-        start = _CTX.Barrier(world)
+        # Held here: Process.start() drops its args, and a barrier collected before the
+        # children unpickled it takes its named semaphores with it.
+        self.start_barrier = _CTX.Barrier(world)
         self.procs = [
             _CTX.Process(target=_child, daemon=True, args=(
                 fn, r, world, self.port, args, init, group_timeout, transport, self.queues[r],
-                self.go, self.mark, self.stack_dir, start))
+                self.go, self.mark, self.stack_dir, self.start_barrier))
             for r in range(world)
         ]
         self._seen: list[tuple[int, str, Any]] = []
