@@ -564,9 +564,15 @@ def _late_to_a_mismatch(ctx: RankCtx) -> dict[str, Any]:
         # repeats that reason on the next call, which is what gets recorded.
         return _until_error(ctx, fd.barrier, since=since, limit=3.0)
     if ctx.rank == 1:
-        time.sleep(1.0)
+        # Enters once ranks 0 and 2 have failed and cleaned up (it slept 1 s once, which
+        # a loaded machine can make too short: rank 1 then met the mismatch itself).
+        assert ctx.wait_go(30), "ranks 0 and 2 never left"
     x = np.ones(100, np.float64 if ctx.rank == 2 else np.float32)
-    return _until_error(ctx, lambda: fd.all_reduce(x), since=time.monotonic(), limit=3.0)
+    info = _until_error(ctx, lambda: fd.all_reduce(x), since=time.monotonic(), limit=3.0)
+    if ctx.rank != 1:
+        fd.cleanup()
+        ctx.report("left")
+    return info
 
 
 @pytest.mark.parametrize("transport", WITH_ZMQ)
@@ -575,6 +581,8 @@ def test_a_rank_arriving_after_the_others_failed_learns_why(transport: str) -> N
     it raises the mismatch (sent to it as an abort), not a bare 'rank 2 is gone'."""
     with Ranks(_late_to_a_mismatch, 3, group_timeout=LONG_TIMEOUT,
                transport=transport) as ranks:
+        ranks.wait("left", [0, 2])
+        ranks.release()
         out = ranks.results(timeout=60)
     for rank, info in sorted(out.items()):
         assert info["type"] is not None, f"rank {rank} did not fail"
