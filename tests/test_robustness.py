@@ -43,6 +43,10 @@ LONG_TIMEOUT = 60.0
 KILL_DETECTION_LIMIT = 2.0
 #: The group timeout of the stop tests.
 STOP_TIMEOUT = 2.5
+#: Both data paths: TCP (ranks on several hosts) and shared memory (ranks on one host).
+TRANSPORTS = ["tcp", "shm"]  # tcp: the default (socket) data plane
+#: Also on the ZeroMQ data plane (SWARMFD_DATA_PLANE=zmq): a representative subset.
+WITH_ZMQ = ["tcp", "zmq", "shm"]
 #: How late after the timeout (and, on TCP, the grace below) a waiting rank may raise:
 #: the waits check their deadline every 50 ms; the rest is scheduling on a loaded
 #: 2-core machine. A timeout counted twice, or restarted by a wait, is >= 2.5 s late.
@@ -58,10 +62,6 @@ def _stop_limit(transport: str) -> float:
     0.3-0.4 s of headroom, measured 3.11-3.20 s against 3.5 s.)
     """
     return STOP_TIMEOUT + (0.0 if transport == "shm" else TIMEOUT_GRACE) + STOP_SLACK
-#: Both data paths: TCP (ranks on several hosts) and shared memory (ranks on one host).
-TRANSPORTS = ["tcp", "shm"]  # tcp: the default (socket) data plane
-#: Also on the ZeroMQ data plane (SWARMFD_DATA_PLANE=zmq): a representative subset.
-WITH_ZMQ = ["tcp", "zmq", "shm"]
 
 
 def _call(name: str, rank: int, world: int, root: int) -> Callable[[], Any]:
