@@ -1,10 +1,11 @@
 """Shared fixtures: run a function on N real ranks (processes) on loopback.
 
-``run_ranks(fn, world_size, *args)`` spawns one process per rank, initialises
-a swarmfd group in each, calls ``fn(rank, world_size, *args)`` and returns the
-results in rank order. A child's exception comes back as its formatted
-traceback; a rank that does not finish within the timeout fails the test with
-the stack of each of its threads (see :func:`arm_stack_dump`); every child is
+``run_ranks(fn, world_size, *args)`` spawns one process per rank, lines them up
+once each has imported swarmfd (:func:`start_line`), initialises a swarmfd group
+in each, calls ``fn(rank, world_size, *args)`` and returns the results in rank
+order. A child's exception comes back as its formatted traceback; a rank that
+does not finish within the timeout fails the test with the stack of each of its
+threads (see :func:`arm_stack_dump`); every child is
 killed and reaped whatever happens, so no test can hang or leak.
 
 The test session has one job secret, as ``swarmfd run`` gives a run: a file
@@ -138,14 +139,30 @@ def free_port() -> int:
     raise RuntimeError(f"no free TCP port in {low}..{high - 1} on 127.0.0.1")
 
 
+#: How long a spawned rank waits at the start line for the others to have started.
+START_LINE_TIMEOUT = 120.0
+
+
+def start_line(barrier: Any) -> None:
+    """In a rank, once swarmfd is imported: wait until every rank of the run got here.
+
+    Ranks start (spawn, import numpy, zmq, swarmfd) at different speeds; on a loaded
+    2-core machine measured up to 0.6 s apart for 3 ranks. ``init`` blocks at most the
+    group timeout, which a test of collective timeouts sets to a few seconds (1 s in
+    one): without a common start, the start-up skew ate into, or beyond, that window.
+    """
+    barrier.wait(START_LINE_TIMEOUT)
+
+
 def _child(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...],
            init: bool, timeout: float, env: dict[str, str], results: Any,
-           stack_dir: str) -> None:
+           stack_dir: str, start: Any) -> None:
     os.environ.update(env)
     arm_stack_dump(stack_dir, rank)
     try:
         import swarmfd as fd
 
+        start_line(start)
         if init:
             fd.init(world, rank, master_addr="127.0.0.1", master_port=port, timeout=timeout)
         value = fn(rank, world, *args)
@@ -193,9 +210,10 @@ def run_ranks_raw(
     port = free_port()
     results = _CTX.Queue()
     stack_dir = tempfile.mkdtemp(prefix="swarmfd-stacks-")
+    start = _CTX.Barrier(world_size)
     procs = [
         _CTX.Process(target=_child, args=(fn, r, world_size, port, args, init, group_timeout,
-                                          env or {}, results, stack_dir), daemon=True)
+                                          env or {}, results, stack_dir, start), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:

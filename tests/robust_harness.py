@@ -17,6 +17,9 @@ auto) and ``SWARMFD_DATA_PLANE`` ("zmq": the ZeroMQ data plane; otherwise the
 default, the socket plane), and every :meth:`RankCtx.init` checks the group really
 uses them.
 
+The ranks import swarmfd, then wait for each other (``conftest.start_line``) before
+``fn`` or ``init``: a short group timeout then measures the group, not start-up skew.
+
 A wait that times out fails with every live rank's thread stacks (faulthandler,
 on SIGUSR1), so a hang says where it is. Whatever happens, leaving the ``with``
 block sends SIGCONT then SIGKILL to every child still alive and joins it;
@@ -37,7 +40,7 @@ import traceback
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .conftest import arm_stack_dump, collect_stacks, free_port
+from .conftest import arm_stack_dump, collect_stacks, free_port, start_line
 
 _CTX = mp.get_context("spawn")
 
@@ -90,13 +93,16 @@ class RankCtx:
 
 def _child(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...],
            init: bool, group_timeout: float, transport: str, events: Any, go: Any,
-           mark: Any, stack_dir: str) -> None:
+           mark: Any, stack_dir: str, start: Any) -> None:
     arm_stack_dump(stack_dir, rank)
     os.environ["SWARMFD_TRANSPORT"] = {"tcp": "tcp", "zmq": "tcp", "shm": "auto"}[transport]
     if transport == "zmq":
         os.environ["SWARMFD_DATA_PLANE"] = "zmq"
     ctx = RankCtx(rank, world, port, events, go, mark, group_timeout, transport)
     try:
+        import swarmfd  # noqa: F401  (imported before the start line: see start_line)
+
+        start_line(start)
         if init:
             ctx.init()
         value = fn(ctx, *args)
@@ -127,10 +133,13 @@ class Ranks:
         self.go = _CTX.Value("b", 0, lock=False)
         self.mark = _CTX.Value("d", 0.0, lock=False)
         self.stack_dir = tempfile.mkdtemp(prefix="swarmfd-stacks-")
+        # Held here: Process.start() drops its args, and a barrier collected before the
+        # children unpickled it takes its named semaphores with it.
+        self.start_barrier = _CTX.Barrier(world)
         self.procs = [
             _CTX.Process(target=_child, daemon=True, args=(
                 fn, r, world, self.port, args, init, group_timeout, transport, self.queues[r],
-                self.go, self.mark, self.stack_dir))
+                self.go, self.mark, self.stack_dir, self.start_barrier))
             for r in range(world)
         ]
         self._seen: list[tuple[int, str, Any]] = []

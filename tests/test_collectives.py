@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -489,31 +490,56 @@ def test_relayed_aborts_are_public_errors_of_their_kind(kind: str, name: str,
     assert str(err) == "barrier (call #3 on rank 0): rank 1 failed and aborted the group: why"
 
 
-def _relayed_timeout(rank: int, world: int) -> dict[str, Any]:
-    """Rank 0 times out waiting for rank 1, which then learns of it from rank 0's abort."""
+def _wait_for_file(path: str, timeout: float) -> bool:
+    """Poll for ``path`` (another rank's signal); False after ``timeout`` seconds."""
+    import os
     import time
+
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _relayed_timeout(rank: int, world: int, sync: str) -> dict[str, Any]:
+    """Rank 0 times out waiting for rank 1, which then learns of it from rank 0's abort.
+
+    The ranks order these steps through files in ``sync``, not sleeps: rank 1 enters
+    only once rank 0 has timed out (a rank 0 slowed down by a loaded machine must not
+    see rank 1 arrive in time), and rank 0 stays up, its inbox open, until rank 1 has
+    read the abort.
+    """
+    import os
     import traceback
 
+    timed_out, done = os.path.join(sync, "timed-out"), os.path.join(sync, "done")
     if rank == 0:
-        with pytest.raises(fd.CollectiveTimeout) as caught:
-            fd.barrier()
-        time.sleep(3.0)  # rank 0 stays up (its inbox open) while rank 1 reads the abort
+        try:
+            with pytest.raises(fd.CollectiveTimeout) as caught:
+                fd.barrier()
+        finally:
+            open(timed_out, "w").close()
+        _wait_for_file(done, 20.0)
         return {"name": type(caught.value).__name__}
-    time.sleep(2.0)  # past rank 0's 1 s timeout
     try:
+        assert _wait_for_file(timed_out, 20.0), "rank 0 never timed out"
         for _ in range(5):
             fd.barrier()
     except fd.CollectiveError as exc:
         return {"name": type(exc).__name__, "traceback": traceback.format_exc(),
                 "aborted": isinstance(exc, fd.AbortedError),
                 "timeout": isinstance(exc, fd.CollectiveTimeout)}
+    finally:
+        open(done, "w").close()
     return {"name": None}
 
 
-def test_a_relayed_abort_has_a_public_type() -> None:
+def test_a_relayed_abort_has_a_public_type(tmp_path: Path) -> None:
     """Rank 1, late, raises rank 0's timeout as fd.AbortedTimeout, public in its traceback
     (shared memory: there a timeout is relayed as an abort, not re-detected)."""
-    out = run_ranks(_relayed_timeout, 2, timeout=30, group_timeout=1,
+    out = run_ranks(_relayed_timeout, 2, str(tmp_path), timeout=60, group_timeout=1,
                     env={"SWARMFD_TRANSPORT": "auto"})
     assert out[0]["name"] == "CollectiveTimeout", out[0]
     relayed = out[1]
