@@ -222,6 +222,8 @@ def test_stack_file_deploys_and_completes(swarm: Any, swarmfd_image: str, stack_
 
 CHATTY = (
     "import os, sys, time\n"
+    "import swarmfd as fd\n"
+    "fd.init_from_env(timeout=60)  # so rank 0 cannot end before rank 1 resolved its name\n"
     "rank = int(os.environ['RANK'])\n"
     "print(f'out line 1 of rank {rank}', flush=True)\n"
     "print(f'err line of rank {rank}', file=sys.stderr, flush=True)\n"
@@ -230,6 +232,8 @@ CHATTY = (
     "if rank == 0:\n"
     "    print('options', os.getcwd(), os.environ['GREETING'], open('/data/hello.txt').read(),\n"
     "          file=sys.stderr, flush=True)\n"
+    "fd.barrier()\n"
+    "fd.cleanup()\n"
 )
 
 
@@ -426,8 +430,12 @@ def test_four_ranks_start_and_group_per_node(swarm: Any, swarmfd_image: str,
 
 # --- the job secret -----------------------------------------------------------------------
 
+# The probes join the group and leave it together: a rank that ended before the others
+# started would take its task name out of DNS while they still resolve MASTER_ADDR.
 SECRET_PROBE = (
     "import os, stat, sys\n"
+    "import swarmfd as fd\n"
+    "fd.init_from_env(timeout=60)\n"
     "path = '/run/secrets/swarmfd_secret'\n"
     "st = os.stat(path)\n"
     "value = open(path).read().strip()\n"
@@ -435,6 +443,8 @@ SECRET_PROBE = (
     "# for the test only: hand the value to the host, to look for it where it must not be\n"
     "with open(f'/out/secret-{os.environ[\"RANK\"]}', 'w') as f:\n"
     "    f.write(value)\n"
+    "fd.barrier()\n"
+    "fd.cleanup()\n"
 )
 
 
