@@ -903,8 +903,8 @@ def _serve_rendezvous(
             f"rank 0 cannot serve rendezvous on MASTER_PORT {port} ({exc}); is another job "
             "using it? choose a free MASTER_PORT"
         ) from None
-    # The monitor only once the bind worked: a socket left open would make ctx.term() wait
-    # for it forever.
+    # The monitor only once the bind worked: on a failed bind nothing would close it (and
+    # before close() destroyed the context, term() waited for it forever).
     monitor = router.get_monitor_socket(_HANDSHAKE_FAILED)
     joined: dict[int, tuple[bytes, PeerInfo]] = {}
     try:

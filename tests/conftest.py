@@ -61,7 +61,8 @@ def collect_stacks(directory: str, procs: list[Any]) -> str:
                 asked.append(rank)
             except ProcessLookupError:
                 pass
-    time.sleep(0.5)
+    if asked:
+        time.sleep(0.5)  # faulthandler writes from the signal handler, at once
     parts = []
     for rank in asked:
         path = os.path.join(directory, f"stack-{rank}.txt")
