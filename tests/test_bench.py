@@ -288,3 +288,40 @@ def test_compare_script_runs_swarmfd(tmp_path: os.PathLike) -> None:
     got = {(r["collective"], int(r["size"])) for r in rows}
     assert got == {(c, s) for c in ("all_reduce", "broadcast", "all_gather") for s in (4096, 2**20)}
     assert all(int(r["wrong"]) == 0 and float(r["latency_us"]) > 0 for r in rows)
+
+
+def _compare_module():
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "compare.py")
+    spec = importlib.util.spec_from_file_location("swarmfd_compare_under_test", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_compare_reports_the_median_and_the_best_of_the_runs() -> None:
+    """Plain data: one disturbed run moves the median of three, not the best one."""
+    cmp = _compare_module()
+
+    def result(run: int, system: str, seconds: float):
+        return cmp.Result(run=run, system=system, n=2, collective="all_reduce", size=1 << 20,
+                          iters=300, median_s=seconds, min_s=seconds, p90_s=seconds, wrong=0)
+
+    # swarmfd: runs 1 and 2 disturbed (2x); gloo: run 3 disturbed.
+    results = [result(1, "swarmfd", 0.8e-3), result(2, "swarmfd", 0.7e-3),
+               result(3, "swarmfd", 0.4e-3), result(1, "gloo", 1.0e-3),
+               result(2, "gloo", 1.1e-3), result(3, "gloo", 2.0e-3)]
+    rows = {r["system"]: r for r in cmp.summarize(results)}
+    assert rows["swarmfd"]["median_s"] == pytest.approx(0.7e-3)
+    assert rows["swarmfd"]["best_s"] == pytest.approx(0.4e-3)
+    assert rows["gloo"]["best_s"] == pytest.approx(1.0e-3)
+    summary = list(rows.values())
+    median_table = cmp.ratio_tables(summary, ["swarmfd"], ["gloo"], [2], [1 << 20])
+    best_table = cmp.ratio_tables(summary, ["swarmfd"], ["gloo"], [2], [1 << 20], "best_s")
+    assert "median of the runs" in median_table
+    assert "| swarmfd | gloo | 2 | 1.57x |" in median_table  # 1.1 / 0.7
+    assert "best run of each system" in best_table
+    assert "| swarmfd | gloo | 2 | 2.50x |" in best_table  # 1.0 / 0.4
