@@ -47,6 +47,9 @@ def _parse_env_items(items: tuple[str, ...]) -> dict[str, str]:
               help="Rendezvous port, set as MASTER_PORT.  [default: a free port, new per restart]")
 @click.option("--timeout", type=float, default=None, metavar="SECONDS",
               help="Seconds a collective may wait for a peer (sets SWARMFD_TIMEOUT).")
+@click.option("--init-timeout", type=float, default=None, metavar="SECONDS",
+              help="Seconds init waits for every rank to join (sets SWARMFD_INIT_TIMEOUT; "
+                   "default: the timeout).")
 @click.option("-e", "--env", "env_items", multiple=True, metavar="KEY=VALUE",
               help="Extra environment variable for every rank; repeatable.")
 @click.option("--no-prefix", is_flag=True,
@@ -63,6 +66,7 @@ def run(
     master_addr: str | None,
     master_port: int | None,
     timeout: float | None,
+    init_timeout: float | None,
     env_items: tuple[str, ...],
     no_prefix: bool,
     max_restarts: int,
@@ -95,6 +99,7 @@ def run(
             command=command,
             env=_parse_env_items(env_items),
             timeout=timeout,
+            init_timeout=init_timeout,
             prefix=not no_prefix,
             max_restarts=max_restarts,
             grace=grace,

@@ -151,6 +151,9 @@ class _DeployCommand(click.Command):
               help="Rendezvous port of rank 0 (MASTER_PORT).")
 @click.option("--timeout", type=float, default=None, metavar="SECONDS",
               help="Seconds a collective may wait for a peer (sets SWARMFD_TIMEOUT).")
+@click.option("--init-timeout", type=float, default=None, metavar="SECONDS",
+              help="Seconds the ranks wait for each other to start (sets SWARMFD_INIT_TIMEOUT; "
+                   "default: the timeout). Also how long a rank waits for rank 0's name.")
 @click.option("--max-per-node", type=int, default=None, metavar="K",
               help="At most K ranks on one node.")
 @click.option("--local-ranks", type=click.Choice(["container", "node"]), default="container",
@@ -196,6 +199,7 @@ def deploy(
     labels: tuple[str, ...],
     master_port: int,
     timeout: float | None,
+    init_timeout: float | None,
     max_per_node: int | None,
     local_ranks: str,
     max_restarts: int,
@@ -275,6 +279,7 @@ def deploy(
             labels=spec_lib.parse_labels(labels),
             master_port=master_port,
             timeout=timeout,
+            init_timeout=init_timeout,
             max_per_node=max_per_node,
             local_ranks=local_ranks,
             encrypt_network=encrypt_network,

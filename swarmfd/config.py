@@ -11,6 +11,11 @@ torch.distributed uses, so launchers and scripts carry over unchanged):
 ``MASTER_ADDR``       host name or address of rank 0 (required when WORLD_SIZE > 1)
 ``MASTER_PORT``       rendezvous port served by rank 0 (default 29500)
 ``SWARMFD_TIMEOUT``   seconds any collective may wait for a peer (default 300)
+``SWARMFD_INIT_TIMEOUT`` seconds ``init`` waits for every rank to join (default: the
+                      timeout above). Ranks of a Swarm job can start minutes apart
+                      (an image pull on one node); a job that wants a collective
+                      stuck for 30 s to fail can still give its ranks 10 minutes to
+                      arrive.
 
 and, for the job's security (see :func:`load_secret`):
 
@@ -48,6 +53,7 @@ ENV_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
 ENV_MASTER_ADDR = "MASTER_ADDR"
 ENV_MASTER_PORT = "MASTER_PORT"
 ENV_TIMEOUT = "SWARMFD_TIMEOUT"
+ENV_INIT_TIMEOUT = "SWARMFD_INIT_TIMEOUT"
 ENV_RESTART_COUNT = "SWARMFD_RESTART_COUNT"
 ENV_SECRET_FILE = "SWARMFD_SECRET_FILE"
 ENV_AUTH = "SWARMFD_AUTH"
@@ -86,6 +92,8 @@ class Config:
     master_port: int = DEFAULT_MASTER_PORT
     timeout: float = DEFAULT_TIMEOUT
     restart_count: int = 0
+    #: Seconds init may wait for every rank to join; None: ``timeout``.
+    init_timeout: float | None = None
     is_main: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -133,8 +141,21 @@ class Config:
             or self.timeout <= 0
         ):
             raise ConfigError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
+        if self.init_timeout is not None and (
+            isinstance(self.init_timeout, bool)
+            or not isinstance(self.init_timeout, (int, float))
+            or not math.isfinite(self.init_timeout)
+            or self.init_timeout <= 0
+        ):
+            raise ConfigError(f"init_timeout must be a positive number of seconds, got "
+                              f"{self.init_timeout!r}")
         _check_int("restart_count", self.restart_count, minimum=0)
         object.__setattr__(self, "is_main", self.rank == 0)
+
+    @property
+    def join_timeout(self) -> float:
+        """Seconds init waits for every rank to join: ``init_timeout``, else ``timeout``."""
+        return self.timeout if self.init_timeout is None else float(self.init_timeout)
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:
@@ -206,6 +227,7 @@ def config_from_env(environ: Mapping[str, str] | None = None, **overrides: objec
         "master_port": parse_env_int(env, ENV_MASTER_PORT, minimum=1) or DEFAULT_MASTER_PORT,
         "timeout": parse_env_float(env, ENV_TIMEOUT) or DEFAULT_TIMEOUT,
         "restart_count": parse_env_int(env, ENV_RESTART_COUNT, minimum=0) or 0,
+        "init_timeout": parse_env_float(env, ENV_INIT_TIMEOUT),
     }
     values.update({k: v for k, v in overrides.items() if v is not None})
     if values["world_size"] == 1 and values["master_addr"] is None:

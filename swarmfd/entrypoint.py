@@ -23,11 +23,12 @@ and this entrypoint, before it runs the command:
    swarmfd derives them at rendezvous by grouping the ranks on ``SWARMFD_NODE``
    (``swarmfd.get_config().local_rank``);
 3. waits until ``MASTER_ADDR`` resolves, at most ``SWARMFD_RESOLVE_TIMEOUT`` seconds
-   (default 60; exit code 3 on timeout), because rank 0's name exists in DNS only once
-   its container has started. It is gone again once rank 0's task has ended: a command
-   that never joins the group (``python -c "print(1)"``) can let rank 0 finish before a
-   slower rank looks it up, and that rank then ends with exit code 3. A swarmfd
-   program cannot hit this: rank 0 waits in the rendezvous for every rank;
+   (default: ``SWARMFD_INIT_TIMEOUT`` when set, else 60; exit code 3 on timeout),
+   because rank 0's name exists in DNS only once its container has started. It is
+   gone again once rank 0's task has ended: a command that never joins the group
+   (``python -c "print(1)"``) can let rank 0 finish before a slower rank looks it up,
+   and that rank then ends with exit code 3. A swarmfd program cannot hit this: rank 0
+   waits in the rendezvous for every rank;
 4. replaces itself with the command (``os.execvp``), so signals from ``docker stop``
    or service removal reach the command directly (run the service with ``init=True``
    so that a PID-1 init forwards them). A first word ending in ``.py`` runs with this
@@ -60,6 +61,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from .config import (
+    ENV_INIT_TIMEOUT,
     ENV_LOCAL_RANK,
     ENV_LOCAL_WORLD_SIZE,
     ENV_MASTER_ADDR,
@@ -145,9 +147,14 @@ def task_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def resolve_timeout(environ: Mapping[str, str]) -> float:
-    """Seconds to wait for ``MASTER_ADDR`` to resolve (``SWARMFD_RESOLVE_TIMEOUT``, default 60)."""
-    value = parse_env_float(environ, ENV_RESOLVE_TIMEOUT)
-    return DEFAULT_RESOLVE_TIMEOUT if value is None else value
+    """Seconds to wait for ``MASTER_ADDR`` to resolve: ``SWARMFD_RESOLVE_TIMEOUT``, else
+    ``SWARMFD_INIT_TIMEOUT`` (rank 0's name appears only once its task started, and a job
+    that gives its ranks that long to start must not give up on the name sooner), else 60."""
+    for name in (ENV_RESOLVE_TIMEOUT, ENV_INIT_TIMEOUT):
+        value = parse_env_float(environ, name)
+        if value is not None:
+            return value
+    return DEFAULT_RESOLVE_TIMEOUT
 
 
 def command_argv(args: Sequence[str], python: str = sys.executable) -> list[str]:

@@ -95,12 +95,16 @@ def init(
     master_port: int | None = None,
     timeout: float | None = None,
     secret: str | bytes | None = None,
+    init_timeout: float | None = None,
 ) -> Config:
     """Join a process group of ``world_size`` ranks as ``rank`` and return its :class:`Config`.
 
     Transport details not given as arguments come from the environment
-    (``MASTER_ADDR``, ``MASTER_PORT``, ``SWARMFD_TIMEOUT``). Blocks until every
-    rank has joined, at most ``timeout`` seconds.
+    (``MASTER_ADDR``, ``MASTER_PORT``, ``SWARMFD_TIMEOUT``, ``SWARMFD_INIT_TIMEOUT``).
+    ``timeout`` is how long any collective may wait for a peer; ``init_timeout``
+    how long this call waits for every rank to join (default: ``timeout``), so
+    ranks that start far apart can meet while a stuck collective still fails
+    fast.
 
     A world of more than one rank needs the job secret (at least 32 characters,
     the same on every rank): ``secret``, or else the file named by
@@ -109,7 +113,7 @@ def init(
     """
     env = config_from_env({k: v for k, v in os.environ.items()
                            if k in ("MASTER_ADDR", "MASTER_PORT", "SWARMFD_TIMEOUT",
-                                    "SWARMFD_RESTART_COUNT")})
+                                    "SWARMFD_INIT_TIMEOUT", "SWARMFD_RESTART_COUNT")})
     config = Config(
         world_size=world_size,
         rank=rank,
@@ -119,18 +123,20 @@ def init(
         master_port=master_port if master_port is not None else env.master_port,
         timeout=timeout if timeout is not None else env.timeout,
         restart_count=env.restart_count,
+        init_timeout=init_timeout if init_timeout is not None else env.init_timeout,
     )
     return _start(config, secret)
 
 
-def init_from_env(*, timeout: float | None = None, secret: str | bytes | None = None
-                  ) -> Config:
+def init_from_env(*, timeout: float | None = None, secret: str | bytes | None = None,
+                  init_timeout: float | None = None) -> Config:
     """Join the group the environment describes (``WORLD_SIZE``, ``RANK``, ...).
 
     With none of the variables set this is a world of one. The job secret is
-    found as :func:`init` finds it.
+    found as :func:`init` finds it; ``timeout`` and ``init_timeout`` override
+    ``SWARMFD_TIMEOUT`` and ``SWARMFD_INIT_TIMEOUT`` (see :func:`init`).
     """
-    return _start(config_from_env(timeout=timeout), secret)
+    return _start(config_from_env(timeout=timeout, init_timeout=init_timeout), secret)
 
 
 def _security(config: Config, secret: str | bytes | None) -> _transport.Security | None:
@@ -161,11 +167,11 @@ def _start(config: Config, secret: str | bytes | None = None) -> Config:
         assert config.master_addr is not None  # Config guarantees it for world_size > 1
         security = _security(config, secret)
         plane = data_plane()
-        deadline = time.monotonic() + config.timeout
+        deadline = time.monotonic() + config.join_timeout
         master_ip = _transport.resolve(config.master_addr, deadline)
         bind_ip = _transport.local_address_toward(master_ip)
         t = _transport.Transport(config.rank, config.world_size, config.timeout, bind_ip,
-                                 security, plane)
+                                 security, plane, config.join_timeout)
         try:
             host = os.environ.get(ENV_NODE) or socket.gethostname()
             mode = (os.environ.get(ENV_TRANSPORT) or "auto").strip().lower()

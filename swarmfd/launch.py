@@ -11,6 +11,7 @@ word ending in ``.py`` runs with the current Python, ``sys.executable``). Each c
 ``MASTER_PORT``            ``--master-port``, or a free port picked by binding port 0
                            on MASTER_ADDR (a new one on every restart)
 ``SWARMFD_TIMEOUT``        ``--timeout``, when given
+``SWARMFD_INIT_TIMEOUT``   ``--init-timeout``, when given
 ``SWARMFD_RESTART_COUNT``  0 on the first attempt, then 1, 2, ... on each restart
 ``SWARMFD_SECRET_FILE``    the path of this run's job secret (see below)
 ``PYTHONUNBUFFERED``       1 (so Python ranks stream their output promptly)
@@ -101,6 +102,7 @@ RESERVED_ENV = frozenset(
     }
 )
 _ENV_TIMEOUT = "SWARMFD_TIMEOUT"
+_ENV_INIT_TIMEOUT = "SWARMFD_INIT_TIMEOUT"
 
 _MAX_LINE = 64 * 1024
 _POLL = 0.05
@@ -117,7 +119,8 @@ class LaunchConfig:
     ``command`` is the argv of every rank; ``env`` adds variables to the
     launcher's environment; ``master_port=None`` picks a free port per attempt;
     ``grace`` is how long ranks get between SIGTERM (or a forwarded Ctrl-C) and
-    SIGKILL; ``timeout`` (seconds) becomes ``SWARMFD_TIMEOUT`` for the ranks.
+    SIGKILL; ``timeout`` (seconds) becomes ``SWARMFD_TIMEOUT`` for the ranks, and
+    ``init_timeout`` ``SWARMFD_INIT_TIMEOUT``.
     """
 
     nproc: int
@@ -127,6 +130,7 @@ class LaunchConfig:
     env: Mapping[str, str] = field(default_factory=dict)
     timeout: float | None = None
     prefix: bool = True
+    init_timeout: float | None = None
     max_restarts: int = 0
     grace: float = DEFAULT_GRACE
 
@@ -179,15 +183,18 @@ class LaunchConfig:
                     f"env may not set {key}: the launcher sets it for every rank "
                     "(use -n/--nproc, --master-addr or --master-port instead)"
                 )
-            if key == _ENV_TIMEOUT and self.timeout is not None:
-                raise ValueError(
-                    f"{_ENV_TIMEOUT} is given both in env and as timeout={self.timeout!r}: "
-                    "give it once"
-                )
+            for name, given in ((_ENV_TIMEOUT, "timeout"), (_ENV_INIT_TIMEOUT, "init_timeout")):
+                if key == name and getattr(self, given) is not None:
+                    raise ValueError(
+                        f"{name} is given both in env and as {given}="
+                        f"{getattr(self, given)!r}: give it once"
+                    )
         object.__setattr__(self, "env", MappingProxyType(env))
 
         if self.timeout is not None:
             _check_seconds("timeout", self.timeout, allow_zero=False)
+        if self.init_timeout is not None:
+            _check_seconds("init_timeout", self.init_timeout, allow_zero=False)
         if not isinstance(self.prefix, bool):
             raise TypeError(f"prefix must be a bool, got {self.prefix!r}")
         _check_int("max_restarts", self.max_restarts, minimum=0, what="a number of restarts")
@@ -681,6 +688,8 @@ def _rank_env(config: LaunchConfig, port: int, restart: int,
     )
     if config.timeout is not None:
         env[_ENV_TIMEOUT] = repr(float(config.timeout))
+    if config.init_timeout is not None:
+        env[_ENV_INIT_TIMEOUT] = repr(float(config.init_timeout))
     return env
 
 

@@ -422,7 +422,8 @@ class Transport:
     """
 
     def __init__(self, rank: int, world_size: int, timeout: float, bind_host: str,
-                 security: Security | None = None, plane: str = "zmq") -> None:
+                 security: Security | None = None, plane: str = "zmq",
+                 join_timeout: float | None = None) -> None:
         if plane not in DATA_PLANES:
             raise ValueError(f"unknown data plane {plane!r}: expected one of {DATA_PLANES}")
         if plane == "socket" and security is not None and security.encrypt:
@@ -430,6 +431,8 @@ class Transport:
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
+        #: What the rendezvous deadline was made of (init_timeout), for its messages.
+        self.join_timeout = timeout if join_timeout is None else join_timeout
         self.security = security
         self.plane = plane
         self.ctx = zmq.Context(io_threads=1)
@@ -916,8 +919,9 @@ def _serve_rendezvous(
                         "(processes with another job secret or SWARMFD_AUTH setting?)"
                         if refused else "")
                 raise RendezvousTimeout(
-                    f"rendezvous timed out after {t.timeout:g} s: rank 0 waited for rank(s) "
-                    f"{missing} of {t.world_size} to join at port {port}{hint}"
+                    f"rendezvous timed out after {t.join_timeout:g} s: rank 0 waited for "
+                    f"rank(s) {missing} of {t.world_size} to join at port {port}{hint} (give "
+                    "slow starters longer with SWARMFD_INIT_TIMEOUT or init_timeout=)"
                 )
             while monitor.poll(0):
                 monitor.recv_multipart()
@@ -993,9 +997,10 @@ def _join_rendezvous(
             remaining = deadline - _now()
             if remaining <= 0:
                 raise RendezvousTimeout(
-                    f"rendezvous timed out after {t.timeout:g} s: rank {me.rank} got no answer "
-                    f"from rank 0 at {master_ip}:{port} (MASTER_ADDR/MASTER_PORT); is rank 0 "
-                    "running?"
+                    f"rendezvous timed out after {t.join_timeout:g} s: rank {me.rank} got no "
+                    f"answer from rank 0 at {master_ip}:{port} (MASTER_ADDR/MASTER_PORT); is "
+                    "rank 0 running? (give slow starters longer with SWARMFD_INIT_TIMEOUT or "
+                    "init_timeout=)"
                 )
             if not dealer.poll(int(min(remaining, 0.1) * 1000) + 1):
                 continue

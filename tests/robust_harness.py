@@ -72,13 +72,15 @@ class RankCtx:
         """Send one event (picklable value) to the test process."""
         self.events.put((self.rank, kind, value))
 
-    def init(self, port: int | None = None, timeout: float | None = None) -> None:
+    def init(self, port: int | None = None, timeout: float | None = None,
+             init_timeout: float | None = None) -> None:
         """Join the group (on ``port``, default the harness's MASTER_PORT)."""
         import swarmfd as fd
 
         fd.init(self.world, self.rank, master_addr="127.0.0.1",
                 master_port=port or self.port,
-                timeout=self.group_timeout if timeout is None else timeout)
+                timeout=self.group_timeout if timeout is None else timeout,
+                init_timeout=init_timeout)
         from swarmfd import group
 
         on_shm = getattr(group.current(), "shm", None) is not None

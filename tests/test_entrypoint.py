@@ -143,9 +143,13 @@ def test_bad_world_size_is_rejected():
 
 
 def test_resolve_timeout_default_and_value():
-    """SWARMFD_RESOLVE_TIMEOUT defaults to 60 s and accepts fractions."""
+    """SWARMFD_RESOLVE_TIMEOUT defaults to SWARMFD_INIT_TIMEOUT when set (a job that gives
+    its ranks that long to start), else to 60 s, and accepts fractions."""
     assert resolve_timeout({}) == 60.0
     assert resolve_timeout({"SWARMFD_RESOLVE_TIMEOUT": "1.5"}) == 1.5
+    assert resolve_timeout({"SWARMFD_INIT_TIMEOUT": "600"}) == 600.0
+    assert resolve_timeout({"SWARMFD_INIT_TIMEOUT": "600",
+                            "SWARMFD_RESOLVE_TIMEOUT": "2"}) == 2.0
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "soon", "inf", "nan"])

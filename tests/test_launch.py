@@ -172,15 +172,18 @@ def test_each_rank_sees_the_contract_env(runs: Runs) -> None:
 
 
 def test_options_reach_the_ranks_env(runs: Runs) -> None:
-    """--master-addr, --master-port, --timeout and repeated -e KEY=VALUE are set for every rank."""
+    """--master-addr, --master-port, --timeout, --init-timeout and repeated -e KEY=VALUE
+    are set for every rank."""
     code, out, _ = runs.run(
         "-n", "2", "--master-addr", "localhost", "--master-port", "23456", "--timeout", "7.5",
-        "-e", "FOO=bar=baz", "-e", "EMPTY=", WORKER, "env", "FOO", "EMPTY",
+        "--init-timeout", "600", "-e", "FOO=bar=baz", "-e", "EMPTY=", WORKER, "env", "FOO",
+        "EMPTY", "SWARMFD_INIT_TIMEOUT",
     )  # fmt: skip
     assert code == 0
     for env in (json.loads(lines[0]) for lines in by_rank(out).values()):
         assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("localhost", "23456")
         assert float(env["SWARMFD_TIMEOUT"]) == 7.5
+        assert float(env["SWARMFD_INIT_TIMEOUT"]) == 600.0
         assert (env["FOO"], env["EMPTY"]) == ("bar=baz", "")
 
 
@@ -377,6 +380,9 @@ def test_launcher_killed_with_sigkill_takes_its_ranks_along(runs: Runs) -> None:
         ({"env": {"RANK": "3"}}, "env may not set RANK"),
         ({"env": {"A=B": "1"}}, "env name 'A=B' is invalid"),
         ({"timeout": 0}, "timeout must be a finite number of seconds > 0"),
+        ({"init_timeout": -1}, "init_timeout must be a finite number of seconds > 0"),
+        ({"init_timeout": 5, "env": {"SWARMFD_INIT_TIMEOUT": "9"}},
+         "SWARMFD_INIT_TIMEOUT is given both in env and as init_timeout=5"),
         ({"max_restarts": -1}, "max_restarts must be an integer >= 0"),
         ({"grace": float("nan")}, "grace must be a finite number of seconds >= 0"),
     ],

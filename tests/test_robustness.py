@@ -720,3 +720,65 @@ def test_cleanup_after_a_lost_peer_is_prompt(transport: str) -> None:
     limit = ABORT_LINGER + 1.0
     assert info["cleanup"] < limit, (
         f"cleanup() took {info['cleanup']:.2f} s after the loss (limit {limit} s)")
+
+
+def _join_late(ctx: RankCtx, late: float, timeout: float,
+               init_timeout: float | None) -> dict[str, Any]:
+    """Rank 1 starts ``late`` seconds after rank 0; both init, then all_reduce."""
+    if ctx.rank == 1:
+        time.sleep(late)
+    t0 = time.monotonic()
+    try:
+        ctx.init(timeout=timeout, init_timeout=init_timeout)
+    except Exception as exc:
+        return error_info(exc, t0)
+    cfg = fd.get_config()
+    x = np.full(1000, ctx.rank + 1, np.float32)
+    fd.all_reduce(x)
+    return {"type": None, "sum": float(x[0]), "timeout": cfg.timeout,
+            "join_timeout": cfg.join_timeout}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_init_timeout_lets_a_late_rank_join_while_collectives_keep_their_timeout(
+        transport: str) -> None:
+    """A rank starting 3 s late joins a group whose collective timeout is 1 s, because
+    init waits init_timeout (10 s) for it; the group keeps the 1 s collective timeout."""
+    with Ranks(_join_late, 2, 3.0, 1.0, 10.0, init=False, transport=transport) as ranks:
+        out = ranks.results(timeout=40)
+    for rank in (0, 1):
+        assert out[rank]["type"] is None, out
+        assert out[rank]["sum"] == 3.0, out
+        assert out[rank]["timeout"] == 1.0 and out[rank]["join_timeout"] == 10.0, out
+
+
+def test_without_init_timeout_the_rendezvous_waits_the_collective_timeout() -> None:
+    """The default: init waits ``timeout``; rank 0 gives up on a rank 3 s late after 1 s,
+    and its error says how to give slow starters longer."""
+    with Ranks(_join_late, 2, 3.0, 1.0, None, init=False) as ranks:
+        out = ranks.results([0], timeout=40)
+    info = out[0]
+    assert info["type"] == "RendezvousTimeout", info
+    assert "after 1 s" in info["message"] and "SWARMFD_INIT_TIMEOUT" in info["message"], info
+    assert info["elapsed"] < 4.0, info
+
+
+def _never_joins(ctx: RankCtx, timeout: float, init_timeout: float) -> dict[str, Any]:
+    if ctx.rank == 1:
+        return {"type": None}
+    t0 = time.monotonic()
+    try:
+        ctx.init(timeout=timeout, init_timeout=init_timeout)
+    except Exception as exc:
+        return error_info(exc, t0)
+    return {"type": None}
+
+
+def test_a_short_init_timeout_ends_init_before_the_collective_timeout() -> None:
+    """init_timeout is also the upper bound: 1.5 s, with a 60 s collective timeout."""
+    with Ranks(_never_joins, 2, 60.0, 1.5, init=False) as ranks:
+        out = ranks.results(timeout=40)
+    info = out[0]
+    assert info["type"] == "RendezvousTimeout", info
+    assert "after 1.5 s" in info["message"], info
+    assert 1.4 <= info["elapsed"] < 5.0, info

@@ -64,8 +64,10 @@ def test_service_spec_has_the_swarm_contract():
 
 def test_service_env_sets_world_slot_master_and_port():
     """WORLD_SIZE=N, the slot template, MASTER_ADDR=<service>-1, MASTER_PORT."""
-    env = env_of(S.build_service_spec(make_job(master_port=1234, timeout=7.5)))
+    env = env_of(S.build_service_spec(make_job(master_port=1234, timeout=7.5,
+                                               init_timeout=600)))
     assert env["WORLD_SIZE"] == "3"
+    assert env["SWARMFD_INIT_TIMEOUT"] == "600"
     assert env["SWARMFD_TASK_SLOT"] == "{{.Task.Slot}}"
     assert env["MASTER_ADDR"] == "{{.Service.Name}}-1"
     assert env["MASTER_PORT"] == "1234"
@@ -73,6 +75,7 @@ def test_service_env_sets_world_slot_master_and_port():
     assert env["SWARMFD_JOB"] == "job-1"
     assert "SWARMFD_NODE" not in env
     assert "SWARMFD_TIMEOUT" not in env_of(S.build_service_spec(make_job()))
+    assert "SWARMFD_INIT_TIMEOUT" not in env_of(S.build_service_spec(make_job()))
 
 
 def test_user_env_is_kept_and_cannot_override_the_contract():
@@ -174,6 +177,8 @@ def test_minimal_spec_has_no_empty_optional_sections():
         ({"master_port": 70000}, r"--master-port"),
         ({"timeout": 0}, r"--timeout must be a positive"),
         ({"timeout": float("nan")}, r"--timeout"),
+        ({"init_timeout": 0}, r"--init-timeout must be a positive"),
+        ({"init_timeout": float("inf")}, r"--init-timeout"),
         ({"max_per_node": 0}, r"--max-per-node must be an integer >= 1"),
         ({"workdir": "rel/dir"}, r"--workdir must be an absolute path"),
         ({"networks": ("job-1",)}, r"job's own network"),
@@ -281,7 +286,7 @@ def test_parse_env_items():
     ("item", "message"),
     [("=1", "expected KEY=VALUE"), ("1A=2", "expected KEY=VALUE"), ("UNSET_X", "not set"),
      ("RANK=1", "-e RANK is not allowed"), ("MASTER_PORT=1", "--master-port"),
-     ("SWARMFD_TIMEOUT=3", "--timeout")],
+     ("SWARMFD_TIMEOUT=3", "--timeout"), ("SWARMFD_INIT_TIMEOUT=3", "--init-timeout")],
 )
 def test_parse_env_items_rejects(item, message):
     """Malformed keys, unset bare keys, and the variables swarmfd owns."""
@@ -562,6 +567,8 @@ def deploy(*args: str):
          "--max-restarts needs deploy to follow"),
         (["img", "-n", "2", "--max-restarts", "-1", "--", "true"], "-1 is not in the range"),
         (["img", "-n", "2", "python", "-c", "pass"], "put '--' before COMMAND"),
+        (["img", "-n", "2", "--init-timeout", "0", "--", "true"],
+         "--init-timeout must be a positive number of seconds"),
     ],
 )
 def test_deploy_rejects_bad_input_before_contacting_docker(args, message):

@@ -78,6 +78,7 @@ RESERVED_ENV = {
     "MASTER_ADDR": "(rank 0 is <job>-1)",
     "MASTER_PORT": "--master-port",
     "SWARMFD_TIMEOUT": "--timeout",
+    "SWARMFD_INIT_TIMEOUT": "--init-timeout",
     "SWARMFD_JOB": "--name",
     "SWARMFD_RESTART_COUNT": "--max-restarts (deploy counts the restarts)",
 }
@@ -413,6 +414,7 @@ class JobSpec:
     labels: Mapping[str, str] = field(default_factory=dict)
     master_port: int = DEFAULT_MASTER_PORT
     timeout: float | None = None
+    init_timeout: float | None = None
     max_per_node: int | None = None
     local_ranks: str = "container"
     encrypt_network: bool = False
@@ -446,6 +448,13 @@ class JobSpec:
         ):
             raise ValueError(
                 f"--timeout must be a positive number of seconds, got {self.timeout!r}"
+            )
+        if self.init_timeout is not None and (
+            not isinstance(self.init_timeout, (int, float))
+            or not math.isfinite(self.init_timeout) or self.init_timeout <= 0
+        ):
+            raise ValueError(
+                f"--init-timeout must be a positive number of seconds, got {self.init_timeout!r}"
             )
         if self.max_per_node is not None and (
             isinstance(self.max_per_node, bool) or not isinstance(self.max_per_node, int)
@@ -500,6 +509,8 @@ class JobSpec:
         }
         if self.timeout is not None:
             contract["SWARMFD_TIMEOUT"] = f"{self.timeout:g}"
+        if self.init_timeout is not None:
+            contract["SWARMFD_INIT_TIMEOUT"] = f"{self.init_timeout:g}"
         if self.local_ranks == "node":
             # The entrypoint then leaves LOCAL_RANK/LOCAL_WORLD_SIZE unset, and swarmfd
             # derives them at rendezvous by grouping the ranks on SWARMFD_NODE.

@@ -231,7 +231,7 @@ CHATTY = (
     "print(f'out line 2 of rank {rank} LOCAL_RANK={os.environ[\"LOCAL_RANK\"]}', flush=True)\n"
     "if rank == 0:\n"
     "    print('options', os.getcwd(), os.environ['GREETING'], open('/data/hello.txt').read(),\n"
-    "          file=sys.stderr, flush=True)\n"
+    "          fd.get_config().join_timeout, file=sys.stderr, flush=True)\n"
     "fd.barrier()\n"
     "fd.cleanup()\n"
 )
@@ -249,7 +249,7 @@ def test_detach_logs_ls_ps(swarm: Any, swarmfd_image: str, tmp_path: Path,
     try:
         started = time.monotonic()
         proc = swarmfd("deploy", "-d", tag, "-n", "2", "--name", name, "--label", "team=test",
-                       "-e", "GREETING=hi", "--workdir", "/scratch",
+                       "-e", "GREETING=hi", "--workdir", "/scratch", "--init-timeout", "120",
                        "--mount", "type=tmpfs,dst=/scratch,tmpfs-size=16M",
                        "--mount", f"type=bind,src={tmp_path},dst=/data,readonly",
                        "--limit-memory", "256M", "--reserve-cpu", "0.1",
@@ -270,7 +270,7 @@ def test_detach_logs_ls_ps(swarm: Any, swarmfd_image: str, tmp_path: Path,
         assert out == {0: ["out line 1 of rank 0", "out line 2 of rank 0 LOCAL_RANK=0"],
                        1: ["out line 1 of rank 1", "out line 2 of rank 1 LOCAL_RANK=0"]}
         assert rank_lines(follow.stderr) == {
-            0: ["err line of rank 0", "options /scratch hi from-the-host"],
+            0: ["err line of rank 0", "options /scratch hi from-the-host 120.0"],
             1: ["err line of rank 1"]}
         wait_until(lambda: all(t["Status"]["State"] == "complete"
                                for t in swarm.api.tasks(filters={"service": service["ID"]})),
