@@ -134,21 +134,9 @@ class Config:
                 f"a world of {self.world_size} ranks needs MASTER_ADDR (the address of rank 0); "
                 "set the environment variable MASTER_ADDR or pass master_addr="
             )
-        if (
-            isinstance(self.timeout, bool)
-            or not isinstance(self.timeout, (int, float))
-            or not math.isfinite(self.timeout)
-            or self.timeout <= 0
-        ):
-            raise ConfigError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
-        if self.init_timeout is not None and (
-            isinstance(self.init_timeout, bool)
-            or not isinstance(self.init_timeout, (int, float))
-            or not math.isfinite(self.init_timeout)
-            or self.init_timeout <= 0
-        ):
-            raise ConfigError(f"init_timeout must be a positive number of seconds, got "
-                              f"{self.init_timeout!r}")
+        _check_seconds("timeout", self.timeout)
+        if self.init_timeout is not None:
+            _check_seconds("init_timeout", self.init_timeout)
         _check_int("restart_count", self.restart_count, minimum=0)
         object.__setattr__(self, "is_main", self.rank == 0)
 
@@ -156,6 +144,16 @@ class Config:
     def join_timeout(self) -> float:
         """Seconds init waits for every rank to join: ``init_timeout``, else ``timeout``."""
         return self.timeout if self.init_timeout is None else float(self.init_timeout)
+
+
+def _check_seconds(name: str, value: object) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:
