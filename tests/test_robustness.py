@@ -742,24 +742,24 @@ def _join_late(ctx: RankCtx, late: float, timeout: float,
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_init_timeout_lets_a_late_rank_join_while_collectives_keep_their_timeout(
         transport: str) -> None:
-    """A rank starting 3 s late joins a group whose collective timeout is 1 s, because
-    init waits init_timeout (10 s) for it; the group keeps the 1 s collective timeout."""
-    with Ranks(_join_late, 2, 3.0, 1.0, 10.0, init=False, transport=transport) as ranks:
+    """A rank starting 4 s late joins a group whose collective timeout is 2 s, because
+    init waits init_timeout (15 s) for it; the group keeps the 2 s collective timeout."""
+    with Ranks(_join_late, 2, 4.0, 2.0, 15.0, init=False, transport=transport) as ranks:
         out = ranks.results(timeout=40)
     for rank in (0, 1):
         assert out[rank]["type"] is None, out
         assert out[rank]["sum"] == 3.0, out
-        assert out[rank]["timeout"] == 1.0 and out[rank]["join_timeout"] == 10.0, out
+        assert out[rank]["timeout"] == 2.0 and out[rank]["join_timeout"] == 15.0, out
 
 
 def test_without_init_timeout_the_rendezvous_waits_the_collective_timeout() -> None:
-    """The default: init waits ``timeout``; rank 0 gives up on a rank 3 s late after 1 s,
+    """The default: init waits ``timeout``; rank 0 gives up on a rank 4 s late after 2 s,
     and its error says how to give slow starters longer."""
-    with Ranks(_join_late, 2, 3.0, 1.0, None, init=False) as ranks:
+    with Ranks(_join_late, 2, 4.0, 2.0, None, init=False) as ranks:
         out = ranks.results([0], timeout=40)
     info = out[0]
     assert info["type"] == "RendezvousTimeout", info
-    assert "after 1 s" in info["message"] and "SWARMFD_INIT_TIMEOUT" in info["message"], info
+    assert "after 2 s" in info["message"] and "SWARMFD_INIT_TIMEOUT" in info["message"], info
     assert info["elapsed"] < 4.0, info
 
 
