@@ -442,20 +442,15 @@ class JobSpec:
             1 <= self.master_port <= 65535
         ):
             raise ValueError(f"--master-port must be in 1..65535, got {self.master_port!r}")
-        if self.timeout is not None and (
-            not isinstance(self.timeout, (int, float)) or not math.isfinite(self.timeout)
-            or self.timeout <= 0
-        ):
-            raise ValueError(
-                f"--timeout must be a positive number of seconds, got {self.timeout!r}"
-            )
-        if self.init_timeout is not None and (
-            not isinstance(self.init_timeout, (int, float))
-            or not math.isfinite(self.init_timeout) or self.init_timeout <= 0
-        ):
-            raise ValueError(
-                f"--init-timeout must be a positive number of seconds, got {self.init_timeout!r}"
-            )
+        for option, seconds in (("--timeout", self.timeout),
+                                 ("--init-timeout", self.init_timeout)):
+            if seconds is not None and (
+                not isinstance(seconds, (int, float)) or not math.isfinite(seconds)
+                or seconds <= 0
+            ):
+                raise ValueError(
+                    f"{option} must be a positive number of seconds, got {seconds!r}"
+                )
         if self.max_per_node is not None and (
             isinstance(self.max_per_node, bool) or not isinstance(self.max_per_node, int)
             or self.max_per_node < 1
