@@ -85,9 +85,19 @@ _OP_NAMES = {"sum": ReduceOp.SUM, "prod": ReduceOp.PROD, "product": ReduceOp.PRO
 
 
 def _to_numpy(x: Any, name: str) -> np.ndarray:
-    """A numpy view of ``x`` (an ndarray or a CPU torch tensor), or a TypeError."""
+    """A numpy view of ``x`` (an ndarray or a CPU torch tensor), or a TypeError.
+
+    An ndarray subclass (np.matrix, np.memmap, ...) is worked on through a plain ndarray
+    view of the same memory, so in-place results land in it; a masked array is refused,
+    since its mask would be silently ignored.
+    """
     if isinstance(x, np.ndarray):
-        return x
+        if type(x) is np.ndarray:
+            return x
+        if isinstance(x, np.ma.MaskedArray):
+            raise TypeError(f"swarmfd.{name}: a masked array cannot be reduced (its mask would "
+                            "be ignored); pass np.ma.filled(x, fill_value) or x.data")
+        return x.view(np.ndarray)
     if hasattr(x, "detach") and hasattr(x, "numpy") and hasattr(x, "device"):
         if getattr(x.device, "type", "cpu") != "cpu":
             raise TypeError(f"swarmfd.{name}: only CPU tensors are supported, got a tensor on "

@@ -35,6 +35,7 @@ Every value is validated here, once; bad input raises :class:`ConfigError`
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import stat
@@ -316,6 +317,11 @@ def check_secret(secret: str | bytes, origin: str) -> bytes:
             f"the job secret ({origin}) is {len(data)} characters long: expected at least "
             f"{MIN_SECRET_CHARS} (swarmfd run/deploy write 64 hex characters)"
         )
+    if len(set(data)) == 1:
+        raise ConfigError(
+            f"the job secret ({origin}) is made of one repeated character: expected random "
+            "characters (e.g. python -c 'import secrets; print(secrets.token_hex(32))')"
+        )
     return data
 
 
@@ -335,8 +341,10 @@ def load_secret(environ: Mapping[str, str] | None = None) -> bytes | None:
     if not named and not os.path.lexists(path):
         return None
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block open()
+        mode = os.stat(path).st_mode  # follows a symlink: the file it names is checked
+        if not stat.S_ISREG(mode):  # a FIFO would block open()
             raise ConfigError(f"the job secret file ({origin}) is not a regular file")
+        _check_secret_mode(path, origin, mode)
         with open(path, "rb") as f:
             data = f.read(MAX_SECRET_BYTES + 1)
     except FileNotFoundError:
@@ -352,6 +360,32 @@ def load_secret(environ: Mapping[str, str] | None = None) -> bytes | None:
         raise ConfigError(f"the job secret file ({origin}) is larger than {MAX_SECRET_BYTES} "
                           "bytes: expected a short text secret")
     return check_secret(data, origin)
+
+
+#: Where Docker mounts secrets: world-readable (0444) by default there, inside a container
+#: whose other users are the job's own; elsewhere a world-readable secret file is warned of.
+DOCKER_SECRETS_DIR = "/run/secrets"
+_LOG = logging.getLogger("swarmfd")
+
+
+def _check_secret_mode(path: str, origin: str, mode: int) -> None:
+    """Refuse a secret file others can write (as OpenSSH refuses such key files); warn of
+    one every user can read, outside Docker's secrets directory."""
+    perms = stat.S_IMODE(mode)
+    if perms & 0o022:
+        who = " and ".join(w for w, bit in (("its group", 0o020), ("other users", 0o002))
+                           if perms & bit)
+        raise ConfigError(
+            f"the job secret file ({origin}) is writable by {who} (mode {perms:04o}): whoever "
+            f"can write it can make this job trust their secret; make it private (chmod 600 "
+            f"{path})"
+        )
+    real = os.path.realpath(path)
+    if perms & 0o004 and not real.startswith(DOCKER_SECRETS_DIR + os.sep):
+        _LOG.warning(
+            "the job secret file (%s) is readable by every user (mode %04o): other users of "
+            "this host can read the job secret; make it private (chmod 600 %s)",
+            origin, perms, path)
 
 
 def require_secret(world_size: int, secret: str | bytes | None = None,

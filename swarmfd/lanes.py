@@ -28,12 +28,21 @@ this module implements it:
 Setup and security. The listening socket is bound when the transport is created
 and announced in the (CURVE-encrypted) rendezvous; after the mesh is connected it
 is closed, so once ``init`` returned a stranger cannot even connect. Each
-connection starts with a mutual handshake: both sides send magic, version, ranks
-and a random nonce, then (with a job secret) HMAC-SHA256 keyed with the *other*
-side's per-session data token, which only the rendezvous distributed. A
-connection that fails (bad magic, wrong or duplicate rank, bad HMAC, silence) is
-closed and counted, never admitted, never fatal. The bytes themselves travel in
-clear, as on the ZeroMQ PLAIN data plane; SWARMFD_ENCRYPT=1 uses ZeroMQ CURVE
+connection starts with a mutual challenge-response handshake (see HANDSHAKE_MAGIC):
+both sides send magic, version, ranks and a fresh random nonce; with a job secret
+the listener then proves it knows the connector's per-session data token
+(HMAC-SHA256 over both ranks and nonces), the connector proves it knows the
+listener's, and the listener ends with an explicit verdict. A reader of the network
+learns nothing replayable (the nonces are fresh). Against strangers during setup:
+the listener accepts everything at once (also while the rank is still in the
+rendezvous, :meth:`Lanes.idle`), gives each unknown connection HANDSHAKE_STEP_LIMIT
+per step and evicts the stalest one when MAX_PENDING_HANDSHAKES are in progress, so
+silent connections cannot hold the door shut. Such connections are closed and
+counted, never admitted, never fatal. A connecting rank whose handshake fails
+without evidence (closed, reset, refused) dials again until the init deadline; only
+a listener's wrong MAC, or its explicit refusal after it proved itself, is reported
+as another job secret (:class:`AuthenticationError`). The bytes themselves travel
+in clear, as on the ZeroMQ PLAIN data plane; SWARMFD_ENCRYPT=1 uses ZeroMQ CURVE
 instead (see :mod:`swarmfd.transport`).
 
 This module only moves bytes; the message semantics (stash, signatures, aborts,
@@ -66,19 +75,41 @@ RECV_BUFFER = 128 << 10
 SMALL_SEND = 64 << 10
 #: At most this many queued buffers go into one sendmsg.
 MAX_IOV = 64
-#: Handshake: magic, protocol version, sender rank, receiver rank (NO_RANK from a
-#: server, which does not know yet who connected), 16-byte nonce.
-HANDSHAKE_MAGIC = b"SWFDLANE"
+#: Handshake (protocol 2): both sides send HELLO (magic, protocol version, sender rank,
+#: receiver rank, 16-byte nonce). The listener answers a valid hello with its own, then
+#: (with a job secret) first proves it knows the connector's per-session token (a MAC);
+#: the connector checks it and proves it knows the listener's token; the listener ends
+#: the handshake with a status byte: ACCEPT, or REFUSE (an explicit refusal from a peer
+#: that has proven itself: the only evidence, with a MAC that fails, on which a rank
+#: reports another job secret).
+HANDSHAKE_MAGIC = b"SWFDLAN2"
 HELLO = struct.Struct("<8sBHH16s")
 NO_RANK = 0xFFFF
 MAC_SIZE = 32
-_MAC_LABEL = b"swarmfd socket data plane v1\0"
-#: Handshakes of unknown connections in progress at once; more are closed at accept.
-MAX_PENDING_HANDSHAKES = 64
+ACCEPT = b"\x01"
+REFUSE = b"\x00"
+_MAC_LABEL = b"swarmfd socket data plane v2\0"
+#: Unknown (accepted) connections whose handshake is in progress at once. A new one at
+#: the limit evicts the one that has waited longest for its next step: a legitimate
+#: peer answers each step within a round trip (measured well under 10 ms here, under
+#: load), so a flood of 1000 new connections a second (the threat model's rate) still
+#: leaves each connection about a second to complete, and silent ones cannot hold the
+#: slots. An evicted legitimate connection is not fatal: the connecting rank retries.
+MAX_PENDING_HANDSHAKES = 1024
+#: How long an unknown connection may take for each step of its handshake (its hello,
+#: its MAC) before it is closed: strangers that connect and stay silent cost a slot for
+#: at most this long.
+HANDSHAKE_STEP_LIMIT = 1.0
+#: A connecting rank whose handshake failed (closed or reset by the listener: evicted by
+#: a flood, or not yet listening) dials again after this delay, doubling up to
+#: RETRY_MAX, until the init deadline.
+RETRY_FIRST = 0.01
+RETRY_MAX = 0.25
+#: Listen backlog (the kernel caps it at net.core.somaxconn): connections that wait to be
+#: accepted while the rank is still in the rendezvous cost no descriptor of this process.
+LISTEN_BACKLOG = 4096
 #: At close, how long to read (and drop) what peers still send until they close too.
 CLOSE_DRAIN = 1.0
-#: How long an unknown connection may take to complete its handshake.
-HANDSHAKE_TIMEOUT = 10.0
 
 
 class _Owner(Protocol):
@@ -128,21 +159,33 @@ class _Lane:
 
 
 class _Handshake:
-    """A connection whose handshake is in progress."""
+    """A connection whose handshake is in progress (see HANDSHAKE_MAGIC for the steps)."""
 
-    def __init__(self, sock: socket.socket, peer: int, started: float,
-                 endpoint: str = "") -> None:
+    __slots__ = ("connected", "endpoint", "inbuf", "last", "nonce", "outbuf", "peer",
+                 "peer_nonce", "peer_rank", "sock", "stage")
+
+    def __init__(self, sock: socket.socket, peer: int, now: float, endpoint: str = "") -> None:
         self.sock = sock
-        self.peer = peer  # expected rank (client side) or NO_RANK (server side)
+        self.peer = peer  # expected rank (we dialled) or NO_RANK (we accepted)
         self.endpoint = endpoint
-        self.started = started
+        self.last = now  # when it last made progress (eviction order, step limit)
         self.connected = peer == NO_RANK  # accepted sockets are connected
         self.nonce = os.urandom(16)
         self.peer_nonce = b""
         self.peer_rank = peer
         self.inbuf = bytearray()
         self.outbuf = b""
-        self.stage = "hello"  # then "mac", then "done"
+        # Dialled: "hello" (theirs) -> "mac" (theirs, with a secret) -> "status" -> "done".
+        # Accepted: "hello" -> "mac" (with a secret) -> "done".
+        self.stage = "hello"
+
+
+class _Refused(Exception):
+    """The listener, having proven itself, refused this rank's proof (evidence)."""
+
+
+class _Impostor(Exception):
+    """The listener failed to prove it is the rank we dialled (a MAC that fails)."""
 
 
 class Lanes:
@@ -157,83 +200,125 @@ class Lanes:
         self.token = token
         self.keepalive = keepalive
         self.listener: socket.socket | None = socket.create_server((bind_host, 0),
-                                                                   backlog=128)
+                                                                   backlog=LISTEN_BACKLOG)
         self.listener.setblocking(False)
         self.endpoint = f"tcp://{bind_host}:{self.listener.getsockname()[1]}"
         self.sel = selectors.DefaultSelector()
         self.lanes: dict[int, _Lane] = {}
         self.ready: collections.deque[_Lane] = collections.deque()
         self.current: _Lane | None = None
-        #: Connections refused during setup (strangers, bad handshakes).
+        #: Accepted connections that did not authenticate and were closed (strangers, or
+        #: a peer's attempt evicted under a flood, which that peer then retries).
         self.strangers = 0
+        #: Accepted connections whose handshake was still in progress when setup ended.
+        self.strangers_pending = 0
+        #: Handshakes in progress: accepted ones in eviction order (oldest progress first).
+        self._accepted: collections.OrderedDict[socket.socket, _Handshake] = (
+            collections.OrderedDict())
+        self._dialled: dict[socket.socket, _Handshake] = {}
+        self._hs_sel: selectors.BaseSelector | None = selectors.DefaultSelector()
+        self._hs_sel.register(self.listener, selectors.EVENT_READ, None)
         self.closed = False
 
     # -- setup --------------------------------------------------------------------------
 
+    def idle(self) -> None:
+        """Accept (and age out) waiting connections while the rank is busy elsewhere (the
+        rendezvous): a flood cannot fill the listen backlog before :meth:`connect` runs.
+        Hellos are not answered yet: the peers' tokens are not known."""
+        if self.listener is not None:
+            self._accept(_now())
+            self._evict_stale(_now())
+
     def connect(self, peers: Sequence[Any], deadline: float) -> None:
-        """Connect the mesh (handshakes included) by ``deadline``, then stop listening."""
+        """Connect the mesh (handshakes included) by ``deadline``, then stop listening.
+
+        Rank i dials every rank j < i and accepts from every j > i. A dialled handshake
+        that fails without evidence (the listener closed or reset it, or was not
+        listening yet) is dialled again until ``deadline``; only a failed MAC or an
+        explicit refusal from a listener that proved itself raise
+        :class:`AuthenticationError`. Accepted connections that fail are closed and
+        counted, never fatal.
+        """
         tokens = {p.rank: p.token for p in peers}
         endpoints = {p.rank: p.endpoint for p in peers}
-        hs_sel = selectors.DefaultSelector()
-        assert self.listener is not None
-        hs_sel.register(self.listener, selectors.EVENT_READ, None)
-        pending: dict[socket.socket, _Handshake] = {}
+        hs_sel = self._hs_sel
+        assert hs_sel is not None
         retry_at: dict[int, float] = {j: 0.0 for j in range(self.rank)}
+        backoff: dict[int, float] = {}
+        attempts: dict[int, int] = {}
+        last_error: dict[int, str] = {}
         try:
             while len(self.lanes) < self.world_size - 1:
                 now = _now()
                 if now > deadline:
-                    missing = sorted(set(range(self.world_size)) - {self.rank}
-                                     - set(self.lanes))
-                    raise RendezvousTimeout(
-                        f"rank {self.rank} could not set up its data connections with "
-                        f"rank(s) {missing} within the timeout (socket data plane at "
-                        f"{self.endpoint}; {self.strangers} stranger connection(s) refused)"
-                    )
+                    raise RendezvousTimeout(self._setup_timeout(attempts, last_error))
                 for j, at in list(retry_at.items()):
                     if at <= now:
                         del retry_at[j]
+                        attempts[j] = attempts.get(j, 0) + 1
                         hs = self._dial(j, endpoints[j], now)
-                        pending[hs.sock] = hs
+                        self._dialled[hs.sock] = hs
                         hs_sel.register(hs.sock, selectors.EVENT_READ | selectors.EVENT_WRITE,
                                         hs)
-                for key, _ in hs_sel.select(min(0.05, max(0.0, deadline - now))):
+                wait = min(0.05, max(0.0, deadline - now))
+                if retry_at:
+                    wait = min(wait, max(0.0, min(retry_at.values()) - now))
+                for key, _ in hs_sel.select(wait):
                     if key.data is None:
-                        self._accept(hs_sel, pending, now)
+                        self._accept(_now())
                         continue
                     hs = key.data
+                    if hs.sock not in self._accepted and hs.sock not in self._dialled:
+                        continue  # evicted by an accept earlier in this batch
                     try:
                         done = self._step(hs, tokens)
+                    except (_Refused, _Impostor) as exc:
+                        self._drop(hs)
+                        raise AuthenticationError(
+                            f"rank {self.rank}: rank {hs.peer}'s data socket "
+                            f"({hs.endpoint}) {exc}; does it run with another job secret or "
+                            "SWARMFD_AUTH setting?"
+                        ) from None
                     except (OSError, ValueError) as exc:
-                        self._drop(hs_sel, pending, hs)
+                        self._drop(hs)
                         if hs.peer == NO_RANK:
                             self.strangers += 1
-                            continue
-                        if not hs.connected or isinstance(exc, ConnectionRefusedError):
-                            retry_at[hs.peer] = _now() + 0.1  # not listening (yet)
-                            continue
-                        raise AuthenticationError(
-                            f"rank {self.rank}: rank {hs.peer}'s data socket ({hs.endpoint}) "
-                            f"refused this rank's handshake ({exc}); does it run with another "
-                            "job secret or SWARMFD_AUTH setting?"
-                        ) from None
+                        else:
+                            # No evidence against the peer: a flood evicted us, or it is
+                            # not listening yet. Dial again.
+                            last_error[hs.peer] = str(exc) or type(exc).__name__
+                            delay = backoff.get(hs.peer, RETRY_FIRST)
+                            backoff[hs.peer] = min(RETRY_MAX, delay * 2)
+                            retry_at[hs.peer] = _now() + delay
+                        continue
                     if done:
-                        hs_sel.unregister(hs.sock)
-                        del pending[hs.sock]
-                        self._admit(hs)
+                        self._finish(hs)
                     else:
                         hs_sel.modify(hs.sock, selectors.EVENT_READ
                                       | (selectors.EVENT_WRITE if hs.outbuf or not hs.connected
                                          else 0), hs)
-                for hs in [h for h in pending.values() if h.peer == NO_RANK
-                           and _now() - h.started > HANDSHAKE_TIMEOUT]:
-                    self._drop(hs_sel, pending, hs)
-                    self.strangers += 1
+                self._evict_stale(_now())
         finally:
-            for hs in list(pending.values()):
-                self._drop(hs_sel, pending, hs)
+            self.strangers_pending += len(self._accepted)
+            for hs in [*self._accepted.values(), *self._dialled.values()]:
+                self._drop(hs)
             hs_sel.close()
+            self._hs_sel = None
             self.stop_listening()
+
+    def _setup_timeout(self, attempts: dict[int, int], last_error: dict[int, str]) -> str:
+        missing = sorted(set(range(self.world_size)) - {self.rank} - set(self.lanes))
+        dialled = [f"rank {j}: {attempts[j]} attempt(s), last: {last_error[j]}"
+                   for j in missing if attempts.get(j) and j in last_error]
+        return (
+            f"rank {self.rank} could not set up its data connections with rank(s) {missing} "
+            f"within the timeout (socket data plane at {self.endpoint}"
+            + (f"; {'; '.join(dialled)}" if dialled else "")
+            + f"; {self.strangers} connection(s) that did not authenticate were closed and "
+            f"{len(self._accepted)} were still in their handshake: strangers, or the "
+            "missing ranks never connected)"
+        )
 
     def stop_listening(self) -> None:
         """Close the listening socket: nobody can connect any more."""
@@ -252,36 +337,66 @@ class Lanes:
         hs.outbuf = HELLO.pack(HANDSHAKE_MAGIC, wire.PROTOCOL_VERSION, self.rank, j, hs.nonce)
         return hs
 
-    def _accept(self, hs_sel: selectors.BaseSelector,
-                pending: dict[socket.socket, _Handshake], now: float) -> None:
-        assert self.listener is not None
+    def _accept(self, now: float) -> None:
+        """Accept every waiting connection; at the limit, evict the stalest handshake."""
+        if self.listener is None or self._hs_sel is None:
+            return
         while True:
             try:
                 sock, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE) and self._accepted:
+                    self._evict_oldest()  # free a descriptor for the newcomer
+                    continue
                 return
-            if len(pending) >= MAX_PENDING_HANDSHAKES:
-                sock.close()
-                self.strangers += 1
-                continue
+            if len(self._accepted) >= MAX_PENDING_HANDSHAKES:
+                self._evict_oldest()
             sock.setblocking(False)
             hs = _Handshake(sock, NO_RANK, now)
-            hs.outbuf = HELLO.pack(HANDSHAKE_MAGIC, wire.PROTOCOL_VERSION, self.rank, NO_RANK,
-                                   hs.nonce)
-            pending[sock] = hs
-            hs_sel.register(sock, selectors.EVENT_READ | selectors.EVENT_WRITE, hs)
+            self._accepted[sock] = hs
+            self._hs_sel.register(sock, selectors.EVENT_READ, hs)
 
-    def _drop(self, hs_sel: selectors.BaseSelector,
-              pending: dict[socket.socket, _Handshake], hs: _Handshake) -> None:
-        pending.pop(hs.sock, None)
-        with contextlib.suppress(KeyError, ValueError):
-            hs_sel.unregister(hs.sock)
+    def _evict_oldest(self) -> None:
+        _, hs = self._accepted.popitem(last=False)
+        self._drop(hs)
+        self.strangers += 1
+
+    def _evict_stale(self, now: float) -> None:
+        """Close accepted connections that made no progress for HANDSHAKE_STEP_LIMIT."""
+        while self._accepted:
+            hs = next(iter(self._accepted.values()))
+            if now - hs.last <= HANDSHAKE_STEP_LIMIT:
+                return
+            self._evict_oldest()
+
+    def _drop(self, hs: _Handshake) -> None:
+        self._accepted.pop(hs.sock, None)
+        self._dialled.pop(hs.sock, None)
+        if self._hs_sel is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self._hs_sel.unregister(hs.sock)
         hs.sock.close()
 
+    def _finish(self, hs: _Handshake) -> None:
+        """A handshake completed: admit the connection as ``hs.peer_rank``'s lane."""
+        if self._hs_sel is not None:
+            self._hs_sel.unregister(hs.sock)
+        self._accepted.pop(hs.sock, None)
+        self._dialled.pop(hs.sock, None)
+        self._admit(hs)
+
+    def _send(self, hs: _Handshake, data: bytes) -> None:
+        hs.outbuf += data
+        try:
+            n = hs.sock.send(hs.outbuf)
+        except BlockingIOError:
+            n = 0
+        hs.outbuf = hs.outbuf[n:]
+
     def _step(self, hs: _Handshake, tokens: dict[int, str]) -> bool:
-        """Advance one handshake; True when the peer is proven. Raises on a bad peer."""
+        """Advance one handshake; True when it is complete. Raises on a bad peer."""
         sock = hs.sock
         if not hs.connected:
             err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
@@ -291,13 +406,9 @@ class Lanes:
                 raise ConnectionRefusedError(err, os.strerror(err))
             hs.connected = True
         if hs.outbuf:
-            try:
-                n = sock.send(hs.outbuf)
-            except BlockingIOError:
-                n = 0
-            hs.outbuf = hs.outbuf[n:]
-        need = HELLO.size if hs.stage == "hello" else MAC_SIZE
+            self._send(hs, b"")
         while hs.stage != "done":
+            need = {"hello": HELLO.size, "mac": MAC_SIZE, "status": 1}[hs.stage]
             try:
                 data = sock.recv(need - len(hs.inbuf))
             except BlockingIOError:
@@ -308,34 +419,65 @@ class Lanes:
             if len(hs.inbuf) < need:
                 break
             msg, hs.inbuf = bytes(hs.inbuf), bytearray()
-            if hs.stage == "hello":
-                self._check_hello(hs, msg)
-                if not self.token:
-                    hs.stage = "done"
-                    break
-                hs.stage, need = "mac", MAC_SIZE
-                if hs.peer != NO_RANK:  # the client proves itself first
-                    self._send_mac(hs, tokens)
+            hs.last = _now()
+            if hs.peer == NO_RANK:
+                self._accepted.move_to_end(sock)
+                self._server_step(hs, msg, tokens)
             else:
-                client, server, nc, ns = self._roles(hs)
-                role = b"s" if self.rank > hs.peer_rank else b"c"
-                if not hmac.compare_digest(msg, _mac(self.token, role, client, server, nc, ns)):
-                    raise ValueError(f"bad handshake MAC from a connection claiming rank "
-                                     f"{hs.peer_rank}")
-                if hs.peer == NO_RANK:  # the server answers only a proven client
-                    self._send_mac(hs, tokens)
-                hs.stage = "done"
+                self._client_step(hs, msg, tokens)
         return hs.stage == "done" and not hs.outbuf
 
-    def _send_mac(self, hs: _Handshake, tokens: dict[int, str]) -> None:
-        client, server, nc, ns = self._roles(hs)
-        role = b"c" if hs.peer != NO_RANK else b"s"
-        hs.outbuf += _mac(tokens[hs.peer_rank], role, client, server, nc, ns)
-        try:
-            n = hs.sock.send(hs.outbuf)
-        except BlockingIOError:
-            n = 0
-        hs.outbuf = hs.outbuf[n:]
+    def _server_step(self, hs: _Handshake, msg: bytes, tokens: dict[int, str]) -> None:
+        """One message from a connection we accepted: a hello, then (secret) its MAC."""
+        client, server = hs.peer_rank, self.rank
+        if hs.stage == "hello":
+            self._check_hello(hs, msg)
+            client = hs.peer_rank
+            reply = HELLO.pack(HANDSHAKE_MAGIC, wire.PROTOCOL_VERSION, self.rank, client,
+                               hs.nonce)
+            if not self.token:
+                hs.stage = "done"
+                self._send(hs, reply + ACCEPT)
+                return
+            # Prove first that we know the client's token, so that the client can trust
+            # our verdict on its own proof (ACCEPT or REFUSE).
+            hs.stage = "mac"
+            self._send(hs, reply + _mac(tokens[client], b"s", client, server, hs.peer_nonce,
+                                        hs.nonce))
+            return
+        if not hmac.compare_digest(msg, _mac(self.token, b"c", client, server, hs.peer_nonce,
+                                             hs.nonce)):
+            with contextlib.suppress(OSError):
+                hs.sock.send(REFUSE)
+            raise ValueError(f"bad handshake MAC from a connection claiming rank {client}")
+        hs.stage = "done"
+        self._send(hs, ACCEPT)
+
+    def _client_step(self, hs: _Handshake, msg: bytes, tokens: dict[int, str]) -> None:
+        """One message from the rank we dialled: its hello, its MAC (secret), its verdict."""
+        client, server = self.rank, hs.peer
+        if hs.stage == "hello":
+            self._check_hello(hs, msg)
+            hs.stage = "mac" if self.token else "status"
+            return
+        if hs.stage == "mac":
+            if not hmac.compare_digest(msg, _mac(self.token, b"s", client, server, hs.nonce,
+                                                 hs.peer_nonce)):
+                raise _Impostor("failed to prove it knows this rank's session token (its "
+                                "handshake MAC is wrong): it is not that rank of this job")
+            hs.stage = "status"
+            self._send(hs, _mac(tokens[server], b"c", client, server, hs.nonce,
+                                hs.peer_nonce))
+            return
+        if msg == ACCEPT:
+            hs.stage = "done"
+            return
+        if msg == REFUSE and self.token:
+            raise _Refused("proved itself and refused this rank's proof: the two hold "
+                           "different session tokens")
+        raise ValueError(f"handshake status {msg!r} from rank {server}" if msg != REFUSE
+                         else f"rank {server} refused this connection (it already has one "
+                              "claiming this rank: without SWARMFD_AUTH anyone can claim one)")
 
     def _check_hello(self, hs: _Handshake, msg: bytes) -> None:
         magic, version, sender, receiver, nonce = HELLO.unpack(msg)
@@ -348,25 +490,18 @@ class Lanes:
             if receiver != self.rank or not self.rank < sender < self.world_size:
                 raise ValueError(f"handshake from rank {sender} for rank {receiver}")
             if sender in self.lanes:
+                with contextlib.suppress(OSError):
+                    hs.sock.send(HELLO.pack(HANDSHAKE_MAGIC, wire.PROTOCOL_VERSION, self.rank,
+                                            sender, hs.nonce) + REFUSE
+                                 if not self.token else b"")
                 raise ValueError(f"duplicate connection from rank {sender}")
-        elif sender != hs.peer:
+        elif sender != hs.peer or receiver != self.rank:
             raise ValueError(f"expected rank {hs.peer}, the peer says it is rank {sender}")
         hs.peer_rank = sender
         hs.peer_nonce = nonce
 
-    def _roles(self, hs: _Handshake) -> tuple[int, int, bytes, bytes]:
-        """(client rank, server rank, client nonce, server nonce) of a handshake."""
-        peer = hs.peer_rank
-        if peer < self.rank:  # we connected: we are the client
-            return self.rank, peer, hs.nonce, hs.peer_nonce
-        return peer, self.rank, hs.peer_nonce, hs.nonce
-
     def _admit(self, hs: _Handshake) -> None:
         rank = hs.peer_rank
-        if rank in self.lanes:  # a duplicate that raced its twin (AUTH=off)
-            hs.sock.close()
-            self.strangers += 1
-            return
         sock = hs.sock
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         _keepalive(sock, *self.keepalive)

@@ -9,10 +9,11 @@ two *data planes* (``SWARMFD_DATA_PLANE``, all ranks must agree; rendezvous chec
   were the floor of the TCP path: measured on loopback at N=2, a bare exchange of
   16 MiB / 64 MiB took 9.5-10.2 ms / 35-46 ms through pyzmq PUSH/PULL and
   6.2 ms / 20.5 ms through non-blocking sockets (see the lanes docstring);
-* ``zmq``: a PULL socket bound on a free port of this host (every peer sends to
-  it) and one PUSH socket connected to each peer, with a socket monitor that
-  reports when the peer's connection closes. Required for an encrypted data plane
-  (``SWARMFD_ENCRYPT=1``: CURVE), selectable otherwise.
+* ``zmq``: a ROUTER socket bound on a free port of this host that only *sends* (to
+  each peer by its routing id) and one DEALER socket connected to each peer's ROUTER
+  that only *receives*, so a message's source is the socket it arrived on, never a
+  header's claim; socket monitors report when a peer's connection closes. Required
+  for an encrypted data plane (``SWARMFD_ENCRYPT=1``: CURVE), selectable otherwise.
 
 The message layer is the same on both: receives that block in short slices
 (``WAIT_SLICE_MS``), so every wait is bounded by the group timeout and a lost peer
@@ -49,12 +50,20 @@ only connections that prove they hold the job's key:
 * rendezvous: always CURVE (authenticated and encrypted);
 * data plane, ``encrypt=True``: CURVE as well;
 * data plane, ``encrypt=False``: a random per-session token that each rank
-  draws and announces over the encrypted rendezvous. On zmq it is the ZMQ PLAIN
-  password of its data socket (ZAP admits only that token); on sockets, the key
-  of the HMAC-SHA256 each side of a connection proves itself with (mutual, with
-  nonces; see :mod:`swarmfd.lanes`). Strangers cannot connect, inject or abort;
-  the bytes themselves travel in clear (readable by whoever can sniff the
-  network; see README "Security").
+  draws and announces over the encrypted rendezvous. On sockets it keys the
+  HMAC-SHA256 each side of a connection proves itself with (challenge-response, with
+  fresh nonces; see :mod:`swarmfd.lanes`). On zmq each peer's connection carries a
+  one-time ZMQ PLAIN password derived from it (:func:`_connection_token`), which
+  ZAP admits once: a reader of the network who replays it is refused, and once
+  every peer is in, the bound socket admits nothing more. Strangers cannot connect,
+  inject or abort; the bytes themselves travel in clear (readable by whoever can
+  sniff the network; see README "Security").
+
+Sockets strangers can reach (MASTER_PORT during init; the zmq data socket for the
+whole job, since libzmq's unbind would drop its connections) refuse frames larger
+than a handshake needs and drop connections that have not authenticated within
+HANDSHAKE_IVL_MS, so a stranger pins little memory, briefly; init raises the soft
+descriptor limit to the hard one (:func:`raise_descriptor_limit`).
 
 A process whose secret differs fails its handshake with rank 0 and raises
 :class:`AuthenticationError` at once. Without a secret (``SWARMFD_AUTH=off``)
@@ -70,6 +79,7 @@ keepalive (``KEEPALIVE_*``) finds a peer whose host vanished without a FIN.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import hmac
@@ -78,6 +88,8 @@ import logging
 import os
 import secrets
 import socket
+import struct
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -122,8 +134,21 @@ INLINE_MAX_BYTES = 64 << 10
 #: per copy) and 64 KiB 1.5x longer zero-copy (the tracking) than this copy; the ring's
 #: 1 MiB pieces stream 1.2-1.3x faster zero-copy than copied.
 COPY_MAX_BYTES = 512 << 10
-#: Limit on a rendezvous message (a hello or a table), against garbage.
+#: Limit on a rendezvous message rank 0 receives (a hello: JSON of a few hundred bytes)
+#: and on every frame of the handshakes on rank 0's MASTER_PORT, which strangers can
+#: reach: libzmq allocates a frame before it can tell it is junk, so a stranger pins at
+#: most this much per connection (measured: 300 connections sending junk frames of this
+#: size, see tests/test_front_door.py).
+MAX_HELLO_MESSAGE = 4096
+#: Limit on the peer table a joining rank receives from rank 0 (about 300 bytes a rank).
 MAX_RENDEZVOUS_MESSAGE = 1 << 20
+#: Limit on every frame the zmq data plane's bound socket receives. It only sends, so
+#: what arrives is handshakes (a PLAIN hello is under 600 bytes, CURVE's under 400).
+MAX_HANDSHAKE_FRAME = 4096
+#: A connection to a bound socket (MASTER_PORT, the zmq data socket) that has not
+#: authenticated within this many ms is dropped (libzmq's default is 30 s). A legitimate
+#: handshake takes a few ms (a CURVE one under 5 ms here, on a loaded machine).
+HANDSHAKE_IVL_MS = 2000
 #: Limit on one frame of the data socket: the largest legitimate one (a header with an
 #: inline payload, or a payload of MAX_PAYLOAD) plus CURVE's few bytes of overhead.
 MAX_FRAME = wire.HEADER_SIZE + wire.MAX_PAYLOAD + 4096
@@ -138,12 +163,18 @@ MAX_CALLS_AHEAD = 16
 KEEPALIVE_IDLE = 1
 KEEPALIVE_INTVL = 1
 KEEPALIVE_CNT = 3
-#: After this many failed handshakes with rank 0 (another secret), rendezvous gives up.
+#: After this many handshakes with rank 0 that it refused (another secret), rendezvous
+#: gives up. Only refusals count: an explicit one (ZAP's), a cryptographic failure, or a
+#: connection rank 0 dropped within QUICK_REFUSAL s of its start (CURVE with another key:
+#: rank 0 cannot open this rank's hello). A handshake dropped later (rank 0 busy, or
+#: flooded by strangers, evicts it after HANDSHAKE_IVL_MS) is retried until the deadline.
 MAX_HANDSHAKE_FAILURES = 2
+QUICK_REFUSAL = 0.5
+#: Slice of the rendezvous waits: how often they look after the data plane's listener.
+RENDEZVOUS_SLICE = 0.05
 #: ZAP domains of the two planes.
 ZAP_RENDEZVOUS = "swarmfd-rendezvous"
 ZAP_DATA = "swarmfd-data"
-_PLAIN_USER = "swarmfd"
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 #: pyzmq's authenticator logs credentials at DEBUG; its logger here never does.
@@ -181,18 +212,12 @@ class Security:
         sock.setsockopt(zmq.CURVE_SECRETKEY, self.secret)
 
 
-class _JobKey:
-    """ZAP credentials check: admit only the job's public key; count the others."""
-
-    def __init__(self, public: bytes) -> None:
-        self.public = public
-        self.denied = 0
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        ok = hmac.compare_digest(key, self.public)
-        if not ok:
-            self.denied += 1
-        return ok
+def _stranger_facing(sock: zmq.Socket, max_frame: int) -> None:
+    """Bound a socket a stranger can reach: frames over ``max_frame`` drop the connection
+    before libzmq allocates them, and a connection that has not completed its handshake
+    within HANDSHAKE_IVL_MS is dropped, so a stranger pins little memory, briefly."""
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
 
 
 def _keepalive(sock: zmq.Socket) -> None:
@@ -207,13 +232,14 @@ class PeerInfo:
     """What rendezvous tells every rank about one peer."""
 
     rank: int
-    #: The address of its data plane: its PULL socket (zmq) or listening socket (socket).
+    #: The address of its data plane: its ROUTER socket (zmq) or listening socket (socket).
     endpoint: str
     host: str
     pid: int
     hostkey: str = ""
-    #: The per-session token of this rank's data plane: the PLAIN password of its data
-    #: socket (zmq) or the HMAC key of its handshakes (socket); unencrypted plane only.
+    #: The per-session token of this rank's data plane: the key its peers' one-time
+    #: PLAIN passwords derive from (zmq) or of its handshakes' HMAC (socket);
+    #: unencrypted plane only.
     token: str = field(default="", repr=False)
     #: Its data plane (DATA_PLANES); every rank of a job must use the same.
     plane: str = "zmq"
@@ -221,6 +247,26 @@ class PeerInfo:
 
 def _now() -> float:
     return time.monotonic()
+
+
+def raise_descriptor_limit() -> tuple[int, int]:
+    """Raise this process's soft limit on open files to its hard limit, as servers do.
+
+    A rank's listeners face strangers during init, and each connection a stranger opens
+    costs a descriptor until it is refused or evicted: with a 1024 soft limit (a common
+    default) 1100 silent connections would starve the rendezvous. Returns the (old, new)
+    soft limit. Leaves the limit alone where it cannot be changed.
+    """
+    import resource
+
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard != resource.RLIM_INFINITY and soft != resource.RLIM_INFINITY and soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            return soft, hard
+        return soft, soft
+    except (ValueError, OSError):
+        return -1, -1
 
 
 class _Cutoff(Exception):
@@ -237,85 +283,248 @@ def _cutoff(seconds: float) -> Callable[[], None]:
     return between
 
 
+def _connection_token(session_token: str, client: int, server: int) -> str:
+    """The one-time PLAIN password of ``client``'s data connection to ``server``.
+
+    Derived from ``server``'s per-session token (which only the encrypted rendezvous
+    carried), so a reader of the network who sees one connection's password learns
+    nothing about another's, and ZAP admits each password once: a replay fails.
+    """
+    msg = b"swarmfd zmq data connection v2\0" + struct.pack("<II", client, server)
+    return hmac.new(session_token.encode(), msg, hashlib.sha256).hexdigest()
+
+
+class _Authenticator(ThreadAuthenticator):
+    """pyzmq's ZAP handler with swarmfd's policies (see Security in the module docstring).
+
+    * rendezvous: CURVE clients holding the job key (any number: the listener closes
+      after init);
+    * data plane: each peer's connection is admitted **once**. Unencrypted, a PLAIN
+      user name is the connecting rank and its password that rank's one-time
+      connection token (:func:`_connection_token`), consumed on success; encrypted,
+      a CURVE client with the job key, at most ``world_size - 1`` of them. Once every
+      peer is in, nothing more is admitted, for as long as the job runs.
+    """
+
+    def __init__(self, ctx: zmq.Context, security: Security, rank: int, world_size: int,
+                 token: str) -> None:
+        super().__init__(ctx, log=_ZAP_LOG)
+        self.job_public = security.public
+        self.encrypt = security.encrypt
+        #: rank -> its one-time data connection token (PLAIN data plane), not yet used.
+        self.data_tokens = {j: _connection_token(token, j, rank)
+                            for j in range(world_size) if j != rank}
+        self.data_curve_left = world_size - 1
+        #: Refused ZAP requests per domain (strangers; counted for error messages).
+        self.denied: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        super().start()
+        self.configure_curve_callback(ZAP_RENDEZVOUS, self)
+        if self.encrypt:
+            self.configure_curve_callback(ZAP_DATA, self)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """CURVE: the job's key; on the data plane at most world_size - 1 times."""
+        ok = hmac.compare_digest(key, self.job_public)  # both z85
+        if ok and domain == ZAP_DATA:
+            with self._lock:
+                ok = self.data_curve_left > 0
+                self.data_curve_left -= ok
+        if not ok:
+            self.denied[domain] += 1
+        return ok
+
+    def _authenticate_plain(self, domain: str, username: str,
+                            password: str) -> tuple[bool, bytes]:
+        if domain == ZAP_DATA and not self.encrypt:
+            try:
+                rank = int(username)
+            except ValueError:
+                rank = -1
+            with self._lock:
+                expected = self.data_tokens.get(rank)
+                if expected is not None and hmac.compare_digest(password, expected):
+                    del self.data_tokens[rank]  # one-time: a replay is refused
+                    return True, b"OK"
+        self.denied[domain] += 1
+        return False, b"NO ACCESS"
+
+    @property
+    def refused(self) -> int:
+        return sum(self.denied.values())
+
+
 class _ZmqPlane:
-    """The ZeroMQ data plane: a PULL socket every peer sends to, a PUSH socket (with a
-    loss monitor) to each peer. Implements the channel interface the transport uses
-    (the same as :class:`swarmfd.lanes.Lanes`)."""
+    """The ZeroMQ data plane (see the module docstring).
+
+    Each rank binds one ROUTER socket that only *sends*: to peer j by its routing id.
+    It connects one DEALER socket to each peer's ROUTER that only *receives*, so a
+    message's source is the socket it arrived on, never a header's claim (a header
+    whose ``src`` differs is a protocol error). ZAP admits each peer's DEALER once
+    (:class:`_Authenticator`); the bound socket, which is what a stranger can reach
+    for as long as the job runs, refuses frames over MAX_HANDSHAKE_FRAME and drops a
+    connection that has not authenticated within HANDSHAKE_IVL.
+    """
 
     def __init__(self, t: Transport, bind_host: str) -> None:
         self.t = t
-        self.pull = t.ctx.socket(zmq.PULL)
+        self.router = t.ctx.socket(zmq.ROUTER)
         sec = t.security
-        if sec is not None and t.auth is not None:
+        if sec is not None:
             if sec.encrypt:
-                sec.curve_server(self.pull, ZAP_DATA)
+                sec.curve_server(self.router, ZAP_DATA)
             else:
-                self.pull.setsockopt(zmq.ZAP_DOMAIN, ZAP_DATA.encode())
-                self.pull.setsockopt(zmq.PLAIN_SERVER, 1)
-        self.pull.setsockopt(zmq.RCVHWM, 0)
-        self.pull.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
-        self.pull.setsockopt(zmq.RCVTIMEO, WAIT_SLICE_MS)
-        _keepalive(self.pull)
-        port = self.pull.bind_to_random_port(f"tcp://{bind_host}")
+                self.router.setsockopt(zmq.ZAP_DOMAIN, ZAP_DATA.encode())
+                self.router.setsockopt(zmq.PLAIN_SERVER, 1)
+        _stranger_facing(self.router, MAX_HANDSHAKE_FRAME)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.router.setsockopt(zmq.SNDHWM, 0)
+        self.router.setsockopt(zmq.LINGER, int(min(t.timeout, 5.0) * 1000))
+        _keepalive(self.router)
+        port = self.router.bind_to_random_port(f"tcp://{bind_host}")
         self.endpoint = f"tcp://{bind_host}:{port}"
-        self.push: dict[int, zmq.Socket] = {}
+        # Counts the peers whose DEALER authenticated (setup waits for all of them).
+        self.router_monitor: zmq.Socket | None = self.router.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED | zmq.EVENT_ACCEPT_FAILED)
+        self.inbound = 0
+        self.accept_failed = 0
+        self.ids = {j: b"%d" % j for j in range(t.world_size)}
+        self.dealers: dict[int, zmq.Socket] = {}
+        self.sources: dict[zmq.Socket, int] = {}
         self.monitors: dict[zmq.Socket, int] = {}
+        self.connected: set[int] = set()
+        self.poller = zmq.Poller()
+        self.order: list[zmq.Socket] = []
+        self.next = 0
         self.trackers: list[tuple[int, zmq.MessageTracker]] = []
         self.raw: bytes = b""  # the frame whose header next_header returned
+        self.cur: zmq.Socket | None = None  # the socket it came from
+
+    def idle(self) -> None:
+        """Count the events of the bound socket while the rank waits in the rendezvous."""
+        self._read_router_monitor()
+
+    def _read_router_monitor(self) -> None:
+        mon = self.router_monitor
+        if mon is None:
+            return
+        while mon.poll(0):
+            event = parse_monitor_message(mon.recv_multipart())["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.inbound += 1
+            elif event == zmq.EVENT_ACCEPT_FAILED:
+                self.accept_failed += 1
 
     def connect(self, peers: Sequence[PeerInfo], deadline: float) -> None:
-        """Open a PUSH connection (with a loss monitor) to every other rank."""
+        """Connect a DEALER to every peer's ROUTER, and wait until the mesh is up: every
+        DEALER authenticated, and every peer's DEALER authenticated with ours (so no
+        message is sent before its receiver listens, and no token is left unused)."""
         t = self.t
         for peer in peers:
             if peer.rank == t.rank:
                 continue
-            sock = t.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.LINGER, int(min(t.timeout, 5.0) * 1000))
+            sock = t.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.ROUTING_ID, self.ids[t.rank])
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
+            sock.setsockopt(zmq.RCVTIMEO, WAIT_SLICE_MS)
+            sock.setsockopt(zmq.LINGER, 0)
             _keepalive(sock)
             t.client(sock, peer)
-            mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
+            mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
+                                          | zmq.EVENT_HANDSHAKE_SUCCEEDED)
             sock.connect(peer.endpoint)
-            self.push[peer.rank] = sock
+            self.dealers[peer.rank] = sock
+            self.sources[sock] = peer.rank
             self.monitors[mon] = peer.rank
+            self.poller.register(sock, zmq.POLLIN)
+            self.order.append(sock)
+        want = t.world_size - 1
+        while len(self.connected) < want or self.inbound < want:
+            self.check_lost()
+            self._read_router_monitor()
+            refused = sorted(t.refused)
+            if refused:
+                raise AuthenticationError(
+                    f"rank {t.rank}: the data socket of rank {refused[0]} "
+                    f"({t._where(refused[0])}) refused this rank's connection token. A token "
+                    "is valid once: was it replayed by someone reading the network before "
+                    "this rank's own connection used it? On such a network set "
+                    "SWARMFD_ENCRYPT=1"
+                )
+            lost = sorted(set(t.lost) - self.connected)
+            if lost or _now() > deadline:
+                missing = sorted(set(self.dealers) - self.connected)
+                raise RendezvousTimeout(
+                    f"rank {t.rank} could not set up its data connections within the timeout "
+                    f"(zmq data plane at {self.endpoint}): "
+                    + (f"lost rank(s) {lost} during setup; " if lost else "")
+                    + f"connections to rank(s) {missing} not authenticated; "
+                    f"{self.inbound} of {want} peers connected to this rank"
+                    + (f"; {t.auth.refused} stranger handshake(s) refused" if t.auth else "")
+                    + (f"; accepting a connection failed {self.accept_failed} time(s) (out "
+                       "of descriptors: a flood of strangers?)" if self.accept_failed else "")
+                )
+            time.sleep(0.002)
+        # Setup is over: the bound socket's events are only strangers' now. Stop its
+        # monitor, so that they cannot pile up in it.
+        self._stop_router_monitor()
+
+    def _stop_router_monitor(self) -> None:
+        mon, self.router_monitor = self.router_monitor, None
+        if mon is not None:
+            while mon.poll(0):
+                mon.recv_multipart()
+            with contextlib.suppress(zmq.ZMQError):
+                self.router.disable_monitor()
+            mon.close(linger=0)
 
     def close(self, linger: float) -> None:
         """Close every socket; pending sends get ``linger`` seconds."""
         # Read the monitors empty, then stop them before closing their sockets: the other
         # order, or a full monitor pipe, can block in disable_monitor (libzmq#3575).
         self.check_lost()
-        for sock in self.push.values():
+        self._stop_router_monitor()
+        for sock in self.dealers.values():
             with contextlib.suppress(zmq.ZMQError):
                 sock.disable_monitor()
         for mon in self.monitors:
             mon.close(linger=0)
-        for sock in self.push.values():
-            sock.close(linger=int(linger * 1000))
-        self.pull.close(linger=0)
+        for sock in self.dealers.values():
+            sock.close(linger=0)
+        self.router.close(linger=int(linger * 1000))
 
     def send(self, dst: int, kind: int, sig: wire.Signature, seq: int, tag: int,
              payload: Any, size: int, copy: bool) -> None:
-        sock = self.push[dst]
         rank = self.t.rank
+        try:
+            self.router.send(self.ids[dst], zmq.SNDMORE)
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            self.t.lost.setdefault(dst, _now())  # its connection is gone
+            return
         if size <= INLINE_MAX_BYTES:
             # One frame: header and payload together (one send, one receive).
             body = payload if isinstance(payload, bytes) else memoryview(payload).tobytes()
-            sock.send(wire.pack_header(kind, sig, rank, seq, tag, size, wire.FLAG_INLINE)
-                      + body)
+            self.router.send(wire.pack_header(kind, sig, rank, seq, tag, size,
+                                              wire.FLAG_INLINE) + body)
             return
-        sock.send(wire.pack_header(kind, sig, rank, seq, tag, size), zmq.SNDMORE)
+        self.router.send(wire.pack_header(kind, sig, rank, seq, tag, size), zmq.SNDMORE)
         if copy or size <= COPY_MAX_BYTES:
-            sock.send(payload, copy=True)
+            self.router.send(payload, copy=True)
             return
-        tracker = sock.send(payload, copy=False, track=True)
+        tracker = self.router.send(payload, copy=False, track=True)
         self.trackers.append((dst, tracker))
 
     def send_all(self, kind: int, sig: wire.Signature, body: bytes) -> None:
         """Best effort: ``body`` as one inline frame to every peer (aborts, reports)."""
         header = wire.pack_header(kind, sig, self.t.rank, 0, 0, len(body), wire.FLAG_INLINE)
-        for sock in self.push.values():
+        for dst in self.dealers:
             with contextlib.suppress(zmq.ZMQError):
-                sock.send(header + body, zmq.NOBLOCK)
+                self.router.send_multipart([self.ids[dst], header + body], zmq.NOBLOCK)
 
     def unsent(self) -> list[int]:
         self.trackers = [(dst, tr) for dst, tr in self.trackers if not tr.done]
@@ -327,41 +536,65 @@ class _ZmqPlane:
                 self.trackers[0][1].wait(timeout)
         return None
 
-    def next_header(self, timeout: float) -> wire.Header | None:
-        """The next valid header (its payload then read with read_payload) or None after
-        ``timeout`` s. Garbage is dropped and counted."""
-        pull = self.pull
-        for _ in range(1000):
+    def _recv_any(self, timeout: float) -> tuple[zmq.Socket, bytes] | None:
+        """The next frame from any peer (fair: round-robin), or None after ``timeout``."""
+        order = self.order
+        if len(order) == 1:
+            sock = order[0]
             try:
                 if timeout == WAIT_SLICE_MS / 1000:
-                    raw = pull.recv()  # blocks at most WAIT_SLICE (RCVTIMEO), GIL released
-                else:
-                    if timeout > 0 and not pull.poll(int(timeout * 1000)):
-                        return None
-                    raw = pull.recv(zmq.NOBLOCK)
+                    return sock, sock.recv()  # at most WAIT_SLICE (RCVTIMEO), GIL released
+                if timeout > 0 and not sock.poll(int(timeout * 1000)):
+                    return None
+                return sock, sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return None
+        for _ in range(2):
+            for i in range(len(order)):
+                sock = order[(self.next + i) % len(order)]
+                try:
+                    raw = sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    continue
+                self.next = (self.next + i + 1) % len(order)
+                return sock, raw
+            if timeout <= 0 or not self.poller.poll(int(timeout * 1000)):
+                return None
             timeout = 0
-            try:
-                hdr = wire.unpack_header(raw)
-            except ProtocolError:
-                self.t.garbage += 1
-                self._drain()
-                continue
-            if hdr.inline and pull.get(zmq.RCVMORE):
-                self.t.garbage += 1  # an inline message has one frame: this is not ours
-                self._drain()
-                continue
-            self.raw = raw
-            return hdr
         return None
+
+    def next_header(self, timeout: float) -> wire.Header | None:
+        """The next valid header (its payload then read with read_payload) or None after
+        ``timeout`` s. A header from a peer that is not a swarmfd message, or claims
+        another source, is a protocol error: the peer does not follow the protocol."""
+        got = self._recv_any(timeout)
+        if got is None:
+            return None
+        sock, raw = got
+        src = self.sources[sock]
+        try:
+            hdr = wire.unpack_header(raw)
+            if hdr.src != src:
+                raise ProtocolError(f"a header claims source rank {hdr.src}")
+            if hdr.inline and sock.get(zmq.RCVMORE):
+                raise ProtocolError("an inline message with a second frame")
+        except ProtocolError as exc:
+            self._drain(sock)
+            raise ProtocolError(
+                f"rank {src} sent bytes that are not a swarmfd message on its data connection "
+                f"({exc})"
+            ) from None
+        self.raw = raw
+        self.cur = sock
+        return hdr
 
     def read_payload(self, hdr: wire.Header, into: Any, between: Callable[[], None],
                      keep: bool = False) -> Any:
         """The payload of the header next_header returned: into ``into`` (None returned)
         or as a buffer (``bytes`` when the caller ``keep``s it, e.g. in the stash: a zmq
         Frame must not outlive the receive that returned it)."""
-        pull, raw = self.pull, self.raw
+        sock, raw = self.cur, self.raw
+        assert sock is not None
         self.raw = b""
         if hdr.inline:
             inline = memoryview(raw)[wire.HEADER_SIZE:]
@@ -369,26 +602,27 @@ class _ZmqPlane:
                 return bytes(inline) if keep else inline
             memoryview(into).cast("B")[:] = inline
             return None
-        if not pull.get(zmq.RCVMORE):
-            if into is None:
-                return b""  # not awaited: an empty abort, or garbage counted by the caller
+        if not sock.get(zmq.RCVMORE):
+            if into is None and hdr.nbytes == 0:
+                return b""
             raise ProtocolError(f"{self.t.activity}: rank {hdr.src} sent a header without "
                                 "payload")
         if into is not None:
-            got = pull.recv_into(into)
-            self._drain()
+            got = sock.recv_into(into)
+            self._drain(sock)
             if got != hdr.nbytes:
                 raise ProtocolError(f"{self.t.activity}: rank {hdr.src} sent {got} bytes, "
                                     f"expected {hdr.nbytes}")
             return None
-        data = pull.recv(copy=False) if hdr.nbytes > INLINE_MAX_BYTES and not keep else (
-            pull.recv())
-        self._drain()
+        data = sock.recv(copy=False) if hdr.nbytes > INLINE_MAX_BYTES and not keep else (
+            sock.recv())
+        self._drain(sock)
         return data
 
-    def _drain(self) -> None:
-        while self.pull.get(zmq.RCVMORE):
-            self.pull.recv()
+    @staticmethod
+    def _drain(sock: zmq.Socket) -> None:
+        while sock.get(zmq.RCVMORE):
+            sock.recv()
 
     def check_lost(self) -> None:
         for mon, peer in self.monitors.items():
@@ -397,13 +631,16 @@ class _ZmqPlane:
                     msg = mon.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                event = parse_monitor_message(msg)
-                if event["event"] == zmq.EVENT_DISCONNECTED:
+                event = parse_monitor_message(msg)["event"]
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self.connected.add(peer)
+                elif event == zmq.EVENT_DISCONNECTED:
                     self.t.lost.setdefault(peer, _now())
-                elif event["event"] & _HANDSHAKE_FAILED:
+                elif event & _HANDSHAKE_FAILED:
                     # A peer that refuses this rank's credentials: no data will ever flow.
                     self.t.lost.setdefault(peer, _now())
-                    self.t.refused.add(peer)
+                    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                        self.t.refused.add(peer)
 
 
 class _SocketPlane(lanes.Lanes):
@@ -428,6 +665,7 @@ class Transport:
             raise ValueError(f"unknown data plane {plane!r}: expected one of {DATA_PLANES}")
         if plane == "socket" and security is not None and security.encrypt:
             raise ValueError("the socket data plane does not encrypt: use the zmq one")
+        raise_descriptor_limit()
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
@@ -437,8 +675,7 @@ class Transport:
         self.plane = plane
         self.ctx = zmq.Context(io_threads=1)
         self.ctx.setsockopt(zmq.LINGER, 0)
-        self.auth: ThreadAuthenticator | None = None
-        self.job_key: _JobKey | None = None
+        self.auth: _Authenticator | None = None
         #: The per-session token of this rank's data plane (unencrypted data plane).
         self.token = ""
         self.stash: dict[tuple[int, int, int], tuple[wire.Header, Any]] = {}
@@ -471,15 +708,10 @@ class Transport:
 
     def _start_auth(self, security: Security) -> None:
         """Start the ZAP handler (rendezvous always; the zmq data socket too)."""
-        self.auth = ThreadAuthenticator(self.ctx, log=_ZAP_LOG)
-        self.auth.start()
-        self.job_key = _JobKey(security.public)
-        self.auth.configure_curve_callback(ZAP_RENDEZVOUS, self.job_key)
-        if security.encrypt:
-            self.auth.configure_curve_callback(ZAP_DATA, self.job_key)
-        else:
+        if not security.encrypt:
             self.token = secrets.token_hex(16)
-            self.auth.configure_plain(ZAP_DATA, {_PLAIN_USER: self.token})
+        self.auth = _Authenticator(self.ctx, security, self.rank, self.world_size, self.token)
+        self.auth.start()
 
     def _stop_auth(self) -> None:
         if self.auth is not None:
@@ -488,15 +720,21 @@ class Transport:
             self.auth = None
 
     def client(self, sock: zmq.Socket, peer: PeerInfo | None = None) -> None:
-        """Make ``sock`` a client of the rendezvous (``peer`` None) or of ``peer``'s data socket."""
+        """Make ``sock`` a client of the rendezvous (``peer`` None) or of ``peer``'s data
+        socket (with this rank's one-time connection token there)."""
         sec = self.security
         if sec is None:
             return
         if peer is None or sec.encrypt:
             sec.curve_client(sock)
         else:
-            sock.setsockopt(zmq.PLAIN_USERNAME, _PLAIN_USER.encode())
-            sock.setsockopt(zmq.PLAIN_PASSWORD, peer.token.encode())
+            sock.setsockopt(zmq.PLAIN_USERNAME, b"%d" % self.rank)
+            sock.setsockopt(zmq.PLAIN_PASSWORD,
+                            _connection_token(peer.token, self.rank, peer.rank).encode())
+
+    def idle(self) -> None:
+        """Let the data plane look after its listener while the rank waits elsewhere."""
+        self.ch.idle()
 
     def connect(self, peers: Sequence[PeerInfo], deadline: float | None = None) -> None:
         """Connect the data plane to every other rank (by ``deadline``)."""
@@ -866,6 +1104,20 @@ def rendezvous(
     return _join_rendezvous(transport, me, master_ip, master_port, deadline)
 
 
+def _bind_address(master_ip: str) -> str:
+    """Where rank 0 serves the rendezvous: MASTER_ADDR's own address when it is one of
+    this host's (strangers on other interfaces then cannot even connect), else every
+    interface (MASTER_ADDR may name this host through a NAT or a load balancer)."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        probe.bind((master_ip, 0))
+        return master_ip
+    except OSError:
+        return "*"
+    finally:
+        probe.close()
+
+
 def _hello(me: PeerInfo, world_size: int) -> bytes:
     return json.dumps({
         "swarmfd": wire.PROTOCOL_VERSION, "rank": me.rank, "world_size": world_size,
@@ -891,13 +1143,13 @@ def _serve_rendezvous(
     t: Transport, me: PeerInfo, master_ip: str, port: int, deadline: float
 ) -> tuple[list[PeerInfo], str]:
     router = t.ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.MAXMSGSIZE, MAX_RENDEZVOUS_MESSAGE)
+    _stranger_facing(router, MAX_HELLO_MESSAGE)
     router.setsockopt(zmq.LINGER, 2000)
     _keepalive(router)
     if t.security is not None:
         t.security.curve_server(router, ZAP_RENDEZVOUS)
-    refused = 0
-    bind_ip = master_ip if master_ip.startswith("127.") else "*"
+    refused = accept_failed = 0
+    bind_ip = _bind_address(master_ip)
     try:
         router.bind(f"tcp://{bind_ip}:{port}")
     except zmq.ZMQError as exc:
@@ -908,7 +1160,7 @@ def _serve_rendezvous(
         ) from None
     # The monitor only once the bind worked: on a failed bind nothing would close it (and
     # before close() destroyed the context, term() waited for it forever).
-    monitor = router.get_monitor_socket(_HANDSHAKE_FAILED)
+    monitor = router.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_ACCEPT_FAILED)
     joined: dict[int, tuple[bytes, PeerInfo]] = {}
     try:
         while len(joined) < t.world_size - 1:
@@ -916,17 +1168,24 @@ def _serve_rendezvous(
             if remaining <= 0:
                 missing = sorted(set(range(1, t.world_size)) - set(joined))
                 hint = (f"; {refused} connection(s) failed the authentication handshake "
-                        "(processes with another job secret or SWARMFD_AUTH setting?)"
-                        if refused else "")
+                        "(strangers, or processes with another job secret or SWARMFD_AUTH "
+                        "setting?)" if refused else "")
+                if accept_failed:
+                    hint += (f"; accepting a connection failed {accept_failed} time(s) (out of "
+                             "descriptors: a flood of connections from strangers?)")
                 raise RendezvousTimeout(
                     f"rendezvous timed out after {t.join_timeout:g} s: rank 0 waited for "
                     f"rank(s) {missing} of {t.world_size} to join at port {port}{hint} (give "
                     "slow starters longer with SWARMFD_INIT_TIMEOUT or init_timeout=)"
                 )
             while monitor.poll(0):
-                monitor.recv_multipart()
-                refused += 1
-            if not router.poll(int(min(remaining, 0.25) * 1000) + 1):
+                if parse_monitor_message(monitor.recv_multipart())["event"] == (
+                        zmq.EVENT_ACCEPT_FAILED):
+                    accept_failed += 1
+                else:
+                    refused += 1
+            t.idle()
+            if not router.poll(int(min(remaining, RENDEZVOUS_SLICE) * 1000) + 1):
                 continue
             frames = router.recv_multipart()
             if len(frames) != 2:
@@ -982,27 +1241,38 @@ def _join_rendezvous(
     dealer.setsockopt(zmq.LINGER, 0)
     _keepalive(dealer)
     t.client(dealer)
-    monitor = dealer.get_monitor_socket(_HANDSHAKE_FAILED)
+    monitor = dealer.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_CONNECTED)
     dealer.connect(f"tcp://{master_ip}:{port}")
-    failures = 0
+    failures = dropped = 0
+    connected_at = _now()
     try:
         dealer.send(_hello(me, t.world_size))
         while True:
             while monitor.poll(0):
-                event = parse_monitor_message(monitor.recv_multipart())
-                failures += 1 if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL else (
-                    MAX_HANDSHAKE_FAILURES)
+                event = parse_monitor_message(monitor.recv_multipart())["event"]
+                if event == zmq.EVENT_CONNECTED:
+                    connected_at = _now()
+                elif event != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                    failures = MAX_HANDSHAKE_FAILURES  # refused, or a failed MAC: evidence
+                elif _now() - connected_at < QUICK_REFUSAL:
+                    failures += 1
+                else:
+                    dropped += 1  # rank 0 busy or flooded: libzmq reconnects and resends
             if failures >= MAX_HANDSHAKE_FAILURES:
                 raise AuthenticationError(_refused_by_rank0(t, me.rank, master_ip, port))
             remaining = deadline - _now()
             if remaining <= 0:
+                hint = (f"; {dropped} handshake(s) with rank 0 were dropped before they "
+                        "completed (rank 0 overloaded, or flooded by strangers?)"
+                        if dropped else "")
                 raise RendezvousTimeout(
                     f"rendezvous timed out after {t.join_timeout:g} s: rank {me.rank} got no "
                     f"answer from rank 0 at {master_ip}:{port} (MASTER_ADDR/MASTER_PORT); is "
-                    "rank 0 running? (give slow starters longer with SWARMFD_INIT_TIMEOUT or "
-                    "init_timeout=)"
+                    f"rank 0 running?{hint} (give slow starters longer with "
+                    "SWARMFD_INIT_TIMEOUT or init_timeout=)"
                 )
-            if not dealer.poll(int(min(remaining, 0.1) * 1000) + 1):
+            t.idle()
+            if not dealer.poll(int(min(remaining, RENDEZVOUS_SLICE) * 1000) + 1):
                 continue
             body = dealer.recv()
             try:

@@ -250,7 +250,7 @@ def _looping_job(ctx: RankCtx) -> dict[str, Any]:
         fd.all_reduce(flag, op="max")
         if flag[0]:
             break
-    denied = t.job_key.denied if t.job_key is not None else None
+    denied = t.auth.refused if t.auth is not None else None
     return {"iters": iters, "garbage": t.garbage, "denied": denied}
 
 
@@ -304,6 +304,7 @@ def _strangers(ports: list[int], master_port: int, seconds: float) -> dict[str, 
         for name, setup in (("null", null), ("plain", plain), ("curve-wrong", curve_wrong),
                             ("curve-wrong-client", curve_stolen_server_key)):
             add(name, zmq.PUSH, port, setup)
+            add(f"dealer-{name}", zmq.DEALER, port, setup)
     for name, setup in (("rdv-null", null), ("rdv-curve-wrong", curve_wrong),
                         ("rdv-curve-wrong-client", curve_stolen_server_key)):
         add(name, zmq.DEALER, master_port, setup)

