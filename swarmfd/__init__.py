@@ -48,18 +48,23 @@ from .errors import (
     SwarmfdError,
 )
 from .group import (
+    NON_GROUP_MEMBER,
+    Group,
     cleanup,
     get_config,
     get_rank,
     get_world_size,
+    host_group,
     init,
     init_from_env,
     is_initialized,
+    new_group,
 )
 from .sharding import shard_batch, shard_indices
 from .utils import checkpoint_barrier, get_seed, print, print_config, should_save
 
 __all__ = [
+    "NON_GROUP_MEMBER",
     "AbortedError",
     "AbortedMismatchError",
     "AbortedPeerLostError",
@@ -71,6 +76,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "GradAccum",
+    "Group",
     "MismatchError",
     "NotInitializedError",
     "PeerLostError",
@@ -90,9 +96,11 @@ __all__ = [
     "get_rank",
     "get_seed",
     "get_world_size",
+    "host_group",
     "init",
     "init_from_env",
     "is_initialized",
+    "new_group",
     "print",
     "print_config",
     "reduce",

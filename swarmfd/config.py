@@ -29,6 +29,18 @@ and, for the job's security (see :func:`load_secret`):
                       (ZeroMQ; the default and the only choice with
                       ``SWARMFD_ENCRYPT=1``); see :func:`data_plane`
 
+and, for where the ranks are (see :func:`transport_mode`, :func:`node_name`):
+
+``SWARMFD_TRANSPORT`` ``auto`` (the default: shared memory between the ranks of one
+                      host) or ``tcp`` (TCP only)
+``SWARMFD_NODE``      the name of this rank's host (default: its host name); ranks
+                      are grouped by it for LOCAL_RANK and host_group()
+``SWARMFD_SHM_DIR``   a directory every rank of a host mounts (a per-node volume on
+                      a Swarm): the host's ranks meet there to share memory when they
+                      do not share a network namespace (containers)
+``SWARMFD_HIERARCHY`` ``auto`` (two-level collectives where they are faster) or
+                      ``off`` (the flat algorithms, for comparison)
+
 Every value is validated here, once; bad input raises :class:`ConfigError`
 (a ``ValueError``) naming the variable, the value and what was expected.
 """
@@ -60,6 +72,14 @@ ENV_SECRET_FILE = "SWARMFD_SECRET_FILE"
 ENV_AUTH = "SWARMFD_AUTH"
 ENV_ENCRYPT = "SWARMFD_ENCRYPT"
 ENV_DATA_PLANE = "SWARMFD_DATA_PLANE"
+ENV_TRANSPORT = "SWARMFD_TRANSPORT"
+ENV_NODE = "SWARMFD_NODE"
+ENV_SHM_DIR = "SWARMFD_SHM_DIR"
+ENV_HIERARCHY = "SWARMFD_HIERARCHY"
+#: SWARMFD_TRANSPORT: shared memory between the ranks of one host where possible, or TCP.
+TRANSPORTS = ("auto", "tcp")
+#: SWARMFD_HIERARCHY: two-level algorithms where they are faster, or the flat ones.
+HIERARCHIES = ("auto", "off")
 #: The data planes of the TCP path: plain sockets (the default, see swarmfd/lanes.py) or
 #: ZeroMQ (required for SWARMFD_ENCRYPT=1: CURVE).
 DATA_PLANES = ("socket", "zmq")
@@ -298,6 +318,42 @@ def data_plane(environ: Mapping[str, str] | None = None) -> str:
                           f"with CURVE); unset {ENV_DATA_PLANE} or set {ENV_DATA_PLANE}=zmq to "
                           f"encrypt, or set {ENV_ENCRYPT}=0")
     return raw
+
+
+def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], what: str) -> str:
+    raw = (env.get(name) or "").strip().lower()
+    if raw == "":
+        return choices[0]
+    if raw not in choices:
+        raise ConfigError(f"environment variable {name}={env.get(name)!r} is invalid: expected "
+                          f"{what}")
+    return raw
+
+
+def transport_mode(environ: Mapping[str, str] | None = None) -> str:
+    """``SWARMFD_TRANSPORT``: 'auto' (shared memory inside a host, the default) or 'tcp'."""
+    return _choice(os.environ if environ is None else environ, ENV_TRANSPORT, TRANSPORTS,
+                   "'auto' (shared memory between the ranks of one host) or 'tcp'")
+
+
+def hierarchy_mode(environ: Mapping[str, str] | None = None) -> str:
+    """``SWARMFD_HIERARCHY``: 'auto' (two-level collectives where faster) or 'off'."""
+    return _choice(os.environ if environ is None else environ, ENV_HIERARCHY, HIERARCHIES,
+                   "'auto' (two-level collectives across hosts) or 'off' (flat ones)")
+
+
+def node_name(environ: Mapping[str, str] | None = None) -> str:
+    """This rank's host as the rendezvous reports it: ``SWARMFD_NODE``, else the host name."""
+    import socket
+
+    env = os.environ if environ is None else environ
+    return (env.get(ENV_NODE) or "").strip() or socket.gethostname()
+
+
+def shm_dir(environ: Mapping[str, str] | None = None) -> str:
+    """``SWARMFD_SHM_DIR`` (where a host's ranks meet to share memory), or ""."""
+    env = os.environ if environ is None else environ
+    return (env.get(ENV_SHM_DIR) or "").strip()
 
 
 def check_secret(secret: str | bytes, origin: str) -> bytes:

@@ -1,30 +1,48 @@
-"""The process group: one per process, created by :func:`init`, ended by :func:`cleanup`.
+"""Process groups: the world (created by :func:`init`), sub-groups, and each host's group.
 
-``init`` validates the configuration, resolves ``MASTER_ADDR``, binds this
-rank's data socket on a free port of the interface that routes to rank 0,
-runs the rendezvous and connects to every peer. A world of one needs no
-sockets at all.
+``init`` validates the configuration, resolves ``MASTER_ADDR``, binds this rank's TCP
+data plane on the interface that routes to rank 0, runs the rendezvous, connects to
+every peer and sets up shared memory among each host's ranks. A world of one needs
+no sockets at all. It creates:
 
-After a collective fails (a peer lost, a timeout, a mismatch), the group is
-*broken*: every later collective raises at once with the original reason,
-because the ranks can no longer agree on where they are. ``cleanup()`` and a
-new ``init()`` start over.
+* the **world** group (every rank; ``group=None`` in every call);
+* this host's group (:func:`host_group`: the ranks whose ``SWARMFD_NODE``, else host
+  name, is this rank's), like torch's intra-node group or mpi4py's
+  ``Split_type(COMM_TYPE_SHARED)``.
+
+:func:`new_group` makes more, with torch's semantics: every rank of the world calls it
+with the same list, in the same order; members get a :class:`Group`, the others
+:data:`NON_GROUP_MEMBER`. Group ranks follow the sorted world ranks. Groups reuse the
+world's connections (the listeners closed after init) and carry a group id in every
+message header, so the traffic of different groups never mixes.
+
+A group whose ranks all share a host (and its shared memory) runs over shared
+memory; any other over TCP, its ring ordered by host so that it crosses each host's
+link as few times as possible.
+
+Failure. A collective that fails (a peer lost, a timeout, a mismatch, an abort)
+*breaks its group*: every later call on it raises at once with the original reason,
+because its ranks can no longer agree on where they are. Other groups, the world
+included, keep working, except where the cause is a lost rank: every group that
+contains it then fails as soon as it waits on it. ``cleanup()`` and a new ``init()``
+start over.
 """
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
-import os
-import socket
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
-from . import shm as _shm
-from . import transport as _transport
+from .comm import transport as _transport
+from .comm.plane import PeerInfo, Plane
+from .comm.security import Security
 from .config import (
     ENV_LOCAL_RANK,
     ENV_LOCAL_WORLD_SIZE,
@@ -32,7 +50,9 @@ from .config import (
     config_from_env,
     data_plane,
     encrypt_enabled,
+    node_name,
     require_secret,
+    transport_mode,
 )
 from .errors import (
     AlreadyInitializedError,
@@ -41,23 +61,119 @@ from .errors import (
     SwarmfdError,
 )
 
-ENV_NODE = "SWARMFD_NODE"
+__all__ = [
+    "NON_GROUP_MEMBER",
+    "Group",
+    "cleanup",
+    "get_config",
+    "get_rank",
+    "get_world_size",
+    "host_group",
+    "init",
+    "init_from_env",
+    "is_initialized",
+    "new_group",
+]
+
 #: Seconds a failed group's sockets may take at cleanup to deliver the abort messages.
 ABORT_LINGER = 0.5
-#: ``auto`` (default): shared memory between ranks of one host, TCP otherwise; ``tcp``: TCP only.
-ENV_TRANSPORT = "SWARMFD_TRANSPORT"
+#: Group ids: the world, every host's group (hosts' groups have no member in common, so
+#: they share one id), the calls init makes itself, and the first of new_group's.
+WORLD_GID = 0
+HOST_GID = 1
+SETUP_GID = 0xFFFF
+FIRST_USER_GID = 2
+MAX_GID = 0xFFFE
+
+
+class _NonMember:
+    """What :func:`new_group` returns on a rank that is not in the group."""
+
+    _instance: _NonMember | None = None
+
+    def __new__(cls) -> _NonMember:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "swarmfd.NON_GROUP_MEMBER"
+
+    def __reduce__(self) -> str:
+        return "NON_GROUP_MEMBER"
+
+
+#: The value :func:`new_group` returns on ranks outside the group; passing it to a
+#: collective is an error that says so.
+NON_GROUP_MEMBER: Any = _NonMember()
 
 
 class Group:
-    """State of the active process group."""
+    """A process group: the ranks that run collectives together (see module docstring).
 
-    def __init__(self, config: Config, transport: _transport.Transport | None) -> None:
-        self.config = config
-        self.transport = transport
+    ``rank`` is this process's rank in the group, ``size`` the number of ranks,
+    ``ranks`` their world ranks in group-rank order.
+    """
+
+    def __init__(self, state: _State, gid: int, ranks: Sequence[int], name: str) -> None:
+        self._state = state
+        self.gid = gid
+        self.ranks: tuple[int, ...] = tuple(ranks)
+        self.size = len(self.ranks)
+        self.rank = self.ranks.index(state.config.rank)
+        self.name = name
+        #: Sequence number of this group's latest call (the first call is #1).
         self.seq = 0
-        self.shm: _shm.ShmChannel | None = None
+        #: The error that broke the group, if one did.
         self.broken: BaseException | None = None
+        #: Rounds done over shared memory (every member counts the same).
+        self.shm_round = 0
         self._scratch: dict[np.dtype, np.ndarray] = {}
+        hosts = state.hosts
+        first: dict[str, int] = {}
+        for r in self.ranks:
+            first.setdefault(hosts[r], len(first))
+        #: Group ranks in ring order: by host (in order of first appearance), then rank.
+        self.ring = sorted(range(self.size), key=lambda g: (first[hosts[self.ranks[g]]], g))
+        #: The hosts the group spans, and its members on each (group ranks).
+        self.by_host: dict[str, list[int]] = {}
+        for g in range(self.size):
+            self.by_host.setdefault(hosts[self.ranks[g]], []).append(g)
+
+    def __repr__(self) -> str:
+        return (f"swarmfd.Group({self.name}, rank {self.rank} of {self.size}, "
+                f"ranks {list(self.ranks)})")
+
+    # -- what the collectives need -----------------------------------------------------
+
+    @property
+    def world_rank(self) -> int:
+        return self._state.config.rank
+
+    @property
+    def channel(self) -> Any:
+        t = self._state.transport
+        return None if t is None else t.channel
+
+    def plane(self) -> Plane | None:
+        """The plane this group's calls run on: shared memory when every member is on
+        this host's shared memory, else TCP; None in a world of one."""
+        t = self._state.transport
+        if t is None:
+            return None
+        shm = t.shm
+        if shm is not None and all(r in shm.segments for r in self.ranks):
+            return shm
+        return t.tcp
+
+    def next_slot(self) -> int:
+        """Byte offset of the shared-memory slot of the next round (the same on every
+        member: each group rotates over the slots of its own area)."""
+        from .comm.planes.shm import SEGMENT_BYTES, SLOTS, area_of
+
+        slot = area_of(self.gid) + (self.shm_round % SLOTS) * SEGMENT_BYTES
+        self.shm_round += 1
+        return slot
 
     def scratch(self, dtype: np.dtype, count: int) -> np.ndarray:
         """A reusable flat buffer (for fusing lists of arrays) of at least ``count`` items."""
@@ -67,22 +183,64 @@ class Group:
             self._scratch[dtype] = buf
         return buf[:count]
 
+    def world_to_group(self, rank: int, what: str, name: str) -> int:
+        """The group rank of world rank ``rank`` (a ValueError naming ``what``)."""
+        try:
+            return self.ranks.index(rank)
+        except ValueError:
+            raise ValueError(f"swarmfd.{name}: {what}={rank} is not a rank of {self!r}") from None
 
-_group: Group | None = None
+
+@dataclasses.dataclass
+class _State:
+    """This process's membership of the job: what init created, cleanup ends."""
+
+    config: Config
+    transport: _transport.Transport | None
+    hosts: list[str]
+    world: Group | None = None
+    host: Group | None = None
+    groups: dict[int, Group] = dataclasses.field(default_factory=dict)
+    next_gid: int = FIRST_USER_GID
+
+
+_state: _State | None = None
 _lock = threading.Lock()
 #: Environment variables init set (see _export_local_ranks); cleanup removes them.
 _exported: list[str] = []
 
 
-def current(what: str = "this call") -> Group:
-    """The active group, or :class:`NotInitializedError` naming ``what`` was called."""
-    g = _group
-    if g is None:
+def current(what: str = "this call") -> _State:
+    """The active process state, or :class:`NotInitializedError` naming ``what``."""
+    s = _state
+    if s is None:
         raise NotInitializedError(
             f"swarmfd.{what} called before the process group was initialised: call "
             "swarmfd.init(world_size, rank) or swarmfd.init_from_env() first"
         )
-    return g
+    return s
+
+
+def resolve_group(group: Any, what: str) -> Group:
+    """``group`` (None: the world) as a Group of this process, or a clear error."""
+    s = current(what)
+    if group is None:
+        assert s.world is not None
+        return s.world
+    if group is NON_GROUP_MEMBER:
+        raise ValueError(f"swarmfd.{what}: this rank is not a member of the group "
+                         "(new_group returned NON_GROUP_MEMBER here); only members call its "
+                         "collectives")
+    if not isinstance(group, Group):
+        raise TypeError(f"swarmfd.{what}: group must be a swarmfd.Group (from new_group or "
+                        f"host_group) or None for the world, got {type(group).__name__}")
+    if group._state is not s:
+        raise ValueError(f"swarmfd.{what}: {group!r} belongs to an earlier process group "
+                         "(before cleanup); create it again after init")
+    return group
+
+
+# -- init and cleanup -------------------------------------------------------------------
 
 
 def init(
@@ -111,6 +269,8 @@ def init(
     ``SWARMFD_SECRET_FILE`` (default ``/run/secrets/swarmfd_secret``), unless
     ``SWARMFD_AUTH=off``. Only processes holding it can join, send data or abort.
     """
+    import os
+
     env = config_from_env({k: v for k, v in os.environ.items()
                            if k in ("MASTER_ADDR", "MASTER_PORT", "SWARMFD_TIMEOUT",
                                     "SWARMFD_INIT_TIMEOUT", "SWARMFD_RESTART_COUNT")})
@@ -139,21 +299,21 @@ def init_from_env(*, timeout: float | None = None, secret: str | bytes | None = 
     return _start(config_from_env(timeout=timeout, init_timeout=init_timeout), secret)
 
 
-def _security(config: Config, secret: str | bytes | None) -> _transport.Security | None:
+def _security(config: Config, secret: str | bytes | None) -> Security | None:
     """The group's keys (derived from the job secret), or None without authentication."""
     job_secret = require_secret(config.world_size, secret)
     if job_secret is None:
         return None
-    return _transport.Security.from_secret(job_secret, encrypt_enabled())
+    return Security.from_secret(job_secret, encrypt_enabled())
 
 
 def _start(config: Config, secret: str | bytes | None = None) -> Config:
-    global _group
+    global _state
     with _lock:
-        if _group is not None:
+        if _state is not None:
             raise AlreadyInitializedError(
-                f"swarmfd.init called twice: this process is already rank {_group.config.rank} "
-                f"of {_group.config.world_size}; call swarmfd.cleanup() first"
+                f"swarmfd.init called twice: this process is already rank {_state.config.rank} "
+                f"of {_state.config.world_size}; call swarmfd.cleanup() first"
             )
         if config.world_size == 1:
             config = dataclasses.replace(
@@ -161,74 +321,99 @@ def _start(config: Config, secret: str | bytes | None = None) -> Config:
                 local_rank=config.local_rank or 0,
                 local_world_size=config.local_world_size or 1,
             )
-            _group = Group(config, None)
+            state = _State(config, None, [node_name()])
+            _make_groups(state)
+            _state = state
             _export_local_ranks(config)
             return config
         assert config.master_addr is not None  # Config guarantees it for world_size > 1
         security = _security(config, secret)
         plane = data_plane()
+        mode = transport_mode()
         deadline = time.monotonic() + config.join_timeout
         master_ip = _transport.resolve(config.master_addr, deadline)
         bind_ip = _transport.local_address_toward(master_ip)
         t = _transport.Transport(config.rank, config.world_size, config.timeout, bind_ip,
                                  security, plane, config.join_timeout)
         try:
-            host = os.environ.get(ENV_NODE) or socket.gethostname()
-            mode = (os.environ.get(ENV_TRANSPORT) or "auto").strip().lower()
-            if mode not in ("auto", "tcp"):
-                raise ConfigError(f"{ENV_TRANSPORT}={mode!r} is invalid: expected 'auto' or 'tcp'")
-            hostkey = _shm.host_key() if mode == "auto" else ""
-            peers, token = _transport.rendezvous(t, master_ip, config.master_port, deadline,
-                                                 host, hostkey)
-            t.connect(peers, deadline)
-            config = _with_local_ranks(config, [p.host for p in peers])
+            from .comm import shm_setup
+
+            hostkey = shm_setup.host_key() if mode == "auto" else ""
+            me = t.me(node_name(), hostkey)
+            peers = t.rendezvous(me, master_ip, config.master_port, deadline)
+            t.connect(None, deadline)
+            hosts = [p.host for p in peers]
+            config = _with_local_ranks(config, hosts)
+            state = _State(config, t, hosts)
+            _make_groups(state)
+            t.channel.on_group_error = lambda gid, exc: _group_error(state, gid, exc)
+            _state = state
+            _export_local_ranks(config)
         except BaseException:
             t.close()
             raise
-        t.activity = "idle"
-        g = Group(config, t)
-        _group = g
-        _export_local_ranks(config)
-    if hostkey and all(p.hostkey == hostkey for p in peers):
+    if hostkey:
         try:
-            _setup_shm(g, token)
+            _setup_shm(state, peers, hostkey, deadline)
         except BaseException:
             cleanup()
             raise
     return config
 
 
-def _setup_shm(g: Group, token: str) -> None:
-    """Switch the group to shared memory when every rank could map every segment.
+def _make_groups(state: _State) -> None:
+    """The world group and this host's group."""
+    n, me = state.config.world_size, state.config.rank
+    state.world = Group(state, WORLD_GID, range(n), "world")
+    state.groups[WORLD_GID] = state.world
+    mine = state.hosts[me]
+    state.host = Group(state, HOST_GID, [r for r in range(n) if state.hosts[r] == mine],
+                       f"host {mine}")
+    state.groups[HOST_GID] = state.host
 
-    The ranks agree through two small all_reduces over TCP, so one rank that
-    cannot create or open a file (a full /dev/shm, say) makes all of them stay
-    on TCP instead of hanging.
+
+def _group_error(state: _State, gid: int, exc: BaseException) -> None:
+    """Another group's abort or mismatch, seen while this rank waited elsewhere."""
+    g = state.groups.get(gid)
+    if g is not None and g.broken is None:
+        g.broken = exc
+
+
+def _setup_shm(state: _State, peers: list[PeerInfo], hostkey: str, deadline: float) -> None:
+    """Share memory among the ranks of this host (those with this rank's host key).
+
+    The host's ranks agree after each step over TCP, in calls of their own (not the
+    user's: the user's first collective is call #1), so one rank that cannot take part
+    makes all of them stay on TCP (with a warning naming it and why) instead of
+    hanging, and a lost rank raises PeerLostError here as in any collective.
     """
-    from . import collectives
+    from .comm import shm_setup
 
-    t = g.transport
+    t = state.transport
     assert t is not None
-    channel = _shm.ShmChannel(g.config.rank, g.config.world_size, token, g.config.timeout,
-                              t.check_peer)
-    ok = np.ones(1, np.int8)
+    local = [p.rank for p in peers if p.hostkey == hostkey]
+    if len(local) < 2:
+        return
+    setup_group = Group(state, SETUP_GID, local, "shared-memory setup")
+    plane = shm_setup.setup(t, local, hostkey, max(deadline, time.monotonic()
+                                                    + state.config.timeout),
+                            lambda reason: _agree(setup_group, reason))
+    if plane is not None:
+        t.add_shm(plane)
+
+
+def _agree(group: Group, reason: str) -> dict[int, str]:
+    """Every member's failure reason ("" for none): {rank: reason} of those that failed."""
+    from . import collectives
+    from .comm import shm_setup
+
     try:
-        channel.create()
-    except OSError:
-        ok[0] = 0
-    collectives.all_reduce(ok, op="min")
-    if ok[0]:
-        try:
-            channel.open_peers()
-        except OSError:
-            ok[0] = 0
-        collectives.all_reduce(ok, op="min")
-    channel.unlink_own()
-    if ok[0]:
-        g.shm = channel
-        t.data_via_shm = True
-    else:
-        channel.close()
+        rows = collectives.all_gather(shm_setup.encode_reason(reason), group=group)
+    except SwarmfdError as exc:
+        # Say what init was doing: the user called no all_gather.
+        raise type(exc)(f"init, while the ranks set up shared memory: {exc}").with_traceback(
+            exc.__traceback__) from None
+    return {group.ranks[i]: why for i, why in shm_setup.decode_reasons(rows).items()}
 
 
 def _with_local_ranks(config: Config, hosts: list[str]) -> Config:
@@ -255,6 +440,8 @@ def _export_local_ranks(config: Config) -> None:
     (they were what the config was built from); :func:`cleanup` removes the ones
     set here, so a later group (or a child process) does not inherit stale values.
     """
+    import os
+
     for name, value in ((ENV_LOCAL_RANK, config.local_rank),
                         (ENV_LOCAL_WORLD_SIZE, config.local_world_size)):
         if value is not None and not os.environ.get(name, "").strip():
@@ -262,9 +449,68 @@ def _export_local_ranks(config: Config) -> None:
             _exported.append(name)
 
 
+# -- groups -------------------------------------------------------------------------------
+
+
+def new_group(ranks: Iterable[int] | None = None) -> Any:
+    """A sub-group of the world: every rank calls it, with the same ``ranks``, in the same
+    order (as torch's ``new_group``). Members get a :class:`Group` (group ranks follow the
+    sorted world ranks), the others :data:`NON_GROUP_MEMBER`. ``None``: every rank."""
+    s = current("new_group()")
+    n = s.config.world_size
+    members = list(range(n)) if ranks is None else _check_ranks(ranks, n)
+    with _lock:
+        gid = s.next_gid
+        if gid > MAX_GID:
+            raise ValueError(f"swarmfd.new_group: at most {MAX_GID - FIRST_USER_GID + 1} "
+                             "groups can be made in one process group")
+        s.next_gid += 1
+        if s.config.rank not in members:
+            return NON_GROUP_MEMBER
+        g = Group(s, gid, members, f"group {gid}")
+        s.groups[gid] = g
+        return g
+
+
+def _check_ranks(ranks: Iterable[int], world: int) -> list[int]:
+    if isinstance(ranks, (str, bytes)):
+        raise TypeError(f"swarmfd.new_group: ranks must be a list of integers, got {ranks!r}")
+    out = []
+    for r in ranks:
+        if isinstance(r, bool) or not isinstance(r, (int, np.integer)):
+            raise TypeError(f"swarmfd.new_group: ranks must be integers, got {r!r}")
+        if not 0 <= int(r) < world:
+            raise ValueError(f"swarmfd.new_group: rank {r} is out of range: expected 0 <= rank "
+                             f"< world_size ({world})")
+        out.append(int(r))
+    if not out:
+        raise ValueError("swarmfd.new_group: ranks is empty: expected at least one rank")
+    if len(set(out)) != len(out):
+        dup = sorted(r for r, c in Counter(out).items() if c > 1)
+        raise ValueError(f"swarmfd.new_group: ranks {dup} appear more than once")
+    return sorted(out)
+
+
+def host_group() -> Group:
+    """The group of this host's ranks (see the module docstring)."""
+    s = current("host_group()")
+    assert s.host is not None
+    return s.host
+
+
+def world_group() -> Group:
+    """The world group (every rank); what ``group=None`` means."""
+    s = current("world_group()")
+    assert s.world is not None
+    return s.world
+
+
+# -- state ----------------------------------------------------------------------------------
+
+
 def is_initialized() -> bool:
     """True between a successful :func:`init` and :func:`cleanup`."""
-    return _group is not None
+    return _state is not None
 
 
 def get_config() -> Config:
@@ -272,38 +518,46 @@ def get_config() -> Config:
     return current("get_config()").config
 
 
-def get_rank() -> int:
-    """This process's rank in the active group."""
-    return current("get_rank()").config.rank
+def get_rank(group: Any = None) -> int:
+    """This process's rank in ``group`` (default: the world); -1 on a non-member."""
+    if group is NON_GROUP_MEMBER:
+        current("get_rank()")
+        return -1
+    return resolve_group(group, "get_rank()").rank
 
 
-def get_world_size() -> int:
-    """Number of ranks in the active group."""
-    return current("get_world_size()").config.world_size
+def get_world_size(group: Any = None) -> int:
+    """Number of ranks in ``group`` (default: the world); -1 on a non-member."""
+    if group is NON_GROUP_MEMBER:
+        current("get_world_size()")
+        return -1
+    return resolve_group(group, "get_world_size()").size
 
 
 def cleanup() -> None:
     """Leave the group and close every socket. Idempotent; a later :func:`init` works again."""
-    global _group
+    import os
+
+    global _state
     with _lock:
-        g, _group = _group, None
+        s, _state = _state, None
         while _exported:
             os.environ.pop(_exported.pop(), None)
-    if g is not None and g.shm is not None:
-        g.shm.close()
-    if g is not None and g.transport is not None:
-        if g.broken is not None:
-            # A failed group: give the abort messages queued behind unsent data a
-            # moment to leave (peers learn the reason), but do not wait for data a lost
-            # peer will never take.
-            g.transport.close(linger=int(ABORT_LINGER * 1000))
-            return
-        try:
-            g.transport.flush()
-        except SwarmfdError:
-            pass
-        finally:
-            g.transport.close()
+    if s is None or s.transport is None:
+        return
+    t = s.transport
+    if any(g.broken is not None for g in s.groups.values()):
+        # A failed group: give the abort messages queued behind unsent data a moment to
+        # leave (peers learn the reason), but do not wait for data a lost peer will never
+        # take.
+        t.close(linger=int(ABORT_LINGER * 1000))
+        return
+    try:
+        t.channel.flush()
+    except SwarmfdError:
+        pass
+    finally:
+        t.close()
 
 
 atexit.register(cleanup)

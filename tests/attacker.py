@@ -270,7 +270,7 @@ def sniff_replay(duration: float, out: Counters, stop: threading.Event,
 def _forged_messages() -> list[list[bytes]]:
     """A DATA message claiming rank 1 for the first all_reduce of 8 int64s, and an ABORT."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from swarmfd import wire
+    from swarmfd.comm import wire
 
     sig = wire.Signature(wire.Collective.ALL_REDUCE, wire.ReduceOp.SUM, 4, wire.NO_ROOT, 8,
                          wire.shape_hash((8,)))

@@ -28,7 +28,7 @@ from collections import Counter
 
 import zmq
 
-from swarmfd import wire
+from swarmfd.comm import wire
 
 #: A ZMTP 3.0 greeting (NULL mechanism, client) and a READY command for a PUSH socket.
 ZMTP_GREETING = (b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00")

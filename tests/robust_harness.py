@@ -83,11 +83,12 @@ class RankCtx:
                 init_timeout=init_timeout)
         from swarmfd import group
 
-        on_shm = getattr(group.current(), "shm", None) is not None
+        state = group.current()
+        on_shm = state.world is not None and getattr(state.world.plane(), "name", "") == "shm"
         if on_shm != (self.transport == "shm"):
             raise AssertionError(f"rank {self.rank} wanted the {self.transport} transport but "
                                  f"the group {'is' if on_shm else 'is not'} on shared memory")
-        plane = getattr(group.current().transport, "plane", None)
+        plane = getattr(state.transport, "plane", None)
         if self.transport == "zmq" and plane != "zmq":
             raise AssertionError(f"rank {self.rank} wanted the {self.transport} transport but "
                                  f"its data plane is {plane}")

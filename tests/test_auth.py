@@ -35,7 +35,9 @@ import zmq
 
 import swarmfd as fd
 from swarmfd import config as cfg
-from swarmfd import transport, wire
+from swarmfd.comm import security as transport
+from swarmfd.comm import wire
+from swarmfd.comm.plane import PeerInfo
 
 from .conftest import free_port, run_ranks, write_secret_file
 from .robust_harness import RankCtx, Ranks, error_info, record
@@ -115,7 +117,7 @@ def test_keys_derive_from_the_secret_and_stay_out_of_reprs() -> None:
     assert a.public != c.public
     assert zmq.curve_public(a.secret) == a.public
     assert a.secret.decode() not in repr(a) and a.public.decode() not in repr(a)
-    peer = transport.PeerInfo(1, "tcp://x:1", "h", 1, token="tok-should-not-show")
+    peer = PeerInfo(1, "tcp://x:1", "h", 1, token="tok-should-not-show")
     assert "tok-should-not-show" not in repr(peer)
 
 
@@ -357,7 +359,7 @@ def _reference_results(rank: int, world: int) -> dict[str, Any]:
     from swarmfd import group
 
     g = group.current()
-    assert g.shm is None and g.transport is not None
+    assert g.transport is not None and g.transport.shm is None
     rng = np.random.default_rng(rank)
     out: dict[str, Any] = {}
     for n in (7, 50_000, 700_000):
@@ -588,8 +590,8 @@ def test_a_vanished_peer_is_lost_within_seconds_a_stopped_one_times_out(vanish: 
     record(f"keepalive[{'vanished' if vanish else 'stopped'},{plane}]", **info)
     if vanish:
         assert info["type"] == "PeerLostError", info
-        limit = transport.KEEPALIVE_IDLE + transport.KEEPALIVE_INTVL * (
-            transport.KEEPALIVE_CNT + 1) + 2.0
+        idle, intvl, cnt = transport.KEEPALIVE
+        limit = idle + intvl * (cnt + 1) + 2.0
         assert info["elapsed"] < limit, info
     else:
         assert info["type"] == "CollectiveTimeout", info

@@ -13,7 +13,7 @@ import pytest
 
 import swarmfd as fd
 from swarmfd import collectives
-from swarmfd import transport as zmq_transport
+from swarmfd.comm.planes import zmq as zmq_transport
 
 from .conftest import RankFailure, free_port, run_ranks, run_ranks_raw, transport_env
 
@@ -573,7 +573,7 @@ def _which_transport(rank: int, world: int) -> tuple[bool, list[str]]:
 
     from swarmfd import group
 
-    channel = group.current().shm
+    channel = group.current().transport.shm
     fd.barrier()
     return channel is not None, glob.glob(channel.prefix + "*") if channel else []
 

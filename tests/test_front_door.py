@@ -35,7 +35,9 @@ import pytest
 
 import swarmfd as fd
 from swarmfd import config as cfg
-from swarmfd import lanes, transport
+from swarmfd.comm import transport
+from swarmfd.comm.plane import PeerInfo
+from swarmfd.comm.planes import socket as lanes
 
 from .attacker import listening_ports
 from .conftest import run_ranks
@@ -101,7 +103,7 @@ def _timed_init(ctx: RankCtx, late: float) -> dict[str, Any]:
     from swarmfd import group
 
     t = group.current().transport
-    ch = t.ch if t is not None else None
+    ch = t.tcp if t is not None else None
     return {"init": took, "ok": bool((x == ctx.world * (ctx.world + 1) // 2).all()),
             "strangers": getattr(ch, "strangers", 0) + getattr(ch, "strangers_pending", 0),
             "refused": getattr(t.auth, "refused", 0) if t is not None else 0}
@@ -151,8 +153,8 @@ def test_a_setup_timeout_counts_the_strangers() -> None:
         port = int(t0.endpoint.rsplit(":", 1)[1])
         strangers = [__import__("socket").create_connection(("127.0.0.1", port))
                      for _ in range(40)]
-        peers = [transport.PeerInfo(0, t0.endpoint, "h", 1, "", "", "socket"),
-                 transport.PeerInfo(1, "tcp://127.0.0.1:1", "h", 2, "", "", "socket")]
+        peers = [PeerInfo(0, t0.endpoint, "h", 1, "", "", "socket"),
+                 PeerInfo(1, "tcp://127.0.0.1:1", "h", 2, "", "", "socket")]
         with pytest.raises(fd.RendezvousTimeout) as info:
             t0.connect(peers, time.monotonic() + lanes.HANDSHAKE_STEP_LIMIT + 0.5)
         message = str(info.value)

@@ -43,8 +43,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import swarmfd as fd
-from swarmfd import errors, wire
-from swarmfd.transport import TIMEOUT_GRACE
+from swarmfd import errors
+from swarmfd.comm import wire
+from swarmfd.comm.channel import TIMEOUT_GRACE
 
 from .robust_fuzz import ZMTP_READY, Fuzzer, zmtp_handshake
 from .robust_harness import RankCtx, Ranks, error_info, record
@@ -419,7 +420,7 @@ def _victim_of_forgery(ctx: RankCtx, calls: int) -> Any:
         fd.all_reduce(x)
     gc.collect()
     rss0 = _rss()
-    ctx.report("ready", (_endpoint_port(), group.current().seq))
+    ctx.report("ready", (_endpoint_port(), group.current().world.seq))
     assert ctx.wait_go(30)
     t0 = time.monotonic()
     try:

@@ -14,11 +14,14 @@ import struct
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
-from swarmfd import lanes, transport, wire
+from swarmfd.comm import handshake, security, transport, wire
+from swarmfd.comm.plane import PeerInfo
+from swarmfd.comm.planes import socket as lanes
 from swarmfd.config import data_plane
 from swarmfd.errors import ConfigError, ProtocolError
 
@@ -90,21 +93,50 @@ def test_a_bad_data_plane_setting_stops_init_with_a_config_error() -> None:
 # -- an in-process pair of transports -------------------------------------------------------
 
 
-def _make(rank: int, security: transport.Security | None, timeout: float = 10.0
-          ) -> transport.Transport:
-    return transport.Transport(rank, 2, timeout, "127.0.0.1", security, "socket")
+class Endpoint:
+    """A rank's transport as these tests use it: messages of the world group (id 0) on its
+    socket plane, through its channel (the message layer)."""
+
+    def __init__(self, t: Endpoint) -> None:
+        self.t = t
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.t, name)
+
+    @property
+    def ch(self) -> lanes.SocketPlane:
+        assert isinstance(self.t.tcp, lanes.SocketPlane)
+        return self.t.tcp
+
+    @property
+    def stash(self) -> dict[Any, Any]:
+        return self.t.channel.stash
+
+    def send(self, dst: int, sig: wire.Signature, seq: int, tag: int, payload: Any = b"",
+             **kw: Any) -> None:
+        self.t.channel.send(self.t.tcp, dst, sig, 0, seq, tag, payload, **kw)
+
+    def recv(self, src: int, sig: wire.Signature, seq: int, tag: int, nbytes: int,
+             into: Any = None) -> Any:
+        return self.t.channel.recv(self.t.tcp, src, sig, 0, seq, tag, nbytes, into)
+
+    def flush(self) -> None:
+        self.t.channel.flush()
 
 
-def _info(t: transport.Transport) -> transport.PeerInfo:
-    return transport.PeerInfo(t.rank, t.endpoint, "localhost", os.getpid(), "", t.token,
-                              t.plane)
+def _make(rank: int, sec: security.Security | None, timeout: float = 10.0) -> Endpoint:
+    return Endpoint(transport.Transport(rank, 2, timeout, "127.0.0.1", sec, "socket"))
 
 
-def _connect_all(ts: list[transport.Transport], timeout: float = 10.0) -> None:
+def _info(t: Any) -> PeerInfo:
+    return PeerInfo(t.rank, t.endpoint, "localhost", os.getpid(), "", t.token, t.plane)
+
+
+def _connect_all(ts: list[Endpoint], timeout: float = 10.0) -> None:
     peers = [_info(t) for t in ts]
     errors: list[BaseException] = []
 
-    def run(t: transport.Transport) -> None:
+    def run(t: Endpoint) -> None:
         try:
             t.connect(peers, time.monotonic() + timeout)
         except BaseException as exc:
@@ -120,8 +152,8 @@ def _connect_all(ts: list[transport.Transport], timeout: float = 10.0) -> None:
 
 
 @pytest.fixture(params=["secret", "no-auth"])
-def pair(request: pytest.FixtureRequest) -> Iterator[list[transport.Transport]]:
-    sec = transport.Security.from_secret(SECRET, False) if request.param == "secret" else None
+def pair(request: pytest.FixtureRequest) -> Iterator[list[Endpoint]]:
+    sec = security.Security.from_secret(SECRET, False) if request.param == "secret" else None
     ts = [_make(0, sec), _make(1, sec)]
     try:
         _connect_all(ts)
@@ -131,17 +163,17 @@ def pair(request: pytest.FixtureRequest) -> Iterator[list[transport.Transport]]:
             t.close(linger=0)
 
 
-def _port(t: transport.Transport) -> int:
+def _port(t: Endpoint) -> int:
     return int(t.endpoint.rsplit(":", 1)[1])
 
 
-def _lane_sock(t: transport.Transport, peer: int) -> socket.socket:
+def _lane_sock(t: Endpoint, peer: int) -> socket.socket:
     ch = t.ch
-    assert isinstance(ch, lanes.Lanes)
+    assert isinstance(ch, lanes.SocketPlane)
     return ch.lanes[peer].sock
 
 
-def test_the_listening_port_is_closed_after_setup(pair: list[transport.Transport]) -> None:
+def test_the_listening_port_is_closed_after_setup(pair: list[Endpoint]) -> None:
     for t in pair:
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.1", _port(t)), timeout=2).close()
@@ -170,7 +202,7 @@ def _stranger(port: int, payload: bytes) -> bytes:
 
 @pytest.mark.parametrize("auth", ["secret", "no-auth"])
 def test_strangers_during_setup_are_refused_and_counted(auth: str) -> None:
-    sec = transport.Security.from_secret(SECRET, False) if auth == "secret" else None
+    sec = security.Security.from_secret(SECRET, False) if auth == "secret" else None
     t0, t1 = _make(0, sec), _make(1, sec)
     peers = [_info(t0), _info(t1)]
     errors: list[BaseException] = []
@@ -189,14 +221,14 @@ def test_strangers_during_setup_are_refused_and_counted(auth: str) -> None:
             _stranger(port, os.urandom(300)),  # garbage
             _stranger(port, b"GET / HTTP/1.0\r\n\r\n"),
             # a well-formed hello claiming a rank that does not exist
-            _stranger(port, lanes.HELLO.pack(lanes.HANDSHAKE_MAGIC, wire.PROTOCOL_VERSION, 7,
+            _stranger(port, handshake.HELLO.pack(lanes.HANDSHAKE_MAGIC, wire.PROTOCOL_VERSION, 7,
                                              0, os.urandom(16))),
         ]
         if sec is not None:
             # rank 1's hello, then a MAC made with the wrong token
-            hello = lanes.HELLO.pack(lanes.HANDSHAKE_MAGIC, wire.PROTOCOL_VERSION, 1, 0,
+            hello = handshake.HELLO.pack(lanes.HANDSHAKE_MAGIC, wire.PROTOCOL_VERSION, 1, 0,
                                      os.urandom(16))
-            replies.append(_stranger(port, hello + b"\0" * lanes.MAC_SIZE))
+            replies.append(_stranger(port, hello + b"\0" * handshake.MAC_SIZE))
         # a silent stranger holds a connection open while the real rank 1 joins
         silent = socket.create_connection(("127.0.0.1", port), timeout=5)
         # A stranger whose hello is not a valid one gets nothing at all; one that claims a
@@ -204,14 +236,14 @@ def test_strangers_during_setup_are_refused_and_counted(auth: str) -> None:
         # token: worthless to it) and, after its wrong MAC, the explicit refusal.
         assert replies[:3] == [b"", b"", b""], replies
         if sec is not None:
-            assert len(replies[3]) == lanes.HELLO.size + lanes.MAC_SIZE + 1, replies[3]
+            assert len(replies[3]) == handshake.HELLO.size + handshake.MAC_SIZE + 1, replies[3]
             assert replies[3].endswith(lanes.REFUSE)
         t1.connect(peers, time.monotonic() + 20)
         th.join(20)
         assert not errors, errors
         silent.close()
         ch = t0.ch
-        assert isinstance(ch, lanes.Lanes)
+        assert isinstance(ch, lanes.SocketPlane)
         assert ch.strangers >= len(replies), ch.strangers
         assert set(ch.lanes) == {1}
         # ... and the real pair works.
@@ -225,17 +257,17 @@ def test_strangers_during_setup_are_refused_and_counted(auth: str) -> None:
 
 def test_a_stranger_with_the_wrong_token_is_refused_by_hmac() -> None:
     """A client that knows the protocol but not rank 0's token: its MAC fails."""
-    sec = transport.Security.from_secret(SECRET, False)
+    sec = security.Security.from_secret(SECRET, False)
     t0 = _make(0, sec)
     try:
         s = socket.create_connection(("127.0.0.1", _port(t0)), timeout=5)
         nonce_c = os.urandom(16)
-        s.sendall(lanes.HELLO.pack(lanes.HANDSHAKE_MAGIC, wire.PROTOCOL_VERSION, 1, 0, nonce_c))
+        s.sendall(handshake.HELLO.pack(lanes.HANDSHAKE_MAGIC, wire.PROTOCOL_VERSION, 1, 0, nonce_c))
         threading.Thread(target=lambda: _swallow(t0), daemon=True).start()
         reply = b""
-        while len(reply) < lanes.HELLO.size:
-            reply += s.recv(lanes.HELLO.size - len(reply))
-        magic, _, sender, _, nonce_s = lanes.HELLO.unpack(reply)
+        while len(reply) < handshake.HELLO.size:
+            reply += s.recv(handshake.HELLO.size - len(reply))
+        magic, _, sender, _, nonce_s = handshake.HELLO.unpack(reply)
         assert magic == lanes.HANDSHAKE_MAGIC and sender == 0
         s.sendall(lanes._mac("not-the-token", b"c", 1, 0, nonce_c, nonce_s))
         rest = b""
@@ -246,11 +278,11 @@ def test_a_stranger_with_the_wrong_token_is_refused_by_hmac() -> None:
                 rest += chunk
         # The server sent its own proof first (keyed with the claimed rank's token, which
         # tells the stranger nothing), then, after the wrong MAC, its refusal; and closed.
-        assert len(rest) == lanes.MAC_SIZE + 1 and rest.endswith(lanes.REFUSE), rest
+        assert len(rest) == handshake.MAC_SIZE + 1 and rest.endswith(lanes.REFUSE), rest
         s.close()
         deadline = time.monotonic() + 5
         ch = t0.ch
-        assert isinstance(ch, lanes.Lanes)
+        assert isinstance(ch, lanes.SocketPlane)
         while ch.strangers < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert ch.strangers >= 1 and not ch.lanes
@@ -258,22 +290,22 @@ def test_a_stranger_with_the_wrong_token_is_refused_by_hmac() -> None:
         t0.close(linger=0)
 
 
-def _swallow(t: transport.Transport) -> None:
+def _swallow(t: Endpoint) -> None:
     """Run rank 0's setup alone (its peer never comes): it times out, as it should."""
-    peers = [_info(t), transport.PeerInfo(1, "tcp://127.0.0.1:1", "x", 1, "", "tok", "socket")]
+    peers = [_info(t), PeerInfo(1, "tcp://127.0.0.1:1", "x", 1, "", "tok", "socket")]
     with contextlib.suppress(Exception):
         t.connect(peers, time.monotonic() + 3)
 
 
 def test_a_peer_that_refuses_the_handshake_is_an_authentication_error() -> None:
     """Rank 1 holds a table with another token for rank 0: rank 0 refuses it."""
-    sec = transport.Security.from_secret(SECRET, False)
+    sec = security.Security.from_secret(SECRET, False)
     t0, t1 = _make(0, sec), _make(1, sec)
     errors: dict[int, BaseException] = {}
     good = [_info(t0), _info(t1)]
-    bad = [transport.PeerInfo(0, t0.endpoint, "h", 1, "", "wrong-token", "socket"), good[1]]
+    bad = [PeerInfo(0, t0.endpoint, "h", 1, "", "wrong-token", "socket"), good[1]]
 
-    def run(t: transport.Transport, peers: list[transport.PeerInfo]) -> None:
+    def run(t: Endpoint, peers: list[PeerInfo]) -> None:
         try:
             t.connect(peers, time.monotonic() + 4)
         except BaseException as exc:
@@ -299,7 +331,7 @@ def test_a_peer_that_refuses_the_handshake_is_an_authentication_error() -> None:
 
 @pytest.mark.parametrize("bad", ["magic", "src", "nbytes", "version"])
 def test_a_corrupt_header_is_a_protocol_error_naming_the_peer(
-        pair: list[transport.Transport], bad: str) -> None:
+        pair: list[Endpoint], bad: str) -> None:
     t0, t1 = pair
     header = bytearray(wire.pack_header(wire.Kind.DATA, SIG, 1, 1, 0, 4))
     if bad == "magic":
@@ -317,7 +349,7 @@ def test_a_corrupt_header_is_a_protocol_error_naming_the_peer(
     assert time.monotonic() - start < 5
 
 
-def _exchange(t: transport.Transport, peer: int, out: np.ndarray, back: np.ndarray,
+def _exchange(t: Endpoint, peer: int, out: np.ndarray, back: np.ndarray,
               piece: int, copy: bool, errors: list[BaseException]) -> None:
     try:
         n = out.nbytes // piece
@@ -333,7 +365,7 @@ def _exchange(t: transport.Transport, peer: int, out: np.ndarray, back: np.ndarr
 
 @pytest.mark.parametrize("copy", [False, True])
 def test_large_exchanges_both_ways_at_once_do_not_deadlock(
-        pair: list[transport.Transport], copy: bool) -> None:
+        pair: list[Endpoint], copy: bool) -> None:
     size, piece = 48 << 20, wire.PIECE_BYTES
     outs = [np.random.default_rng(r).integers(0, 255, size, np.uint8) for r in (0, 1)]
     backs = [np.empty(size, np.uint8) for _ in (0, 1)]
@@ -350,7 +382,7 @@ def test_large_exchanges_both_ways_at_once_do_not_deadlock(
 
 
 def test_flush_returns_only_when_the_buffer_is_no_longer_read(
-        pair: list[transport.Transport]) -> None:
+        pair: list[Endpoint]) -> None:
     """Zero-copy sends: after flush the caller may overwrite; the peer gets the old bytes."""
     t0, t1 = pair
     n = 8
@@ -362,7 +394,7 @@ def test_flush_returns_only_when_the_buffer_is_no_longer_read(
     for j, p in enumerate(pieces):
         t0.send(1, SIG, 1, j, p)
     ch = t0.ch
-    assert isinstance(ch, lanes.Lanes)
+    assert isinstance(ch, lanes.SocketPlane)
     assert ch.unsent() == [1], "8 MiB should not all fit in the kernel's buffers"
     done = threading.Event()
 
@@ -380,7 +412,7 @@ def test_flush_returns_only_when_the_buffer_is_no_longer_read(
     assert np.array_equal(got, want)
 
 
-def test_copy_true_leaves_the_buffer_free_at_once(pair: list[transport.Transport]) -> None:
+def test_copy_true_leaves_the_buffer_free_at_once(pair: list[Endpoint]) -> None:
     t0, t1 = pair
     n = 8
     data = np.arange(n * wire.PIECE_BYTES // 8, dtype=np.int64)
@@ -388,7 +420,7 @@ def test_copy_true_leaves_the_buffer_free_at_once(pair: list[transport.Transport
     for j, p in enumerate(np.split(data.view(np.uint8), n)):
         t0.send(1, SIG, 1, j, p, copy=True)
     ch = t0.ch
-    assert isinstance(ch, lanes.Lanes)
+    assert isinstance(ch, lanes.SocketPlane)
     assert ch.lanes[1].zc == 0, "copy=True must not keep views of the caller's buffer"
     data[:] = -1
     sender = threading.Thread(target=t0.flush)  # keeps the queued copies moving
@@ -400,7 +432,7 @@ def test_copy_true_leaves_the_buffer_free_at_once(pair: list[transport.Transport
     assert np.array_equal(got, want)
 
 
-def test_messages_are_matched_by_source_call_and_tag(pair: list[transport.Transport]) -> None:
+def test_messages_are_matched_by_source_call_and_tag(pair: list[Endpoint]) -> None:
     """Out-of-order tags and small + large messages: each lands where it is asked for."""
     t0, t1 = pair
     sizes = [0, 3, 5000, 70_000, wire.PIECE_BYTES]
@@ -415,7 +447,7 @@ def test_messages_are_matched_by_source_call_and_tag(pair: list[transport.Transp
             assert bytes(into) == blobs[tag]
 
 
-def test_a_closed_peer_is_a_lost_peer_after_its_data(pair: list[transport.Transport]) -> None:
+def test_a_closed_peer_is_a_lost_peer_after_its_data(pair: list[Endpoint]) -> None:
     """Data sent before the connection closed is still delivered, then the loss shows."""
     t0, t1 = pair
     t1.send(0, SIG, 3, 0, b"last words")
@@ -430,6 +462,6 @@ def test_a_closed_peer_is_a_lost_peer_after_its_data(pair: list[transport.Transp
 
 def test_the_handshake_and_header_layouts_are_fixed() -> None:
     """The handshake is part of the protocol: its layout changes only with the version."""
-    assert lanes.HELLO.size == 29 and lanes.MAC_SIZE == 32
-    assert struct.calcsize("<8sBHH16s") == lanes.HELLO.size
+    assert handshake.HELLO.size == 29 and handshake.MAC_SIZE == 32
+    assert struct.calcsize("<8sBHH16s") == handshake.HELLO.size
 

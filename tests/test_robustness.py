@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 
 import swarmfd as fd
+from swarmfd.comm.channel import TIMEOUT_GRACE
 from swarmfd.group import ABORT_LINGER
-from swarmfd.transport import TIMEOUT_GRACE
 
 from .conftest import free_port
 from .robust_harness import RankCtx, Ranks, error_info, record

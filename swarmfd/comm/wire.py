@@ -28,7 +28,10 @@ Layout (little-endian)::
     count    Q   element count of the collective's buffer
     shape    I   CRC32 of the shape tuple (catches (2, 3) vs (3, 2))
     nbytes   I   payload length in bytes
-    reserved H
+    group    H   the process group the message belongs to (0: the world)
+
+Protocol 2 added the group (where protocol 1 had a reserved field) and the
+collectives after BARRIER.
 """
 
 from __future__ import annotations
@@ -44,10 +47,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .errors import CollectiveTimeout, MismatchError, ProtocolError
+from ..errors import CollectiveTimeout, MismatchError, ProtocolError
 
 MAGIC = b"SWFD"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 NO_ROOT = 0xFFFF
 
 #: Target size of one data message: collectives cut every buffer into pieces of about
@@ -62,6 +65,8 @@ MAX_ABORT_TEXT = 8192
 
 HEADER = struct.Struct("<4sBBBBBBHHIIQIIH")
 FLAG_INLINE = 1
+#: The call's buffer is a list of arrays fused into one (its shape hash covers them all).
+FLAG_LIST = 2
 HEADER_SIZE = HEADER.size  # 40
 
 
@@ -81,6 +86,14 @@ class Collective(enum.IntEnum):
     REDUCE = 3
     ALL_GATHER = 4
     BARRIER = 5
+    REDUCE_SCATTER = 6
+    ALL_TO_ALL = 7
+    GATHER = 8
+    SCATTER = 9
+    #: Point-to-point messages (send/recv): their own sequence per peer and tag.
+    P2P = 10
+    #: The sizes exchanged before a collective of uneven parts (all_gather, all_to_all).
+    SIZES = 11
 
     @property
     def label(self) -> str:
@@ -261,6 +274,9 @@ class Signature:
     count: int = 0
     shape: int = 0
     shape_repr: str = ""
+    #: A list of arrays fused into one buffer (travels as FLAG_LIST; not compared: the
+    #: shape hash already differs between a list and one array).
+    fused: bool = False
 
     def describe(self) -> str:
         """A readable form for error messages."""
@@ -293,6 +309,8 @@ class Header(NamedTuple):
     shape: int
     nbytes: int
     inline: bool = False
+    group: int = 0
+    fused: bool = False
 
     def signature(self) -> Signature:
         """The sender's view of the collective's signature (its shape recovered from the
@@ -305,8 +323,12 @@ class Header(NamedTuple):
             op = ReduceOp(self.op)
         except ValueError:
             op = ReduceOp.NONE
-        return Signature(coll, op, self.dtype, self.root, self.count, self.shape,
-                         recover_shape(self.count, self.shape) if self.dtype else "")
+        if self.fused:
+            shape = list_repr(None, self.count)
+        else:
+            shape = recover_shape(self.count, self.shape) if self.dtype else ""
+        return Signature(coll, op, self.dtype, self.root, self.count, self.shape, shape,
+                         self.fused)
 
     def matches(self, sig: Signature) -> bool:
         """True when the sender agrees with ``sig`` (the receiver's own view)."""
@@ -320,12 +342,19 @@ class Header(NamedTuple):
         )
 
 
+def list_repr(arrays: int | None, elements: int) -> str:
+    """How a signature describes a list of arrays (the receiver knows only the total)."""
+    return f"{'a list' if arrays is None else f'{arrays} arrays'}, {elements} elements"
+
+
 def pack_header(kind: int, sig: Signature, src: int, seq: int, tag: int, nbytes: int,
-                flags: int = 0) -> bytes:
+                flags: int = 0, group: int = 0) -> bytes:
     """Encode one header."""
+    if sig.fused:
+        flags |= FLAG_LIST
     return HEADER.pack(
         MAGIC, PROTOCOL_VERSION, kind, sig.coll, sig.op, sig.dtype, flags, src, sig.root,
-        seq & 0xFFFFFFFF, tag, sig.count, sig.shape, nbytes, 0,
+        seq & 0xFFFFFFFF, tag, sig.count & 0xFFFFFFFFFFFFFFFF, sig.shape, nbytes, group,
     )
 
 
@@ -337,7 +366,7 @@ def unpack_header(data: bytes | memoryview) -> Header:
     if len(data) < HEADER_SIZE:
         raise ProtocolError(f"bad header length {len(data)}, expected {HEADER_SIZE}")
     (magic, version, kind, coll, op, dtype, flags, src, root, seq, tag, count, shape, nbytes,
-     _res) = HEADER.unpack_from(data)
+     group) = HEADER.unpack_from(data)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {magic!r}, expected {MAGIC!r}")
     if version != PROTOCOL_VERSION:
@@ -349,7 +378,8 @@ def unpack_header(data: bytes | memoryview) -> Header:
     if len(data) != (HEADER_SIZE + nbytes if inline else HEADER_SIZE):
         raise ProtocolError(f"frame of {len(data)} bytes does not match its header "
                             f"({nbytes} payload bytes, inline={inline})")
-    return Header(kind, coll, op, dtype, src, root, seq, tag, count, shape, nbytes, inline)
+    return Header(kind, coll, op, dtype, src, root, seq, tag, count, shape, nbytes, inline,
+                  group, bool(flags & FLAG_LIST))
 
 
 # -- error messages shared by the channels (TCP and shared memory) ----------------------
@@ -391,7 +421,8 @@ def timeout_error(activity: str, sig: Signature, timeout: float, culprit: int,
     added when the channel knows them.
     """
     at = f" ({where})" if where else ""
-    hint = "set the timeout with init(timeout=...) or SWARMFD_TIMEOUT"
+    hint = ("set the timeout with init(timeout=...), SWARMFD_TIMEOUT, or swarmfd run/deploy "
+            "--timeout")
     if waits:
         hint = f"waits: {waits}; {hint}"
     return CollectiveTimeout(

@@ -1,0 +1,124 @@
+"""What an algorithm sees of a collective call: :class:`Op`.
+
+An algorithm is a generator function ``algo(op, ...)``. It sends with
+:meth:`Op.send` (never blocks) and waits for a message with
+``data = yield op.recv(peer, tag, nbytes, into)``; whoever drives it (the caller's
+thread for a blocking call, the progress engine for an async one) completes the
+receive and sends the payload back in (``None`` when it landed ``into``). Peers are
+*group ranks*: the op maps them to world ranks, and to the plane the algorithm runs
+on. Algorithms never see a socket, a plane's internals or another group's traffic.
+
+Shared-memory algorithms also address the members' segments directly
+(:meth:`Op.region`), one slot per round (:meth:`Op.next_slot`), rotating over
+SLOTS slots of the group's area, so a slot is rewritten only after every member
+passed a later barrier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from typing import Any
+
+import numpy as np
+
+from ..comm import wire
+from ..comm.channel import Channel
+from ..comm.plane import Plane
+
+__all__ = ["Algorithm", "Op", "Recv", "num_pieces", "split"]
+
+#: A receive an algorithm waits for: (group rank, tag, nbytes, into).
+Recv = tuple[int, int, int, Any]
+#: The generator an algorithm is.
+Algorithm = Generator[Recv, Any, Any]
+
+#: Target size of one wire message (see wire.PIECE_BYTES).
+PIECE_BYTES = wire.PIECE_BYTES
+
+
+class Op:
+    """One collective call of one group, on one plane (see module docstring)."""
+
+    __slots__ = ("channel", "gid", "me", "next_slot", "plane", "ranks", "seq", "shm", "sig",
+                 "size", "tag_base")
+
+    def __init__(self, channel: Channel, plane: Plane, ranks: list[int], me: int, gid: int,
+                 seq: int, sig: wire.Signature, shm: Any = None,
+                 next_slot: Callable[[], int] | None = None, tag_base: int = 0) -> None:
+        self.channel = channel
+        self.plane = plane
+        self.ranks = ranks  # world rank of each group rank
+        self.me = me  # this rank's group rank
+        self.size = len(ranks)
+        self.gid = gid
+        self.seq = seq
+        self.sig = sig
+        self.shm = shm
+        self.next_slot = next_slot
+        self.tag_base = tag_base
+
+    def sub(self, plane: Plane, members: list[int], tag_base: int, shm: Any = None,
+            next_slot: Callable[[], int] | None = None) -> Op:
+        """The same call among some of its members (group ranks ``members``), on
+        ``plane``, with tags from ``tag_base`` (hierarchical algorithms' phases)."""
+        ranks = [self.ranks[m] for m in members]
+        return Op(self.channel, plane, ranks, members.index(self.me), self.gid, self.seq,
+                  self.sig, shm, next_slot, tag_base)
+
+    def send(self, to: int, tag: int, payload: Any = b"", *, copy: bool = False) -> None:
+        """Queue a message to group rank ``to``; never blocks."""
+        self.channel.send(self.plane, self.ranks[to], self.sig, self.gid, self.seq,
+                          self.tag_base + tag, payload, copy=copy)
+
+    def recv(self, frm: int, tag: int, nbytes: int, into: Any = None) -> Recv:
+        """The receive to ``yield``: returns the payload, or None when it landed ``into``."""
+        return (frm, tag, nbytes, into)
+
+    def recv_array(self, frm: int, tag: int, like: np.ndarray) -> Generator[Recv, Any,
+                                                                            np.ndarray]:
+        """``yield from`` this: the message as an array of ``like``'s dtype and size."""
+        data = yield (frm, tag, like.nbytes, None)
+        return np.frombuffer(data, dtype=like.dtype, count=like.size)
+
+    def recv_into(self, frm: int, tag: int, out: np.ndarray) -> Recv:
+        """The receive to ``yield``, straight into ``out`` (contiguous)."""
+        return (frm, tag, out.nbytes, out if out.nbytes else None)
+
+    def complete(self, req: Recv) -> Any:
+        """Block until ``req`` arrives (the caller's thread drives the channel)."""
+        frm, tag, nbytes, into = req
+        return self.channel.recv(self.plane, self.ranks[frm], self.sig, self.gid, self.seq,
+                                 self.tag_base + tag, nbytes, into)
+
+    # -- shared memory ------------------------------------------------------------------
+
+    def region(self, member: int, slot: int, dtype: np.dtype, count: int) -> np.ndarray:
+        """``count`` items of ``dtype`` at ``slot`` of group rank ``member``'s segment."""
+        return self.shm.region(self.ranks[member], slot, dtype, count)
+
+
+def run(op: Op, algo: Algorithm) -> Any:
+    """Drive ``algo`` to its end on the caller's thread; its return value."""
+    complete = op.complete
+    try:
+        req = algo.send(None)
+        while True:
+            req = algo.send(complete(req))
+    except StopIteration as stop:
+        return stop.value
+
+
+def split(n: int, parts: int) -> list[tuple[int, int]]:
+    """[start, stop) bounds of ``parts`` near-equal parts of ``n`` (as np.array_split)."""
+    q, r = divmod(n, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        stop = start + q + (1 if i < r else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def num_pieces(count: int, itemsize: int) -> int:
+    """How many pieces of about PIECE_BYTES ``count`` items of ``itemsize`` bytes make."""
+    return max(1, -(-count * itemsize // PIECE_BYTES))

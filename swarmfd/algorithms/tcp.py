@@ -1,0 +1,274 @@
+"""Algorithms over point-to-point messages (the TCP planes; any message plane works).
+
+N ranks, S bytes. Every reduction combines operands in one fixed order for each
+element, whichever rank computes it, so float results are bitwise identical on
+every rank (a contract: float sums depend on their order).
+
+* **all_reduce, pair** (N=2, S <= PAIR_MAX_BYTES): one message each way, in place;
+  operands in rank order.
+* **all_reduce, direct** (S <= SMALL_BYTES, N <= SMALL_MAX_WORLD): every rank sends
+  its buffer to every other and reduces all N in rank order: one hop instead of
+  2(N-1).
+* **all_reduce, ring**: reduce-scatter then all-gather over N chunks of the flat
+  buffer, each cut into pieces of about PIECE_BYTES; a piece goes on as soon as it is
+  reduced, so the reduction of one overlaps the transfer of the next. Each rank sends
+  2(N-1)/N * S bytes: bandwidth-optimal. Every chunk is reduced once, on one rank.
+* **broadcast**: small, the root sends to everyone; large, a pipelined chain from the
+  root (every link carries S once).
+* **reduce**: small, everyone sends to the root; large, a pipelined chain ending there.
+* **all_gather**: small, direct; large, a pipelined ring ((N-1)/N of the result each).
+* **barrier**: dissemination, ceil(log2 N) rounds of empty messages.
+
+Broadcast and reduce have ranks that only send, so they end with an acknowledgement
+(tag ACK) to them, and every rank shows its signature to the next one first (tag
+SIG): a rank that called something else, or a root mismatch that leaves every rank
+waiting to receive, is then caught in this call, on every rank.
+
+The ring follows ``ring`` (group ranks in ring order, default 0..N-1): ordered by
+host, it crosses each host's link as few times as possible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from .base import Algorithm, Op, num_pieces, split
+
+__all__ = [
+    "ACK",
+    "SIG",
+    "all_gather_direct",
+    "all_gather_ring",
+    "all_reduce_direct",
+    "all_reduce_pair",
+    "all_reduce_ring",
+    "barrier",
+    "broadcast_chain",
+    "broadcast_direct",
+    "reduce_chain",
+    "reduce_direct",
+    "signature_ring",
+]
+
+#: Tags of the acknowledgement that ends broadcast and reduce, and of the signature every
+#: rank shows its successor in them (message tags count up from 0).
+ACK = 0xFFFFFFFF
+SIG = 0xFFFFFFFE
+
+
+def _ring(op: Op, ring: Sequence[int] | None) -> tuple[list[int], int]:
+    order = list(range(op.size)) if ring is None else list(ring)
+    return order, order.index(op.me)
+
+
+# -- all_reduce -------------------------------------------------------------------------
+
+
+def all_reduce_pair(op: Op, buf: np.ndarray, ufunc: np.ufunc) -> Algorithm:
+    """Two ranks, one message each way: send the whole buffer, reduce the peer's into it.
+
+    One hop instead of the ring's two, and no copy of the result. Operands are taken
+    in rank order (rank 0's first), so both ranks compute the same bits.
+    """
+    peer = 1 - op.me
+    op.send(peer, 0, buf, copy=True)  # copied: buf is overwritten below
+    theirs = yield from op.recv_array(peer, 0, buf)
+    if op.me == 0:
+        ufunc(buf, theirs, out=buf)
+    else:
+        ufunc(theirs, buf, out=buf)
+
+
+def reduce_in_rank_order(op: Op, buf: np.ndarray, ufunc: np.ufunc) -> Algorithm:
+    """Every rank's buffer (tag 0; this rank's own is ``buf``) reduced in rank order.
+
+    Operands are combined as ((x0 op x1) op x2) ..., whichever rank computes it.
+    Returns a new array; ``buf`` is left as it was.
+    """
+    acc: np.ndarray | None = None
+    for p in range(op.size):
+        arr = buf if p == op.me else (yield from op.recv_array(p, 0, buf))
+        if acc is None:
+            acc = arr.copy()
+        else:
+            ufunc(acc, arr, out=acc)
+    assert acc is not None
+    return acc
+
+
+def all_reduce_direct(op: Op, buf: np.ndarray, ufunc: np.ufunc) -> Algorithm:
+    """Every rank sends its buffer to every other; each reduces all N in rank order."""
+    for p in range(op.size):
+        if p != op.me:
+            op.send(p, 0, buf)
+    acc = yield from reduce_in_rank_order(op, buf, ufunc)
+    op.channel.flush()  # buf may still be on its way out (zero-copy) before it is overwritten
+    buf[...] = acc
+
+
+def all_reduce_ring(op: Op, buf: np.ndarray, ufunc: np.ufunc,
+                    ring: Sequence[int] | None = None) -> Algorithm:
+    """Pipelined ring reduce-scatter, then all-gather (see the module docstring)."""
+    order, pos = _ring(op, ring)
+    N = op.size
+    chunks = split(buf.size, N)
+    P = num_pieces(max(b - a for a, b in chunks), buf.itemsize)
+    pieces = [[(a + x, a + y) for x, y in split(b - a, P)] for a, b in chunks]
+    nxt, prv = order[(pos + 1) % N], order[(pos - 1) % N]
+    # Reduce-scatter. Tag = step * P + piece; steps 0..N-2 reduce, N-1..2N-3 gather.
+    for j, (a, b) in enumerate(pieces[pos]):
+        op.send(nxt, j, buf[a:b])
+    for k in range(N - 1):
+        for j, (a, b) in enumerate(pieces[(pos - k - 1) % N]):
+            seg = buf[a:b]
+            theirs = yield from op.recv_array(prv, k * P + j, seg)
+            ufunc(seg, theirs, out=seg)
+            # The reduced piece goes on at once: to the next reduce step, or, after the
+            # last one, as the first all-gather step.
+            op.send(nxt, (k + 1) * P + j, seg)
+    # All-gather: each fully reduced piece travels once around the ring.
+    last = 2 * N - 3
+    for k in range(N - 1, 2 * N - 2):
+        for j, (a, b) in enumerate(pieces[(pos - (k - N + 1)) % N]):
+            seg = buf[a:b]
+            yield op.recv_into(prv, k * P + j, seg)
+            if k < last:
+                op.send(nxt, (k + 1) * P + j, seg)
+
+
+# -- broadcast --------------------------------------------------------------------------
+
+
+def signature_ring(op: Op) -> None:
+    """Show this call's signature to the next rank (see the module docstring)."""
+    op.send((op.me + 1) % op.size, SIG, b"")
+
+
+def signature_ring_end(op: Op) -> Algorithm:
+    """Take the previous rank's signature (the end of :func:`signature_ring`)."""
+    yield op.recv((op.me - 1) % op.size, SIG, 0)
+
+
+def broadcast_direct(op: Op, buf: np.ndarray, root: int) -> Algorithm:
+    """The root sends to everyone; everyone acknowledges."""
+    signature_ring(op)
+    if op.me == root:
+        for p in range(op.size):
+            if p != root:
+                op.send(p, 0, buf)
+        for p in range(op.size):
+            if p != root:
+                yield op.recv(p, ACK, 0)
+    else:
+        yield op.recv_into(root, 0, buf)
+        op.send(root, ACK, b"")
+    yield from signature_ring_end(op)
+
+
+def broadcast_chain(op: Op, buf: np.ndarray, root: int) -> Algorithm:
+    """Pipelined chain root -> root+1 -> ... -> root-1 (at N=2: the direct send, in
+    pieces); the last rank acknowledges to the root."""
+    signature_ring(op)
+    N = op.size
+    pos = (op.me - root) % N
+    nxt, prv = (op.me + 1) % N, (op.me - 1) % N
+    for j, (a, b) in enumerate(split(buf.size, num_pieces(buf.size, buf.itemsize))):
+        seg = buf[a:b]
+        if pos > 0:
+            yield op.recv_into(prv, j, seg)
+        if pos < N - 1:
+            op.send(nxt, j, seg)
+    if pos == N - 1:
+        op.send(root, ACK, b"")
+    elif pos == 0:
+        yield op.recv(prv, ACK, 0)
+    yield from signature_ring_end(op)
+
+
+# -- reduce -----------------------------------------------------------------------------
+
+
+def reduce_direct(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc) -> Algorithm:
+    """Everyone sends to the root, which reduces in rank order and acknowledges."""
+    signature_ring(op)
+    if op.me != root:
+        op.send(root, 0, buf)
+        yield op.recv(root, ACK, 0)
+    else:
+        acc = yield from reduce_in_rank_order(op, buf, ufunc)
+        for p in range(op.size):
+            if p != root:
+                op.send(p, ACK, b"")
+        buf[...] = acc
+    yield from signature_ring_end(op)
+
+
+def reduce_chain(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc) -> Algorithm:
+    """Pipelined chain root+1 -> root+2 -> ... -> root; only the root's buffer is
+    written. The root acknowledges to the chain's first rank."""
+    signature_ring(op)
+    N = op.size
+    pos = (op.me - root - 1) % N
+    nxt, prv = (op.me + 1) % N, (op.me - 1) % N
+    for j, (a, b) in enumerate(split(buf.size, num_pieces(buf.size, buf.itemsize))):
+        seg = buf[a:b]
+        if pos == 0:
+            op.send(nxt, j, seg)
+            continue
+        incoming = yield from op.recv_array(prv, j, seg)
+        if op.me == root:
+            ufunc(incoming, seg, out=seg)
+        else:
+            op.send(nxt, j, ufunc(incoming, seg))
+    first = (root + 1) % N
+    if op.me == root:
+        op.send(first, ACK, b"")
+    elif op.me == first:
+        yield op.recv(root, ACK, 0)
+    yield from signature_ring_end(op)
+
+
+# -- all_gather -------------------------------------------------------------------------
+
+
+def all_gather_direct(op: Op, out: np.ndarray) -> Algorithm:
+    """Every rank sends its row of ``out`` (N x count, its own filled) to every other."""
+    for p in range(op.size):
+        if p != op.me:
+            op.send(p, 0, out[op.me])
+    for p in range(op.size):
+        if p != op.me:
+            yield op.recv_into(p, 0, out[p])
+
+
+def all_gather_ring(op: Op, out: np.ndarray, ring: Sequence[int] | None = None) -> Algorithm:
+    """Pipelined ring: each row travels once around, in pieces."""
+    order, pos = _ring(op, ring)
+    N = op.size
+    count = out.shape[1]
+    pieces = split(count, num_pieces(count, out.itemsize))
+    P = len(pieces)
+    nxt, prv = order[(pos + 1) % N], order[(pos - 1) % N]
+    for j, (a, b) in enumerate(pieces):
+        op.send(nxt, j, out[op.me, a:b])
+    for k in range(N - 1):
+        row = order[(pos - k - 1) % N]
+        for j, (a, b) in enumerate(pieces):
+            seg = out[row, a:b]
+            yield op.recv_into(prv, k * P + j, seg)
+            if k < N - 2:
+                op.send(nxt, (k + 1) * P + j, seg)
+
+
+# -- barrier ----------------------------------------------------------------------------
+
+
+def barrier(op: Op, tag: int = 0) -> Algorithm:
+    """Dissemination: ceil(log2 N) rounds of empty messages (tags tag<<8 | round)."""
+    d, step = 1, 0
+    while d < op.size:
+        op.send((op.me + d) % op.size, (tag << 8) | step, b"")
+        yield op.recv((op.me - d) % op.size, (tag << 8) | step, 0)
+        d, step = d * 2, step + 1

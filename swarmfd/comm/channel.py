@@ -1,0 +1,464 @@
+"""The message layer: one per process, written once, over any number of planes.
+
+The algorithms talk to peers through :class:`Channel`; the bytes move through its
+planes (:mod:`swarmfd.comm.plane`): a TCP plane (socket or zmq) to every peer, and
+the shared-memory plane to the peers on this host. Whatever the plane, the channel
+gives every message the same semantics:
+
+* **Matching.** A receive names what it waits for: group, source rank, the call's
+  sequence number in that group, and a tag. A message that arrives early (from
+  another peer, another group, or a later call of a faster peer) is kept in the
+  *stash* until asked for; one for a call more than MAX_CALLS_AHEAD ahead is a
+  protocol error, which bounds the stash.
+* **Signatures.** Every header carries the call's signature (collective, op, dtype,
+  root, count, shape hash); the first message of a mismatching call raises
+  :class:`MismatchError` on the rank that receives it, naming both sides. A message
+  of a call this rank already finished means its sender was in another collective.
+* **Deadlines.** Every wait is bounded by the timeout. A rank that times out tells
+  the others whom it waited for, listens TIMEOUT_GRACE to their reports, and names
+  the rank at the end of the chain: the one really stuck (on every plane alike).
+* **Lost peers.** A peer whose connection closed (EOF, reset, keepalive, a closed
+  shared-memory inbox) may still deliver what it sent for LOST_PEER_GRACE; then a
+  wait on it raises :class:`PeerLostError`, after reading any abort it sent first
+  (an abort explains a loss better than the loss).
+* **Aborts.** A rank whose call fails tells the group's other members (best effort,
+  on every plane); they raise the same kind of error (:func:`error_from_abort`).
+  An abort's JSON is cut to fit the plane before it is encoded, so it always parses.
+* **Strangers.** A header that is not a swarmfd message is a protocol error of the
+  connection it came on (planes validate the source); nothing is unpickled.
+
+Groups: messages carry a group id. The channel knows each group's current call
+(:meth:`Channel.begin`); a message or abort for another group than the one being
+waited on is stashed, or reported to that group (:attr:`Channel.on_group_error`),
+and never disturbs the current call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..errors import (
+    AbortedError,
+    CollectiveTimeout,
+    MismatchError,
+    PeerLostError,
+    ProtocolError,
+    abort_is_provisional,
+    abort_kind,
+    abort_waited_for,
+    error_from_abort,
+)
+from . import wire
+from .plane import PeerInfo, Plane
+
+__all__ = ["Channel"]
+
+#: After a timeout, how long a rank listens to the others' timeout reports to find the
+#: rank that is really stuck (see Channel._timeout).
+TIMEOUT_GRACE = 0.6
+#: How long a peer whose connection closed may still deliver what it had sent. It also
+#: gives a leaving rank a head start: it exits before the ranks that lose it raise, so
+#: the launcher and Swarm name it as the rank that ended the job.
+LOST_PEER_GRACE = 0.3
+#: A blocking receive returns at least this often (s) to check deadlines and lost peers.
+WAIT_SLICE = 0.05
+#: A peer's message for a call this far ahead of the receiver's is a protocol error
+#: (collectives end with every rank having heard from the others, so a correct peer is
+#: at most a call or two ahead); bounds what the stash can hold.
+MAX_CALLS_AHEAD = 16
+#: The reason text an abort carries at most (also cut to fit the plane's records).
+MAX_ABORT_TEXT = wire.MAX_ABORT_TEXT
+
+_NONE = wire.Signature(wire.Collective.NONE)
+Key = tuple[int, int, int, int]  # (group, src, seq, tag)
+
+
+def _now() -> float:
+    return time.monotonic()
+
+
+class _Cutoff(Exception):
+    """A bounded wait inside the channel ran out (never leaves the channel)."""
+
+
+def _cutoff(seconds: float) -> Callable[[], None]:
+    """A ``between`` callback that ends a payload read after ``seconds``."""
+    end = _now() + seconds
+
+    def between() -> None:
+        if _now() > end:
+            raise _Cutoff
+    return between
+
+
+def abort_body(kind: str, rank: int, message: str, limit: int, **extra: Any) -> bytes:
+    """An abort's JSON, with ``message`` cut so that the *encoded* body fits ``limit``."""
+    text = message[:MAX_ABORT_TEXT]
+    while True:
+        body = json.dumps({"kind": kind, "rank": rank, "message": text, **extra}).encode()
+        if len(body) <= limit or not text:
+            return body
+        text = text[: max(0, len(text) - (len(body) - limit) - 8)] + "..."
+        if len(text) <= 3:
+            text = ""
+
+
+class Channel:
+    """Point-to-point messages between this rank and its peers (see module docstring)."""
+
+    def __init__(self, rank: int, world_size: int, timeout: float) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self.planes: list[Plane] = []
+        self.peers: list[PeerInfo] = []
+        self.stash: dict[Key, tuple[wire.Header, Any]] = {}
+        #: rank -> when its connection (on any plane) was found closed or broken.
+        self.lost: dict[int, float] = {}
+        #: Peers whose listener refused this rank's authentication.
+        self.refused: set[int] = set()
+        #: Messages dropped as not from a peer, or of no known kind.
+        self.garbage = 0
+        #: The sequence number of each group's current (latest begun) call.
+        self.calls: dict[int, int] = {}
+        #: Called with (group, error) for an abort or mismatch of a group other than the
+        #: one being waited on: that group is broken, the current call goes on.
+        self.on_group_error: Callable[[int, BaseException], None] = lambda g, e: None
+        #: What the rank is doing, for error messages.
+        self.activity = "idle"
+        self.waiting_for = -1
+        self._group = 0  # the group of the call being waited on
+
+    # -- bookkeeping --------------------------------------------------------------------
+
+    def add_plane(self, plane: Plane) -> None:
+        self.planes.append(plane)
+
+    def begin(self, group: int, seq: int) -> None:
+        """A call of ``group`` with sequence number ``seq`` starts on this rank."""
+        self.calls[group] = seq
+
+    def where(self, rank: int) -> str:
+        """A peer's host, pid and address, for error messages."""
+        if 0 <= rank < len(self.peers):
+            p = self.peers[rank]
+            return f"host {p.host}, pid {p.pid}, {p.endpoint}"
+        return "unknown address"
+
+    def _why_lost(self, rank: int) -> str:
+        if rank in self.refused:
+            return ("its data socket refused this rank's authentication handshake (does it "
+                    "run with another job secret or SWARMFD_AUTH setting?)")
+        return ("its connection closed (the process died or exited, or its host stopped "
+                "answering TCP keepalive probes)")
+
+    def _from_peer(self, hdr: wire.Header) -> bool:
+        """True when ``hdr`` claims a source that is another rank of the job."""
+        return 0 <= hdr.src < self.world_size and hdr.src != self.rank
+
+    # -- sending ------------------------------------------------------------------------
+
+    def send(self, plane: Plane, dst: int, sig: wire.Signature, group: int, seq: int,
+             tag: int, payload: Any = b"", *, nbytes: int | None = None,
+             kind: int = wire.Kind.DATA, copy: bool = False) -> None:
+        """Queue one message to ``dst`` on ``plane``; never blocks.
+
+        Large payloads are sent without a copy (:meth:`flush` waits until they left
+        before the collective returns), unless ``copy``: then the caller may overwrite
+        its buffer as soon as this returns.
+        """
+        if nbytes is not None:
+            size = nbytes
+        elif isinstance(payload, bytes):
+            size = len(payload)
+        else:
+            size = memoryview(payload).nbytes
+        if size > wire.MAX_PAYLOAD:
+            raise ValueError(f"swarmfd bug: a message of {size} bytes exceeds the limit of "
+                             f"{wire.MAX_PAYLOAD}; collectives must cut buffers into pieces")
+        plane.send(dst, kind, sig, seq, tag, payload, size, copy, group)
+
+    def flush(self) -> None:
+        """Wait until no plane reads any buffer handed to :meth:`send` any more.
+
+        Messages that arrive meanwhile are stashed (a peer may be flushing towards
+        this rank at the same time).
+        """
+        for plane in self.planes:
+            pending = plane.unsent()
+            if not pending:
+                continue
+            deadline = _now() + self.timeout
+            while pending:
+                dst = pending[0]
+                if _now() > deadline:
+                    raise CollectiveTimeout(
+                        f"{self.activity}: sending to rank {dst} did not complete within "
+                        f"{self.timeout:g} s"
+                    )
+                plane.check_lost()
+                if dst in self.lost and _now() - self.lost[dst] > LOST_PEER_GRACE:
+                    self._raise_pending_abort()
+                    raise PeerLostError(
+                        f"{self.activity}: rank {dst} disconnected before receiving this "
+                        f"rank's data ({self.where(dst)}): {self._why_lost(dst)}"
+                    )
+                hdr = plane.wait(0.01)
+                if hdr is not None:
+                    self._keep(plane, hdr, keep_data=True, between=_cutoff(self.timeout))
+                pending = plane.unsent()
+
+    def abort(self, error: BaseException, group: int) -> None:
+        """Tell every peer that this rank's call in ``group`` failed (best effort)."""
+        if isinstance(error, AbortedError):
+            return  # the originator already told everyone
+        if getattr(error, "announced", False):
+            return  # a timeout: announced to everyone while its culprit was found
+        self._control(group, abort_kind(error), str(error))
+
+    def _control(self, group: int, kind: str, message: str, **extra: Any) -> None:
+        """Send an abort or report (JSON) to every peer on every plane, best effort."""
+        for plane in self.planes:
+            limit = getattr(plane, "max_control", MAX_ABORT_TEXT + 1024)
+            body = abort_body(kind, self.rank, message, limit, **extra)
+            with contextlib.suppress(Exception):
+                plane.send_all(wire.Kind.ABORT, _NONE, body, group)
+
+    # -- receiving ----------------------------------------------------------------------
+
+    def recv(self, plane: Plane, src: int, sig: wire.Signature, group: int, seq: int,
+             tag: int, nbytes: int, into: Any = None) -> Any:
+        """Receive the message (group, src, seq, tag) of ``nbytes`` bytes from ``plane``.
+
+        With ``into`` (a writable buffer of ``nbytes``) the payload lands there and
+        ``None`` is returned; otherwise a buffer is returned. Raises
+        :class:`CollectiveTimeout` after the timeout, :class:`PeerLostError` when
+        ``src`` disconnects, :class:`MismatchError` when a peer's signature differs,
+        :class:`AbortedError` when a peer failed.
+        """
+        key = (group, src, seq & 0xFFFFFFFF, tag)
+        stashed = self.stash.pop(key, None)
+        if stashed is not None:
+            payload = stashed[1]
+            if not stashed[0].matches(sig):
+                raise wire.mismatch_error(self.rank, sig, stashed[0])
+            self._check_size(stashed[0], nbytes)
+            if into is None:
+                return payload
+            memoryview(into).cast("B")[:] = payload
+            return None
+        deadline = _now() + self.timeout
+        self.waiting_for = src
+        self._group = group
+        last_check = _now()
+
+        def between() -> None:
+            self._between_slices(plane, src, deadline, sig, seq)
+
+        while True:
+            hdr = plane.next_header(WAIT_SLICE)
+            if hdr is None:
+                between()
+                continue
+            if ((hdr.group, hdr.src, hdr.seq, hdr.tag) == key
+                    and hdr.kind == wire.Kind.DATA):
+                if not hdr.matches(sig):
+                    raise wire.mismatch_error(self.rank, sig, hdr)
+                self._check_size(hdr, nbytes)
+                return plane.read_payload(hdr, into, between)
+            self._other(plane, hdr, sig, seq, between)
+            # Messages keep coming but not the one awaited (a flood, say): the deadline
+            # and the peer's liveness still count. Checked after the message was handled:
+            # arriving at the deadline, it may be the report that explains the wait.
+            if _now() - last_check > WAIT_SLICE:
+                between()
+                last_check = _now()
+
+    def _other(self, plane: Plane, hdr: wire.Header, sig: wire.Signature, seq: int,
+               between: Callable[[], None]) -> None:
+        """Handle a message that is not the one being waited for."""
+        payload = plane.read_payload(hdr, None, between, keep=True)
+        if not self._from_peer(hdr):
+            self.garbage += 1
+            return
+        if hdr.group != self._group:
+            self._for_other_group(hdr, payload)
+            return
+        if hdr.kind == wire.Kind.ABORT:
+            waited = abort_waited_for(payload)
+            if abort_is_provisional(payload) and waited is not None and self.waiting_for >= 0:
+                # A peer timed out: find out, with everyone, who is really stuck.
+                raise self._timeout(self.waiting_for, sig, {hdr.src: waited})
+            raise error_from_abort(self.activity, hdr.src, payload)
+        if hdr.kind != wire.Kind.DATA:
+            self.garbage += 1
+            return
+        behind = (seq - hdr.seq) & 0xFFFFFFFF
+        if behind == 0 and not hdr.matches(sig):
+            raise wire.mismatch_error(self.rank, sig, hdr)
+        self._check_window(hdr, seq)
+        # Early message (another peer, or a later collective of a faster peer): keep it.
+        self.stash[(hdr.group, hdr.src, hdr.seq, hdr.tag)] = (hdr, payload)
+
+    def _check_window(self, hdr: wire.Header, seq: int) -> None:
+        """Raise for a message of a call already finished here, or too far ahead."""
+        behind = (seq - hdr.seq) & 0xFFFFFFFF
+        ahead = (hdr.seq - seq) & 0xFFFFFFFF
+        if 0 < behind < 0x80000000:
+            # Every message of a call is consumed within that call: one that arrives
+            # after the call ended means the sender was in another collective.
+            raise wire.finished_call_error(self.rank, hdr)
+        if MAX_CALLS_AHEAD < ahead < 0x80000000:
+            raise ProtocolError(
+                f"{self.activity}: rank {hdr.src} sent data for call #{hdr.seq}, {ahead} calls "
+                f"ahead of this rank (at most {MAX_CALLS_AHEAD} are possible); it does not "
+                "follow the protocol"
+            )
+
+    def _for_other_group(self, hdr: wire.Header, payload: Any) -> None:
+        """A message of another group than the one waited on: stash it, or break that group
+        (an abort, or a message out of its window), never the current call."""
+        if hdr.kind == wire.Kind.ABORT:
+            if not abort_is_provisional(payload):
+                self.on_group_error(hdr.group, error_from_abort(
+                    f"group {hdr.group}", hdr.src, payload))
+            return
+        if hdr.kind != wire.Kind.DATA:
+            self.garbage += 1
+            return
+        try:
+            self._check_window(hdr, self.calls.get(hdr.group, 0))
+        except (MismatchError, ProtocolError) as exc:
+            self.on_group_error(hdr.group, exc)
+            return
+        self.stash[(hdr.group, hdr.src, hdr.seq, hdr.tag)] = (hdr, payload)
+
+    def _check_size(self, hdr: wire.Header, nbytes: int) -> None:
+        if hdr.nbytes != nbytes:
+            raise ProtocolError(
+                f"{self.activity}: rank {hdr.src} announced {hdr.nbytes} bytes for message "
+                f"{hdr.tag}, expected {nbytes}"
+            )
+
+    def _between_slices(self, plane: Plane, src: int, deadline: float,
+                        sig: wire.Signature, seq: int) -> None:
+        """After a wait slice without the message: look at the other planes, then check
+        whether ``src`` is gone and the deadline."""
+        for other in self.planes:
+            other.check_lost()
+            if other is not plane:
+                self._read_available(other, keep_data=True)
+        now = _now()
+        if src in self.lost and now - self.lost[src] > LOST_PEER_GRACE:
+            self._raise_pending_abort()
+            raise PeerLostError(
+                f"{self.activity} {sig.describe()}: lost rank {src} ({self.where(src)}): "
+                f"{self._why_lost(src)} before it sent its data"
+            )
+        if now >= deadline:
+            raise self._timeout(src, sig, {})
+
+    def _timeout(self, src: int, sig: wire.Signature, waits: dict[int, int]) -> CollectiveTimeout:
+        """The error for a wait on ``src`` that timed out, naming the rank really at fault.
+
+        In a ring, rank A may time out waiting for B while B waits for a stopped C. So
+        a rank that times out first tells everyone whom it waited for, then listens
+        for TIMEOUT_GRACE to the others' reports (``waits``: rank -> rank it waited
+        for), and follows the chain from ``src`` to the first rank that reported
+        nothing: the one that is stuck.
+        """
+        group = self._group
+        waits[self.rank] = src
+        self._control(group, "timeout", f"rank {self.rank} timed out waiting for rank {src}",
+                      waiting_for=src, provisional=True)
+        end = _now() + TIMEOUT_GRACE
+        between = _cutoff(TIMEOUT_GRACE)
+        with contextlib.suppress(_Cutoff, ProtocolError):
+            while _now() < end:
+                for plane in self.planes:
+                    hdr = plane.next_header(min(0.005, max(0.0, end - _now())))
+                    if hdr is None:
+                        continue
+                    payload = plane.read_payload(hdr, None, between)
+                    if (hdr.kind == wire.Kind.ABORT and self._from_peer(hdr)
+                            and hdr.group == group):
+                        waited = abort_waited_for(payload)
+                        if waited is not None and 0 <= waited < self.world_size:
+                            waits.setdefault(hdr.src, waited)
+        culprit, chain = src, [self.rank, src]
+        while culprit in waits and waits[culprit] not in chain:
+            culprit = waits[culprit]
+            chain.append(culprit)
+        via = " -> ".join(f"rank {r}" for r in chain)
+        error = wire.timeout_error(self.activity, sig, self.timeout, culprit,
+                                   where=self.where(culprit), waits=via)
+        error.announced = True  # type: ignore[attr-defined]
+        return error
+
+    def _raise_pending_abort(self) -> None:
+        """Read what already arrived and raise the first abort in it (it explains a loss)."""
+        for plane in self.planes:
+            self._read_available(plane, keep_data=True)
+
+    def service(self, planes: Sequence[Plane] | None = None) -> None:
+        """Read what waits on ``planes`` (default: all) without blocking: aborts of the
+        current group are raised, data is stashed, anything else dropped and counted."""
+        for plane in self.planes if planes is None else planes:
+            self._read_available(plane, keep_data=True)
+
+    def _read_available(self, plane: Plane, *, keep_data: bool, limit: int = 10_000) -> None:
+        """Read up to ``limit`` waiting messages without blocking; raise on a final abort.
+
+        Data messages are stashed for a later receive (``keep_data``) or dropped.
+        """
+        between = _cutoff(LOST_PEER_GRACE)
+        with contextlib.suppress(_Cutoff):
+            for _ in range(limit):
+                hdr = plane.next_header(0)
+                if hdr is None:
+                    return
+                self._keep(plane, hdr, keep_data=keep_data, between=between)
+
+    def _keep(self, plane: Plane, hdr: wire.Header, *, keep_data: bool,
+              between: Callable[[], None]) -> None:
+        """Take a message that arrived outside a receive: raise a final abort of the
+        current group, stash data (``keep_data``) or drop and count it."""
+        payload = plane.read_payload(hdr, None, between, keep=True)
+        if not self._from_peer(hdr):
+            self.garbage += 1
+            return
+        if hdr.group != self._group:
+            self._for_other_group(hdr, payload)
+            return
+        if hdr.kind == wire.Kind.ABORT and not abort_is_provisional(payload):
+            raise error_from_abort(self.activity, hdr.src, payload)
+        if keep_data and hdr.kind == wire.Kind.DATA:
+            self.stash[(hdr.group, hdr.src, hdr.seq, hdr.tag)] = (hdr, payload)
+        elif hdr.kind != wire.Kind.ABORT:
+            self.garbage += 1
+
+    def check_peer(self, src: int | None) -> None:
+        """Raise :class:`PeerLostError` when ``src`` disconnected (waits outside recv)."""
+        for plane in self.planes:
+            plane.check_lost()
+        if src is not None and src in self.lost and _now() - self.lost[src] > LOST_PEER_GRACE:
+            self._raise_pending_abort()
+            raise PeerLostError(
+                f"{self.activity}: lost rank {src} ({self.where(src)}): "
+                f"{self._why_lost(src)} before it signalled"
+            )
+
+    def set_group(self, group: int) -> None:
+        """The group whose call is running now (its aborts raise; others' are reported)."""
+        self._group = group
+
+    def close(self, linger: float) -> None:
+        """Close every plane; queued sends get ``linger`` seconds."""
+        for plane in self.planes:
+            with contextlib.suppress(Exception):
+                plane.close(linger)
+

@@ -1,0 +1,114 @@
+"""The plane interface: how the message layer (:mod:`swarmfd.comm.channel`) moves bytes.
+
+A *plane* connects this rank to some of its peers and moves whole messages: a
+:mod:`swarmfd.comm.wire` header and its payload. Three implement it:
+
+* :class:`swarmfd.comm.planes.socket.SocketPlane`: plain TCP connections and a
+  single-threaded progress engine (the default between hosts);
+* :class:`swarmfd.comm.planes.zmq.ZmqPlane`: ZeroMQ ROUTER/DEALER sockets (required
+  for an encrypted data plane);
+* :class:`swarmfd.comm.planes.shm.ShmPlane`: the ranks of one host, through shared
+  memory; its messages are small records (the data itself moves through shared
+  segments the shm algorithms address directly).
+
+Whatever a plane does differently stays inside it. The message layer on top is the
+same for all: matching, the stash, signatures, deadlines, lost peers, aborts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from .wire import Header, Signature
+
+__all__ = ["PeerInfo", "Plane", "PlaneOwner"]
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """What rendezvous tells every rank about one peer."""
+
+    rank: int
+    #: The address of its TCP data plane: its ROUTER socket (zmq) or listening socket.
+    endpoint: str
+    host: str
+    pid: int
+    #: What ranks must share to use shared memory (machine, network namespace, user);
+    #: "" when the rank does not offer it (SWARMFD_TRANSPORT=tcp).
+    hostkey: str = ""
+    #: The per-session token of its data plane: the key its peers' one-time PLAIN
+    #: passwords derive from (zmq), of its handshakes' HMAC (socket), and of its
+    #: shared-memory handshake; unencrypted plane only.
+    token: str = field(default="", repr=False)
+    #: Its TCP data plane (config.DATA_PLANES); every rank of a job must use the same.
+    plane: str = "socket"
+    #: Where it offers its host's shared memory (the shm plane's local socket), or "".
+    shm: str = ""
+
+
+class PlaneOwner(Protocol):
+    """What a plane reports into: the message layer that owns it."""
+
+    #: rank -> when its connection was found closed or broken.
+    lost: dict[int, float]
+    #: Peers whose listener refused this rank's authentication.
+    refused: set[int]
+    #: What the rank is doing, for error messages.
+    activity: str
+
+    def where(self, rank: int) -> str:
+        """A peer's host, pid and address, for error messages."""
+
+
+class Plane(Protocol):
+    """One way of moving messages between this rank and ``peers`` (see module docstring).
+
+    Sends never block: what the kernel (or libzmq) does not take at once is queued,
+    and every wait drives the queues. A large payload may be sent without a copy:
+    :meth:`unsent` names the peers whose queued bytes still read the caller's buffers
+    and :meth:`wait` drives them out.
+    """
+
+    #: "socket", "zmq" or "shm".
+    name: str
+    #: What the algorithms select by: "tcp" (socket, zmq) or "shm".
+    kind: str
+    #: Where peers reach it (announced at rendezvous); "" when that is not a TCP address.
+    endpoint: str
+
+    def idle(self) -> None:
+        """Look after listeners while the rank waits elsewhere (the rendezvous)."""
+
+    def connect(self, peers: Sequence[PeerInfo], deadline: float) -> None:
+        """Connect to ``peers`` (authenticated), by ``deadline``."""
+
+    def send(self, dst: int, kind: int, sig: Signature, seq: int, tag: int, payload: Any,
+             size: int, copy: bool, group: int) -> None:
+        """Queue one message; ``copy``: the caller's buffer is free when this returns."""
+
+    def send_all(self, kind: int, sig: Signature, body: bytes, group: int) -> None:
+        """Best effort: ``body`` to every peer (aborts, timeout reports); never raises."""
+
+    def next_header(self, timeout: float) -> Header | None:
+        """The next message's header, or None after ``timeout`` seconds (drives sends).
+        Its payload must be read with :meth:`read_payload` before the next call."""
+
+    def read_payload(self, hdr: Header, into: Any, between: Callable[[], None],
+                     keep: bool = False) -> Any:
+        """The payload of the header :meth:`next_header` returned: into ``into`` (None
+        returned) or as a new buffer (``keep``: one that may outlive the next receive).
+        Calls ``between`` after every wait slice without progress."""
+
+    def unsent(self) -> list[int]:
+        """Peers with queued bytes that still read a caller's buffer (or must go out)."""
+
+    def wait(self, timeout: float) -> Header | None:
+        """Drive queued sends for up to ``timeout`` s; a header that arrived meanwhile."""
+
+    def check_lost(self) -> None:
+        """Record peers whose connection closed in the owner's ``lost``."""
+
+    def close(self, linger: float) -> None:
+        """Close everything; queued sends get ``linger`` seconds."""

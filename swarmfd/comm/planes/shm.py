@@ -1,0 +1,281 @@
+"""The shared-memory plane: the ranks of one host, through segments and pipes.
+
+Each rank of a host owns:
+
+* one **segment**: an anonymous memory file (``memfd_create``, sealed against
+  shrinking and growing) of AREAS areas of SLOTS slots of SEGMENT_BYTES, mapped by
+  every rank of the host. A group on this host uses one area (:func:`area_of`); its
+  algorithms copy into their own slot and read the others' directly
+  (:meth:`ShmPlane.region`). Pages are allocated when first touched, so unused areas
+  cost address space only;
+* one **inbox**: a pipe that peers write small records to, each a
+  :mod:`swarmfd.comm.wire` header and at most MAX_RECORD - HEADER_SIZE payload bytes,
+  so a record carries the call's signature and mismatches are caught exactly as on
+  TCP. A record is at most PIPE_BUF bytes, so writes are atomic and never interleave.
+  The owner holds the only read end (and one write end, so it never reads
+  end-of-file); a peer's write fails with EPIPE exactly when the owner is gone, and
+  the plane reports that peer lost.
+
+Nothing has a name: the segments and pipes exist only as descriptors and mappings,
+freed by the kernel when the last rank holding one exits, however it exits. How the
+ranks get each other's descriptors is :mod:`swarmfd.comm.shm_setup`.
+
+This module implements :class:`swarmfd.comm.plane.Plane` (records only: no payload
+larger than a record); the message semantics are the channel's, as on every plane.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import mmap
+import os
+import select
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .. import wire
+from ..plane import PlaneOwner
+
+__all__ = ["AREAS", "SEGMENT_BYTES", "SEGMENT_SIZE", "SLOTS", "ShmPlane", "area_of"]
+
+#: Bytes of one round (one slot of each rank's segment). Small enough to stay in cache.
+SEGMENT_BYTES = 1 << 20
+#: Slots per area: a pipelined all_reduce touches three rounds at once.
+SLOTS = 3
+#: Areas per segment: groups on one host use different areas (group id modulo AREAS),
+#: so one group's ranks never rewrite a slot another group's ranks still read.
+AREAS = 8
+#: Bytes of one area, and of one rank's segment.
+AREA_BYTES = SLOTS * SEGMENT_BYTES
+SEGMENT_SIZE = AREAS * AREA_BYTES
+#: Longest record written to an inbox (POSIX guarantees atomic writes up to PIPE_BUF).
+MAX_RECORD = 4096
+#: How long a wait polls before it sleeps (only when every rank can have its own core).
+#: A peer on another core usually answers within microseconds; catching its record
+#: without sleeping saves two wake-ups (tens of microseconds each).
+SPIN_SECONDS = 50e-6
+#: Consecutive fruitless spins after which waits sleep at once for a while (a busy
+#: machine, where the peer is not running: spinning would steal its CPU); spinning is
+#: tried again every SPIN_RETRY sleeps.
+SPIN_MAX_MISSES = 8
+SPIN_RETRY = 32
+
+
+def area_of(group: int) -> int:
+    """Byte offset of the area a group uses in every member's segment."""
+    return (group % AREAS) * AREA_BYTES
+
+
+def _now() -> float:
+    return time.monotonic()
+
+
+class ShmPlane:
+    """Records and segments among the ranks of one host (see module docstring).
+
+    ``segments`` maps each rank of the host (this one included) to its mapped
+    segment; ``inbox`` is this rank's read end, ``outboxes`` the write ends of the
+    peers' inboxes. The plane owns and closes all of them.
+    """
+
+    name = "shm"
+    kind = "shm"
+    endpoint = ""
+    #: The longest abort or report body a record carries.
+    max_control = MAX_RECORD - wire.HEADER_SIZE
+
+    def __init__(self, owner: PlaneOwner, rank: int, segments: dict[int, mmap.mmap],
+                 inbox: int, outboxes: dict[int, int], own_writer: int = -1) -> None:
+        self.owner = owner
+        self.rank = rank
+        self.ranks = sorted(segments)
+        self.segments = segments
+        self.views = {r: np.frombuffer(mm, dtype=np.uint8) for r, mm in segments.items()}
+        self.inbox = inbox
+        self.own_writer = own_writer  # keeps the inbox from ever reading end-of-file
+        self.outboxes = outboxes
+        os.set_blocking(inbox, False)
+        for fd in outboxes.values():
+            os.set_blocking(fd, False)
+        self.poller = select.poll()  # poll, not select: descriptors may exceed 1023
+        self.poller.register(inbox, select.POLLIN)
+        self.buffer = b""
+        self.records: collections.deque[tuple[wire.Header, bytes]] = collections.deque()
+        self.current = b""
+        self.queued: dict[int, collections.deque[bytes]] = {}
+        self.spin = len(self.ranks) <= (os.cpu_count() or 1)
+        self.spin_misses = 0
+        self.sleeps = 0
+        self.closed = False
+
+    # -- segments -----------------------------------------------------------------------
+
+    def region(self, rank: int, offset: int, dtype: np.dtype, count: int) -> np.ndarray:
+        """``count`` items of ``dtype`` at byte ``offset`` of ``rank``'s segment."""
+        return self.views[rank][offset: offset + count * dtype.itemsize].view(dtype)
+
+    # -- Plane --------------------------------------------------------------------------
+
+    def idle(self) -> None:
+        """Nothing listens: the descriptors were exchanged at setup."""
+
+    def connect(self, peers: Any, deadline: float) -> None:
+        """Connected at setup (see :mod:`swarmfd.comm.shm_setup`)."""
+
+    def send(self, dst: int, kind: int, sig: wire.Signature, seq: int, tag: int, payload: Any,
+             size: int, copy: bool, group: int = 0) -> None:
+        """Write one record to ``dst``'s inbox (queued while the pipe is full)."""
+        body = payload if isinstance(payload, bytes) else memoryview(payload).tobytes()
+        record = wire.pack_header(kind, sig, self.rank, seq, tag, size, 0, group) + body
+        if len(record) > MAX_RECORD:
+            raise ValueError(f"swarmfd bug: a shared-memory record of {len(record)} bytes "
+                             f"exceeds {MAX_RECORD}")
+        queue = self.queued.get(dst)
+        if queue:
+            queue.append(record)
+            self._push(dst)
+            return
+        self._write(dst, record)
+
+    def _write(self, dst: int, record: bytes) -> bool:
+        """Write ``record`` now; queue it when the pipe is full. False when queued."""
+        fd = self.outboxes.get(dst)
+        if fd is None or dst in self.owner.lost:
+            return True  # gone: the receive side reports the loss
+        try:
+            os.write(fd, record)
+            return True
+        except BlockingIOError:
+            self.queued.setdefault(dst, collections.deque()).append(record)
+            return False
+        except (BrokenPipeError, OSError):
+            # The peer closed its inbox: it failed or exited. An abort it sent before is
+            # in ours; the channel raises that, or the loss after its grace.
+            self.owner.lost.setdefault(dst, _now())
+            self.queued.pop(dst, None)
+            return True
+
+    def _push(self, dst: int) -> None:
+        queue = self.queued.get(dst)
+        while queue:
+            record = queue.popleft()
+            if not self._write(dst, record):
+                # _write queued it again at the back: put it back at the front instead.
+                again = self.queued[dst]
+                again.appendleft(again.pop())
+                return
+        self.queued.pop(dst, None)
+
+    def send_all(self, kind: int, sig: wire.Signature, body: bytes, group: int = 0) -> None:
+        """Best effort: ``body`` to every peer's inbox (aborts, reports); never blocks."""
+        record = wire.pack_header(kind, sig, self.rank, 0, 0, len(body), 0, group) + body
+        for fd in self.outboxes.values():
+            with contextlib.suppress(OSError):
+                os.write(fd, record[:MAX_RECORD])
+
+    def unsent(self) -> list[int]:
+        return [dst for dst, q in self.queued.items() if q and dst not in self.owner.lost]
+
+    def wait(self, timeout: float) -> wire.Header | None:
+        """Push queued records for up to ``timeout`` s (returns no header: records that
+        arrive meanwhile stay in the inbox for the next receive)."""
+        end = _now() + timeout
+        while self.unsent():
+            for dst in self.unsent():
+                self._push(dst)
+            left = end - _now()
+            if not self.unsent() or left <= 0:
+                return None
+            poller = select.poll()
+            for dst in self.unsent():
+                poller.register(self.outboxes[dst], select.POLLOUT)
+            poller.poll(max(1, int(left * 1000)))
+        return None
+
+    def next_header(self, timeout: float) -> wire.Header | None:
+        """The next record's header, or None after ``timeout`` seconds."""
+        if self.records:
+            return self._take()
+        for dst in list(self.queued):
+            self._push(dst)
+        if self._read():
+            return self._take()
+        if timeout <= 0:
+            return None
+        if self.spin and self.spin_misses < SPIN_MAX_MISSES and self._spin():
+            return self._take()
+        if self.spin and self.spin_misses >= SPIN_MAX_MISSES:
+            self.sleeps += 1
+            if self.sleeps % SPIN_RETRY == 0:
+                self.spin_misses = SPIN_MAX_MISSES // 2  # try spinning again now and then
+        if self.poller.poll(max(0, int(timeout * 1000))) and self._read():
+            return self._take()
+        return None
+
+    def _spin(self) -> bool:
+        """Poll the inbox for SPIN_SECONDS before sleeping (see SPIN_SECONDS)."""
+        end = time.perf_counter() + SPIN_SECONDS
+        while True:
+            if self._read():
+                self.spin_misses = 0
+                return True
+            if time.perf_counter() > end:
+                self.spin_misses += 1
+                return False
+
+    def _read(self) -> bool:
+        """Read what the inbox holds and parse whole records; True when one is ready."""
+        try:
+            data = os.read(self.inbox, 65536)
+        except (BlockingIOError, InterruptedError):
+            return bool(self.records)
+        self.buffer += data
+        buf = self.buffer
+        while len(buf) >= wire.HEADER_SIZE:
+            # Only this host's ranks of this job can write here (see shm_setup): a bad
+            # header is a bug, a ProtocolError that reaches the caller.
+            hdr = wire.unpack_header(buf[: wire.HEADER_SIZE])
+            end = wire.HEADER_SIZE + hdr.nbytes
+            if len(buf) < end:
+                break
+            self.records.append((hdr, buf[wire.HEADER_SIZE:end]))
+            buf = buf[end:]
+        self.buffer = buf
+        return bool(self.records)
+
+    def _take(self) -> wire.Header:
+        hdr, self.current = self.records.popleft()
+        return hdr
+
+    def read_payload(self, hdr: wire.Header, into: Any, between: Callable[[], None],
+                     keep: bool = False) -> Any:
+        """The payload of the record :meth:`next_header` returned."""
+        payload, self.current = self.current, b""
+        if into is None:
+            return payload
+        memoryview(into).cast("B")[:] = payload
+        return None
+
+    def check_lost(self) -> None:
+        """Losses are seen as EPIPE when writing (and through the TCP plane)."""
+
+    def close(self, linger: float = 0.0) -> None:
+        """Unmap and close everything (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.views = {}
+        for mm in self.segments.values():
+            # A view still alive somewhere keeps the mapping; the GC unmaps it later.
+            with contextlib.suppress(BufferError):
+                mm.close()
+        self.segments = {}
+        for fd in [*self.outboxes.values(), self.inbox, self.own_writer]:
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.outboxes = {}

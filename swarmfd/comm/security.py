@@ -1,0 +1,177 @@
+"""Security: the job's keys, the ZAP policies, and the options of sockets strangers reach.
+
+Every rank derives the same CURVE keypair from the job secret (SHA-256 of it, with
+a domain label, is the secret key); the secret itself is never kept. Every ZeroMQ
+socket that binds is a server, every one that connects a client, and one ZAP
+handler per rank (:class:`Authenticator`, pyzmq's ``ThreadAuthenticator`` with
+swarmfd's policies) admits only connections that prove they belong to the job:
+
+* the rendezvous (MASTER_PORT): always CURVE, authenticated and encrypted, any number
+  of clients holding the job key (its listener closes after init);
+* the zmq data plane: each peer's connection is admitted **once**. Unencrypted, a
+  ZMQ PLAIN user name is the connecting rank and its password a one-time token
+  (:func:`connection_token`) derived from the listening rank's per-session token,
+  which only the encrypted rendezvous carried; encrypted (``SWARMFD_ENCRYPT=1``),
+  a CURVE client with the job key, at most ``world_size - 1`` times. A reader of the
+  network who replays a token is refused, and once every peer is in, nothing more
+  is admitted for as long as the job runs.
+
+Sockets a stranger can reach (:func:`stranger_facing`) refuse frames larger than
+their legitimate traffic needs and drop connections that have not authenticated
+within HANDSHAKE_IVL_MS, so a stranger pins little memory, briefly.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import hmac
+import logging
+import struct
+import threading
+from dataclasses import dataclass, field
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
+
+__all__ = [
+    "HANDSHAKE_IVL_MS",
+    "KEEPALIVE",
+    "ZAP_DATA",
+    "ZAP_RENDEZVOUS",
+    "Authenticator",
+    "Security",
+    "connection_token",
+    "keepalive",
+    "stranger_facing",
+]
+
+#: ZAP domains of the rendezvous and of the zmq data plane.
+ZAP_RENDEZVOUS = "swarmfd-rendezvous"
+ZAP_DATA = "swarmfd-data"
+#: A connection to a bound socket (MASTER_PORT, the zmq data socket) that has not
+#: authenticated within this many ms is dropped (libzmq's default is 30 s). A legitimate
+#: handshake takes a few ms (a CURVE one under 5 ms here, on a loaded machine).
+HANDSHAKE_IVL_MS = 2000
+#: TCP keepalive on every connection (idle s, interval s, probes): a host that vanished
+#: (no FIN) is found within about idle + interval * probes seconds (measured 3.9 s); a
+#: stopped process still answers (its kernel does), so a SIGSTOP stays a timeout.
+KEEPALIVE = (1, 1, 3)
+#: pyzmq's authenticator logs credentials at DEBUG; its logger here never does.
+_ZAP_LOG = logging.getLogger("swarmfd.zap")
+_ZAP_LOG.setLevel(logging.WARNING)
+
+
+@dataclass(frozen=True)
+class Security:
+    """The job's CURVE keypair (derived from the job secret) and the data-plane mode.
+
+    Built with :meth:`from_secret`; the secret itself is not kept. ``repr`` shows
+    neither key.
+    """
+
+    public: bytes = field(repr=False)
+    secret: bytes = field(repr=False)
+    encrypt: bool = False
+
+    @classmethod
+    def from_secret(cls, job_secret: bytes, encrypt: bool) -> Security:
+        """Derive the keypair: every rank with the same secret gets the same one."""
+        seed = hashlib.sha256(b"swarmfd CURVE key v1\0" + job_secret).digest()
+        secret = z85.encode(seed)
+        return cls(zmq.curve_public(secret), secret, encrypt)
+
+    def curve_server(self, sock: zmq.Socket, domain: str) -> None:
+        """Make ``sock`` a CURVE server of ``domain`` with the job's key."""
+        sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, self.secret)
+
+    def curve_client(self, sock: zmq.Socket) -> None:
+        """Make ``sock`` a CURVE client holding the job's key."""
+        sock.setsockopt(zmq.CURVE_SERVERKEY, self.public)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, self.public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, self.secret)
+
+
+def connection_token(session_token: str, client: int, server: int) -> str:
+    """The one-time PLAIN password of ``client``'s data connection to ``server``.
+
+    Derived from ``server``'s per-session token, so a reader of the network who sees
+    one connection's password learns nothing about another's.
+    """
+    msg = b"swarmfd zmq data connection v2\0" + struct.pack("<II", client, server)
+    return hmac.new(session_token.encode(), msg, hashlib.sha256).hexdigest()
+
+
+class Authenticator(ThreadAuthenticator):
+    """The rank's ZAP handler with swarmfd's policies (see the module docstring)."""
+
+    def __init__(self, ctx: zmq.Context, security: Security, rank: int, world_size: int,
+                 token: str) -> None:
+        super().__init__(ctx, log=_ZAP_LOG)
+        self.job_public = security.public
+        self.encrypt = security.encrypt
+        #: rank -> its one-time data connection token (PLAIN data plane), not yet used.
+        self.data_tokens = {j: connection_token(token, j, rank)
+                            for j in range(world_size) if j != rank}
+        self.data_curve_left = world_size - 1
+        #: Refused ZAP requests per domain (strangers; counted for error messages).
+        self.denied: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        super().start()
+        self.configure_curve_callback(ZAP_RENDEZVOUS, self)
+        if self.encrypt:
+            self.configure_curve_callback(ZAP_DATA, self)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """CURVE: the job's key; on the data plane at most world_size - 1 times."""
+        ok = hmac.compare_digest(key, self.job_public)  # both z85
+        if ok and domain == ZAP_DATA:
+            with self._lock:
+                ok = self.data_curve_left > 0
+                self.data_curve_left -= ok
+        if not ok:
+            self.denied[domain] += 1
+        return ok
+
+    def _authenticate_plain(self, domain: str, username: str,
+                            password: str) -> tuple[bool, bytes]:
+        """PLAIN: a rank's one-time data connection token, consumed on success."""
+        if domain == ZAP_DATA and not self.encrypt:
+            try:
+                rank = int(username)
+            except ValueError:
+                rank = -1
+            with self._lock:
+                expected = self.data_tokens.get(rank)
+                if expected is not None and hmac.compare_digest(password, expected):
+                    del self.data_tokens[rank]  # one-time: a replay is refused
+                    return True, b"OK"
+        self.denied[domain] += 1
+        return False, b"NO ACCESS"
+
+    @property
+    def refused(self) -> int:
+        """ZAP requests refused so far, every domain."""
+        return sum(self.denied.values())
+
+
+def stranger_facing(sock: zmq.Socket, max_frame: int) -> None:
+    """Bound a socket a stranger can reach: frames over ``max_frame`` drop the connection
+    before libzmq allocates them, and a connection that has not completed its handshake
+    within HANDSHAKE_IVL_MS is dropped."""
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+
+
+def keepalive(sock: zmq.Socket) -> None:
+    """TCP keepalive (KEEPALIVE) on a ZeroMQ socket's connections."""
+    idle, intvl, cnt = KEEPALIVE
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, idle)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, intvl)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, cnt)
