@@ -388,7 +388,9 @@ def all_gather(x: Any, out: Any = None, *, group: Any = None) -> list[np.ndarray
     if out is None:
         rows = np.empty((n, flat.size), dtype=arr.dtype)
     else:
-        rows = _gather_out(_to_numpy(out, "all_gather"), arr, n).reshape(n, flat.size)
+        rows = _gather_out(_to_numpy(out, "all_gather"), arr, n,
+                           "world_size" if g.gid == _group.WORLD_GID else "group size"
+                           ).reshape(n, flat.size)
     rows[g.rank] = flat
 
     def body(o: Op) -> Any:
@@ -401,7 +403,7 @@ def all_gather(x: Any, out: Any = None, *, group: Any = None) -> list[np.ndarray
     return [rows[r].reshape(arr.shape) for r in range(n)]
 
 
-def _gather_out(out: np.ndarray, arr: np.ndarray, size: int) -> np.ndarray:
+def _gather_out(out: np.ndarray, arr: np.ndarray, size: int, what: str) -> np.ndarray:
     """``out`` checked as all_gather's result buffer for ``arr`` (ValueError/TypeError)."""
     want = (size, *arr.shape)
     if out.dtype != arr.dtype:
@@ -409,7 +411,7 @@ def _gather_out(out: np.ndarray, arr: np.ndarray, size: int) -> np.ndarray:
                         f"{arr.dtype}")
     if out.shape != want:
         raise ValueError(f"swarmfd.all_gather: out has shape {out.shape}, expected "
-                         f"(group size, *x.shape) = {want}")
+                         f"({what}, *x.shape) = {want}")
     if not out.flags.c_contiguous:
         raise ValueError("swarmfd.all_gather: out must be C-contiguous (e.g. from np.empty)")
     if not out.flags.writeable:

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import swarmfd as fd
-from swarmfd import collectives
+from swarmfd.algorithms import select
+from swarmfd.comm import wire
 from swarmfd.comm.planes import zmq as zmq_transport
 
 from .conftest import RankFailure, free_port, run_ranks, run_ranks_raw, transport_env
@@ -229,7 +230,7 @@ def test_float_results_are_bitwise_identical_on_every_rank(world: int, transport
 BOUNDARY_BYTES = sorted({
     zmq_transport.INLINE_MAX_BYTES, zmq_transport.INLINE_MAX_BYTES + 4,
     zmq_transport.COPY_MAX_BYTES, zmq_transport.COPY_MAX_BYTES + 4,
-    collectives.PAIR_MAX_BYTES - 4, collectives.PAIR_MAX_BYTES, collectives.PAIR_MAX_BYTES + 4,
+    select.PAIR_MAX_BYTES - 4, select.PAIR_MAX_BYTES, select.PAIR_MAX_BYTES + 4,
 })
 
 
@@ -564,8 +565,8 @@ def _divide_by_zero(rank: int, world: int) -> None:
 
 def test_piece_and_threshold_constants_are_sane() -> None:
     """Wire messages stay well under glibc's 32 MiB mmap threshold."""
-    assert collectives.PIECE_BYTES <= 8 << 20
-    assert collectives.SMALL_BYTES <= collectives.PIECE_BYTES
+    assert wire.PIECE_BYTES <= 8 << 20
+    assert select.SMALL_BYTES <= wire.PIECE_BYTES
 
 
 def _which_transport(rank: int, world: int) -> tuple[bool, list[str]]:

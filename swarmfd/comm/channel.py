@@ -291,6 +291,10 @@ class Channel:
         if hdr.kind == wire.Kind.ABORT:
             waited = abort_waited_for(payload)
             if abort_is_provisional(payload) and waited is not None and self.waiting_for >= 0:
+                if waited == self.rank and hdr.src == self.waiting_for:
+                    # The rank this one waits for gave up waiting for this one: nobody is
+                    # stuck, this rank came too late. Its timeout is relayed, not its own.
+                    raise error_from_abort(self.activity, hdr.src, payload)
                 # A peer timed out: find out, with everyone, who is really stuck.
                 raise self._timeout(self.waiting_for, sig, {hdr.src: waited})
             raise error_from_abort(self.activity, hdr.src, payload)
@@ -373,8 +377,8 @@ class Channel:
         """
         group = self._group
         waits[self.rank] = src
-        self._control(group, "timeout", f"rank {self.rank} timed out waiting for rank {src}",
-                      waiting_for=src, provisional=True)
+        first = wire.timeout_error(self.activity, sig, self.timeout, src, where=self.where(src))
+        self._control(group, "timeout", str(first), waiting_for=src, provisional=True)
         end = _now() + TIMEOUT_GRACE
         between = _cutoff(TIMEOUT_GRACE)
         with contextlib.suppress(_Cutoff, ProtocolError):
@@ -396,6 +400,8 @@ class Channel:
         via = " -> ".join(f"rank {r}" for r in chain)
         error = wire.timeout_error(self.activity, sig, self.timeout, culprit,
                                    where=self.where(culprit), waits=via)
+        # The verdict, for the ranks that come later (the reports above were provisional).
+        self._control(group, "timeout", str(error))
         error.announced = True  # type: ignore[attr-defined]
         return error
 

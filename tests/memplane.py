@@ -1,0 +1,232 @@
+"""Ranks as threads of this process, for the tests of the message layer and the algorithms.
+
+* :class:`MemoryPlane`: a :class:`swarmfd.comm.plane.Plane` over in-memory queues (every
+  message is packed and decoded with the real wire format, payloads are copied);
+  :meth:`Fabric.kill` makes a rank vanish as a closed connection would.
+* :func:`shm_planes`: real :class:`swarmfd.comm.planes.shm.ShmPlane` objects for N
+  thread-ranks, over real memfd segments and pipes (no setup socket: the descriptors
+  are shared in-process).
+* :func:`run_threads`: ``fn(rank, channel, plane)`` on N threads, each rank with its own
+  :class:`swarmfd.comm.channel.Channel`; returns the results in rank order, raises with
+  every failing rank's traceback, and never hangs (a thread that does not finish in time
+  fails the test with its stack).
+* :func:`run_algorithm`: one collective call (an :class:`~swarmfd.algorithms.base.Op`
+  and an algorithm) on every thread-rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from swarmfd.algorithms.base import Op, run
+from swarmfd.comm import wire
+from swarmfd.comm.channel import Channel
+from swarmfd.comm.planes import shm as shm_plane
+
+
+class Fabric:
+    """The queues between N in-memory planes, and which ranks are gone."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.queues: list[queue.Queue[tuple[wire.Header, bytes]]] = [queue.Queue()
+                                                                     for _ in range(n)]
+        self.dead: set[int] = set()
+        self.sent = 0
+
+    def kill(self, rank: int) -> None:
+        """``rank`` vanishes: its messages stop, peers see its connection close."""
+        self.dead.add(rank)
+
+
+class MemoryPlane:
+    """A plane over in-memory queues (see the module docstring)."""
+
+    name = "memory"
+    kind = "tcp"
+    endpoint = ""
+
+    def __init__(self, fabric: Fabric, rank: int, owner: Any) -> None:
+        self.fabric = fabric
+        self.rank = rank
+        self.owner = owner
+        self.current = b""
+
+    def idle(self) -> None:
+        pass
+
+    def connect(self, peers: Any, deadline: float) -> None:
+        pass
+
+    def send(self, dst: int, kind: int, sig: wire.Signature, seq: int, tag: int, payload: Any,
+             size: int, copy: bool, group: int = 0) -> None:
+        if self.rank in self.fabric.dead or dst in self.fabric.dead:
+            return
+        raw = wire.pack_header(kind, sig, self.rank, seq, tag, size, 0, group)
+        body = payload if isinstance(payload, bytes) else memoryview(payload).tobytes()
+        assert len(body) == size
+        self.fabric.sent += 1
+        self.fabric.queues[dst].put((wire.unpack_header(raw), body))
+
+    def send_all(self, kind: int, sig: wire.Signature, body: bytes, group: int = 0) -> None:
+        for dst in range(self.fabric.n):
+            if dst != self.rank:
+                self.send(dst, kind, sig, 0, 0, body, len(body), True, group)
+
+    def next_header(self, timeout: float) -> wire.Header | None:
+        if self.rank in self.fabric.dead:
+            time.sleep(timeout)
+            return None
+        try:
+            hdr, self.current = self.fabric.queues[self.rank].get(timeout=max(timeout, 0)
+                                                                  or None, block=timeout > 0)
+        except queue.Empty:
+            return None
+        return hdr
+
+    def read_payload(self, hdr: wire.Header, into: Any, between: Callable[[], None],
+                     keep: bool = False) -> Any:
+        payload, self.current = self.current, b""
+        if into is None:
+            return np.frombuffer(payload, np.uint8).copy() if payload else b""
+        memoryview(into).cast("B")[:] = payload
+        return None
+
+    def unsent(self) -> list[int]:
+        return []
+
+    def wait(self, timeout: float) -> wire.Header | None:
+        return None
+
+    def check_lost(self) -> None:
+        for r in self.fabric.dead:
+            if r != self.rank:
+                self.owner.lost.setdefault(r, time.monotonic())
+
+    def close(self, linger: float) -> None:
+        pass
+
+
+class ThreadFailure(AssertionError):
+    """One or more thread-ranks raised; carries each failing rank's traceback."""
+
+    def __init__(self, failures: dict[int, str]) -> None:
+        self.failures = failures
+        text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
+        super().__init__(f"{len(failures)} rank(s) failed:\n{text}")
+
+
+def shm_planes(n: int, channels: list[Channel]) -> list[shm_plane.ShmPlane]:
+    """One real shared-memory plane per thread-rank (memfd segments, pipe inboxes)."""
+    memfds, pipes = [], []
+    for _ in range(n):
+        fd = os.memfd_create("swarmfd-test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, shm_plane.SEGMENT_SIZE)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                    fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        memfds.append(fd)
+        pipes.append(os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC))
+    planes = []
+    try:
+        for r in range(n):
+            segments = {p: mmap.mmap(memfds[p], shm_plane.SEGMENT_SIZE, mmap.MAP_SHARED,
+                                     mmap.PROT_READ | mmap.PROT_WRITE) for p in range(n)}
+            outboxes = {p: os.dup(pipes[p][1]) for p in range(n) if p != r}
+            planes.append(shm_plane.ShmPlane(channels[r], r, segments, os.dup(pipes[r][0]),
+                                             outboxes, os.dup(pipes[r][1])))
+    finally:
+        for fd in memfds:
+            os.close(fd)
+        for a, b in pipes:
+            os.close(a)
+            os.close(b)
+    return planes
+
+
+def run_threads(fn: Callable[..., Any], n: int, *args: Any, plane: str = "memory",
+                timeout: float = 30.0, group_timeout: float = 10.0,
+                fabric: Fabric | None = None) -> list[Any]:
+    """Run ``fn(rank, channel, plane, *args)`` on ``n`` thread-ranks (see module docstring).
+
+    ``plane``: "memory" (a :class:`MemoryPlane` per rank) or "shm" (real shared memory).
+    """
+    channels = [Channel(r, n, group_timeout) for r in range(n)]
+    if plane == "shm":
+        planes: list[Any] = shm_planes(n, channels)
+    else:
+        fabric = fabric or Fabric(n)
+        planes = [MemoryPlane(fabric, r, channels[r]) for r in range(n)]
+    for ch, pl in zip(channels, planes, strict=True):
+        ch.add_plane(pl)
+    results: dict[int, tuple[bool, Any]] = {}
+
+    def body(r: int) -> None:
+        try:
+            results[r] = (True, fn(r, channels[r], planes[r], *args))
+        except BaseException:
+            results[r] = (False, traceback.format_exc())
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True, name=f"rank-{r}")
+               for r in range(n)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    try:
+        hung = [r for r, t in enumerate(threads) if t.is_alive()]
+        if hung:
+            frames = sys._current_frames()
+            stacks = "".join(
+                f"--- rank {r} stack ---\n"
+                + "".join(traceback.format_stack(frames[threads[r].ident]))  # type: ignore[index]
+                for r in hung if threads[r].ident in frames)
+            if fabric is not None:
+                for r in range(n):
+                    fabric.kill(r)  # let the stuck threads end (they are daemons anyway)
+            raise AssertionError(f"rank(s) {hung} did not finish within {timeout} s\n{stacks}")
+        failures = {r: v for r, (ok, v) in results.items() if not ok}
+        if failures:
+            raise ThreadFailure(failures)
+        return [results[r][1] for r in range(n)]
+    finally:
+        if plane == "shm":
+            for p in planes:
+                with contextlib.suppress(Exception):
+                    p.close()
+
+
+def run_algorithm(n: int, make: Callable[[Op], Any], *, plane: str = "memory",
+                  sig: wire.Signature | None = None, ring: list[int] | None = None,
+                  timeout: float = 30.0) -> list[Any]:
+    """One call on ``n`` thread-ranks: ``make(op)`` returns (algorithm generator, result
+    getter); returns each rank's result."""
+    sig = sig or wire.Signature(wire.Collective.ALL_REDUCE)
+    slots = [0] * n
+
+    def fn(r: int, channel: Channel, pl: Any) -> Any:
+        def next_slot(r: int = r) -> int:
+            slot = shm_plane.area_of(0) + (slots[r] % shm_plane.SLOTS) * shm_plane.SEGMENT_BYTES
+            slots[r] += 1
+            return slot
+
+        op = Op(channel, pl, list(range(n)), r, 0, 1, sig,
+                pl if getattr(pl, "kind", "") == "shm" else None, next_slot)
+        algo, result = make(op)
+        run(op, algo)
+        channel.flush()
+        return result()
+
+    return run_threads(fn, n, plane=plane, timeout=timeout)
