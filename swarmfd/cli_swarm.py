@@ -552,9 +552,12 @@ def ls(ctx: click.Context, quiet: bool, host: str | None) -> None:
 @click.pass_context
 @_swarm_errors
 def ps(ctx: click.Context, job: str, host: str | None) -> None:
-    """Show each rank of JOB: its task's state, node, exit code and error.
+    """Show each rank of JOB: its task's state, node, exit code, host name and error.
 
-    EXIT is shown once a task has ended (Swarm reports 0 while it runs).
+    EXIT is shown once a task has ended (Swarm reports 0 while it runs). HOST is the
+    rank's container host name, <job>-<slot>: Swarm numbers task slots from 1, so rank
+    R is slot R+1 and runs as <job>-<R+1> (rank 0, the MASTER_ADDR, is <job>-1); Docker's
+    own listings (docker service ps, docker ps) show the slot, swarmfd the rank.
 
     \b
     Examples:
@@ -577,11 +580,11 @@ def ps(ctx: click.Context, job: str, host: str | None) -> None:
     world = world_size_of(service)
     labels = service.get("Spec", {}).get("Labels") or {}
     stopped = {s.strip() for s in labels.get(LABEL_STOPPED, "").split(",") if s.strip()}
-    rows = [["RANK", "STATE", "NODE", "EXIT", "UPDATED", "TASK", "ERROR"]]
+    rows = [["RANK", "STATE", "NODE", "EXIT", "UPDATED", "TASK", "HOST", "ERROR"]]
     for rank in range(world):
         view = views.get(rank)
         if view is None:
-            rows.append([str(rank), "no task", "-", "-", "-", "-", ""])
+            rows.append([str(rank), "no task", "-", "-", "-", "-", f"{job}-{rank + 1}", ""])
             continue
         rows.append([
             str(rank),
@@ -590,12 +593,14 @@ def ps(ctx: click.Context, job: str, host: str | None) -> None:
             "-" if view.exit_code is None else str(view.exit_code),
             _ago(view.updated),
             view.task_id[:12],
+            f"{job}-{view.slot}",
             f"{view.error} (stopped by swarmfd after the failure)"
             if str(rank) in stopped and view.terminal else view.error,
         ])
     failure = labels.get(LABEL_FAILURE)
     state = f"failed: {failure}" if failure else job_state(views.values(), world)
-    click.echo(f"job {job}: {state} ({world} ranks)")
+    click.echo(f"job {job}: {state} ({world} ranks; rank R runs as task slot R+1, host "
+               f"{job}-<R+1>)")
     click.echo(_table(rows))
 
 

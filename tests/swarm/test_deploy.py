@@ -137,9 +137,13 @@ def test_failing_rank_stops_the_others_and_rm_removes_everything(
     ps = swarmfd("ps", name, timeout=60)
     assert ps.returncode == 0, ps.stderr
     assert f"job {name}: failed: rank 1 exited with code 3" in ps.stdout
+    assert ps.stdout.splitlines()[0].endswith(
+        f"(3 ranks; rank R runs as task slot R+1, host {name}-<R+1>)"), ps.stdout
     rows = {int(line.split()[0]): line for line in ps.stdout.splitlines()[2:]}
     assert sorted(rows) == [0, 1, 2]
     assert re.match(r"1\s+failed\s+\S+\s+3\s", rows[1]), ps.stdout
+    for rank, row in rows.items():  # the host name carries the slot, rank + 1
+        assert f" {name}-{rank + 1} " in row + " ", ps.stdout
     for rank in (0, 2):
         assert "stopped by swarmfd after the failure" in rows[rank], ps.stdout
 
@@ -295,7 +299,7 @@ def test_detach_logs_ls_ps(swarm: Any, swarmfd_image: str, tmp_path: Path,
 
         ps = swarmfd("ps", name, timeout=60)
         assert ps.returncode == 0, ps.stderr
-        assert ps.stdout.splitlines()[0] == f"job {name}: done (2 ranks)"
+        assert ps.stdout.splitlines()[0].startswith(f"job {name}: done (2 ranks; ")
         rows = [line.split() for line in ps.stdout.splitlines()[2:]]
         assert [(r[0], r[1], r[3]) for r in rows] == [("0", "complete", "0"),
                                                       ("1", "complete", "0")]
