@@ -219,6 +219,18 @@ def test_data_parallel_run(tmp_path, world):
 
 
 @needs_launcher
+def test_shared_memory_and_tcp_end_with_the_same_parameters(tmp_path):
+    """The same run on shared memory (swarmfd run's default) and over TCP (what crosses
+    hosts on a Swarm) ends with bit-identical parameters: the same checksum."""
+    checksums = {}
+    for transport in ("auto", "tcp"):
+        cmd = train_cmd(tmp_path / transport, "--epochs", "3", world=2,
+                        launcher_opts=("-e", f"SWARMFD_TRANSPORT={transport}"))
+        checksums[transport] = check_success(run(cmd), world=2, min_accuracy=None)
+    assert checksums["auto"] == checksums["tcp"], checksums
+
+
+@needs_launcher
 def test_restart_resumes_from_checkpoint(tmp_path):
     """A rank dies after epoch 3; --max-restarts 1 restarts the group, which resumes at epoch 3
     and ends with exactly the parameters of an uninterrupted run."""
