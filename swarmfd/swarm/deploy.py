@@ -131,7 +131,9 @@ def run_deploy(
         if push:
             pushed = push_image(client, image_name, push, progress=progress)
             image = dataclasses.replace(image, ref=pushed)
-        elif not pull and not job.constraints:
+        elif not pull and not job.constraints and not image_name.startswith("sha256:"):
+            # An image given by its ID is taken to be on every node already (`docker
+            # save | docker load` keeps the ID); a tag or a fresh build is not.
             others = other_nodes(client, node_id)
             if others:
                 progress(
@@ -140,7 +142,8 @@ def run_deploy(
                     f"{', '.join(others[:3])}{' ...' if len(others) > 3 else ''} cannot start "
                     "unless it is there too. Push it to a registry every node can reach "
                     "(--push REGISTRY), load it on every node (`docker save IMAGE | ssh NODE "
-                    "docker load`), or keep the ranks here (--constraint node.hostname==...)"
+                    "docker load`; then deploy it by its ID, sha256:..., and this warning "
+                    "goes), or keep the ranks here (--constraint node.hostname==...)"
                 )
         if image.has_entrypoint is False:
             progress(
