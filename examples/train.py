@@ -5,7 +5,8 @@ Run it as a world of one, on N local processes, or on a Docker Swarm::
 
     python examples/train.py
     swarmfd run -n 2 examples/train.py --epochs 40
-    swarmfd run -n 2 --max-restarts 1 examples/train.py --fail-at-epoch 5
+    swarmfd run -n 2 --max-restarts 1 examples/train.py --fail-at-epoch 5 \
+        --checkpoint-dir /tmp/swarmfd-train-ckpt
 
 What happens, and which swarmfd call does it:
 
@@ -24,7 +25,12 @@ What happens, and which swarmfd call does it:
 6. Loss and accuracy are summed across ranks with ``fd.all_reduce``; the test set is
    split with ``fd.shard_batch``; ``fd.print`` reports once, from rank 0.
 7. After each epoch rank 0 saves a checkpoint between two ``fd.checkpoint_barrier()``
-   calls, written to a temporary file and renamed, so a crash never leaves half a file.
+   calls, written to a temporary file and renamed, so a crash never leaves half a file,
+   into ``--checkpoint-dir`` or ``$SWARMFD_CHECKPOINT_DIR`` (``swarmfd deploy
+   --checkpoint-volume`` sets it); with neither, nothing is saved (and it says so).
+   On a restart, each rank looks for the checkpoint on its own disk and the one with
+   the newest sends it to all: with a volume per node, the ranks that landed on rank
+   0's former node have it.
 8. At the end ``fd.all_gather`` collects every rank's parameters and checks they are
    bit-identical: data parallelism must never let the replicas drift apart.
 
@@ -65,10 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=3000,
                    help="dataset size, split 80/20 train/test (default 3000)")
     p.add_argument("--seed", type=int, default=0, help="seed of data, init and shuffling")
-    p.add_argument("--checkpoint-dir", type=Path,
-                   default=Path(os.environ.get(ENV_CHECKPOINT_DIR) or "checkpoints"),
-                   help=f"where rank 0 keeps {CHECKPOINT_NAME} (default ${ENV_CHECKPOINT_DIR} "
-                        "or ./checkpoints)")
+    p.add_argument("--checkpoint-dir", type=Path, default=None,
+                   help=f"where rank 0 keeps {CHECKPOINT_NAME} (default ${ENV_CHECKPOINT_DIR}; "
+                        "with neither, no checkpoints are written)")
     p.add_argument("--checkpoint-every", type=int, default=1,
                    help="save every N epochs; 0 disables checkpoints (default 1)")
     p.add_argument("--resume", action="store_true",
@@ -88,6 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("seed", "checkpoint_every", "fail_at_epoch"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.checkpoint_dir is None and os.environ.get(ENV_CHECKPOINT_DIR):
+        args.checkpoint_dir = Path(os.environ[ENV_CHECKPOINT_DIR])
     if args.samples < 10:
         p.error(f"--samples must be >= 10 (a train and a test set), got {args.samples}")
     if not args.lr > 0 or not 0 <= args.momentum < 1:
@@ -187,15 +194,18 @@ def save_checkpoint(path: Path, params: list[np.ndarray], velocity: list[np.ndar
     os.replace(tmp, path)
 
 
-def restore(path: Path, params: list[np.ndarray], velocity: list[np.ndarray]) -> int:
-    """Rank 0 reads the checkpoint, every rank receives it: the epoch to continue from.
+def restore(path: Path, params: list[np.ndarray],
+            velocity: list[np.ndarray]) -> tuple[int, int]:
+    """Load the newest checkpoint any rank can see; every rank gets it.
 
-    Only rank 0 needs the file (on a Swarm the ranks may not share a disk). It tells
-    the others whether it found a usable one, then broadcasts the state. Returns 0
-    (start fresh) when there is no usable checkpoint.
+    Each rank looks at ``path`` on its own disk (on a Swarm the ranks may not share one:
+    a volume per node holds what the rank 0 of the failed attempt wrote on its node).
+    The rank with the newest usable checkpoint (the lowest such rank on a tie)
+    broadcasts the state. Returns (the epoch to continue from, the rank that had it);
+    (0, -1) to start fresh when no rank has a usable checkpoint.
     """
-    header = np.zeros(2, dtype=np.int64)  # [status, next_epoch]; status 1 = found
-    if fd.should_save() and path.is_file():
+    next_epoch = -1
+    if path.is_file():
         try:
             with np.load(path) as ckpt:
                 loaded = [ckpt[f"param{i}"] for i in range(len(params))]
@@ -204,18 +214,24 @@ def restore(path: Path, params: list[np.ndarray], velocity: list[np.ndarray]) ->
             if all(a.shape == b.shape for a, b in zip(loaded, params + velocity, strict=True)):
                 for dst, src in zip(params + velocity, loaded, strict=True):
                     dst[...] = src
-                header[:] = (1, next_epoch)
             else:
                 print(f"checkpoint {path} has other shapes (another --hidden?): ignored",
                       file=sys.stderr, flush=True)
+                next_epoch = -1
         except (OSError, KeyError, ValueError) as exc:
             print(f"checkpoint {path} is unreadable ({exc}): ignored",
                   file=sys.stderr, flush=True)
-    fd.broadcast(header, src=0)
-    if header[0] != 1:
-        return 0
-    fd.broadcast(params + velocity, src=0)
-    return int(header[1])
+            next_epoch = -1
+    rank, world = fd.get_rank(), fd.get_world_size()
+    newest = np.array([next_epoch], dtype=np.int64)
+    fd.all_reduce(newest, op="max")
+    if newest[0] < 0:
+        return 0, -1
+    holder = np.array([rank if next_epoch == newest[0] else world], dtype=np.int64)
+    fd.all_reduce(holder, op="min")
+    src = int(holder[0])
+    fd.broadcast(params + velocity, src=src)
+    return int(newest[0]), src
 
 
 def checksum(flat: np.ndarray) -> str:
@@ -241,15 +257,25 @@ def train(args: argparse.Namespace) -> int:
     grads = [np.zeros_like(p) for p in params]
     accum = fd.GradAccum(grads, args.accum_steps)
 
-    ckpt_path = args.checkpoint_dir / CHECKPOINT_NAME
+    ckpt_path = args.checkpoint_dir / CHECKPOINT_NAME if args.checkpoint_dir else None
+    saving = ckpt_path is not None and args.checkpoint_every > 0
+    if saving:
+        fd.print(f"checkpoints: {ckpt_path} every {args.checkpoint_every} epoch(s), by rank 0")
+    else:
+        fd.print("checkpoints: off (--checkpoint-dir DIR or SWARMFD_CHECKPOINT_DIR to save and "
+                 "resume)" if ckpt_path is None else "checkpoints: off (--checkpoint-every 0)")
     start_epoch = 0
     if args.resume or cfg.restart_count > 0:
-        start_epoch = restore(ckpt_path, params, velocity)
-        if start_epoch:
-            fd.print(f"resumed from {ckpt_path} at epoch {start_epoch}/{args.epochs} "
-                     f"(restart {cfg.restart_count})")
+        if ckpt_path is None:
+            fd.print("no checkpoint directory (--checkpoint-dir or SWARMFD_CHECKPOINT_DIR): "
+                     "starting from scratch")
         else:
-            fd.print(f"no usable checkpoint at {ckpt_path}: starting from scratch")
+            start_epoch, holder = restore(ckpt_path, params, velocity)
+            if start_epoch:
+                fd.print(f"resumed from {ckpt_path} at epoch {start_epoch}/{args.epochs} "
+                         f"(restart {cfg.restart_count}; rank {holder}'s copy)")
+            else:
+                fd.print(f"no usable checkpoint at {ckpt_path}: starting from scratch")
 
     def update() -> None:
         fd.all_reduce_mean(accum.finish(grads))  # one fused collective for all gradients
@@ -288,9 +314,10 @@ def train(args: argparse.Namespace) -> int:
                  f"acc {stats[1] / stats[2]:.4f}  test loss {stats[3] / stats[5]:.4f} "
                  f"acc {test_acc:.4f}")
 
-        if args.checkpoint_every and (epoch + 1) % args.checkpoint_every == 0:
+        if saving and (epoch + 1) % args.checkpoint_every == 0:
             fd.checkpoint_barrier()  # every rank is done with this epoch's updates
             if fd.should_save():
+                assert ckpt_path is not None
                 save_checkpoint(ckpt_path, params, velocity, epoch + 1)
             fd.checkpoint_barrier()  # the file is complete before anyone goes on (or fails)
 

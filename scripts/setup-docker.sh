@@ -10,18 +10,25 @@
 #   wheelhouse  download manylinux cp311 wheels of the runtime deps into wheelhouse/
 #               (skipped when wheelhouse/.stamp matches the dependency list)
 #   image       build the swarmfd image ($SWARMFD_IMAGE) from the Dockerfile with
-#               --build-arg BASE_IMAGE=$SWARMFD_BASE_IMAGE (layer cache keeps it fast)
+#               --build-arg BASE_IMAGE=$SWARMFD_BASE_IMAGE. The Dockerfile's build stage
+#               (the venv before it is copied into the runtime image) is kept, tagged
+#               $SWARMFD_BUILD_CACHE, as the layer cache: an unchanged rebuild then takes
+#               about a second instead of reinstalling every dependency. Its previous
+#               version is removed when it changes, so no untagged image is left behind.
 #   node        build the multi-node test Swarm's node image ($SWARMFD_NODE_IMAGE): Debian
-#               with docker.io, by mmdebstrap like the base image, unless it exists
-#               (FORCE_NODE=1 rebuilds); tests/multinode/ runs several of them as a Swarm
-#   all         engine base wheelhouse image node (the default)
+#               with docker.io and docker-registry, by mmdebstrap like the base image,
+#               unless it exists (FORCE_NODE=1 rebuilds); only tests/multinode/ needs it
+#   deploy      engine base wheelhouse image: what `swarmfd deploy` and `swarmfd build`
+#               need (the default)
+#   all         deploy, then node (what the whole test suite needs)
 #   status      print engine, swarm and image state; change nothing
 # `image` prints a line `SWARMFD_IMAGE_ID=sha256:...`, `node` one `SWARMFD_NODE_IMAGE=<tag>`.
 #
 # Environment:
 #   SWARMFD_IMAGE        image tag to build (default swarmfd:latest)
 #   SWARMFD_BASE_IMAGE   local base image tag (default swarmfd-base:<suite>-1)
-#   SWARMFD_NODE_IMAGE   multi-node test node image tag (default swarmfd-node:<suite>-1)
+#   SWARMFD_NODE_IMAGE   multi-node test node image tag (default swarmfd-node:<suite>-2)
+#   SWARMFD_BUILD_CACHE  tag of the kept build stage (default swarmfd-build-cache:latest)
 #   SWARMFD_APT_SOURCES  apt sources file for mmdebstrap (default: the host's
 #                        /etc/apt/sources.list.d/debian.sources, else /etc/apt/sources.list)
 #   SWARMFD_SUITE        Debian suite (default: VERSION_CODENAME of the host)
@@ -38,11 +45,14 @@ SUITE="${SWARMFD_SUITE:-$(. /etc/os-release && echo "${VERSION_CODENAME:-bookwor
 BASE_RECIPE=1   # bump when the base package list or options below change
 BASE_IMAGE="${SWARMFD_BASE_IMAGE:-swarmfd-base:${SUITE}-${BASE_RECIPE}}"
 IMAGE="${SWARMFD_IMAGE:-swarmfd:latest}"
-NODE_RECIPE=1   # bump when the node package list, options or entry script change
+NODE_RECIPE=2   # bump when the node package list, options or entry script change
 NODE_IMAGE="${SWARMFD_NODE_IMAGE:-swarmfd-node:${SUITE}-${NODE_RECIPE}}"
+BUILD_CACHE="${SWARMFD_BUILD_CACHE:-swarmfd-build-cache:latest}"
 # docker.io pulls containerd, runc, tini and iptables; mount and iproute2 are for the
-# entry script and overlay networking. No Python: the node only runs dockerd.
-NODE_PKGS="docker.io,mount,iproute2,procps"
+# entry script and overlay networking; docker-registry is the registry the multi-node
+# tests run inside the cluster (`swarmfd deploy --push`). No Python: a node only runs
+# dockerd (and the registry).
+NODE_PKGS="docker.io,docker-registry,mount,iproute2,procps"
 DOCKERD_LOG="${DOCKERD_LOG:-/var/log/swarmfd-dockerd.log}"
 DOCKER_WAIT="${DOCKER_WAIT:-60}"
 WHEELHOUSE="$ROOT/wheelhouse"
@@ -294,13 +304,27 @@ step_image() {
   "$DOCKER" image inspect "$BASE_IMAGE" >/dev/null 2>&1 || die "base image $BASE_IMAGE is missing; run: $0 base"
   ls "$WHEELHOUSE"/*.whl >/dev/null 2>&1 || die "the wheelhouse is empty; run: $0 wheelhouse"
   local t0; t0=$(now)
-  local out
+  local out old_cache new_cache
+  old_cache="$("$DOCKER" image inspect -f '{{.Id}}' "$BUILD_CACHE" 2>/dev/null || true)"
   # Classic builder (DOCKER_BUILDKIT=0): needs no buildx plugin and behaves like the
   # SDK's images.build; the layer cache makes an unchanged rebuild take about a second.
-  if ! out="$(DOCKER_BUILDKIT=0 "$DOCKER" build --quiet --build-arg "BASE_IMAGE=$BASE_IMAGE" \
-                -t "$IMAGE" -f "$ROOT/Dockerfile" "$ROOT" 2>&1)"; then
-    echo "$out" >&2
-    die "docker build of $IMAGE failed (run without --quiet to see all steps: DOCKER_BUILDKIT=0 $DOCKER build --build-arg BASE_IMAGE=$BASE_IMAGE -t $IMAGE $ROOT)"
+  # The classic builder keeps each stage's last layer as an image; tagging the `wheel`
+  # stage (which holds the `deps` stage) names that cache instead of leaving it untagged.
+  # The second build finds every stage in the cache.
+  local target
+  for target in wheel runtime; do
+    local args=(build --quiet --build-arg "BASE_IMAGE=$BASE_IMAGE" -f "$ROOT/Dockerfile")
+    if [ "$target" = wheel ]; then args+=(--target wheel -t "$BUILD_CACHE")
+    else args+=(-t "$IMAGE"); fi
+    if ! out="$(DOCKER_BUILDKIT=0 "$DOCKER" "${args[@]}" "$ROOT" 2>&1)"; then
+      echo "$out" >&2
+      die "docker build of $IMAGE ($target stage) failed (run without --quiet to see all steps: DOCKER_BUILDKIT=0 $DOCKER build --build-arg BASE_IMAGE=$BASE_IMAGE -t $IMAGE $ROOT)"
+    fi
+  done
+  new_cache="$("$DOCKER" image inspect -f '{{.Id}}' "$BUILD_CACHE")"
+  if [ -n "$old_cache" ] && [ "$old_cache" != "$new_cache" ]; then
+    # The old build stage is untagged now; nothing runs it (it is never deployed).
+    "$DOCKER" image rm "$old_cache" >/dev/null 2>&1 || true
   fi
   local id size
   id="$("$DOCKER" image inspect -f '{{.Id}}' "$IMAGE")"
@@ -322,7 +346,7 @@ step_status() {
 
 main() {
   local steps=("$@")
-  [ ${#steps[@]} -gt 0 ] || steps=(all)
+  [ ${#steps[@]} -gt 0 ] || steps=(deploy)
   local t0; t0=$(now)
   local s
   for s in "${steps[@]}"; do
@@ -332,10 +356,11 @@ main() {
       wheelhouse) step_wheelhouse ;;
       image) step_image ;;
       node) step_node ;;
+      deploy) step_engine; step_base; step_wheelhouse; step_image ;;
       all) step_engine; step_base; step_wheelhouse; step_image; step_node ;;
       status) step_status ;;
       -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; return 0 ;;
-      *) die "unknown step '$s' (expected engine, base, wheelhouse, image, node, all or status)" ;;
+      *) die "unknown step '$s' (expected engine, base, wheelhouse, image, node, deploy, all or status)" ;;
     esac
   done
   log "done in $(since "$t0")"

@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
 # Run swarmfd's whole test suite on a fresh machine (as root): a virtual environment
-# with the project and its test tools, the Docker engine with a one-node Swarm and the
-# swarmfd image (scripts/setup-docker.sh), then pytest. Extra arguments go to pytest.
+# with the project and its test tools, then pytest. Extra arguments go to pytest.
 #
 #   scripts/test.sh                 everything
-#   scripts/test.sh -m "not swarm"  without the Docker Swarm tests (no engine needed)
+#   scripts/test.sh -m "not swarm"  without the Docker Swarm tests: Docker is not touched
 #
-# Environment: VENV (default .venv in the checkout), SWARMFD_SKIP_DOCKER=1 to skip the
-# engine set-up (Swarm tests then skip, or fail under CI=true).
+# Docker is set up only when a selected test needs it: the Swarm tests' fixtures
+# (tests/swarm/docker_setup.py) run scripts/setup-docker.sh (the engine with a one-node
+# Swarm, the swarmfd image, and for tests/multinode/ the node image) the first time a
+# test asks for the engine, so a selection without Swarm tests never installs, starts
+# or builds anything.
+#
+# Environment: VENV (default .venv in the checkout), SWARMFD_SKIP_DOCKER=1 to leave
+# Docker alone even then (Swarm tests then skip when no engine answers, or fail under
+# CI=true).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -27,7 +33,7 @@ if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
 fi
 
 if [ "${SWARMFD_SKIP_DOCKER:-0}" != 1 ]; then
-  "$ROOT/scripts/setup-docker.sh" all
+  export SWARMFD_SETUP_DOCKER=1  # the Swarm fixtures may run scripts/setup-docker.sh
 fi
 
 export PATH="$VENV/bin:$PATH"

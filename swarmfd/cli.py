@@ -2,8 +2,8 @@
 
 Nothing here implements behaviour; each command is a thin click wrapper over
 a library module (``launch`` for ``run``, ``bench`` for ``bench``, the
-``swarm`` package for the Docker Swarm commands, imported lazily so that
-``swarmfd run`` never loads the docker SDK).
+``swarm`` package for ``build`` and the Docker Swarm commands, imported lazily so
+that ``swarmfd run`` never loads the docker SDK).
 """
 
 from __future__ import annotations
@@ -236,5 +236,5 @@ def bench(
         ctx.exit(1)
 
 
-# --- swarm commands (cli_swarm.py registers deploy, ls, ps, logs, rm) --------
+# --- Docker commands (cli_swarm.py registers build, deploy, ls, ps, logs, rm) -
 from .cli_swarm import register; register(main)  # noqa: E402, E702, I001

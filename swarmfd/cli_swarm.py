@@ -1,4 +1,4 @@
-"""The Docker Swarm commands: ``swarmfd deploy``, ``ls``, ``ps``, ``logs`` and ``rm``.
+"""The Docker commands: ``swarmfd build``, ``deploy``, ``ls``, ``ps``, ``logs`` and ``rm``.
 
 Thin click wrappers: parse and validate the options (before any engine is
 contacted), call :mod:`swarmfd.swarm`, map its errors to exit codes. The
@@ -96,13 +96,140 @@ def _connect(host: str | None, max_pool_size: int = 10) -> tuple[Any, str]:
     return client, node_id
 
 
+# --- build -----------------------------------------------------------------------------
+
+
+def _build_options(func: F) -> F:
+    """The options that say how a project is built (``build``, ``deploy --build``)."""
+    options = [
+        click.option("--base", default=None, metavar="IMAGE",
+                     help="Image to build on: it has swarmfd and its entrypoint.  "
+                          "[default: swarmfd:latest]"),
+        click.option("--extra", "extras", multiple=True, metavar="NAME",
+                     help="Also install an extra: one of pyproject.toml's "
+                          "[project.optional-dependencies], or 'torch' (torch==2.13.0, the "
+                          "CPU wheel); repeatable."),
+        click.option("--wheelhouse", "wheelhouses", multiple=True, metavar="DIR",
+                     type=click.Path(file_okay=False),
+                     help="Folder of wheels to install from (pip --find-links); repeatable."),
+        click.option("--no-index", is_flag=True,
+                     help="Offline: take wheels only from --wheelhouse folders (and pip's "
+                          "configured find-links), never from a package index."),
+        click.option("--no-cpu-torch", is_flag=True,
+                     help="Do not constrain torch to the CPU wheel torch==2.13.0+cpu (e.g. "
+                          "for a CUDA build pinned in your requirements)."),
+        click.option("--image-name", "repository", default=None, metavar="REPO",
+                     help="Image repository (the tag is the content hash).  "
+                          "[default: swarmfd-<directory name>]"),
+        click.option("--rebuild", is_flag=True,
+                     help="Build even when an image of the same content exists."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _build_request(directory: str, base: str | None, extras: tuple[str, ...],
+                   wheelhouses: tuple[str, ...], no_index: bool, no_cpu_torch: bool,
+                   repository: str | None, rebuild: bool) -> Any:
+    from pathlib import Path
+
+    from .swarm.build import DEFAULT_BASE_IMAGE, BuildOptions, BuildRequest
+
+    if no_index and not wheelhouses:
+        raise ValueError("--no-index needs a --wheelhouse DIR to take the wheels from")
+    return BuildRequest(
+        directory=Path(directory), base=base or DEFAULT_BASE_IMAGE, repository=repository,
+        extras=extras,
+        options=BuildOptions(wheelhouses=tuple(Path(w) for w in wheelhouses),
+                             no_index=no_index, cpu_torch=not no_cpu_torch),
+        rebuild=rebuild)
+
+
+@click.command("build", epilog="Exit code: 0 when the image is built (or up to date); 1 "
+                               "for errors, 2 for bad usage.")
+@click.argument("directory", default=".", metavar="[DIR]",
+                type=click.Path(file_okay=False))
+@_build_options
+@click.option("--push", "registry", default=None, metavar="REGISTRY",
+              help="Then push the image to REGISTRY (HOST[:PORT][/PATH]) and print the "
+                   "reference every node can pull.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
+@_host_option
+@click.pass_context
+@_swarm_errors
+def build(ctx: click.Context, directory: str, base: str | None, extras: tuple[str, ...],
+          wheelhouses: tuple[str, ...], no_index: bool, no_cpu_torch: bool,
+          repository: str | None, rebuild: bool, registry: str | None, quiet: bool,
+          host: str | None) -> None:
+    """Build DIR (default: .) into an image FROM the swarmfd image, for `swarmfd deploy`.
+
+    The image holds DIR's files in /workspace (the working directory) and the packages
+    of DIR/requirements.txt and/or DIR/pyproject.toml (with a [build-system], the project
+    itself too). Wheels are resolved by this machine's pip (its index and find-links,
+    plus --wheelhouse folders) for the image's Python and carried into the build, which
+    needs no network. A requirement on torch gets the CPU wheel (torch==2.13.0+cpu).
+    The tag is a hash of the content: an unchanged project is not built again. DIR's
+    .dockerignore keeps files out; .git, virtual environments and caches never go in.
+
+    Prints the image reference on stdout (after --push: REGISTRY/REPO:TAG@DIGEST).
+
+    \b
+    Examples:
+      swarmfd build myproject
+      swarmfd build --extra torch .
+      swarmfd build --wheelhouse ./wheels --no-index .
+      swarmfd deploy "$(swarmfd build -q .)" -n 4 -- python train.py
+    """
+    from .swarm.build import BuildError, build_project, parse_registry, push_image
+    from .swarm.deploy import stderr_progress
+    from .swarm.engine import connect
+
+    try:
+        request = _build_request(directory, base, extras, wheelhouses, no_index,
+                                 no_cpu_torch, repository, rebuild)
+        if registry is not None:
+            registry = parse_registry(registry)
+    except (ValueError, TypeError, BuildError) as exc:
+        raise click.UsageError(str(exc), ctx) from None
+    progress = (lambda line: None) if quiet else stderr_progress("swarmfd build")
+    client = connect(host, timeout=600)
+    try:
+        built = build_project(client, request.directory, base=request.base,
+                              repository=request.repository, extras=request.extras,
+                              options=request.options, rebuild=request.rebuild,
+                              progress=progress)
+        ref = built.ref
+        if registry is not None:
+            ref = push_image(client, built.ref, registry, progress=progress)
+    except KeyboardInterrupt:
+        click.echo("swarmfd build: interrupted", err=True)
+        ctx.exit(EXIT_INTERRUPTED)
+    finally:
+        client.close()
+    click.echo(ref)
+
+
 # --- deploy ----------------------------------------------------------------------------
+
+#: Stands for IMAGE when --build makes it (see _DeployCommand.parse_args).
+_BUILT_IMAGE = "\0built"
 
 
 class _DeployCommand(click.Command):
-    """``deploy`` with a hint when COMMAND's options were taken for deploy's own."""
+    """``deploy`` with a hint when COMMAND's options were taken for deploy's own.
+
+    With ``--build DIR`` there is no IMAGE: a placeholder is put first so that click
+    takes it as IMAGE and every word the user gave becomes COMMAND. Words before ``--``
+    other than options would then be an IMAGE given as well, which is refused.
+    """
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        head = args[:args.index("--")] if "--" in args else args
+        if any(a == "--build" or a.startswith("--build=") for a in head):
+            ctx.meta["swarmfd.after_dash"] = (len(args) - args.index("--") - 1
+                                              if "--" in args else None)
+            args = [_BUILT_IMAGE, *args]
         try:
             return super().parse_args(ctx, args)
         except click.NoSuchOption as exc:
@@ -120,9 +247,21 @@ class _DeployCommand(click.Command):
     epilog="Exit code: 0 when every rank exited 0; else the failed rank's exit code "
            "(1 if it has none); 130 after Ctrl-C; 1 for errors, 2 for bad usage.",
 )
-@click.argument("image", metavar="IMAGE")
+@click.argument("image", metavar="IMAGE|--build DIR")
 @click.option("-n", "--nproc", "world_size", type=int, required=True, metavar="N",
               help="Number of ranks (service replicas), >= 1.")
+@click.option("--build", "build_dir", default=None, metavar="DIR",
+              type=click.Path(file_okay=False),
+              help="Build DIR first (as `swarmfd build DIR`) and run that image; give no "
+                   "IMAGE then. The build options below apply.")
+@_build_options
+@click.option("--push", "registry", default=None, metavar="REGISTRY",
+              help="Push the image to REGISTRY (HOST[:PORT][/PATH]) and run it from there: "
+                   "every node pulls it (what a Swarm of several nodes needs).")
+@click.option("--checkpoint-volume", default=None, metavar="NAME",
+              help="Mount the named volume NAME at /checkpoints in every rank and set "
+                   "SWARMFD_CHECKPOINT_DIR=/checkpoints, so checkpoints outlive the ranks "
+                   "(--max-restarts resumes from them). The volume is kept after the job.")
 @click.option("--name", default=None, metavar="NAME",
               help="Job name: lowercase letters, digits, '-'.  [default: swarmfd-<word>-<hex>]")
 @click.option("-e", "--env", "env_items", multiple=True, metavar="KEY[=VALUE]",
@@ -205,6 +344,16 @@ def deploy(
     max_restarts: int,
     encrypt_network: bool,
     pull: bool,
+    build_dir: str | None,
+    base: str | None,
+    extras: tuple[str, ...],
+    wheelhouses: tuple[str, ...],
+    no_index: bool,
+    no_cpu_torch: bool,
+    repository: str | None,
+    rebuild: bool,
+    registry: str | None,
+    checkpoint_volume: str | None,
     detach: bool,
     keep_flag: bool,
     rm_flag: bool,
@@ -218,8 +367,14 @@ def deploy(
     secret (<job>-secret: a random key every rank reads at
     /run/secrets/swarmfd_secret), all labelled with the job name. Each rank gets
     WORLD_SIZE, RANK (from its task slot), LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR
-    (<job>-1, rank 0) and MASTER_PORT; IMAGE must use swarmfd's entrypoint (the swarmfd image does).
+    and MASTER_PORT; IMAGE must use swarmfd's entrypoint (the swarmfd image does).
+    Swarm numbers task slots from 1: rank R is slot R+1, so its container's host name
+    is <job>-<R+1> and rank 0's address is <job>-1.
     Put '--' before COMMAND when COMMAND has options of its own.
+
+    --build DIR builds your project into an image first (see `swarmfd build --help`)
+    and runs that; on a Swarm of several nodes add --push REGISTRY so every node can
+    pull it.
 
     Then it follows the job: task progress on stderr, every rank's output prefixed
     with '[rank R] '. When a rank fails, the other ranks are stopped and deploy exits
@@ -235,14 +390,38 @@ def deploy(
       swarmfd deploy swarmfd:latest -n 4 --name mlp-1 -e OMP_NUM_THREADS=1 \\
           --mount type=bind,src=/data,dst=/data,readonly --limit-memory 2G -- train.py
       swarmfd deploy -d myimage:1 -n 8 --max-per-node 2 --generic-resource gpu=1 -- train.py
+      swarmfd deploy --build myproject -n 3 -- python train.py
+      swarmfd deploy --build . --push registry.example.com:5000 -n 8 --max-per-node 1 \\
+          --checkpoint-volume mnist-ckpt --max-restarts 2 -- python train.py
     """
     from .swarm import spec as spec_lib
+    from .swarm.build import BuildError, parse_registry
     from .swarm.deploy import run_deploy, stderr_progress
 
+    build_request = None
+    if build_dir is not None:
+        after_dash = ctx.meta.get("swarmfd.after_dash")
+        if after_dash is None:
+            raise click.UsageError(
+                "with --build, put '--' before COMMAND: swarmfd deploy --build DIR -n N "
+                "[OPTIONS] -- COMMAND...", ctx)
+        if len(command) > after_dash:
+            raise click.UsageError(
+                f"--build makes the image: give no IMAGE (got {command[0]!r} before '--')",
+                ctx)
+        image = f"(built from {build_dir})"
+    elif base or extras or wheelhouses or no_index or no_cpu_torch or repository or rebuild:
+        raise click.UsageError(
+            "--base, --extra, --wheelhouse, --no-index, --no-cpu-torch, --image-name and "
+            "--rebuild apply to --build DIR", ctx)
     if not command:
+        shown = f"--build {build_dir}" if build_dir is not None else image
         raise click.UsageError(
             "missing COMMAND: give the program every rank runs after '--', e.g. "
-            f"'swarmfd deploy {image} -n {world_size} -- python train.py'", ctx)
+            f"'swarmfd deploy {shown} -n {world_size} -- python train.py'", ctx)
+    if registry is not None and pull:
+        raise click.UsageError("--push runs the image from the registry already: drop --pull",
+                               ctx)
     if keep_flag and rm_flag:
         raise click.UsageError("--keep and --rm contradict each other: give one", ctx)
     if detach and max_restarts:
@@ -283,16 +462,23 @@ def deploy(
             max_per_node=max_per_node,
             local_ranks=local_ranks,
             encrypt_network=encrypt_network,
+            checkpoint_volume=spec_lib.parse_checkpoint_volume(checkpoint_volume)
+            if checkpoint_volume is not None else None,
             version=__version__,
         )
-    except (ValueError, TypeError) as exc:
+        if build_dir is not None:
+            build_request = _build_request(build_dir, base, extras, wheelhouses, no_index,
+                                           no_cpu_torch, repository, rebuild)
+        if registry is not None:
+            registry = parse_registry(registry)
+    except (ValueError, TypeError, BuildError) as exc:
         raise click.UsageError(str(exc), ctx) from None
     keep = "always" if keep_flag else "never" if rm_flag else "on-failure"
     output = _rank_output(prefix=not no_prefix)
     try:
         result = run_deploy(job, host=host, pull=pull, detach=detach, keep=keep, output=output,
                             progress=stderr_progress("swarmfd deploy"),
-                            max_restarts=max_restarts)
+                            max_restarts=max_restarts, build=build_request, push=registry)
     except KeyboardInterrupt:  # before following began (while checking or creating)
         click.echo(f"swarmfd deploy: interrupted; if job {job.name} was created already, "
                    f"`swarmfd ps {job.name}` shows it and `swarmfd rm {job.name}` removes it",
@@ -366,9 +552,12 @@ def ls(ctx: click.Context, quiet: bool, host: str | None) -> None:
 @click.pass_context
 @_swarm_errors
 def ps(ctx: click.Context, job: str, host: str | None) -> None:
-    """Show each rank of JOB: its task's state, node, exit code and error.
+    """Show each rank of JOB: its task's state, node, exit code, host name and error.
 
-    EXIT is shown once a task has ended (Swarm reports 0 while it runs).
+    EXIT is shown once a task has ended (Swarm reports 0 while it runs). HOST is the
+    rank's container host name, <job>-<slot>: Swarm numbers task slots from 1, so rank
+    R is slot R+1 and runs as <job>-<R+1> (rank 0, the MASTER_ADDR, is <job>-1); Docker's
+    own listings (docker service ps, docker ps) show the slot, swarmfd the rank.
 
     \b
     Examples:
@@ -391,11 +580,11 @@ def ps(ctx: click.Context, job: str, host: str | None) -> None:
     world = world_size_of(service)
     labels = service.get("Spec", {}).get("Labels") or {}
     stopped = {s.strip() for s in labels.get(LABEL_STOPPED, "").split(",") if s.strip()}
-    rows = [["RANK", "STATE", "NODE", "EXIT", "UPDATED", "TASK", "ERROR"]]
+    rows = [["RANK", "STATE", "NODE", "EXIT", "UPDATED", "TASK", "HOST", "ERROR"]]
     for rank in range(world):
         view = views.get(rank)
         if view is None:
-            rows.append([str(rank), "no task", "-", "-", "-", "-", ""])
+            rows.append([str(rank), "no task", "-", "-", "-", "-", f"{job}-{rank + 1}", ""])
             continue
         rows.append([
             str(rank),
@@ -404,12 +593,14 @@ def ps(ctx: click.Context, job: str, host: str | None) -> None:
             "-" if view.exit_code is None else str(view.exit_code),
             _ago(view.updated),
             view.task_id[:12],
+            f"{job}-{view.slot}",
             f"{view.error} (stopped by swarmfd after the failure)"
             if str(rank) in stopped and view.terminal else view.error,
         ])
     failure = labels.get(LABEL_FAILURE)
     state = f"failed: {failure}" if failure else job_state(views.values(), world)
-    click.echo(f"job {job}: {state} ({world} ranks)")
+    click.echo(f"job {job}: {state} ({world} ranks; rank R runs as task slot R+1, host "
+               f"{job}-<R+1>)")
     click.echo(_table(rows))
 
 
@@ -511,6 +702,6 @@ def rm(ctx: click.Context, jobs: tuple[str, ...], timeout: float, host: str | No
 
 
 def register(group: click.Group) -> None:
-    """Add deploy, ls, ps, logs and rm to the ``swarmfd`` command group."""
-    for command in (deploy, ls, ps, logs, rm):
+    """Add build, deploy, ls, ps, logs and rm to the ``swarmfd`` command group."""
+    for command in (build, deploy, ls, ps, logs, rm):
         group.add_command(command)

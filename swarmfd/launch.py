@@ -37,7 +37,13 @@ the exit code is the last attempt's.
 Interruption. SIGINT (Ctrl-C), SIGTERM or SIGHUP to the launcher is forwarded
 to every rank; after ``grace`` seconds (or at a second signal) the ranks are
 killed. The launcher then exits with 128+signal (130 for Ctrl-C). It never
-restarts after an interruption.
+restarts after an interruption. From the moment the signal arrives, a Python
+traceback on a rank's stderr that ends in ``KeyboardInterrupt`` (what every
+Python rank prints when Ctrl-C reaches it: some 20 lines each, interleaved) is
+replaced by one line, ``[rank R] KeyboardInterrupt in FILE:LINE (FUNCTION)``,
+naming the innermost frame outside swarmfd and installed packages; other output
+(a script that catches the interrupt and saves, other errors) passes unchanged.
+A last line sums up: ``stopped all N rank(s) after SIGINT (exit code 130)``.
 
 Job secret. Every run draws a fresh secret (``secrets.token_hex(32)``) and
 writes it to a file (mode 0600) in a private temporary directory (mode 0700);
@@ -60,6 +66,7 @@ import contextlib
 import ctypes
 import math
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -78,6 +85,7 @@ __all__ = [
     "DEFAULT_GRACE",
     "DEFAULT_MASTER_ADDR",
     "RESERVED_ENV",
+    "InterruptFilter",
     "LaunchConfig",
     "exit_code_of",
     "find_free_port",
@@ -310,21 +318,125 @@ class _Output:
         self.write(2, f"swarmfd run: {message}\n".encode(errors="replace"))
 
 
-def _pump(pipe: IO[bytes], fd: int, prefix: bytes, output: _Output) -> None:
-    """Copy one rank's pipe to the output line by line until EOF."""
+_TRACEBACK = b"Traceback (most recent call last):"
+_CHAIN = (b"During handling of the above exception, another exception occurred:",
+          b"The above exception was the direct cause of the following exception:")
+_FRAME = re.compile(rb'^\s*File "([^"]*)", line (\d+), in (.*?)\s*$')
+#: Frames in these places are not where the user's program was interrupted.
+_LIBRARY_PARTS = ("/site-packages/", "/dist-packages/",
+                  os.sep + "swarmfd" + os.sep, "/lib/python3")
+
+
+class InterruptFilter:
+    """Collapses a KeyboardInterrupt traceback into one line (the rest passes through).
+
+    ``feed`` takes a rank's stderr lines (bytes, with or without the newline) after an
+    interrupt; ``flush`` at its end. ``emit`` receives the lines to print, each one
+    newline-terminated. A traceback is held until it is complete (its exception line,
+    and any chained traceback after it); if one of its exceptions is a
+    KeyboardInterrupt, one line replaces it, else it is emitted as it was.
+    """
+
+    def __init__(self, emit: Callable[[bytes], None]) -> None:
+        self._emit = emit
+        self._held: list[bytes] = []
+        self._state = "idle"  # idle | frames | after (the exception line seen) | chain
+
+    @property
+    def holding(self) -> bool:
+        return bool(self._held)
+
+    def feed(self, line: bytes) -> None:
+        if not line.endswith(b"\n"):
+            line += b"\n"
+        text = line.rstrip(b"\r\n")
+        if self._state == "idle":
+            if text == _TRACEBACK:
+                self._held, self._state = [line], "frames"
+            else:
+                self._emit(line)
+            return
+        if self._state == "after" and not (text == b"" or text in _CHAIN
+                                            or text == _TRACEBACK):
+            self._decide()
+            self.feed(line)
+            return
+        self._held.append(line)
+        if text == _TRACEBACK:
+            self._state = "frames"
+        elif text in _CHAIN:
+            self._state = "chain"
+        elif self._state == "frames" and text and not text[:1].isspace():
+            self._state = "after"
+
+    def flush(self) -> None:
+        if self._held:
+            if self._state in ("after", "chain"):
+                self._decide()
+            else:  # cut off mid-traceback: show what there is
+                for line in self._held:
+                    self._emit(line)
+        self._held, self._state = [], "idle"
+
+    def _decide(self) -> None:
+        held, self._held, self._state = self._held, [], "idle"
+        texts = [h.rstrip(b"\r\n") for h in held]
+        exceptions = [t for t in texts if t and not t[:1].isspace() and t != _TRACEBACK
+                      and t not in _CHAIN]
+        if not any(e == b"KeyboardInterrupt" or e.startswith(b"KeyboardInterrupt:")
+                   for e in exceptions):
+            for line in held:
+                self._emit(line)
+            return
+        first_interrupt = next(i for i, t in enumerate(texts)
+                               if t == b"KeyboardInterrupt" or t.startswith(b"KeyboardInterrupt:"))
+        frames = [m for m in (_FRAME.match(t) for t in texts[:first_interrupt]) if m]
+        own = [m for m in frames if not any(part.encode() in m.group(1)
+                                            for part in _LIBRARY_PARTS)]
+        where = (own or frames)[-1] if frames else None
+        summary = b"KeyboardInterrupt"
+        if where is not None:
+            path = where.group(1)
+            with contextlib.suppress(ValueError):
+                relative = os.path.relpath(os.fsdecode(path))
+                if not relative.startswith(".."):
+                    path = os.fsencode(relative)
+            summary += b" in %s:%s (%s)" % (path, where.group(2), where.group(3))
+        last = exceptions[-1]
+        if not (last == b"KeyboardInterrupt" or last.startswith(b"KeyboardInterrupt:")):
+            summary += b"; then " + last[:300]
+        self._emit(summary + b"\n")
+
+
+def _pump(pipe: IO[bytes], fd: int, prefix: bytes, output: _Output,
+          interrupted: threading.Event | None = None) -> None:
+    """Copy one rank's pipe to the output line by line until EOF.
+
+    Once ``interrupted`` is set, the lines go through an :class:`InterruptFilter`.
+    """
+
+    def emit(line: bytes) -> None:
+        if prefix:
+            if not line.endswith(b"\n"):
+                line += b"\n"
+            line = prefix + line
+        output.write(fd, line)
+
+    collapse = InterruptFilter(emit) if interrupted is not None else None
     try:
         with pipe:
             while True:
                 line = pipe.readline(_MAX_LINE)
                 if not line:
-                    return
-                if prefix:
-                    if not line.endswith(b"\n"):
-                        line += b"\n"
-                    line = prefix + line
-                output.write(fd, line)
+                    break
+                if collapse is not None and (interrupted.is_set() or collapse.holding):
+                    collapse.feed(line)
+                else:
+                    emit(line)
     except (OSError, ValueError):
-        return  # the pipe broke; nothing more to copy
+        pass  # the pipe broke; nothing more to copy
+    if collapse is not None:
+        collapse.flush()
 
 
 # --- process groups -----------------------------------------------------------
@@ -535,6 +647,7 @@ class _Attempt:
         self.readers: list[list[threading.Thread]] = []
         self.waiters: list[threading.Thread] = []
         self.exits: list[tuple[int, int]] = []  # (rank, returncode) in the order they ended
+        self.interrupted = threading.Event()  # set before a launcher signal is forwarded
         self.stopped = False
         self.succeeded = False
 
@@ -574,7 +687,7 @@ class _Attempt:
                 assert pipe is not None
                 t = threading.Thread(
                     target=_pump,
-                    args=(pipe, fd, prefix, self.output),
+                    args=(pipe, fd, prefix, self.output, self.interrupted if fd == 2 else None),
                     name=f"swarmfd-run-rank{rank}-fd{fd}",
                     daemon=True,
                 )
@@ -600,8 +713,12 @@ class _Attempt:
         while True:
             if self.signals.received:
                 sig = self.signals.received[0]
-                self.output.note(f"received {signal.Signals(sig).name}; stopping all {n} rank(s)")
+                name = signal.Signals(sig).name
+                self.output.note(f"received {name}; stopping all {n} rank(s)")
+                self.interrupted.set()
                 self._stop(sig)
+                self._drain_all()
+                self.output.note(f"stopped all {n} rank(s) after {name} (exit code {128 + sig})")
                 return _Outcome(128 + sig, interrupted=True)
             exits = list(self.exits)
             failed = next(((r, rc) for r, rc in exits if rc != 0), None)
@@ -616,6 +733,13 @@ class _Attempt:
                 self.succeeded = True
                 return _Outcome(0)
             time.sleep(_POLL)
+
+    def _drain_all(self) -> None:
+        """Wait (bounded) for every rank's last output, so the summary comes last."""
+        deadline = time.monotonic() + _READER_DRAIN
+        for threads in self.readers:
+            for t in threads:
+                t.join(max(0.0, deadline - time.monotonic()))
 
     def _drain(self, rank: int) -> None:
         deadline = time.monotonic() + 0.5

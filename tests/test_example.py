@@ -36,10 +36,12 @@ def clean_env() -> dict[str, str]:
     return env
 
 
-def run(args: list[str], timeout: float = TIMEOUT) -> subprocess.CompletedProcess[str]:
+def run(args: list[str], timeout: float = TIMEOUT, cwd: Path = ROOT,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run ``args`` in its own session; on timeout kill the whole group and fail with its output."""
-    proc = subprocess.Popen(args, cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(args, cwd=cwd, env={**clean_env(), **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -131,6 +133,71 @@ def test_resume_without_checkpoint_starts_fresh(tmp_path):
     assert not (tmp_path / "ckpt").exists()
 
 
+@needs_core
+def test_without_a_checkpoint_dir_nothing_is_written_and_it_says_so(tmp_path):
+    """No --checkpoint-dir, no SWARMFD_CHECKPOINT_DIR: no checkpoints, none in the current
+    directory (it used to create ./checkpoints silently), and the output says so."""
+    result = run([sys.executable, str(TRAIN), "--epochs", "2"], cwd=tmp_path)
+    check_success(result, world=1, min_accuracy=None)
+    assert "checkpoints: off (--checkpoint-dir DIR or SWARMFD_CHECKPOINT_DIR" in result.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+@needs_core
+def test_checkpoint_dir_comes_from_the_environment(tmp_path):
+    """SWARMFD_CHECKPOINT_DIR (what deploy --checkpoint-volume sets) is where it saves, and
+    where a restart (SWARMFD_RESTART_COUNT=1) resumes from."""
+    env = {"SWARMFD_CHECKPOINT_DIR": str(tmp_path / "vol")}
+    first = run([sys.executable, str(TRAIN), "--epochs", "2"], cwd=tmp_path, env=env)
+    check_success(first, world=1, min_accuracy=None)
+    ckpt = tmp_path / "vol" / "train_checkpoint.npz"
+    assert f"checkpoints: {ckpt} every 1 epoch(s)" in first.stdout
+    assert ckpt.is_file()
+    again = run([sys.executable, str(TRAIN), "--epochs", "3"], cwd=tmp_path,
+                env={**env, "SWARMFD_RESTART_COUNT": "1"})
+    assert f"resumed from {ckpt} at epoch 2/3 (restart 1; rank 0's copy)" in again.stdout, \
+        explain(again)
+
+
+def _load_train_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("swarmfd_example_train", TRAIN)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _restore_on_rank(rank: int, world: int, base: str) -> tuple[int, int, str]:
+    import numpy as np
+
+    train = _load_train_module()
+    params = train.init_params(np.random.default_rng(rank), 8)
+    velocity = [np.zeros_like(p) for p in params]
+    path = Path(base) / f"node{rank}" / train.CHECKPOINT_NAME  # each rank its own disk
+    if rank == 1:  # the failed attempt's rank 0 ran where this rank runs now
+        saved = train.init_params(np.random.default_rng(99), 8)
+        train.save_checkpoint(path, saved, [np.ones_like(p) for p in saved], 2)
+    epoch, holder = train.restore(path, params, velocity)
+    flat = np.concatenate([p.ravel() for p in params + velocity])
+    return epoch, holder, train.checksum(flat)
+
+
+@needs_core
+def test_restore_takes_the_checkpoint_from_whichever_rank_has_it(ranks, tmp_path):
+    """Ranks on separate disks (a volume per node): only rank 1 finds a checkpoint; every
+    rank resumes from it (epoch 2, rank 1's copy), with its parameters and velocities."""
+    import numpy as np
+
+    train = _load_train_module()
+    saved = train.init_params(np.random.default_rng(99), 8)
+    expected = train.checksum(np.concatenate([p.ravel() for p in saved]
+                                             + [np.ones_like(p).ravel() for p in saved]))
+    results = ranks(_restore_on_rank, 3, str(tmp_path))
+    assert results == [(2, 1, expected)] * 3
+
+
 def test_bad_arguments_are_rejected(tmp_path):
     """Nonsense options exit 2 with a message naming the option."""
     result = run(train_cmd(tmp_path, "--epochs", "0"))
@@ -152,6 +219,18 @@ def test_data_parallel_run(tmp_path, world):
 
 
 @needs_launcher
+def test_shared_memory_and_tcp_end_with_the_same_parameters(tmp_path):
+    """The same run on shared memory (swarmfd run's default) and over TCP (what crosses
+    hosts on a Swarm) ends with bit-identical parameters: the same checksum."""
+    checksums = {}
+    for transport in ("auto", "tcp"):
+        cmd = train_cmd(tmp_path / transport, "--epochs", "3", world=2,
+                        launcher_opts=("-e", f"SWARMFD_TRANSPORT={transport}"))
+        checksums[transport] = check_success(run(cmd), world=2, min_accuracy=None)
+    assert checksums["auto"] == checksums["tcp"], checksums
+
+
+@needs_launcher
 def test_restart_resumes_from_checkpoint(tmp_path):
     """A rank dies after epoch 3; --max-restarts 1 restarts the group, which resumes at epoch 3
     and ends with exactly the parameters of an uninterrupted run."""
@@ -159,7 +238,7 @@ def test_restart_resumes_from_checkpoint(tmp_path):
     crashed = run(train_cmd(tmp_path / "b", "--epochs", "6", "--fail-at-epoch", "3", world=2,
                             launcher_opts=("--max-restarts", "1")))
     assert "simulated failure after epoch 3" in crashed.stderr, explain(crashed)
-    assert "at epoch 3/6 (restart 1)" in crashed.stdout, explain(crashed)
+    assert "at epoch 3/6 (restart 1; rank 0's copy)" in crashed.stdout, explain(crashed)
     assert check_success(crashed, world=2, min_accuracy=None) == check_success(
         straight, world=2, min_accuracy=None)
 

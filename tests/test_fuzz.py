@@ -9,22 +9,23 @@
   PUSH/DEALER messages, forged swarmfd headers) at every rank's data port and
   at MASTER_PORT while the ranks loop on all_reduce: every result stays exact
   and the ranks' memory stays flat. Bounded in time, loopback only.
-* Targeted reproductions of each way the fuzz can hurt a job (forged ABORT,
+* Targeted reproductions of each way the fuzz could hurt a job (forged ABORT,
   forged stale or future messages, a flood that hides deadlines, an oversized
   frame), each small and deterministic.
 
 The job-level tests run twice: with the job secret (the default; strangers'
-connections fail their handshake, so nothing they send reaches a rank, and the
-ranks count no garbage at all) and with ``SWARMFD_AUTH=off`` (strangers reach
-the receive path, which must drop their bytes). The targeted reproductions run
-with ``SWARMFD_AUTH=off``: they exercise what a receiver does with hostile bytes,
-which only an unauthenticated group ever sees (test_auth.py covers the
-authenticated case).
+connections fail their handshake) and with ``SWARMFD_AUTH=off``. Either way nothing
+a stranger sends reaches a rank's receive path once init returned: the socket
+plane's listener is closed, and the zmq plane's bound socket only sends (a rank
+receives on the sockets it connected to its peers). So the ranks count no garbage
+at all. What a receiver does with hostile bytes on a connection it accepted is
+tested in-process, through a real plane (test_lanes.py).
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import gc
 import json
 import random
@@ -287,10 +288,7 @@ def _check_fuzzed_job(name: str, transport: str, out: dict[int, Any], fuzzer: Fu
     assert total >= 2000, f"only {total} payloads were sent: {fuzzer.sent}"
     for r, v in sorted(out.items()):
         assert v["during"] >= 20, f"rank {r} made little progress under fuzz: {v}"
-        if auth == "on":
-            assert v["garbage"] == 0, f"stranger traffic reached rank {r} of a secret job: {v}"
-        elif transport == "zmq" and v["garbage"] is not None:
-            assert v["garbage"] > 0, f"rank {r} never saw the fuzz traffic (test bug?): {v}"
+        assert v["garbage"] in (0, None), f"stranger traffic reached rank {r} (auth={auth}): {v}"
     assert all(g * (1 << 20) < RSS_SLACK for g in growth.values()), (
         f"RSS grew by {growth} MiB across the fuzz (limit {RSS_SLACK >> 20} MiB); "
         f"{fuzzer.bytes >> 20} MiB of fuzz were sent")
@@ -378,25 +376,12 @@ def test_garbage_and_random_connections_do_not_disturb_a_job(
     _check_fuzzed_job(f"fuzz-garbage[{transport},auth={auth}]", transport, out, fuzzer, auth)
 
 
-_FORGED_WITHOUT_AUTH = pytest.mark.xfail(
-    strict=False, reason="by design: without the job secret (SWARMFD_AUTH=off, trusted "
-    "networks only) anyone who reaches a data port can pose as a rank: a forged ABORT "
-    "'from rank 1' aborts the job, forged DATA for an old call raises MismatchError")
-
-
 @pytest.mark.parametrize("auth", ["on", "off"])
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_fuzz_with_forged_headers_does_not_disturb_a_job(
-        transport: str, auth: str, monkeypatch: pytest.MonkeyPatch,
-        request: pytest.FixtureRequest) -> None:
-    """The issue's fuzz: every kind of payload incl. forged headers; exact, memory flat.
-
-    Only the zmq data plane without a secret is expected to fail: its data port stays
-    open to anyone. A shared-memory group's TCP side is the socket plane, whose ports
-    are closed once init returned, so even without a secret no forgery reaches it.
-    """
-    if transport == "zmq" and auth == "off":
-        request.applymarker(_FORGED_WITHOUT_AUTH)
+        transport: str, auth: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The issue's fuzz: every kind of payload incl. forged headers; exact, memory flat,
+    on every plane, even without a secret (no stranger's bytes reach a rank)."""
     _auth(monkeypatch, auth)
     out, fuzzer = _run_fuzzed_job(transport, ("raw", "zmtp", "push", "dealer", "forged"),
                                   seed=2)
@@ -445,18 +430,26 @@ def no_auth(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _forge_and_run(messages: Callable[[int], list[list[bytes]]],
                    calls: int = 20) -> dict[int, Any]:
-    """Rank 0 of 2 receives ``messages(its call count)`` from a stranger, then all_reduces."""
+    """A stranger sends ``messages(rank 0's call count)`` at rank 0's zmq data socket, then
+    the ranks all_reduce. Returns each rank's result (and rank 0's RSS growth)."""
     with Ranks(_victim_of_forgery, 2, calls, group_timeout=20.0, transport="zmq") as ranks:
         port, seq = ranks.wait("ready", [0])[0]
         ranks.wait("ready", [1])
         ctx = zmq.Context()
         try:
-            s = ctx.socket(zmq.PUSH)
-            s.setsockopt(zmq.SNDHWM, 0)
-            s.connect(f"tcp://127.0.0.1:{port}")
-            for frames in messages(seq):
-                s.send_multipart(frames)
-            s.close(linger=5000)
+            for kind in (zmq.DEALER, zmq.PUSH):  # DEALER: the type the bound socket admits
+                s = ctx.socket(kind)
+                s.setsockopt(zmq.LINGER, 0)
+                s.connect(f"tcp://127.0.0.1:{port}")
+                deadline = time.monotonic() + 3
+                for frames in messages(seq):
+                    while time.monotonic() < deadline:
+                        try:
+                            s.send_multipart(frames, zmq.NOBLOCK)
+                            break
+                        except zmq.Again:
+                            time.sleep(0.001)
+                s.close()
         finally:
             ctx.term()
         time.sleep(0.3)  # delivered into rank 0's queue before it resumes
@@ -474,9 +467,6 @@ def test_forged_abort_from_a_stranger_is_ignored() -> None:
 
 
 @pytest.mark.usefixtures("no_auth")
-@pytest.mark.xfail(strict=False, reason="by design without the job secret (SWARMFD_AUTH=off): "
-                   "a forged DATA header claiming rank 1 and an old call number raises "
-                   "MismatchError; with the secret no stranger gets through (test_auth.py)")
 def test_forged_stale_message_is_ignored() -> None:
     """A DATA message 'from rank 1' for an already finished call does not break the job."""
     out = _forge_and_run(lambda seq: [[_forge(wire.Kind.DATA, 1, 1, nbytes=8), b"\0" * 8]])
@@ -485,18 +475,19 @@ def test_forged_stale_message_is_ignored() -> None:
 
 @pytest.mark.usefixtures("no_auth")
 def test_forged_future_messages_do_not_grow_memory() -> None:
-    """200 MiB of DATA 'from rank 1' for calls far ahead (without the job secret): rank 0
-    refuses the first one as a protocol error (a peer cannot be that far ahead) instead
-    of stashing 200 MiB."""
+    """200 MiB of DATA 'from rank 1' for calls far ahead (without the job secret) at rank
+    0's data socket: none of it reaches rank 0 (its bound socket only sends, and drops a
+    connection whose frame exceeds a handshake's size), memory stays flat, the job goes
+    on. (A real peer that runs too far ahead is a protocol error: test_lanes.py.)"""
     chunk = b"\x01" * (1 << 20)
 
     def messages(seq: int) -> list[list[bytes]]:
         return [[_forge(wire.Kind.DATA, 1, seq + 1000 + i, nbytes=len(chunk)), chunk]
                 for i in range(200)]
 
-    out = _forge_and_run(messages, calls=500)  # enough receives to read every forged one
-    assert out[0]["type"] == "ProtocolError", out[0]
-    assert "calls ahead" in out[0]["message"], out[0]
+    out = _forge_and_run(messages, calls=500)
+    assert out[0]["type"] is None, out[0]
+    assert out[0]["rss_growth"] < RSS_SLACK, out[0]
 
 
 def _waits_under_flood(ctx: RankCtx, what: str) -> Any:
@@ -524,7 +515,7 @@ def test_a_garbage_flood_does_not_hide_a_timeout_or_a_lost_peer(what: str) -> No
     with Ranks(_waits_under_flood, 2, what, group_timeout=timeout, transport="zmq") as ranks:
         port = ranks.wait("ready")[0]
         ctx = zmq.Context()
-        s = ctx.socket(zmq.PUSH)
+        s = ctx.socket(zmq.DEALER)
         s.connect(f"tcp://127.0.0.1:{port}")
         rng = random.Random(3)
         try:
@@ -532,7 +523,8 @@ def test_a_garbage_flood_does_not_hide_a_timeout_or_a_lost_peer(what: str) -> No
             end = time.monotonic() + 8.0
             killed = False
             while time.monotonic() < end:
-                s.send(rng.randbytes(64))
+                with contextlib.suppress(zmq.Again):
+                    s.send(rng.randbytes(64), zmq.NOBLOCK)
                 time.sleep(0.01)
                 if what == "loss" and not killed and time.monotonic() > end - 7.5:
                     ranks.kill(1)

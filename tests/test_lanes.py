@@ -23,7 +23,7 @@ from swarmfd.comm import handshake, security, transport, wire
 from swarmfd.comm.plane import PeerInfo
 from swarmfd.comm.planes import socket as lanes
 from swarmfd.config import data_plane
-from swarmfd.errors import ConfigError, ProtocolError
+from swarmfd.errors import ConfigError, MismatchError, ProtocolError
 
 from .conftest import run_ranks_raw
 from .robust_harness import RankCtx, Ranks
@@ -430,6 +430,28 @@ def test_copy_true_leaves_the_buffer_free_at_once(pair: list[Endpoint]) -> None:
         t1.recv(0, SIG, 1, j, p.nbytes, into=p)
     sender.join(10)
     assert np.array_equal(got, want)
+
+
+def test_a_peer_far_ahead_is_a_protocol_error_not_a_growing_stash(
+        pair: list[Endpoint]) -> None:
+    """A peer's data for calls far ahead of this rank's (a peer cannot be that far ahead):
+    the first one is refused as a protocol error instead of being stashed."""
+    t0, t1 = pair
+    for i in range(5):
+        t1.send(0, SIG, 1000 + i, 0, b"\1" * 1024)
+    t1.flush()
+    with pytest.raises(ProtocolError, match="calls ahead"):
+        t0.recv(1, SIG, 2, 0, 4)
+    assert not t0.stash
+
+
+def test_a_message_of_a_finished_call_is_a_mismatch(pair: list[Endpoint]) -> None:
+    """Data for a call this rank already finished: the sender was in another collective."""
+    t0, t1 = pair
+    t1.send(0, SIG, 1, 0, b"\0" * 4)
+    t1.flush()
+    with pytest.raises(MismatchError, match=r"already\s+finished"):
+        t0.recv(1, SIG, 5, 0, 4)
 
 
 def test_messages_are_matched_by_source_call_and_tag(pair: list[Endpoint]) -> None:

@@ -330,6 +330,100 @@ def test_signal_to_the_launcher_stops_every_rank(runs: Runs, sig: int, expected:
     assert_all_gone(pids)
 
 
+INTERRUPTIBLE = r"""
+import os, sys, time
+from pathlib import Path
+import numpy as np
+
+def wait_here():
+    Path(sys.argv[1], os.environ["RANK"] + ".pid").write_text(str(os.getpid()))
+    time.sleep(60)
+
+if os.environ["RANK"] == "1":
+    try:
+        wait_here()
+    except KeyboardInterrupt:
+        print("rank 1 saves before it goes", file=sys.stderr, flush=True)
+        raise
+else:
+    wait_here()
+"""
+
+
+def test_ctrl_c_prints_one_line_per_rank_not_their_tracebacks(runs: Runs) -> None:
+    """Ctrl-C on Python ranks: exit 130, each rank's KeyboardInterrupt traceback becomes
+    one line naming where it was, what a rank prints while handling it still shows, and
+    a summary ends the output."""
+    proc = runs.start("-n", "2", "--grace", "20", sys.executable, "-c", INTERRUPTIBLE,
+                      str(runs.piddir))
+    wait_for(lambda: len(list(runs.piddir.iterdir())) == 2, 20, "both ranks waiting")
+    os.kill(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    lines = err.decode().splitlines()
+    assert lines[0] == "swarmfd run: received SIGINT; stopping all 2 rank(s)", lines
+    assert lines[-1] == "swarmfd run: stopped all 2 rank(s) after SIGINT (exit code 130)"
+    middle = sorted(lines[1:-1])
+    assert middle == ["[rank 0] KeyboardInterrupt in <string>:8 (wait_here)",
+                      "[rank 1] KeyboardInterrupt in <string>:8 (wait_here)",
+                      "[rank 1] rank 1 saves before it goes"], lines
+    assert "Traceback" not in err.decode()
+
+
+TRACEBACK_KI = b"""Traceback (most recent call last):
+  File "/home/u/train.py", line 12, in <module>
+    main()
+  File "/home/u/train.py", line 9, in main
+    fd.all_reduce(x)
+  File "/venv/lib/python3.11/site-packages/swarmfd/collectives.py", line 662, in all_reduce
+    _fused(g, x)
+           ^^^^
+KeyboardInterrupt
+"""
+
+CHAINED = TRACEBACK_KI + b"""
+During handling of the above exception, another exception occurred:
+
+Traceback (most recent call last):
+  File "/home/u/train.py", line 14, in <module>
+    fd.cleanup()
+swarmfd.errors.PeerLostError: lost rank 1
+"""
+
+OTHER = b"""Traceback (most recent call last):
+  File "/home/u/train.py", line 3, in <module>
+    1 / 0
+ZeroDivisionError: division by zero
+"""
+
+
+def _filtered(*chunks: bytes) -> list[bytes]:
+    from swarmfd.launch import InterruptFilter
+
+    out: list[bytes] = []
+    f = InterruptFilter(out.append)
+    for chunk in chunks:
+        for line in chunk.splitlines(keepends=True):
+            f.feed(line)
+    f.flush()
+    return out
+
+
+def test_interrupt_filter_collapses_keyboard_interrupts_only() -> None:
+    """A KeyboardInterrupt traceback: one line at the innermost frame outside swarmfd and
+    installed packages; chained, with the final error appended; anything else as is."""
+    assert _filtered(TRACEBACK_KI) == [
+        b"KeyboardInterrupt in /home/u/train.py:9 (main)\n"]
+    assert _filtered(CHAINED) == [b"KeyboardInterrupt in /home/u/train.py:9 (main); then "
+                                  b"swarmfd.errors.PeerLostError: lost rank 1\n"]
+    assert _filtered(OTHER) == OTHER.splitlines(keepends=True)
+    # Lines around a traceback keep their order; a traceback cut short is shown as is.
+    assert _filtered(b"before\n", TRACEBACK_KI, b"after\n", b"Traceback (most recent call "
+                     b"last):\n  File \"x\", line 1\n") == [
+        b"before\n", b"KeyboardInterrupt in /home/u/train.py:9 (main)\n", b"after\n",
+        b"Traceback (most recent call last):\n", b'  File "x", line 1\n']
+
+
 def test_ranks_deaf_to_signals_are_killed_after_the_grace(runs: Runs) -> None:
     """Ranks ignoring SIGINT/SIGTERM are SIGKILLed after --grace; exit is still 130."""
     proc = runs.start("-n", "2", "--grace", "0.5", WORKER, "sleep", str(runs.piddir), "ignore")

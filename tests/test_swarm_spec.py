@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
 import re
 import subprocess
 import sys
@@ -246,6 +247,20 @@ def test_generated_names_are_valid_and_varied():
         S.validate_job_name(name)
 
 
+def test_checkpoint_volume_mounts_a_named_volume_and_sets_the_directory():
+    """--checkpoint-volume NAME: a volume mount at /checkpoints, SWARMFD_CHECKPOINT_DIR set,
+    next to the other mounts."""
+    spec = S.build_service_spec(make_job(
+        checkpoint_volume="mnist-ckpt",
+        mounts=(S.parse_mount("type=tmpfs,dst=/scratch"),)))
+    container = spec["TaskTemplate"]["ContainerSpec"]
+    assert container["Mounts"] == [
+        {"Type": "tmpfs", "Target": "/scratch"},
+        {"Type": "volume", "Source": "mnist-ckpt", "Target": S.CHECKPOINT_TARGET}]
+    assert env_of(spec)["SWARMFD_CHECKPOINT_DIR"] == S.CHECKPOINT_TARGET == "/checkpoints"
+    assert "SWARMFD_CHECKPOINT_DIR" not in env_of(S.build_service_spec(make_job()))
+
+
 # --- option parsers ---------------------------------------------------------------------
 
 
@@ -450,6 +465,9 @@ def test_no_failure_while_running_or_done():
 def test_rejected_and_stopped_tasks_are_failures_with_exit_code_1():
     """A task that never ran has no exit code: deploy exits 1 for it."""
     rejected = TaskView.from_api(task(1, "rejected", err="No such image: x"))
+    # What to do about an image missing on a node is part of the message.
+    assert "push it to a registry every node can reach" in failure_message(rejected, "n2")
+    assert "docker save IMAGE | ssh NODE docker load" in failure_message(rejected, "n2")
     assert first_failure([rejected]) is rejected
     assert exit_code_for(rejected) == 1
     assert "rejected" in failure_message(rejected) and "No such image" in failure_message(rejected)
@@ -569,6 +587,21 @@ def deploy(*args: str):
         (["img", "-n", "2", "python", "-c", "pass"], "put '--' before COMMAND"),
         (["img", "-n", "2", "--init-timeout", "0", "--", "true"],
          "--init-timeout must be a positive number of seconds"),
+        (["--build", ".", "-n", "2", "python", "x.py"], "with --build, put '--' before"),
+        (["--build", ".", "img", "-n", "2", "--", "true"], "give no IMAGE (got 'img'"),
+        (["img", "-n", "2", "--extra", "torch", "--", "true"], "apply to --build DIR"),
+        (["--build", ".", "-n", "2", "--no-index", "--", "true"], "--no-index needs a"),
+        (["--build", ".", "-n", "2", "--image-name", "Bad", "--", "true"],
+         "is not a valid repository"),
+        (["img", "-n", "2", "--push", "http://reg:5000", "--", "true"], "without a scheme"),
+        (["img", "-n", "2", "--push", "reg", "--", "true"], "expected a registry"),
+        (["img", "-n", "2", "--push", "reg:5000", "--pull", "--", "true"], "drop --pull"),
+        (["img", "-n", "2", "--checkpoint-volume", "a b", "--", "true"],
+         "expected a volume name"),
+        (["img", "-n", "2", "--checkpoint-volume", "ck", "-e", "SWARMFD_CHECKPOINT_DIR=/x",
+          "--", "true"], "set by --checkpoint-volume"),
+        (["img", "-n", "2", "--checkpoint-volume", "ck", "--mount",
+          "type=tmpfs,dst=/checkpoints", "--", "true"], "where --checkpoint-volume mounts"),
     ],
 )
 def test_deploy_rejects_bad_input_before_contacting_docker(args, message):
@@ -578,6 +611,14 @@ def test_deploy_rejects_bad_input_before_contacting_docker(args, message):
     assert message in result.output
 
 
+def test_deploy_build_takes_every_word_as_the_command():
+    """With --build there is no IMAGE: every word after '--' is COMMAND (checked as far as
+    the unreachable engine, which proves the arguments parsed)."""
+    result = deploy("--build", ".", "-n", "2", "--", "python", "train.py", "--epochs", "3")
+    assert result.exit_code == 1, result.output
+    assert "no Docker engine answers" in result.output
+
+
 def test_deploy_reports_an_unreachable_engine():
     """Valid input but no engine at --host: exit 1 and say how to start or point at one."""
     result = deploy("img", "-n", "2", "--", "true")
@@ -585,7 +626,7 @@ def test_deploy_reports_an_unreachable_engine():
     assert "no Docker engine answers at tcp://127.0.0.1:9" in result.output
 
 
-@pytest.mark.parametrize("command", ["deploy", "ls", "ps", "logs", "rm"])
+@pytest.mark.parametrize("command", ["build", "deploy", "ls", "ps", "logs", "rm"])
 def test_every_swarm_command_has_an_example_in_its_help(command):
     """--help of each command shows an example invocation."""
     from swarmfd.cli import main
@@ -607,3 +648,243 @@ def test_spec_and_tasks_modules_do_not_import_docker():
     code = ("import sys, swarmfd.swarm.spec, swarmfd.swarm.tasks; "
             "sys.exit('docker' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+# --- swarmfd build: the project, the hash, the target, the Dockerfile, pip -------------
+
+from swarmfd.swarm import build as B  # noqa: E402
+from tests.swarm.wheels import make_wheel  # noqa: E402
+
+
+def write(path, text: str = "", mode: int = 0o644):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(mode)
+    return path
+
+
+def test_read_project_lists_files_without_git_venvs_caches_and_ignored(tmp_path):
+    """.git, virtual environments, caches and what .dockerignore names stay out."""
+    write(tmp_path / "train.py", "print(1)")
+    write(tmp_path / "requirements.txt", "six\n")
+    write(tmp_path / "pkg" / "model.py")
+    write(tmp_path / "pkg" / "__pycache__" / "model.cpython-311.pyc")
+    write(tmp_path / ".git" / "HEAD")
+    write(tmp_path / ".venv" / "bin" / "python")
+    write(tmp_path / "data" / "big.bin")
+    write(tmp_path / "notes.log")
+    write(tmp_path / ".dockerignore", "data\n*.log\n")
+    project = B.read_project(tmp_path)
+    assert project.files == ("pkg/model.py", "requirements.txt", "train.py")
+    assert project.requirements_file == "requirements.txt"
+    assert project.requirements == () and not project.installable
+    assert B.repository_for(project).startswith("swarmfd-")
+
+
+def test_read_project_takes_pyproject_dependencies_and_extras(tmp_path):
+    """PEP 621 dependencies, a project extra, the built-in torch extra; installable with
+    a [build-system]."""
+    write(tmp_path / "pyproject.toml", """
+[build-system]
+requires = ["setuptools"]
+build-backend = "setuptools.build_meta"
+[project]
+name = "My_Model"
+version = "1"
+dependencies = ["six>=1"]
+[project.optional-dependencies]
+plots = ["tabulate"]
+""")
+    project = B.read_project(tmp_path, ["plots", "torch"])
+    assert project.requirements == ("six>=1", "tabulate", "torch==2.13.0")
+    assert project.installable and project.name == "My_Model"
+    assert B.repository_for(project) == "swarmfd-my-model"
+    with pytest.raises(B.BuildError, match="--extra gpu: not an extra of"):
+        B.read_project(tmp_path, ["gpu"])
+
+
+@pytest.mark.parametrize(
+    ("pyproject", "message"),
+    [
+        ("[tool.poetry]\nname='x'\n", "has no \\[project\\] table"),
+        ("[project]\nname='x'\ndynamic=['dependencies']\n", "declares its dependencies dynamic"),
+        ("[project\n", "cannot be read"),
+    ],
+)
+def test_read_project_rejects_unusable_pyproject(tmp_path, pyproject, message):
+    write(tmp_path / "pyproject.toml", pyproject)
+    with pytest.raises(B.BuildError, match=message):
+        B.read_project(tmp_path)
+
+
+def test_read_project_rejects_a_missing_directory(tmp_path):
+    with pytest.raises(B.BuildError, match="does not exist"):
+        B.read_project(tmp_path / "nope")
+
+
+def test_content_hash_follows_content_not_mtime(tmp_path):
+    """Same files: same hash (whatever the mtime); a changed byte, mode, base image,
+    extra or wheel option: another hash."""
+    script = write(tmp_path / "train.py", "print(1)\n")
+    base = "sha256:" + "1" * 64
+
+    def digest(extras=(), base_id=base, options=None):
+        return B.content_hash(B.read_project(tmp_path, extras), base_id,
+                              options or B.BuildOptions())
+
+    first = digest()
+    os.utime(script, (1, 1))
+    assert digest() == first
+    seen = {first}
+    script.write_text("print(2)\n")
+    seen.add(digest())
+    script.chmod(0o755)
+    seen.add(digest())
+    seen.add(digest(base_id="sha256:" + "2" * 64))
+    seen.add(digest(extras=("torch",)))
+    seen.add(digest(options=B.BuildOptions(cpu_torch=False)))
+    assert len(seen) == 6
+
+
+def test_repository_names():
+    assert B.validate_repository("team/my-model") == "team/my-model"
+    for bad in ("My", "a:b", "-x", ""):
+        with pytest.raises(B.BuildError, match="not a valid repository"):
+            B.validate_repository(bad)
+
+
+def test_parse_registry():
+    assert B.parse_registry("172.30.76.11:5000/") == "172.30.76.11:5000"
+    assert B.parse_registry("registry.example.com/team") == "registry.example.com/team"
+    assert B.parse_registry("localhost") == "localhost"
+    for bad, message in (("https://r.io", "without a scheme"), ("reg", "expected a registry"),
+                         ("r.io/Team", "lowercase")):
+        with pytest.raises(ValueError, match=message):
+            B.parse_registry(bad)
+
+
+PROBE = {"python": "3.11", "implementation": "cpython", "machine": "x86_64",
+         "libc": "glibc", "libc_version": "2.36", "executable": "/opt/venv/bin/python",
+         "installed": {"NumPy": "2.4.6", "swarmfd": "0.1.0", "pyzmq": "27.3.0"},
+         "has_pip": True}
+
+
+def test_target_from_the_image_probe():
+    """The base image's Python as pip's download options: versions, ABI, platform tags
+    from its glibc down, installed names normalized."""
+    target = B.target_from_probe(PROBE)
+    assert (target.python, target.abi, target.executable) == ("3.11", "cp311",
+                                                               "/opt/venv/bin/python")
+    platforms = target.platforms()
+    assert platforms[0] == "manylinux_2_36_x86_64"
+    assert "manylinux_2_17_x86_64" in platforms and "manylinux2014_x86_64" in platforms
+    assert platforms[-1] == "linux_x86_64"
+    assert target.installed == {"numpy": "2.4.6", "swarmfd": "0.1.0", "pyzmq": "27.3.0"}
+    with pytest.raises(B.BuildError, match="musl"):
+        B.target_from_probe({**PROBE, "libc": "", "libc_version": ""}).platforms()
+    with pytest.raises(B.BuildError, match="not CPython"):
+        B.target_from_probe({**PROBE, "implementation": "ironpython"})
+
+
+def test_dockerfile_keeps_wheels_out_of_the_final_stage():
+    """With wheels: a deps stage installs them under a staging root, the final stage
+    copies the installed files, then the project to /workspace; pip check at the end."""
+    target = B.target_from_probe(PROBE)
+    text = B.dockerfile("sha256:base", target, deps_hash="abc", project_wheel=None,
+                        labels={"org.swarmfd.build.content": "h"})
+    stages = text.split("FROM ")[1:]
+    assert stages[0].startswith("sha256:base AS deps")
+    assert "COPY wheels/" in stages[0] and "--root /tmp/swarmfd-root" in stages[0]
+    assert "wheels" not in stages[1].replace("swarmfd-wheels", "")
+    assert "COPY --from=deps /tmp/swarmfd-root/ /" in stages[1]
+    assert "COPY project/ /workspace/" in stages[1] and "WORKDIR /workspace" in stages[1]
+    assert "pip check" in stages[1]
+    plain = B.dockerfile("sha256:base", target, deps_hash=None, project_wheel="p-1-py3.whl",
+                         labels={})
+    assert plain.count("FROM ") == 1 and "AS deps" not in plain
+    assert "--no-deps /tmp/swarmfd-own/p-1-py3.whl" in plain
+
+
+def test_context_holds_dockerfile_wheels_and_project(tmp_path):
+    import io
+    import tarfile
+
+    write(tmp_path / "p" / "train.py", "x")
+    write(tmp_path / "p" / "run.sh", "#!/bin/sh\n", 0o755)
+    wheel = make_wheel(tmp_path / "wh", "tiny", "1.0")
+    buf = io.BytesIO()
+    B.write_context(buf, B.read_project(tmp_path / "p"), "FROM x\n", [wheel], None)
+    with tarfile.open(fileobj=io.BytesIO(buf.getvalue())) as tar:
+        members = {m.name: m for m in tar.getmembers()}
+        assert tar.extractfile("Dockerfile").read() == b"FROM x\n"
+    assert {"project/train.py", "project/run.sh", f"wheels/{wheel.name}"} <= set(members)
+    assert members["project/run.sh"].mode == 0o755
+    assert {m.uid for m in members.values()} == {0}
+
+
+@pytest.fixture
+def isolated_pip(monkeypatch):
+    """pip without this machine's configuration (no index, no find-links): the wheel
+    resolution below sees only the folders a test gives it."""
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    for key in list(os.environ):
+        if key.startswith("PIP_") and key != "PIP_CONFIG_FILE":
+            monkeypatch.delenv(key)
+
+
+def test_resolve_wheels_offline_keeps_the_base_packages(tmp_path, isolated_pip):
+    """A package from a wheelhouse whose dependency the base image has (numpy): only
+    the package is carried, numpy stays the base's (found without any index)."""
+    wh = tmp_path / "wh"
+    make_wheel(wh, "swarmfd-probe-pkg", "1.0", requires=["numpy>=1.24"])
+    write(tmp_path / "p" / "requirements.txt", "swarmfd-probe-pkg==1.0\n")
+    lines = []
+    wheels = B.resolve_wheels(B.read_project(tmp_path / "p"), B.target_from_probe(PROBE),
+                              B.BuildOptions(wheelhouses=(wh,), no_index=True),
+                              tmp_path / "out", lines.append)
+    assert [w.name for w in wheels] == ["swarmfd_probe_pkg-1.0-py3-none-any.whl"]
+    assert any("swarmfd_probe_pkg-1.0" in line for line in lines), lines
+
+
+def test_resolve_wheels_constrains_torch_to_the_cpu_wheel(tmp_path, isolated_pip):
+    """A requirement on torch takes torch 2.13.0+cpu over the same version's CUDA build
+    (metadata-only stand-ins here); with only the CUDA build, the error says where the
+    CPU wheel comes from, and --no-cpu-torch lets the requirements decide."""
+    wh = tmp_path / "wh"
+    tag = "cp311-cp311-manylinux_2_28_x86_64"
+    make_wheel(wh, "torch", "2.13.0", tag=tag)
+    write(tmp_path / "p" / "requirements.txt", "torch>=2\n")
+    project = B.read_project(tmp_path / "p")
+    target = B.target_from_probe(PROBE)
+    with pytest.raises(B.BuildError, match=r"constrained to its CPU build \(torch==2.13.0\+cpu\)"
+                                           ", which pip did not find.*download.pytorch.org"):
+        B.resolve_wheels(project, target, B.BuildOptions(wheelhouses=(wh,), no_index=True),
+                         tmp_path / "out1", lambda line: None)
+    cuda = B.resolve_wheels(project, target,
+                            B.BuildOptions(wheelhouses=(wh,), no_index=True, cpu_torch=False),
+                            tmp_path / "out2", lambda line: None)
+    assert [w.name for w in cuda] == [f"torch-2.13.0-{tag}.whl"]
+    make_wheel(wh, "torch", "2.13.0+cpu", tag=tag)
+    cpu = B.resolve_wheels(project, target, B.BuildOptions(wheelhouses=(wh,), no_index=True),
+                           tmp_path / "out3", lambda line: None)
+    assert [w.name for w in cpu] == [f"torch-2.13.0+cpu-{tag}.whl"]
+
+
+def test_resolve_wheels_names_a_missing_package(tmp_path, isolated_pip):
+    (tmp_path / "wh").mkdir()
+    write(tmp_path / "p" / "requirements.txt", "no-such-package-swarmfd\n")
+    with pytest.raises(B.BuildError, match="not in the --wheelhouse folders as a wheel"):
+        B.resolve_wheels(B.read_project(tmp_path / "p"), B.target_from_probe(PROBE),
+                         B.BuildOptions(wheelhouses=(tmp_path / "wh",), no_index=True),
+                         tmp_path / "out", lambda line: None)
+
+
+def test_build_rejects_bad_input_before_contacting_docker(tmp_path):
+    from swarmfd.cli import main
+
+    result = CliRunner().invoke(main, ["build", "-H", "tcp://127.0.0.1:9", str(tmp_path),
+                                       "--no-index"])
+    assert result.exit_code == 2 and "--no-index needs a --wheelhouse" in result.output
+    result = CliRunner().invoke(main, ["build", "-H", "tcp://127.0.0.1:9", str(tmp_path),
+                                       "--push", "ftp://x"])
+    assert result.exit_code == 2 and "without a scheme" in result.output

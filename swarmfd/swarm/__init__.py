@@ -1,8 +1,10 @@
-"""Docker Swarm jobs for swarmfd: ``swarmfd deploy``, ``ls``, ``ps``, ``logs`` and ``rm``.
+"""Docker Swarm jobs for swarmfd: ``swarmfd build``, ``deploy``, ``ls``, ``ps``, ``logs``, ``rm``.
 
 The only part of swarmfd that imports the Docker SDK (in :mod:`.engine`,
-:mod:`.follow` and :mod:`.deploy`; :mod:`.spec` and :mod:`.tasks` are pure and
-importing this package imports nothing).
+:mod:`.follow`, :mod:`.deploy` and :mod:`.build`; :mod:`.spec` and :mod:`.tasks` are
+pure and importing this package imports nothing). :mod:`.build` turns a project
+directory into an image ``FROM`` the swarmfd image (``swarmfd build``, ``deploy
+--build``) and pushes it to a registry (``--push``).
 
 A *job* is N ranks of one command, run as Swarm tasks:
 
@@ -48,4 +50,8 @@ Decisions worth knowing:
   of the failure (the ranks that failed meanwhile lost their peer).
 * ``--max-restarts K``: a failed group's service is removed and created again (same
   network and secret) with ``SWARMFD_RESTART_COUNT`` k+1, up to K times.
+  ``--checkpoint-volume NAME`` mounts a named volume at ``/checkpoints`` and sets
+  ``SWARMFD_CHECKPOINT_DIR``, so the new ranks find what the old ones saved.
+* Task slots are 1-based: rank R is slot R+1 and host ``<job>-<R+1>``; ``ps`` shows
+  both.
 """

@@ -9,6 +9,11 @@ line before any engine is contacted) and does the rest:
 2. creates the job's secret (``<job>-secret``, mounted in every rank as
    ``/run/secrets/swarmfd_secret``), overlay network and service (a failure removes
    what was created);
+   With ``build`` (``--build DIR``) the project is built first (:mod:`.build`), after
+   the checks that need no image; with ``push`` (``--push REGISTRY``) the image is
+   pushed and the service runs it by its registry digest, pulled by each node.
+   Without a registry on a Swarm of several nodes, deploy warns that ranks placed
+   on other nodes cannot start, and how to fix that;
 3. with ``detach``, returns; else follows the job (:func:`.follow.follow_job`):
    progress on ``progress``, every rank's output to ``output``;
 4. when every rank exited 0: removes the job unless ``keep == "always"``; when a rank
@@ -30,6 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .build import BuildRequest, build_project, push_image
 from .engine import (
     check_manager,
     check_name_free,
@@ -37,6 +43,7 @@ from .engine import (
     connect,
     create_job,
     create_service,
+    other_nodes,
     remove_job,
     remove_service,
     resolve_image,
@@ -84,8 +91,14 @@ def run_deploy(
     progress: Callable[[str], None],
     poll: float = 0.3,
     max_restarts: int = 0,
+    build: BuildRequest | None = None,
+    push: str | None = None,
 ) -> DeployResult:
     """Create job ``job`` on the Swarm at ``host`` and (unless ``detach``) follow it.
+
+    ``build``: build that project's image first (``job.image`` is then ignored);
+    ``push``: push the image to that registry and run it from there (every node pulls
+    it by digest).
 
     With ``max_restarts`` K, a failed group is torn down (its service removed, its
     network and secret kept) and created again with ``SWARMFD_RESTART_COUNT`` k+1, up
@@ -107,15 +120,39 @@ def run_deploy(
         node_id = check_manager(client)
         check_name_free(client, job.name)
         check_networks(client, job.networks)
-        image = resolve_image(client, job.image, pull=pull)
+        image_name = job.image
+        if build is not None:
+            built = build_project(client, build.directory, base=build.base,
+                                  repository=build.repository, extras=build.extras,
+                                  options=build.options, rebuild=build.rebuild,
+                                  progress=progress)
+            image_name = built.ref
+        image = resolve_image(client, image_name, pull=pull or bool(push))
+        if push:
+            pushed = push_image(client, image_name, push, progress=progress)
+            image = dataclasses.replace(image, ref=pushed)
+        elif not pull and not job.constraints and not image_name.startswith("sha256:"):
+            # An image given by its ID is taken to be on every node already (`docker
+            # save | docker load` keeps the ID); a tag or a fresh build is not.
+            others = other_nodes(client, node_id)
+            if others:
+                progress(
+                    f"warning: this Swarm has {len(others) + 1} nodes and the image "
+                    f"{image_name} is only known to be on this one: ranks placed on "
+                    f"{', '.join(others[:3])}{' ...' if len(others) > 3 else ''} cannot start "
+                    "unless it is there too. Push it to a registry every node can reach "
+                    "(--push REGISTRY), load it on every node (`docker save IMAGE | ssh NODE "
+                    "docker load`; then deploy it by its ID, sha256:..., and this warning "
+                    "goes), or keep the ranks here (--constraint node.hostname==...)"
+                )
         if image.has_entrypoint is False:
             progress(
-                f"warning: image {job.image!r} does not use swarmfd's entrypoint "
+                f"warning: image {image_name!r} does not use swarmfd's entrypoint "
                 "(python -m swarmfd.entrypoint), so the ranks get no RANK from their task "
                 "slot; build your image FROM the swarmfd image, or set "
                 'ENTRYPOINT ["python", "-m", "swarmfd.entrypoint"]'
             )
-        job = dataclasses.replace(job, image_ref=image.ref, restart_count=0)
+        job = dataclasses.replace(job, image=image_name, image_ref=image.ref, restart_count=0)
         service_id, secret_id = create_job(client, job)
         result = DeployResult(job.name, 0, service_id, created_after=time.monotonic() - started)
         if detach:

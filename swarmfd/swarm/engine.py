@@ -50,6 +50,7 @@ __all__ = [
     "list_jobs",
     "node_names",
     "node_states",
+    "other_nodes",
     "remove_job",
     "remove_service",
     "resolve_image",
@@ -293,6 +294,19 @@ def node_names(client: docker.DockerClient) -> dict[str, str]:
                 for n in client.api.nodes()}
     except docker.errors.APIError:
         return {}
+
+
+def other_nodes(client: docker.DockerClient, node_id: str) -> list[str]:
+    """Host names of the other nodes that can run tasks (ready, availability active)."""
+    try:
+        nodes = client.api.nodes()
+    except docker.errors.APIError:
+        return []
+    return sorted(
+        n.get("Description", {}).get("Hostname", n["ID"][:12]) for n in nodes
+        if n["ID"] != node_id and (n.get("Status") or {}).get("State") == "ready"
+        and (n.get("Spec") or {}).get("Availability", "active") == "active"
+    )
 
 
 @dataclass(frozen=True)

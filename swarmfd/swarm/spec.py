@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "CHECKPOINT_TARGET",
     "DEFAULT_MASTER_PORT",
+    "ENV_CHECKPOINT_DIR",
     "LABEL_FAILURE",
     "LABEL_IMAGE",
     "LABEL_JOB",
@@ -41,6 +43,7 @@ __all__ = [
     "build_network_spec",
     "build_service_spec",
     "generate_job_name",
+    "parse_checkpoint_volume",
     "parse_constraint",
     "parse_cpus",
     "parse_env_items",
@@ -82,6 +85,12 @@ RESERVED_ENV = {
     "SWARMFD_JOB": "--name",
     "SWARMFD_RESTART_COUNT": "--max-restarts (deploy counts the restarts)",
 }
+
+#: ``--checkpoint-volume NAME``: the named volume is mounted here in every rank, and
+#: ``SWARMFD_CHECKPOINT_DIR`` names it (examples/train.py saves and resumes there).
+CHECKPOINT_TARGET = "/checkpoints"
+ENV_CHECKPOINT_DIR = "SWARMFD_CHECKPOINT_DIR"
+_VOLUME_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 #: The job secret in every rank: ``/run/secrets/<SECRET_TARGET>``, readable by root only.
 SECRET_TARGET = "swarmfd_secret"
@@ -384,6 +393,20 @@ def parse_mount(text: str) -> dict[str, Any]:
     return mount
 
 
+def parse_checkpoint_volume(text: str) -> str:
+    """Check a ``--checkpoint-volume`` name (Docker's volume names: letters, digits and
+    ``_ . -``, starting with a letter or digit)."""
+    name = text.strip()
+    if not _VOLUME_NAME_RE.match(name):
+        raise ValueError(
+            f"--checkpoint-volume {text!r}: expected a volume name (letters, digits, '_', "
+            "'.', '-'; e.g. mnist-ckpt); for a volume with driver options (NFS) use "
+            f"--mount type=volume,src=NAME,dst=/ckpt,volume-driver=... -e "
+            f"{ENV_CHECKPOINT_DIR}=/ckpt"
+        )
+    return name
+
+
 # --- the job ---------------------------------------------------------------------------
 
 
@@ -418,6 +441,7 @@ class JobSpec:
     max_per_node: int | None = None
     local_ranks: str = "container"
     encrypt_network: bool = False
+    checkpoint_volume: str | None = None
     restart_count: int = 0
     version: str = ""
 
@@ -469,6 +493,13 @@ class JobSpec:
         for key in self.env:
             if key in RESERVED_ENV:
                 raise ValueError(f"env {key} is set by swarmfd; use {RESERVED_ENV[key]}")
+        if self.checkpoint_volume is not None:
+            parse_checkpoint_volume(self.checkpoint_volume)
+            if ENV_CHECKPOINT_DIR in self.env:
+                raise ValueError(
+                    f"env {ENV_CHECKPOINT_DIR} is set by --checkpoint-volume (to "
+                    f"{CHECKPOINT_TARGET}): give one of them"
+                )
         for reserve, limit, what in (
             (self.reserve_cpu, self.limit_cpu, "cpu"),
             (self.reserve_memory, self.limit_memory, "memory"),
@@ -483,10 +514,23 @@ class JobSpec:
                 raise ValueError(
                     f"--network {net}: the job's own network has the job's name already"
                 )
-        targets = [m.get("Target") for m in self.mounts]
+        targets = [m.get("Target") for m in self.all_mounts()]
         duplicates = sorted({t for t in targets if targets.count(t) > 1})
         if duplicates:
+            if duplicates[0] == CHECKPOINT_TARGET and self.checkpoint_volume:
+                raise ValueError(f"--mount: {CHECKPOINT_TARGET} is where --checkpoint-volume "
+                                 "mounts its volume: mount something else elsewhere")
             raise ValueError(f"--mount: the target {duplicates[0]} is mounted twice")
+
+    def all_mounts(self) -> list[dict[str, Any]]:
+        """The ``--mount``s plus the ``--checkpoint-volume`` (a named volume of the
+        local driver: Swarm creates it on each node where a rank starts, and keeps it
+        after the job; ``docker volume rm NAME`` deletes it)."""
+        mounts = [dict(m) for m in self.mounts]
+        if self.checkpoint_volume:
+            mounts.append({"Type": "volume", "Source": self.checkpoint_volume,
+                           "Target": CHECKPOINT_TARGET})
+        return mounts
 
     def job_labels(self) -> dict[str, str]:
         """The labels on every object of the job (service, network, containers)."""
@@ -506,6 +550,8 @@ class JobSpec:
             contract["SWARMFD_TIMEOUT"] = f"{self.timeout:g}"
         if self.init_timeout is not None:
             contract["SWARMFD_INIT_TIMEOUT"] = f"{self.init_timeout:g}"
+        if self.checkpoint_volume:
+            contract[ENV_CHECKPOINT_DIR] = CHECKPOINT_TARGET
         if self.local_ranks == "node":
             # The entrypoint then leaves LOCAL_RANK/LOCAL_WORLD_SIZE unset, and swarmfd
             # derives them at rendezvous by grouping the ranks on SWARMFD_NODE.
@@ -539,8 +585,9 @@ def build_service_spec(job: JobSpec, secret_id: str | None = None) -> dict[str, 
     }
     if job.workdir:
         container["Dir"] = job.workdir
-    if job.mounts:
-        container["Mounts"] = [dict(m) for m in job.mounts]
+    mounts = job.all_mounts()
+    if mounts:
+        container["Mounts"] = mounts
     if secret_id:
         container["Secrets"] = [{
             "SecretID": secret_id,

@@ -212,6 +212,12 @@ def failure_message(failure: TaskView, node: str = "") -> str:
     else:
         what = f"was stopped by Swarm ({failure.state})"
     detail = failure.error or (failure.message if failure.state != "failed" else "")
+    if "No such image" in detail or "manifest unknown" in detail \
+            or "pull access denied" in detail:
+        detail += (f" (the image is not on {'node ' + node if node else 'its node'}: push it to a "
+                   "registry every node can reach and deploy from there, `swarmfd deploy "
+                   "--build DIR --push REGISTRY` or `docker push` + `--pull`, or load it on "
+                   "every node: `docker save IMAGE | ssh NODE docker load`)")
     return f"rank {failure.rank} {what}{where}" + (f": {detail}" if detail else "")
 
 

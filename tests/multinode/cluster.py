@@ -16,9 +16,13 @@ node containers.
 * Each inner engine's socket is bind-mounted out to ``<run dir>/node<i>/docker.sock``:
   ``DOCKER_HOST=unix://...`` reaches it from the host (CLI and SDK). Nothing listens
   on TCP.
-* There is no registry: :meth:`Cluster.load_image` saves an image from the host once
-  and loads it into every node (the image ID is the same everywhere, so a service
-  can name it by ID).
+* Images reach the nodes two ways. :meth:`Cluster.load_image` saves an image from the
+  host once and loads it into every node (the image ID is the same everywhere, so a
+  service can name it by ID). And node 1 runs a registry (Debian's docker-registry, a
+  process in the node, plain HTTP on port 5000, its storage on node 1's volume):
+  :attr:`Cluster.registry` is its address, which every node's dockerd trusts
+  (``--insecure-registry``), so an image pushed there from node 1's engine is pulled
+  by the workers, as on a real cluster with a registry.
 
 Everything the harness creates (containers, volumes, network) carries the label
 ``org.swarmfd.multinode``; :func:`cleanup_leftovers` removes all of it, e.g. what a
@@ -38,6 +42,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +52,7 @@ import docker
 import docker.errors
 
 LABEL = "org.swarmfd.multinode"
-DEFAULT_NODE_IMAGE = "swarmfd-node:bookworm-1"
+DEFAULT_NODE_IMAGE = "swarmfd-node:bookworm-2"
 DEFAULT_RUN_DIR = Path("/run/swarmfd-multinode")
 DEFAULT_SUBNET_PREFIX = "172.30.76"  # the nodes' bridge: <prefix>.0/24, node i at .10+i
 DEFAULT_INNER_POOL = "10.201.0.0/16"  # the inner Swarm's overlay networks
@@ -59,6 +64,14 @@ DEFAULT_GPUS_PER_WORKER = 0
 NAME_PREFIX = "swarmfd-mn"
 ENGINE_WAIT = 60.0
 READY_WAIT = 60.0
+REGISTRY_PORT = 5000
+#: The registry answered /v2/ within about 0.3 s of its start here.
+REGISTRY_WAIT = 30.0
+REGISTRY_CONFIG = (
+    "version: 0.1\n"
+    "storage:\n  filesystem:\n    rootdirectory: /var/lib/docker/swarmfd-registry\n"
+    f"http:\n  addr: :{REGISTRY_PORT}\n"
+)
 
 # --privileged without CAP_SYS_RESOURCE (see the module docstring). The CLI's
 # `--security-opt systempaths=unconfined` is MaskedPaths/ReadonlyPaths [] in the API.
@@ -137,6 +150,11 @@ class Cluster:
     def manager(self) -> Node:
         return self.nodes[0]
 
+    @property
+    def registry(self) -> str:
+        """``HOST:PORT`` of the registry in node 1 (``swarmfd deploy --push`` target)."""
+        return f"{self.manager.ip}:{REGISTRY_PORT}"
+
     # --- up --------------------------------------------------------------------------
 
     def up(self) -> Cluster:
@@ -146,6 +164,7 @@ class Cluster:
             self._start_nodes()
             self.timings["engines"] = _now() - started
             self._form_swarm()
+            self._start_registry()
         except BaseException:
             self.down()
             raise
@@ -178,7 +197,8 @@ class Cluster:
             )
             host_config.update({"MaskedPaths": [], "ReadonlyPaths": []})
             endpoint = self.host.api.create_endpoint_config(ipv4_address=node.ip)
-            dockerd_args = ["--host=unix:///run/dind/docker.sock"]
+            dockerd_args = ["--host=unix:///run/dind/docker.sock",
+                            f"--insecure-registry={self.registry}"]
             if node.index > 1 and self.gpus_per_worker:
                 dockerd_args += [f"--node-generic-resource=gpu={node.name}-gpu{k}"
                                  for k in range(self.gpus_per_worker)]
@@ -239,6 +259,28 @@ class Cluster:
                     raise RuntimeError(f"only {len(ready)} of {self.size} nodes are Ready "
                                        f"after {READY_WAIT:.0f} s")
                 time.sleep(0.2)
+
+    def _start_registry(self) -> None:
+        """Run docker-registry in node 1 and wait until it answers."""
+        started = _now()
+        script = (f"mkdir -p /var/lib/docker/swarmfd-registry && printf '%s' '{REGISTRY_CONFIG}'"
+                  " > /etc/swarmfd-registry.yml && exec docker-registry serve "
+                  "/etc/swarmfd-registry.yml >/var/log/swarmfd-registry.log 2>&1")
+        exec_id = self.host.api.exec_create(self.manager.container_id, ["sh", "-c", script])
+        self.host.api.exec_start(exec_id, detach=True)
+        deadline = _now() + REGISTRY_WAIT
+        last = ""
+        while _now() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://{self.registry}/v2/", timeout=2) as reply:
+                    if reply.status == 200:
+                        self.timings["registry"] = _now() - started
+                        return
+            except OSError as exc:
+                last = str(exc)
+            time.sleep(0.1)
+        raise RuntimeError(f"the registry in {self.manager.name} did not answer at "
+                           f"http://{self.registry}/v2/ within {REGISTRY_WAIT:.0f} s ({last})")
 
     # --- images ----------------------------------------------------------------------
 

@@ -64,6 +64,11 @@ def multinode() -> Iterator[Any]:
     if os.geteuid() != 0:
         _unavailable("the multi-node harness runs node containers with extra capabilities "
                      "and needs root")
+    from tests.swarm.docker_setup import ensure_engine
+
+    problem = ensure_engine()
+    if problem:
+        _unavailable(problem)
     try:
         import docker
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -98,7 +99,7 @@ def test_train_one_rank_per_node(multinode: Any, job_name: Callable[[str], str])
 
     ps = swarmfd(multinode, "ps", name, via_env=True)
     assert ps.returncode == 0, ps.stderr
-    assert ps.stdout.splitlines()[0] == f"job {name}: done ({n} ranks)"
+    assert ps.stdout.splitlines()[0].startswith(f"job {name}: done ({n} ranks; ")
     rows = [line.split() for line in ps.stdout.splitlines()[2:]]
     assert [(r[0], r[1], r[3]) for r in rows] == [(str(k), "complete", "0") for k in range(n)]
     assert sorted(r[2] for r in rows) == sorted(node_names(multinode)), ps.stdout
@@ -238,7 +239,75 @@ def test_bench_across_nodes_plain_and_encrypted(multinode: Any,
           + "\n".join(line for line in proc.stderr.splitlines() if "error" in line.lower())[:1500])
 
 
-# --- 4. a node is lost mid-job (last: it stops a node) ----------------------------------
+# --- 4. your own project on every node: the in-cluster registry --------------------------
+
+
+def test_own_project_reaches_the_other_nodes_through_the_registry(
+        multinode: Any, tmp_path: Path, job_name: Callable[[str], str]) -> None:
+    """deploy --build on the manager, one rank per node: without a registry the ranks on
+    the other nodes cannot start and deploy says what to do (after warning first); with
+    --push to the registry in the cluster every node pulls the image (by digest) and the
+    job succeeds."""
+    from tests.swarm.wheels import probe_lines, probe_project
+
+    n = len(multinode.nodes)
+    if n < 2:
+        pytest.skip("needs at least two nodes")
+    project, wheelhouse = probe_project(tmp_path)
+    repo = f"mn-own-{uuid.uuid4().hex[:6]}"
+    build = ["--build", str(project), "--base", multinode.image_id, "--wheelhouse",
+             str(wheelhouse), "--no-index", "--image-name", repo]
+
+    started = time.monotonic()
+    local = swarmfd(multinode, "deploy", *build, "-n", str(n), "--max-per-node", "1",
+                    "--name", job_name("noreg"), "--rm", "--", "python", "train.py")
+    local_seconds = time.monotonic() - started
+    assert local.returncode != 0, local.stdout + local.stderr
+    assert f"warning: this Swarm has {n} nodes and the image {repo}:" in local.stderr
+    assert re.search(r"rank \d+ was rejected \(it could not start\) on node swarmfd-mn-\d: "
+                     r".*push it to a registry every node can reach", local.stderr), local.stderr
+    built = re.search(rf"built {repo}:[0-9a-f]+ \(sha256:\w+, \d+ MB\) in ([\d.]+) s",
+                      local.stderr)
+    assert built, local.stderr
+
+    name = job_name("reg")
+    started = time.monotonic()
+    proc = swarmfd(multinode, "deploy", *build, "--push", multinode.registry, "-n", str(n),
+                   "--max-per-node", "1", "--name", name, "--keep", "--",
+                   "python", "train.py")
+    pushed_seconds = time.monotonic() - started
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert rank_lines(proc.stdout) == probe_lines(n), proc.stdout
+    assert "is up to date" in proc.stderr  # built by the first deploy
+    assert "this Swarm has" not in proc.stderr
+    push = re.search(rf"pushed {re.escape(multinode.registry)}/{repo}:[0-9a-f]+ "
+                     r"\(sha256:\w+\) in ([\d.]+) s", proc.stderr)
+    assert push, proc.stderr
+    running = re.search(r"all \d+ ranks running after ([\d.]+) s", proc.stderr)
+    assert running, proc.stderr
+    with multinode.manager.client() as client:
+        service = client.api.services(filters={"label": f"{LABEL_JOB}={name}"})[0]
+        image = service["Spec"]["TaskTemplate"]["ContainerSpec"]["Image"]
+        assert re.fullmatch(rf"{re.escape(multinode.registry)}/{repo}:[0-9a-f]{{12}}"
+                            r"@sha256:[0-9a-f]{64}", image), image
+        tasks = client.api.tasks(filters={"service": service["ID"]})
+        assert len({t["NodeID"] for t in tasks}) == n
+    for node in multinode.nodes[1:]:  # the workers pulled it from the registry
+        with node.client() as client:
+            digests = [d for i in client.images.list() for d in i.attrs.get("RepoDigests", [])]
+        assert any(d.startswith(f"{multinode.registry}/{repo}@sha256:") for d in digests), \
+            (node.name, digests)
+    rm = swarmfd(multinode, "rm", name)
+    assert rm.returncode == 0, rm.stderr
+    print(f"\nown project across {n} nodes: deploy --build without a registry failed as "
+          f"expected in {local_seconds:.1f} s (cold build {built.group(1)} s); with --push "
+          f"{pushed_seconds:.1f} s end to end (push {push.group(1)} s, all ranks running "
+          f"{running.group(1)} s after the call)\nwithout a registry:\n"
+          + "\n".join(line for line in local.stderr.splitlines()
+                      if "warning" in line or "rejected" in line))
+
+
+# --- 5. a node is lost mid-job (last: it stops a node) ----------------------------------
 
 LOOP = (
     "import os, time, numpy as np\n"

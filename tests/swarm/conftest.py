@@ -2,9 +2,10 @@
 
 Nothing here is mocked: the fixtures talk to the engine through the Docker SDK.
 
-``docker_client``   a ``docker.DockerClient`` for the local engine; the tests are
-                    skipped when no engine answers (with ``CI=true`` they fail instead:
-                    CI must have run ``scripts/setup-docker.sh`` first)
+``docker_client``   a ``docker.DockerClient`` for the local engine (under
+                    ``scripts/test.sh`` it first runs ``scripts/setup-docker.sh engine``,
+                    see ``docker_setup.py``); the tests are skipped when no engine
+                    answers (with ``CI=true`` they fail instead)
 ``swarm``           the client, after checking this node is an active Swarm manager
 ``swarmfd_image``   the ID (``sha256:...``) of the swarmfd image, built or refreshed by
                     ``scripts/setup-docker.sh base wheelhouse image`` (fast when nothing
@@ -29,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.swarm.docker_setup import ensure_engine
 
 ROOT = Path(__file__).resolve().parents[2]
 SETUP_SCRIPT = ROOT / "scripts" / "setup-docker.sh"
@@ -55,6 +58,9 @@ def docker_client() -> Iterator[Any]:
         import docker
     except ImportError:  # pragma: no cover - docker is a runtime dependency
         _unavailable("the docker SDK is not installed")
+    problem = ensure_engine()
+    if problem:
+        _unavailable(problem)
     try:
         client = docker.from_env(timeout=60)
         client.ping()

@@ -137,9 +137,13 @@ def test_failing_rank_stops_the_others_and_rm_removes_everything(
     ps = swarmfd("ps", name, timeout=60)
     assert ps.returncode == 0, ps.stderr
     assert f"job {name}: failed: rank 1 exited with code 3" in ps.stdout
+    assert ps.stdout.splitlines()[0].endswith(
+        f"(3 ranks; rank R runs as task slot R+1, host {name}-<R+1>)"), ps.stdout
     rows = {int(line.split()[0]): line for line in ps.stdout.splitlines()[2:]}
     assert sorted(rows) == [0, 1, 2]
     assert re.match(r"1\s+failed\s+\S+\s+3\s", rows[1]), ps.stdout
+    for rank, row in rows.items():  # the host name carries the slot, rank + 1
+        assert f" {name}-{rank + 1} " in row + " ", ps.stdout
     for rank in (0, 2):
         assert "stopped by swarmfd after the failure" in rows[rank], ps.stdout
 
@@ -295,7 +299,7 @@ def test_detach_logs_ls_ps(swarm: Any, swarmfd_image: str, tmp_path: Path,
 
         ps = swarmfd("ps", name, timeout=60)
         assert ps.returncode == 0, ps.stderr
-        assert ps.stdout.splitlines()[0] == f"job {name}: done (2 ranks)"
+        assert ps.stdout.splitlines()[0].startswith(f"job {name}: done (2 ranks; ")
         rows = [line.split() for line in ps.stdout.splitlines()[2:]]
         assert [(r[0], r[1], r[3]) for r in rows] == [("0", "complete", "0"),
                                                       ("1", "complete", "0")]
@@ -490,31 +494,46 @@ def test_job_secret_is_mounted_in_every_rank_and_exposed_nowhere(
 # --- --max-restarts ----------------------------------------------------------------------
 
 
-def test_max_restarts_recreates_the_group_which_resumes_from_its_checkpoint(
-        swarm: Any, swarmfd_image: str, tmp_path: Path,
-        job_name: Callable[[str], str]) -> None:
-    """train.py fails on restart 0 after saving epoch 2 (to a bind-mounted host folder);
-    deploy --max-restarts 1 recreates both ranks with SWARMFD_RESTART_COUNT=1, which
-    resume from the checkpoint and finish: exit 0, job removed."""
+def test_max_restarts_recreates_the_group_which_resumes_from_its_checkpoint_volume(
+        swarm: Any, swarmfd_image: str, job_name: Callable[[str], str]) -> None:
+    """train.py (no --checkpoint-dir: it takes SWARMFD_CHECKPOINT_DIR) fails on restart 0
+    after saving epoch 2 to the --checkpoint-volume; deploy --max-restarts 1 recreates
+    both ranks with SWARMFD_RESTART_COUNT=1, which resume from the volume and finish:
+    exit 0, job removed, the volume kept (with the checkpoint of the last epoch)."""
+    import docker.errors
+
     name = job_name("restart")
-    tmp_path.chmod(0o777)
-    started = time.monotonic()
-    proc = swarmfd("deploy", swarmfd_image, "-n", "2", "--name", name, "--max-restarts", "1",
-                   "--mount", f"type=bind,src={tmp_path},dst=/ckpt", "--",
-                   "python", TRAIN, "--epochs", "4", "--fail-at-epoch", "2",
-                   "--checkpoint-dir", "/ckpt", timeout=180)
-    elapsed = time.monotonic() - started
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert re.search(r"restart 1/1 of job \S+: rank 1 exited with code 3 on node \S+",
-                     proc.stderr), proc.stderr
-    assert "new ranks created with SWARMFD_RESTART_COUNT=1" in proc.stderr
-    assert "simulated failure after epoch 2" in proc.stdout + proc.stderr
-    assert re.search(r"resumed from \S+ at epoch 2/4", proc.stdout), proc.stdout
-    assert "params identical on all 2 ranks: OK" in proc.stdout
-    assert f"job {name} done: all 2 ranks exited 0" in proc.stderr
-    assert "(after 1 restart(s))" in proc.stderr
-    assert not any(job_objects(swarm, name).values())
-    print(f"deploy --max-restarts 1 (fail, restart, resume): {elapsed:.1f} s")
+    volume = f"{name}-ckpt"
+    try:
+        started = time.monotonic()
+        proc = swarmfd("deploy", swarmfd_image, "-n", "2", "--name", name,
+                       "--max-restarts", "1", "--checkpoint-volume", volume, "--",
+                       "python", TRAIN, "--epochs", "4", "--fail-at-epoch", "2", timeout=180)
+        elapsed = time.monotonic() - started
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert re.search(r"restart 1/1 of job \S+: rank 1 exited with code 3 on node \S+",
+                         proc.stderr), proc.stderr
+        assert "new ranks created with SWARMFD_RESTART_COUNT=1" in proc.stderr
+        assert "simulated failure after epoch 2" in proc.stdout + proc.stderr
+        assert "checkpoints: /checkpoints/train_checkpoint.npz every 1 epoch(s)" in proc.stdout
+        assert re.search(r"resumed from /checkpoints/train_checkpoint.npz at epoch 2/4 "
+                         r"\(restart 1; rank 0's copy\)", proc.stdout), proc.stdout
+        assert "epoch   1/4" not in proc.stdout.split("restart=1")[1]  # no epoch run twice
+        assert "params identical on all 2 ranks: OK" in proc.stdout
+        assert f"job {name} done: all 2 ranks exited 0" in proc.stderr
+        assert "(after 1 restart(s))" in proc.stderr
+        assert not any(job_objects(swarm, name).values())
+        # The volume outlives the job, holding the last epoch's checkpoint.
+        out = swarm.containers.run(
+            swarmfd_image, ["python", "-c", "import numpy as np; print(int(np.load("
+                            "'/c/train_checkpoint.npz')['next_epoch']))"],
+            volumes={volume: {"bind": "/c", "mode": "ro"}}, remove=True, entrypoint=[])
+        assert out.decode().strip() == "4"
+        print(f"deploy --max-restarts 1 --checkpoint-volume (fail, restart, resume): "
+              f"{elapsed:.1f} s")
+    finally:
+        with contextlib.suppress(docker.errors.NotFound):
+            swarm.volumes.get(volume).remove(force=True)
 
 
 def test_max_restarts_gives_up_after_the_last_failure(

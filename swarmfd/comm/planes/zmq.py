@@ -99,6 +99,9 @@ class ZmqPlane:
         stranger_facing(self.router, MAX_HANDSHAKE_FRAME)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.router.setsockopt(zmq.SNDHWM, 0)
+        # Nothing legitimate is ever received on it: without authentication (AUTH=off) a
+        # stranger's messages wait unread in its queue, so keep that queue minimal.
+        self.router.setsockopt(zmq.RCVHWM, 1)
         self.router.setsockopt(zmq.LINGER, int(min(timeout, 5.0) * 1000))
         keepalive(self.router)
         port = self.router.bind_to_random_port(f"tcp://{bind_host}")
