@@ -29,6 +29,7 @@ from .collectives import (
     reduce,
 )
 from .config import Config
+from .engine import Work
 from .errors import (
     AbortedError,
     AbortedMismatchError,
@@ -84,6 +85,7 @@ __all__ = [
     "RendezvousError",
     "RendezvousTimeout",
     "SwarmfdError",
+    "Work",
     "__version__",
     "all_gather",
     "all_reduce",

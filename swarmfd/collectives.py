@@ -26,6 +26,7 @@ from .algorithms import select
 from .algorithms.base import Op, run
 from .comm import wire
 from .comm.wire import Collective, ReduceOp, Signature
+from .engine import Work, completed, joined
 from .errors import SwarmfdError
 
 __all__ = ["all_gather", "all_reduce", "all_reduce_mean", "barrier", "broadcast", "reduce"]
@@ -156,30 +157,52 @@ def _flat(arr: np.ndarray) -> tuple[np.ndarray, Callable[[], None] | None]:
 # -- running a call ---------------------------------------------------------------------
 
 
-def _run(g: _group.Group, sig: Signature,
-         make: Callable[[Op], Any] | None) -> Any:
-    """Run the group's next call: ``make(op)`` gives the algorithm to drive (None: a
-    world of one, nothing to do). A failure breaks the group (see swarmfd.group)."""
+def _label(g: _group.Group, sig: Signature) -> str:
+    return (f"{sig.coll.label} (call #{g.seq} on rank {g.world_rank}"
+            + ("" if g.gid == _group.WORLD_GID else f", {g.name}") + ")")
+
+
+def _run(g: _group.Group, sig: Signature, make: Callable[[Op], Any] | None,
+         finish: Callable[[Any], Any] | None = None, async_op: bool = False) -> Any:
+    """Run, or with ``async_op`` issue, the group's next call: ``make(op)`` gives the
+    algorithm to drive (None: nothing to send), ``finish(result)`` runs once it
+    completed (write-backs) and gives the call's result. A failure breaks the group
+    (see swarmfd.group). Returns the result, or a :class:`Work` with ``async_op``."""
     if g.broken is not None:
+        if async_op:
+            return completed(None, f"{sig.coll.label} on rank {g.world_rank}", _broken(g))
         raise _broken(g)
     g.seq += 1
+    label = _label(g, sig)
     plane = g.plane()
     if plane is None or g.size == 1 or make is None:
-        return None
+        result = finish(None) if finish is not None else None
+        return completed(result, label) if async_op else result
     ch = g.channel
-    ch.begin(g.gid, g.seq)
-    ch.set_group(g.gid)
-    ch.activity = (f"{sig.coll.label} (call #{g.seq} on rank {g.world_rank}"
-                   + ("" if g.gid == _group.WORLD_GID else f", {g.name}") + ")")
     op = Op(ch, plane, list(g.ranks), g.rank, g.gid, g.seq, sig,
             plane if plane.kind == "shm" else None, g.next_slot)
+    engine = g._state.engine
+    if not async_op and engine.idle():
+        with engine.lock:  # the progress thread may be finishing its last step
+            return _inline(g, op, make, finish, label)
+    work = engine.submit(g, op, make(op), label, finish)
+    return work if async_op else work.wait()
+
+
+def _inline(g: _group.Group, op: Op, make: Callable[[Op], Any],
+            finish: Callable[[Any], Any] | None, label: str) -> Any:
+    """A blocking call on the caller's thread (nothing else pending)."""
+    ch = op.channel
+    ch.begin(g.gid, g.seq)
+    ch.set_group(g.gid)
+    ch.activity = label
     try:
         if len(ch.planes) > 1:
             # Aborts may come on another plane than this call's: read what waits there.
-            ch.service([p for p in ch.planes if p is not plane])
+            ch.service([p for p in ch.planes if p is not op.plane])
         result = run(op, make(op))
         ch.flush()
-        return result
+        return finish(result) if finish is not None else result
     except BaseException as exc:
         g.broken = exc
         ch.abort(exc, g.gid)
@@ -228,8 +251,12 @@ def _make_signature(coll: Collective, arrays: Sequence[np.ndarray], code: int, o
 
 def _fused(g: _group.Group, items: Sequence[Any], name: str, coll: Collective, op: ReduceOp,
            root: int, body: Callable[[Op, np.ndarray], Any],
-           check: Callable[[np.ndarray], None] | None = None) -> None:
-    """Run ``body`` once per dtype over the arrays of ``items`` fused into one buffer."""
+           check: Callable[[np.ndarray], None] | None = None,
+           async_op: bool = False) -> list[Any]:
+    """Run ``body`` once per dtype over the arrays of ``items`` fused into one buffer
+    (a reused scratch buffer, or a new one for an async call, which owns it until it
+    completes); every part is copied back when its call completes. Returns each call's
+    result (a Work each with ``async_op``)."""
     arrays = []
     for i, x in enumerate(items):
         try:
@@ -242,19 +269,31 @@ def _fused(g: _group.Group, items: Sequence[Any], name: str, coll: Collective, o
         if check is not None:
             check(arr)
         groups.setdefault(arr.dtype, []).append(arr)
+    out = []
     for dtype, members in groups.items():
         sig = _signature(coll, members, wire.dtype_code(dtype), op, root)
         total = sum(a.size for a in members)
-        flat = g.scratch(dtype, total)
+        flat = np.empty(total, dtype) if async_op else g.scratch(dtype, total)
         off = 0
         for a in members:
             flat[off:off + a.size] = a.reshape(-1)
             off += a.size
-        _run(g, sig, lambda o, flat=flat: body(o, flat))
-        off = 0
-        for a in members:
-            np.copyto(a, flat[off:off + a.size].reshape(a.shape))
-            off += a.size
+
+        def finish(_: Any, flat: np.ndarray = flat, members: list[np.ndarray] = members) -> None:
+            off = 0
+            for a in members:
+                np.copyto(a, flat[off:off + a.size].reshape(a.shape))
+                off += a.size
+
+        out.append(_run(g, sig, lambda o, flat=flat: body(o, flat), finish, async_op))
+    return out
+
+
+def _fused_result(x: Any, parts: list[Any], name: str, async_op: bool) -> Any:
+    """What a call on a list returns: the list, or a Work that gives it."""
+    if not async_op:
+        return x
+    return joined(parts, name, lambda: x) if parts else completed(x, name)
 
 
 def _items(x: Any) -> Sequence[Any] | None:
@@ -273,16 +312,17 @@ def _all_reduce_algo(o: Op, flat: np.ndarray, rop: ReduceOp, mean: bool, ring: l
     else:
         yield from algo(o, flat, ufunc)
     if mean:
-        o.channel.flush()  # pieces of flat may still be on their way to a peer
+        yield o.flush()  # pieces of flat may still be on their way to a peer
         np.divide(flat, o.size, out=flat)
 
 
-def all_reduce(x: T, op: str = "sum", *, group: Any = None) -> T:
+def all_reduce(x: T, op: str = "sum", *, group: Any = None, async_op: bool = False) -> T:
     """Reduce ``x`` across the group's ranks, in place, and return it.
 
     ``op`` is ``"sum"``, ``"prod"``, ``"min"``, ``"max"`` or ``"mean"`` (alias
     ``"avg"``). ``x`` is a numpy array, a CPU torch tensor, or a list of them (fused
-    into one buffer per dtype). Every rank ends with bitwise identical values.
+    into one buffer per dtype). Every rank ends with bitwise identical values. With
+    ``async_op=True`` returns a :class:`swarmfd.Work` whose ``wait()`` returns ``x``.
     """
     g = _group.resolve_group(group, "all_reduce()")
     rop, mean = _parse_op(op, "all_reduce")
@@ -293,28 +333,37 @@ def all_reduce(x: T, op: str = "sum", *, group: Any = None) -> T:
 
     items = _items(x)
     if items is not None:
-        _fused(g, items, "all_reduce", Collective.ALL_REDUCE, wire_op, wire.NO_ROOT, body,
-               lambda a: _check_op_dtype(rop, mean, a.dtype, "all_reduce"))
-        return x
+        parts = _fused(g, items, "all_reduce", Collective.ALL_REDUCE, wire_op, wire.NO_ROOT,
+                       body, lambda a: _check_op_dtype(rop, mean, a.dtype, "all_reduce"),
+                       async_op)
+        return _fused_result(x, parts, "all_reduce", async_op)
     arr = _to_numpy(x, "all_reduce")
     code = _check_array(arr, "all_reduce")
     _check_op_dtype(rop, mean, arr.dtype, "all_reduce")
     flat, write_back = _flat(arr)
-    _run(g, _signature(Collective.ALL_REDUCE, [arr], code, wire_op), lambda o: body(o, flat))
-    if write_back is not None:
-        write_back()
-    return x
+    return _run(g, _signature(Collective.ALL_REDUCE, [arr], code, wire_op),
+                lambda o: body(o, flat), _returns(x, write_back), async_op)
 
 
-def all_reduce_mean(x: T, *, group: Any = None) -> T:
+def _returns(x: Any, write_back: Callable[[], None] | None) -> Callable[[Any], Any]:
+    """The ``finish`` of an in-place call: write back (a non-contiguous array), give ``x``."""
+    def finish(_: Any) -> Any:
+        if write_back is not None:
+            write_back()
+        return x
+    return finish
+
+
+def all_reduce_mean(x: T, *, group: Any = None, async_op: bool = False) -> T:
     """Average ``x`` across the group's ranks, in place, and return it (floating dtypes)."""
-    return all_reduce(x, op="mean", group=group)
+    return all_reduce(x, op="mean", group=group, async_op=async_op)
 
 
 # -- broadcast and reduce ----------------------------------------------------------------
 
 
-def broadcast(x: T, src: int = 0, *, group: Any = None, group_src: int | None = None) -> T:
+def broadcast(x: T, src: int = 0, *, group: Any = None, group_src: int | None = None,
+              async_op: bool = False) -> T:
     """Copy ``src``'s ``x`` into every rank's ``x`` (in place) and return it.
 
     ``src`` is a world rank (``group_src``: a rank of ``group``).
@@ -327,20 +376,18 @@ def broadcast(x: T, src: int = 0, *, group: Any = None, group_src: int | None = 
 
     items = _items(x)
     if items is not None:
-        _fused(g, items, "broadcast", Collective.BROADCAST, ReduceOp.NONE, root, body)
-        return x
+        parts = _fused(g, items, "broadcast", Collective.BROADCAST, ReduceOp.NONE, root, body,
+                       async_op=async_op)
+        return _fused_result(x, parts, "broadcast", async_op)
     arr = _to_numpy(x, "broadcast")
     code = _check_array(arr, "broadcast")
     flat, write_back = _flat(arr)
-    _run(g, _signature(Collective.BROADCAST, [arr], code, ReduceOp.NONE, root),
-         lambda o: body(o, flat))
-    if write_back is not None:
-        write_back()
-    return x
+    return _run(g, _signature(Collective.BROADCAST, [arr], code, ReduceOp.NONE, root),
+                lambda o: body(o, flat), _returns(x, write_back), async_op)
 
 
 def reduce(x: T, dst: int = 0, op: str = "sum", *, group: Any = None,
-           group_dst: int | None = None) -> T:
+           group_dst: int | None = None, async_op: bool = False) -> T:
     """Reduce ``x`` across the group's ranks into ``dst``'s ``x`` (in place) and return it.
 
     ``dst`` is a world rank (``group_dst``: a rank of ``group``). Other ranks' arrays
@@ -358,20 +405,19 @@ def reduce(x: T, dst: int = 0, op: str = "sum", *, group: Any = None,
         yield from select.reduce(o.plane.kind, flat.nbytes, o.size)(o, flat, root,
                                                                     _UFUNCS[rop])
         if mean and o.me == root:
-            o.channel.flush()
+            yield o.flush()
             np.divide(flat, o.size, out=flat)
 
-    _run(g, _signature(Collective.REDUCE, [arr], code, ReduceOp.MEAN if mean else rop, root),
-         body)
-    if write_back is not None and g.rank == root:
-        write_back()
-    return x
+    return _run(g, _signature(Collective.REDUCE, [arr], code, ReduceOp.MEAN if mean else rop,
+                              root),
+                body, _returns(x, write_back if g.rank == root else None), async_op)
 
 
 # -- all_gather -------------------------------------------------------------------------
 
 
-def all_gather(x: Any, out: Any = None, *, group: Any = None) -> list[np.ndarray]:
+def all_gather(x: Any, out: Any = None, *, group: Any = None,
+               async_op: bool = False) -> list[np.ndarray]:
     """Every rank's ``x``, as a list of arrays in group-rank order (same shape and dtype).
 
     Without ``out`` the result is a new array of N times ``x``'s size, allocated
@@ -399,8 +445,8 @@ def all_gather(x: Any, out: Any = None, *, group: Any = None) -> list[np.ndarray
             return algo(o, rows, g.ring)
         return algo(o, rows)
 
-    _run(g, _signature(Collective.ALL_GATHER, [arr], code, ReduceOp.NONE), body)
-    return [rows[r].reshape(arr.shape) for r in range(n)]
+    return _run(g, _signature(Collective.ALL_GATHER, [arr], code, ReduceOp.NONE), body,
+                lambda _: [rows[r].reshape(arr.shape) for r in range(n)], async_op)
 
 
 def _gather_out(out: np.ndarray, arr: np.ndarray, size: int, what: str) -> np.ndarray:
@@ -424,7 +470,9 @@ def _gather_out(out: np.ndarray, arr: np.ndarray, size: int, what: str) -> np.nd
 # -- barrier ----------------------------------------------------------------------------
 
 
-def barrier(*, group: Any = None) -> None:
-    """Block until every rank of the group has called barrier()."""
+def barrier(*, group: Any = None, async_op: bool = False) -> Work | None:
+    """Block until every rank of the group has called barrier() (``async_op``: a Work
+    that completes then)."""
     g = _group.resolve_group(group, "barrier()")
-    _run(g, Signature(Collective.BARRIER), lambda o: select.tcp.barrier(o, 0))
+    return _run(g, Signature(Collective.BARRIER), lambda o: select.tcp.barrier(o, 0),
+                None, async_op)

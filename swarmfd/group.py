@@ -202,6 +202,7 @@ class _State:
     host: Group | None = None
     groups: dict[int, Group] = dataclasses.field(default_factory=dict)
     next_gid: int = FIRST_USER_GID
+    engine: Any = None
 
 
 _state: _State | None = None
@@ -346,7 +347,7 @@ def _start(config: Config, secret: str | bytes | None = None) -> Config:
             config = _with_local_ranks(config, hosts)
             state = _State(config, t, hosts)
             _make_groups(state)
-            t.channel.on_group_error = lambda gid, exc: _group_error(state, gid, exc)
+            state.engine = _engine(state)
             _state = state
             _export_local_ranks(config)
         except BaseException:
@@ -377,6 +378,24 @@ def _group_error(state: _State, gid: int, exc: BaseException) -> None:
     g = state.groups.get(gid)
     if g is not None and g.broken is None:
         g.broken = exc
+
+
+def _engine(state: _State) -> Any:
+    """The progress engine of ``state``'s groups (see swarmfd.engine)."""
+    from .engine import Engine
+
+    t = state.transport
+    assert t is not None
+
+    def failed(g: Group, exc: BaseException) -> None:
+        if g.broken is None:
+            g.broken = exc
+        t.channel.abort(exc, g.gid)
+
+    engine = Engine(t.channel, state.config.timeout, failed)
+    t.channel.on_group_error = lambda gid, exc: _group_error(state, gid, exc)
+    t.channel.on_report = engine.report
+    return engine
 
 
 def _setup_shm(state: _State, peers: list[PeerInfo], hostkey: str, deadline: float) -> None:
@@ -545,6 +564,8 @@ def cleanup() -> None:
             os.environ.pop(_exported.pop(), None)
     if s is None or s.transport is None:
         return
+    if s.engine is not None:
+        s.engine.close()
     t = s.transport
     if any(g.broken is not None for g in s.groups.values()):
         # A failed group: give the abort messages queued behind unsent data a moment to

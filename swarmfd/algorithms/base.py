@@ -4,7 +4,9 @@ An algorithm is a generator function ``algo(op, ...)``. It sends with
 :meth:`Op.send` (never blocks) and waits for a message with
 ``data = yield op.recv(peer, tag, nbytes, into)``; whoever drives it (the caller's
 thread for a blocking call, the progress engine for an async one) completes the
-receive and sends the payload back in (``None`` when it landed ``into``). Peers are
+receive and sends the payload back in (``None`` when it landed ``into``).
+``yield op.flush()`` waits until no plane still reads a buffer it was handed (before
+the algorithm overwrites one it sent without a copy). Peers are
 *group ranks*: the op maps them to world ranks, and to the plane the algorithm runs
 on. Algorithms never see a socket, a plane's internals or another group's traffic.
 
@@ -25,10 +27,12 @@ from ..comm import wire
 from ..comm.channel import Channel
 from ..comm.plane import Plane
 
-__all__ = ["Algorithm", "Op", "Recv", "num_pieces", "split"]
+__all__ = ["FLUSH", "Algorithm", "Op", "Recv", "num_pieces", "run", "split"]
 
 #: A receive an algorithm waits for: (group rank, tag, nbytes, into).
 Recv = tuple[int, int, int, Any]
+#: What an algorithm yields to wait until its sends no longer read its buffers.
+FLUSH: Any = ("flush",)
 #: The generator an algorithm is.
 Algorithm = Generator[Recv, Any, Any]
 
@@ -80,12 +84,19 @@ class Op:
         data = yield (frm, tag, like.nbytes, None)
         return np.frombuffer(data, dtype=like.dtype, count=like.size)
 
+    def flush(self) -> Any:
+        """The request to ``yield``: wait until every buffer sent so far is out."""
+        return FLUSH
+
     def recv_into(self, frm: int, tag: int, out: np.ndarray) -> Recv:
         """The receive to ``yield``, straight into ``out`` (contiguous)."""
         return (frm, tag, out.nbytes, out if out.nbytes else None)
 
     def complete(self, req: Recv) -> Any:
         """Block until ``req`` arrives (the caller's thread drives the channel)."""
+        if req is FLUSH:
+            self.channel.flush()
+            return None
         frm, tag, nbytes, into = req
         return self.channel.recv(self.plane, self.ranks[frm], self.sig, self.gid, self.seq,
                                  self.tag_base + tag, nbytes, into)

@@ -104,7 +104,7 @@ def all_reduce_direct(op: Op, buf: np.ndarray, ufunc: np.ufunc) -> Algorithm:
         if p != op.me:
             op.send(p, 0, buf)
     acc = yield from reduce_in_rank_order(op, buf, ufunc)
-    op.channel.flush()  # buf may still be on its way out (zero-copy) before it is overwritten
+    yield op.flush()  # buf may still be on its way out (zero-copy) before it is overwritten
     buf[...] = acc
 
 

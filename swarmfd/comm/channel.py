@@ -55,7 +55,7 @@ from ..errors import (
 from . import wire
 from .plane import PeerInfo, Plane
 
-__all__ = ["Channel"]
+__all__ = ["Channel", "GroupFailure", "Key", "Posting"]
 
 #: After a timeout, how long a rank listens to the others' timeout reports to find the
 #: rank that is really stuck (see Channel._timeout).
@@ -75,6 +75,17 @@ MAX_ABORT_TEXT = wire.MAX_ABORT_TEXT
 
 _NONE = wire.Signature(wire.Collective.NONE)
 Key = tuple[int, int, int, int]  # (group, src, seq, tag)
+#: What a posted receive expects: (signature, nbytes, buffer to land in or None).
+Posting = tuple[wire.Signature, int, Any]
+
+
+class GroupFailure(Exception):
+    """A message broke one group's call (raised by :meth:`Channel.deliver`)."""
+
+    def __init__(self, group: int, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.group = group
+        self.error = error
 
 
 def _now() -> float:
@@ -128,6 +139,9 @@ class Channel:
         #: Called with (group, error) for an abort or mismatch of a group other than the
         #: one being waited on: that group is broken, the current call goes on.
         self.on_group_error: Callable[[int, BaseException], None] = lambda g, e: None
+        #: Called with (group, rank, rank it waited for, payload) for a peer's provisional
+        #: timeout report of a group other than the one being waited on.
+        self.on_report: Callable[[int, int, int, Any], None] = lambda g, r, w, p: None
         #: What the rank is doing, for error messages.
         self.activity = "idle"
         self.waiting_for = -1
@@ -278,6 +292,51 @@ class Channel:
                 between()
                 last_check = _now()
 
+    def take(self, key: Key, sig: wire.Signature, nbytes: int, into: Any) -> tuple[bool, Any]:
+        """The stashed message ``key``, if it arrived: (True, payload or None when it was
+        copied ``into``), else (False, None). Raises on a signature or size mismatch."""
+        stashed = self.stash.pop(key, None)
+        if stashed is None:
+            return False, None
+        hdr, payload = stashed
+        if not hdr.matches(sig):
+            raise wire.mismatch_error(self.rank, sig, hdr)
+        self._check_size(hdr, nbytes)
+        if into is None:
+            return True, payload
+        memoryview(into).cast("B")[:] = payload
+        return True, None
+
+    def deliver(self, plane: Plane, posted: dict[Key, Posting],
+                timeout: float) -> tuple[Key, Any] | None:
+        """Wait up to ``timeout`` s for one message on ``plane`` (the progress engine's
+        receive). One that a posted receive expects is read straight into its buffer and
+        returned with its key; any other is handled as outside a receive: stashed, or an
+        abort, mismatch or timeout report passed to its group (:attr:`on_group_error`,
+        :attr:`on_report`), so one group's failure never disturbs another's calls.
+        Raises :class:`GroupFailure` for a posted message whose signature or size is
+        wrong (that call fails)."""
+        self._group = -1
+        hdr = plane.next_header(timeout)
+        if hdr is None:
+            return None
+        key = (hdr.group, hdr.src, hdr.seq, hdr.tag)
+        posting = posted.get(key) if hdr.kind == wire.Kind.DATA else None
+        if posting is None:
+            between = _cutoff(self.timeout)
+            with contextlib.suppress(_Cutoff):
+                self._other(plane, hdr, _NONE, 0, between)
+            return None
+        sig, nbytes, into = posting
+        try:
+            if not hdr.matches(sig):
+                raise wire.mismatch_error(self.rank, sig, hdr)
+            self._check_size(hdr, nbytes)
+        except (MismatchError, ProtocolError) as exc:
+            plane.read_payload(hdr, None, _cutoff(self.timeout), keep=True)  # drop it
+            raise GroupFailure(hdr.group, exc) from None
+        return key, plane.read_payload(hdr, into, _cutoff(self.timeout))
+
     def _other(self, plane: Plane, hdr: wire.Header, sig: wire.Signature, seq: int,
                between: Callable[[], None]) -> None:
         """Handle a message that is not the one being waited for."""
@@ -330,6 +389,10 @@ class Channel:
             if not abort_is_provisional(payload):
                 self.on_group_error(hdr.group, error_from_abort(
                     f"group {hdr.group}", hdr.src, payload))
+            else:
+                waited = abort_waited_for(payload)
+                if waited is not None:
+                    self.on_report(hdr.group, hdr.src, waited, payload)
             return
         if hdr.kind != wire.Kind.DATA:
             self.garbage += 1
@@ -387,12 +450,14 @@ class Channel:
                     hdr = plane.next_header(min(0.005, max(0.0, end - _now())))
                     if hdr is None:
                         continue
-                    payload = plane.read_payload(hdr, None, between)
+                    payload = plane.read_payload(hdr, None, between, keep=True)
                     if (hdr.kind == wire.Kind.ABORT and self._from_peer(hdr)
                             and hdr.group == group):
                         waited = abort_waited_for(payload)
                         if waited is not None and 0 <= waited < self.world_size:
                             waits.setdefault(hdr.src, waited)
+                    elif self._from_peer(hdr) and hdr.group != group:
+                        self._for_other_group(hdr, payload)  # other groups' calls go on
         culprit, chain = src, [self.rank, src]
         while culprit in waits and waits[culprit] not in chain:
             culprit = waits[culprit]
