@@ -462,26 +462,42 @@ def _make_preexec() -> Any:
     return preexec
 
 
-def _exited(pid: int) -> bool:
-    """Whether child ``pid`` has exited, without reaping it (its pid, and so its process
+def _exited(proc: subprocess.Popen[Any]) -> bool:
+    """Whether child ``proc`` has exited, without reaping it (its pid, and so its process
     group id, stays taken until we reap it, so killing the group cannot hit a stranger)."""
+    if proc.returncode is not None:
+        return True  # reaped already
     try:
-        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
     except ChildProcessError:
         return True
 
 
-def _killpg(pid: int, sig: int) -> None:
+def _wait_exit(proc: subprocess.Popen[Any], timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for ``proc`` to exit, without reaping it."""
+    deadline = time.monotonic() + timeout
+    while not _exited(proc):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def _killpg(proc: subprocess.Popen[Any], sig: int) -> None:
+    """Signal ``proc``'s process group (it runs in its own session), unless ``proc`` was
+    reaped: then its pid may already belong to someone else."""
+    if proc.returncode is not None:
+        return
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, sig)
+        os.killpg(proc.pid, sig)
 
 
 def _reap(proc: subprocess.Popen[Any], timeout: float = 10.0) -> int:
-    """Kill what is left of ``proc``'s process group (it runs in its own session) and reap.
+    """Kill what is left of ``proc``'s process group and reap ``proc``; its exit code.
 
     Safe against pid reuse: until ``proc`` is reaped its pid (the group's id) stays taken.
     """
-    _killpg(proc.pid, signal.SIGKILL)  # the leader if it runs, and any stragglers
+    _killpg(proc, signal.SIGKILL)  # the leader if it runs, and any stragglers
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired as exc:  # pragma: no cover - SIGKILL is not ignorable
@@ -631,16 +647,15 @@ class Job:
     def poll(self) -> list[int | None]:
         """Each rank's return code, or None while it runs (reaps ranks that ended)."""
         for rank, proc in enumerate(self.procs):
-            if rank not in self._done and _exited(proc.pid):
+            if rank not in self._done and _exited(proc):
                 self._done[rank] = _reap(proc)
                 self.net._forget(proc)
         return [self._done.get(r) for r in range(len(self.procs))]
 
     def kill_rank(self, rank: int, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to rank ``rank``'s process group (a lost rank, for failure tests)."""
-        proc = self.procs[rank]
         if rank not in self._done:
-            _killpg(proc.pid, sig)
+            _killpg(self.procs[rank], sig)
 
     def kill_host(self, host: int, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to every rank on simulated host ``host`` (a lost host)."""
@@ -673,8 +688,9 @@ class Job:
                 alive = [r for r, c in enumerate(self.poll()) if c is None]
                 self._killed.update(alive)
                 for r in alive:  # faulthandler prints the stacks, then the rank dies
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(self.procs[r].pid, signal.SIGABRT)
+                    if self.procs[r].returncode is None:  # not reaped: the pid is its own
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(self.procs[r].pid, signal.SIGABRT)
                 end = time.monotonic() + ABORT_GRACE
                 while time.monotonic() < end and None in self.poll():
                     time.sleep(0.02)
@@ -880,7 +896,10 @@ class SimulatedHosts:
                 self._start_guardian()
         self._is_up = True
         try:
-            remove_stale()
+            try:
+                remove_stale()
+            except NetsimError as exc:  # another harness may be removing them right now
+                print(f"netsim: {exc}", file=sys.stderr)
             if self.persistent and not discover().get(self.tag, Found()).empty():
                 raise NetsimError(f"simulated hosts {self.tag!r} are already up: "
                                   f"`netsim.py down --name {self.tag[1:]}` first")
@@ -1063,12 +1082,8 @@ class SimulatedHosts:
         seconds, with :class:`NetsimError`), output captured as text."""
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
             proc = self.popen(host, argv, env=env, stdout=out, stderr=err, cwd=cwd)
-            try:
-                proc.wait(timeout=timeout)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            code = _reap(proc)
+            timed_out = not _wait_exit(proc, timeout)
+            code = _reap(proc)  # and whatever it left running in its session
             self._forget(proc)
             out.seek(0)
             err.seek(0)

@@ -59,6 +59,22 @@ def _left_of(tag: str) -> str:
     return "\n".join(line for out in outputs for line in out.splitlines() if tag in line)
 
 
+def _gone(pid: int, wait: float = 5.0) -> bool:
+    """The process is gone within ``wait`` seconds (SIGKILL takes effect when the process
+    next runs; a zombie waiting for its parent counts as gone)."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return True
+        except FileNotFoundError:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+
+
 # --- pure helpers -------------------------------------------------------------------
 
 
@@ -256,6 +272,15 @@ def test_set_link_cuts_a_host_off_and_back(net2: netsim.SimulatedHosts) -> None:
     assert net2.run(0, [*probe, "5"], timeout=30).stdout.startswith("refused")
 
 
+def test_nothing_a_command_or_rank_starts_outlives_it(net2: netsim.SimulatedHosts) -> None:
+    """A background child of a finished command, or of a finished rank, is killed."""
+    proc = net2.run(0, ["sh", "-c", "sleep 600 & echo $!"], timeout=30)
+    assert _gone(int(proc.stdout))
+    result = net2.run_job(["sh", "-c", "sleep 600 & echo $!"], [0, 1], timeout=30).check()
+    for rank in range(2):
+        assert _gone(int(result.stdout(rank)))
+
+
 def test_shaping_really_limits_throughput(net2: netsim.SimulatedHosts) -> None:
     """A bulk transfer at 200mbit runs at about that rate, far below an unshaped one,
     in both directions; the bytes pass the tbf of the upload and of the download."""
@@ -289,15 +314,6 @@ def test_teardown_leaves_nothing(root_ok: None) -> None:
     assert _left_of(tag) == ""
     assert tag not in netsim.discover()
     net.close()  # idempotent
-
-
-def _gone(pid: int) -> bool:
-    """The process no longer runs (a zombie waiting for its parent counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
 
 
 _HOLDER = textwrap.dedent("""
