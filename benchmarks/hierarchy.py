@@ -13,6 +13,9 @@ times (an iteration takes as long as its slowest rank); the median of those. Bes
 * CPU time per call per rank: ``time.process_time()`` (every thread of the rank, so the
   socket plane's I/O thread too) around each call; the median over iterations of each
   rank, then the mean and the max over ranks;
+* the CPU floor: the CPU time per call of all ranks over the machine's cores; a call
+  cannot take less wall time on this machine (when the floor reaches the link bound,
+  the ranks are CPU-bound, not link-bound);
 * the bounds on the shaped links, where the network is the limit (issue 17, "Bounds"),
   as times at the nominal rate:
 
@@ -66,6 +69,8 @@ MIN_ITERS = 5
 MAX_ITERS = 100
 DEFAULT_WARMUP = 2
 RESULT_PREFIX = "HIERARCHY-RESULT "
+#: The machine's cores: all ranks' CPU time per call over this is the CPU floor of a call.
+CORES = os.cpu_count() or 1
 #: Issue 17, "Measured today" (2 hosts x 2 ranks at 5gbit, ms): placement -> size -> ms.
 ISSUE_17_TODAY = {"host": {16 * MIB: 44.9, 64 * MIB: 177.0},
                   "spread": {16 * MIB: 87.5, 64 * MIB: 343.0}}
@@ -200,10 +205,12 @@ class Row:
     busbw: float
     cpu_ms_mean: float
     cpu_ms_max: float
+    cpu_floor_ms: float
     ring_bound_ms: float
     best_flat_bound_ms: float
     two_level_bound_ms: float
     wrong: int
+    load1: float
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:
@@ -235,6 +242,7 @@ def run_job(net: netsim.SimulatedHosts, shape: Shape, placement_kind: str, varia
         raise netsim.NetsimError(f"{shape.label} {placement_kind} {variant}: "
                                  + result.describe())
     n = len(placement)
+    load1 = float(_loadavg().split()[0])
     rows = []
     for line in result.stdout(0).splitlines():
         if not line.startswith(RESULT_PREFIX):
@@ -247,8 +255,9 @@ def run_job(net: netsim.SimulatedHosts, shape: Shape, placement_kind: str, varia
             min_ms=d["min_s"] * 1e3, p90_ms=d["p90_s"] * 1e3,
             busbw=d["size"] / d["median_s"] * 2 * (n - 1) / n / 1e9,
             cpu_ms_mean=statistics.fmean(d["cpu_s"]) * 1e3, cpu_ms_max=max(d["cpu_s"]) * 1e3,
+            cpu_floor_ms=sum(d["cpu_s"]) / CORES * 1e3,
             ring_bound_ms=b["ring"] * 1e3, best_flat_bound_ms=b["best_flat"] * 1e3,
-            two_level_bound_ms=b["two_level"] * 1e3, wrong=d["wrong"]))
+            two_level_bound_ms=b["two_level"] * 1e3, wrong=d["wrong"], load1=load1))
     if len(rows) != len(sizes):
         raise netsim.NetsimError(f"{shape.label} {placement_kind} {variant}: rank 0 reported "
                                  f"{len(rows)} of {len(sizes)} sizes\n" + result.describe())
@@ -265,22 +274,23 @@ def table(rows: list[Row]) -> str:
     for r in rows:
         keys.setdefault((r.shape, r.placement, r.variant, r.size), []).append(r)
     lines = ["| shape | placement | variant | size | time ms (median) | busbw GB/s | "
-             "CPU ms/call/rank mean / max | this ring bound ms | best flat bound ms | "
-             "two-level bound ms | of best flat bound | runs |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"CPU ms/call/rank mean / max | CPU floor ms ({CORES} cores) | this ring bound ms | "
+             "best flat bound ms | two-level bound ms | of best flat bound | runs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (shape, placement, variant, size), group in keys.items():
         t = statistics.median(r.median_ms for r in group)
         bus = statistics.median(r.busbw for r in group)
         cpu = statistics.median(r.cpu_ms_mean for r in group)
         cpu_max = statistics.median(r.cpu_ms_max for r in group)
+        floor = statistics.median(r.cpu_floor_ms for r in group)
         g = group[0]
         frac = g.best_flat_bound_ms / t if not math.isnan(g.best_flat_bound_ms) else math.nan
         runs = " ".join(f"{r.median_ms:.1f}" for r in group) if len(group) > 1 else "1"
         wrong = sum(r.wrong for r in group)
         lines.append(
             f"| {shape} | {placement} | {variant} | {_fmt_size(size)} | {t:.2f} | {bus:.3f} | "
-            f"{cpu:.2f} / {cpu_max:.2f} | {g.ring_bound_ms:.1f} | {g.best_flat_bound_ms:.1f} | "
-            f"{g.two_level_bound_ms:.1f} | {frac:.2f} | {runs} |"
+            f"{cpu:.2f} / {cpu_max:.2f} | {floor:.1f} | {g.ring_bound_ms:.1f} | "
+            f"{g.best_flat_bound_ms:.1f} | {g.two_level_bound_ms:.1f} | {frac:.2f} | {runs} |"
             + ("  WRONG RESULTS" if wrong else ""))
     return "\n".join(lines)
 
