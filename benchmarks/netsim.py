@@ -888,6 +888,9 @@ class SimulatedHosts:
         if self._is_up:
             return self
         check_requirements()
+        if self.persistent and not discover().get(self.tag, Found()).empty():
+            raise NetsimError(f"simulated hosts {self.tag!r} are already up: "
+                              f"`netsim.py down --name {self.tag[1:]}` first")
         if not self.persistent:
             with _LOCK:
                 _ACTIVE[self.tag] = self
@@ -900,9 +903,6 @@ class SimulatedHosts:
                 remove_stale()
             except NetsimError as exc:  # another harness may be removing them right now
                 print(f"netsim: {exc}", file=sys.stderr)
-            if self.persistent and not discover().get(self.tag, Found()).empty():
-                raise NetsimError(f"simulated hosts {self.tag!r} are already up: "
-                                  f"`netsim.py down --name {self.tag[1:]}` first")
             self.subnet = self._subnet_arg or self._pick_subnet()
             prefix = self.subnet.prefixlen
             _cmd(["ip", "link", "add", self.bridge, "type", "bridge"])

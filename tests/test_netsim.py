@@ -480,7 +480,12 @@ def test_cli_up_status_down(root_ok: None) -> None:
         assert f"netns swarmfd-0{name}-h1" in up.stdout
         st = subprocess.run([*run, "status"], capture_output=True, text=True, timeout=60)
         assert f"0{name} [manual]" in st.stdout
-        assert _left_of("0" + name) != ""  # it outlived the CLI process
+        held = _left_of("0" + name)
+        assert held != ""  # it outlived the CLI process
+        again = subprocess.run([*run, "up", "--name", name], capture_output=True, text=True,
+                               timeout=60)
+        assert again.returncode == 1 and "already up" in again.stderr
+        assert _left_of("0" + name) == held  # the refusal left the running one alone
     finally:
         down = subprocess.run([*run, "down", "--name", name], capture_output=True, text=True,
                               timeout=60)
