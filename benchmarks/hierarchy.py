@@ -13,6 +13,8 @@ times (an iteration takes as long as its slowest rank); the median of those. Bes
 * CPU time per call per rank: ``time.process_time()`` (every thread of the rank, so the
   socket plane's I/O thread too) around each call; the median over iterations of each
   rank, then the mean and the max over ranks;
+* the kernel's share of that CPU time (``getrusage`` system time around each call,
+  summed over ranks and iterations);
 * the CPU floor: the CPU time per call of all ranks over the machine's cores; a call
   cannot take less wall time on this machine (when the floor reaches the link bound,
   the ranks are CPU-bound, not link-bound);
@@ -49,6 +51,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import statistics
 import sys
 import time
@@ -162,26 +165,32 @@ def worker(plan: list[tuple[int, int]], warmup: int) -> int:
                 fd.all_reduce(x)
             times = np.empty(iters)
             cpu = np.empty(iters)
+            kernel = 0.0
             for i in range(iters):
                 np.copyto(x, source)
                 fd.barrier()
+                r0 = resource.getrusage(resource.RUSAGE_SELF)
                 c0 = time.process_time()
                 t0 = time.perf_counter()
                 fd.all_reduce(x)
                 times[i] = time.perf_counter() - t0
                 cpu[i] = time.process_time() - c0
+                kernel += resource.getrusage(resource.RUSAGE_SELF).ru_stime - r0.ru_stime
             expected = pattern * np.float32(n * (n + 1) / 2)  # small integers: exact
             wrong = np.array([np.count_nonzero(x != expected)], dtype=np.int64)
             mine = np.zeros(n)
             mine[rank] = float(np.median(cpu))
+            split = np.array([kernel, float(np.sum(cpu))])  # system time, all CPU time
             fd.all_reduce(times, op="max")
             fd.all_reduce(wrong)
             fd.all_reduce(mine)
+            fd.all_reduce(split)
             if rank == 0:
                 print(RESULT_PREFIX + json.dumps({
                     "size": size, "iters": iters, "median_s": float(np.median(times)),
                     "min_s": float(np.min(times)), "p90_s": float(np.percentile(times, 90)),
-                    "cpu_s": mine.tolist(), "wrong": int(wrong[0])}), flush=True)
+                    "cpu_s": mine.tolist(), "sys_share": float(split[0] / max(split[1], 1e-9)),
+                    "wrong": int(wrong[0])}), flush=True)
     finally:
         fd.cleanup()
     return 0
@@ -206,6 +215,7 @@ class Row:
     cpu_ms_mean: float
     cpu_ms_max: float
     cpu_floor_ms: float
+    sys_share: float
     ring_bound_ms: float
     best_flat_bound_ms: float
     two_level_bound_ms: float
@@ -255,7 +265,7 @@ def run_job(net: netsim.SimulatedHosts, shape: Shape, placement_kind: str, varia
             min_ms=d["min_s"] * 1e3, p90_ms=d["p90_s"] * 1e3,
             busbw=d["size"] / d["median_s"] * 2 * (n - 1) / n / 1e9,
             cpu_ms_mean=statistics.fmean(d["cpu_s"]) * 1e3, cpu_ms_max=max(d["cpu_s"]) * 1e3,
-            cpu_floor_ms=sum(d["cpu_s"]) / CORES * 1e3,
+            cpu_floor_ms=sum(d["cpu_s"]) / CORES * 1e3, sys_share=d["sys_share"],
             ring_bound_ms=b["ring"] * 1e3, best_flat_bound_ms=b["best_flat"] * 1e3,
             two_level_bound_ms=b["two_level"] * 1e3, wrong=d["wrong"], load1=load1))
     if len(rows) != len(sizes):
@@ -274,22 +284,24 @@ def table(rows: list[Row]) -> str:
     for r in rows:
         keys.setdefault((r.shape, r.placement, r.variant, r.size), []).append(r)
     lines = ["| shape | placement | variant | size | time ms (median) | busbw GB/s | "
-             f"CPU ms/call/rank mean / max | CPU floor ms ({CORES} cores) | this ring bound ms | "
-             "best flat bound ms | two-level bound ms | of best flat bound | runs |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"CPU ms/call/rank mean / max | kernel share | CPU floor ms ({CORES} cores) | "
+             "this ring bound ms | best flat bound ms | two-level bound ms | of best flat bound | "
+             "runs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (shape, placement, variant, size), group in keys.items():
         t = statistics.median(r.median_ms for r in group)
         bus = statistics.median(r.busbw for r in group)
         cpu = statistics.median(r.cpu_ms_mean for r in group)
         cpu_max = statistics.median(r.cpu_ms_max for r in group)
         floor = statistics.median(r.cpu_floor_ms for r in group)
+        ksh = statistics.median(r.sys_share for r in group)
         g = group[0]
         frac = g.best_flat_bound_ms / t if not math.isnan(g.best_flat_bound_ms) else math.nan
         runs = " ".join(f"{r.median_ms:.1f}" for r in group) if len(group) > 1 else "1"
         wrong = sum(r.wrong for r in group)
         lines.append(
             f"| {shape} | {placement} | {variant} | {_fmt_size(size)} | {t:.2f} | {bus:.3f} | "
-            f"{cpu:.2f} / {cpu_max:.2f} | {floor:.1f} | {g.ring_bound_ms:.1f} | "
+            f"{cpu:.2f} / {cpu_max:.2f} | {ksh:.0%} | {floor:.1f} | {g.ring_bound_ms:.1f} | "
             f"{g.best_flat_bound_ms:.1f} | {g.two_level_bound_ms:.1f} | {frac:.2f} | {runs} |"
             + ("  WRONG RESULTS" if wrong else ""))
     return "\n".join(lines)
