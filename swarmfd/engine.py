@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .algorithms.base import FLUSH, Op
+from .algorithms.base import FLUSH, Op, request
 from .comm.channel import LOST_PEER_GRACE, GroupFailure, Key, Posting
 from .errors import PeerLostError, SwarmfdError
 
@@ -336,7 +336,7 @@ class Engine:
 
     def _resume(self, task: _Task, value: Any) -> bool:
         """Send ``value`` into the task's algorithm; set up what it waits for next."""
-        op, ch = task.op, self.channel
+        ch = self.channel
         try:
             while True:
                 req = task.gen.send(value)
@@ -346,13 +346,12 @@ class Engine:
                         task.req, task.key, task.posting = FLUSH, None, None
                         return True
                     continue
-                frm, tag, nbytes, into = req
-                key = (op.gid, op.ranks[frm], op.seq & 0xFFFFFFFF, op.tag_base + tag)
-                found, payload = ch.take(key, op.sig, nbytes, into)
+                _, key, sig, nbytes, into = request(req)
+                found, payload = ch.take(key, sig, nbytes, into)
                 if found:
                     value = payload
                     continue
-                task.req, task.key, task.posting = req, key, (op.sig, nbytes, into)
+                task.req, task.key, task.posting = req, key, (sig, nbytes, into)
                 task.since = _now()
                 return True
         except StopIteration as stop:

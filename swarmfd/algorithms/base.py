@@ -29,8 +29,10 @@ from ..comm.plane import Plane
 
 __all__ = ["FLUSH", "Algorithm", "Op", "Recv", "num_pieces", "run", "split"]
 
-#: A receive an algorithm waits for: (group rank, tag, nbytes, into).
-Recv = tuple[int, int, int, Any]
+#: A receive an algorithm waits for: (op, group rank, tag, nbytes, into), or for a
+#: point-to-point piece ("key", op, key, signature, nbytes, into). A request names its op,
+#: so the phases of one algorithm may run on sub-ops (other members, planes and tags).
+Recv = tuple[Any, ...]
 #: What an algorithm yields to wait until its sends no longer read its buffers.
 FLUSH: Any = ("flush",)
 #: The generator an algorithm is.
@@ -76,12 +78,17 @@ class Op:
 
     def recv(self, frm: int, tag: int, nbytes: int, into: Any = None) -> Recv:
         """The receive to ``yield``: returns the payload, or None when it landed ``into``."""
-        return (frm, tag, nbytes, into)
+        return (self, frm, tag, nbytes, into)
+
+    def recv_key(self, key: tuple[int, int, int, int], sig: wire.Signature, nbytes: int,
+                 into: Any = None) -> Recv:
+        """The receive to ``yield`` of a message named by its key (point to point)."""
+        return ("key", self, key, sig, nbytes, into)
 
     def recv_array(self, frm: int, tag: int, like: np.ndarray) -> Generator[Recv, Any,
                                                                             np.ndarray]:
         """``yield from`` this: the message as an array of ``like``'s dtype and size."""
-        data = yield (frm, tag, like.nbytes, None)
+        data = yield (self, frm, tag, like.nbytes, None)
         return np.frombuffer(data, dtype=like.dtype, count=like.size)
 
     def flush(self) -> Any:
@@ -90,16 +97,11 @@ class Op:
 
     def recv_into(self, frm: int, tag: int, out: np.ndarray) -> Recv:
         """The receive to ``yield``, straight into ``out`` (contiguous)."""
-        return (frm, tag, out.nbytes, out if out.nbytes else None)
+        return (self, frm, tag, out.nbytes, out if out.nbytes else None)
 
-    def complete(self, req: Recv) -> Any:
-        """Block until ``req`` arrives (the caller's thread drives the channel)."""
-        if req is FLUSH:
-            self.channel.flush()
-            return None
-        frm, tag, nbytes, into = req
-        return self.channel.recv(self.plane, self.ranks[frm], self.sig, self.gid, self.seq,
-                                 self.tag_base + tag, nbytes, into)
+    def key(self, frm: int, tag: int) -> tuple[int, int, int, int]:
+        """The key of the message of group rank ``frm`` with ``tag`` in this call."""
+        return (self.gid, self.ranks[frm], self.seq & 0xFFFFFFFF, self.tag_base + tag)
 
     # -- shared memory ------------------------------------------------------------------
 
@@ -108,13 +110,32 @@ class Op:
         return self.shm.region(self.ranks[member], slot, dtype, count)
 
 
+def request(req: Recv) -> tuple[Op, tuple[int, int, int, int], wire.Signature, int, Any]:
+    """(op, key, signature, nbytes, into) of a receive request."""
+    if req[0] == "key":
+        return req[1], req[2], req[3], req[4], req[5]
+    op, frm, tag, nbytes, into = req
+    return op, op.key(frm, tag), op.sig, nbytes, into
+
+
+def complete(req: Recv) -> Any:
+    """Block until ``req`` arrives (the caller's thread drives the channel)."""
+    if req is FLUSH:
+        return None
+    op, key, sig, nbytes, into = request(req)
+    return op.channel.recv_key(op.plane, key, sig, nbytes, into)
+
+
 def run(op: Op, algo: Algorithm) -> Any:
     """Drive ``algo`` to its end on the caller's thread; its return value."""
-    complete = op.complete
     try:
         req = algo.send(None)
         while True:
-            req = algo.send(complete(req))
+            if req is FLUSH:
+                op.channel.flush()
+                req = algo.send(None)
+            else:
+                req = algo.send(complete(req))
     except StopIteration as stop:
         return stop.value
 
