@@ -553,10 +553,12 @@ class _Hub:
         self._bound = False
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
+            if not address.startswith("\0"):
+                # The file bind() creates takes the socket's mode: 0600 from the start (a
+                # chmod after bind could follow a symlink swapped in meanwhile).
+                os.fchmod(self.listener.fileno(), 0o600)
             self.listener.bind(address)
             self._bound = True
-            if not address.startswith("\0"):
-                os.chmod(address, 0o600)
             self.listener.listen(LISTEN_BACKLOG)
             self.listener.setblocking(False)
         except BaseException:

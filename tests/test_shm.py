@@ -262,6 +262,54 @@ def test_hub_bounds_connections_in_a_handshake(monkeypatch: pytest.MonkeyPatch) 
         hub.close()
 
 
+def test_a_rank_gets_in_while_the_accept_queue_is_flooded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The accept queue is full (the hub held back for 0.3 s) and connections opened and
+    closed in a loop keep it busy: the rank's connect, refused with EAGAIN, is retried
+    until the hub has drained the queue, and the rank gets in."""
+    monkeypatch.setattr(shm, "LISTEN_BACKLOG", 1)
+    monkeypatch.setattr(shm, "ACCEPT_BATCH", 0)  # the hub accepts nothing for now
+    hub, address = _hub([1])
+    queued = [socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(3)]
+    stop = threading.Event()
+    flooded = [0]
+
+    def flood() -> None:
+        while not stop.is_set():
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.setblocking(False)
+            flooded[0] += 1
+            with contextlib.suppress(OSError):
+                s.connect(address)
+            s.close()
+
+    flooders = [threading.Thread(target=flood) for _ in range(2)]
+    client = shm.Setup(1, 2, [0, 1], TOKEN, "", 5.0, time.monotonic() + 5, lambda s: None)
+    client.address = address
+    try:
+        for q in queued[:2]:
+            q.connect(address)
+        queued[2].setblocking(False)
+        with pytest.raises(BlockingIOError):
+            queued[2].connect(address)  # the queue is full
+        for t in flooders:
+            t.start()
+        threading.Timer(0.3, setattr, (shm, "ACCEPT_BATCH", 64)).start()
+        client._create()
+        t0 = time.monotonic()
+        client._hand_over()
+        assert time.monotonic() - t0 > 0.25  # it waited for the queue, and got in
+        assert list(hub.finish()) == [1]
+    finally:
+        stop.set()
+        for t in flooders:
+            t.join(10)
+        for q in queued:
+            q.close()
+        client.close()
+        hub.close()
+    assert flooded[0] > 100 and hub.refused >= 2  # the two queued ones, at least
+
+
 def test_a_rank_sends_nothing_to_a_socket_that_does_not_prove_it_is_the_hub() -> None:
     """A listener that answers the greeting but cannot prove the job's key gets no
     descriptor: the rank stops and says why."""
