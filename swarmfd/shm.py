@@ -671,9 +671,7 @@ class _Hub:
             c.memfd, c.writer = [*fds, -1, -1][:2]  # maxfds=2: the kernel closed any more
             if msg != b"F" or len(fds) != 2 or flags & socket.MSG_CTRUNC:
                 raise Unavailable("not a segment and an inbox")
-            _check_segment(c.memfd)
-            _check_writer(c.writer)
-            c.sock.send(b"A")
+            c.sock.send(b"A")  # (what they are is checked before use: ShmChannel.attach)
         except (BlockingIOError, InterruptedError):
             return
         except (OSError, Unavailable, ValueError):
@@ -727,7 +725,8 @@ class Setup:
 
         ``agree(reason)`` gives every rank's failure reason ("" for success) to every
         rank and returns {rank: reason} of those that failed (a TCP all_gather; it
-        raises when a rank is lost, and so does this).
+        raises when a rank is lost, and so does this, leaving :meth:`close` to the
+        caller).
         """
         for step in (self._create, self._hand_over, self._receive):
             try:
@@ -774,7 +773,7 @@ class Setup:
                 self.server = _Hub(self.address, self.rank, self.ranks[1:], self.key)
             else:
                 self.conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        except OSError as exc:
+        except (OSError, RuntimeError) as exc:  # RuntimeError: no thread to serve it
             raise Unavailable(f"could not {'listen on' if self.rank == self.hub else 'open'} "
                               f"the host's shared-memory socket: {exc}") from None
 
