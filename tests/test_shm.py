@@ -38,6 +38,7 @@ import numpy as np
 import pytest
 
 from swarmfd import shm, wire
+from swarmfd.errors import CollectiveTimeout, PeerLostError
 
 from .robust_harness import RankCtx, Ranks, error_info, record
 
@@ -96,7 +97,8 @@ def _open_fds() -> set[int]:
     return {int(n) for n in os.listdir("/proc/self/fd")}
 
 
-def _run_setups(n: int, hostkey: str = "test") -> list[shm.ShmChannel | None]:
+def _run_setups(n: int, hostkey: str = "test",
+                timeout: float = 5.0) -> list[shm.ShmChannel | None]:
     """Run the setup of ``n`` ranks as threads of this process; agreement by a barrier."""
     barrier = threading.Barrier(n)
     rows: list[np.ndarray] = [shm.encode_reason("")] * n
@@ -110,7 +112,7 @@ def _run_setups(n: int, hostkey: str = "test") -> list[shm.ShmChannel | None]:
             barrier.wait(10)
             return got
 
-        setup = shm.Setup(r, n, range(n), TOKEN, hostkey, 5.0, time.monotonic() + 5,
+        setup = shm.Setup(r, n, range(n), TOKEN, hostkey, timeout, time.monotonic() + 5,
                           lambda src: None)
         try:
             out[r] = setup.run(agree)
@@ -157,6 +159,55 @@ def test_setup_gives_every_rank_every_segment_and_inbox() -> None:
         assert c is not None
         c.close()
     assert _open_fds() == before
+
+
+def test_a_write_to_an_inbox_breaks_when_its_owner_is_gone() -> None:
+    """The owner holds the only read end of its inbox: once it closed, a peer's write
+    fails (EPIPE), and send raises PeerLostError after PEER_GONE_WAIT."""
+    chans = _run_setups(3, timeout=0.5)
+    sig = wire.Signature(wire.Collective.BARRIER)
+    try:
+        assert chans[1] is not None and chans[2] is not None
+        chans[1].close()
+        t0 = time.monotonic()
+        with pytest.raises(PeerLostError, match="rank 1 closed its inbox"):
+            chans[2].send(1, sig, 1, 0)
+        assert shm.PEER_GONE_WAIT <= time.monotonic() - t0 < shm.PEER_GONE_WAIT + 1.0
+    finally:
+        for c in chans:
+            if c is not None:
+                c.close()
+
+
+def test_an_inbox_never_reads_end_of_file() -> None:
+    """The owner keeps a write end of its own inbox: when every peer has closed its
+    outboxes, a wait for a record is a timeout after the group timeout (the inbox is
+    silent, not at end-of-file, which select would report ready forever)."""
+    chans = _run_setups(3, timeout=0.5)
+    sig = wire.Signature(wire.Collective.BARRIER)
+    try:
+        assert chans[0] is not None and chans[1] is not None and chans[2] is not None
+        chans[1].close()
+        chans[2].close()
+        got: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                chans[0].recv(1, sig, 1, 0)  # type: ignore[union-attr]
+            except BaseException as exc:
+                got.append(exc)
+
+        t0 = time.monotonic()
+        waiter = threading.Thread(target=wait, daemon=True)  # at end-of-file it would spin
+        waiter.start()
+        waiter.join(5)
+        assert not waiter.is_alive(), "the wait did not end: its inbox reads end-of-file?"
+        assert len(got) == 1 and isinstance(got[0], CollectiveTimeout), got
+        assert 0.45 < time.monotonic() - t0 < 2.0
+    finally:
+        for c in chans:
+            if c is not None:
+                c.close()
 
 
 def _hub(clients: list[int]) -> tuple[shm._Hub, str]:
