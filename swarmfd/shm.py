@@ -51,7 +51,7 @@ Only then do descriptors move, and each is checked before it is used (a sealed m
 of the segment's size; the write end of a pipe). The hub serves its socket from a
 thread of its own while the ranks agree over TCP, so a flood of connections cannot
 hold up setup: another user's connection lives for one ``accept`` and ``close``;
-at most ``MAX_PENDING`` same-user connections wait in a handshake at once (a new one
+at most ``MAX_PENDING`` same-user connections wait for their proof at once (a new one
 evicts the oldest), each for at most ``HANDSHAKE_LIMIT`` s. The listener is closed
 as soon as every rank has handed over its descriptors.
 
@@ -121,8 +121,9 @@ MAX_RECORD = 4096
 #: A directory every rank of the host mounts: the setup socket becomes a file there
 #: instead of an abstract name (for ranks in separate network namespaces).
 ENV_SHM_DIR = "SWARMFD_SHM_DIR"
-#: Same-user connections in a handshake at once on the hub; a new one evicts the oldest.
-#: (Other users' connections never get this far: they are closed at accept.)
+#: Same-user connections that have not proved themselves yet, at once on the hub; a new
+#: one evicts the oldest. (Other users' connections never get this far: they are closed
+#: at accept. Ranks that proved themselves are at most one per rank, and never evicted.)
 MAX_PENDING = 16
 #: How long (s) a connection may take to prove itself and hand over its descriptors. A
 #: rank does it within milliseconds of connecting (the hub answers at once); the limit
@@ -635,8 +636,10 @@ class _Hub:
                 sock.close()  # another user: not a byte read or written
                 self.refused += 1
                 continue
-            if len(pending) >= MAX_PENDING:
-                self._drop(sel, pending, next(iter(pending.values())))
+            unproven = [p for p in pending.values() if p.stage == "hello"]
+            if len(unproven) >= MAX_PENDING:
+                self._drop(sel, pending, unproven[0])  # the oldest (a rank that proved
+                # itself is not evicted: there is at most one per rank)
             c = _Conn(sock, time.monotonic())
             try:
                 sock.setblocking(False)

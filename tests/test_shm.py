@@ -288,28 +288,34 @@ def test_hub_refuses_bad_proofs_and_strangers_then_admits_the_rank(
 
 def test_hub_bounds_connections_in_a_handshake(monkeypatch: pytest.MonkeyPatch) -> None:
     """More silent same-user connections than MAX_PENDING: the oldest are evicted at
-    once (not after the silence limit), and the rank that connects last still gets in."""
+    once (not after the silence limit), but not a rank that already proved itself: it
+    hands over its descriptors after the flood and is admitted."""
     monkeypatch.setattr(shm, "HANDSHAKE_LIMIT", 30.0)
     hub, address = _hub([1])
     socks = []
+    key = shm.job_key(TOKEN)
+    ch = shm.ShmChannel(1, 2, 1.0, lambda s: None)
+    ch.create()
+    rank = _connect(address)
     try:
+        _, _, _, nonce_s = shm.HELLO.unpack(rank.recv(4096))
+        nonce_c = os.urandom(16)
+        rank.send(shm.HELLO.pack(shm.SHM_MAGIC, wire.PROTOCOL_VERSION, 1, nonce_c)
+                  + shm._mac(key, b"c", 1, 0, nonce_c, nonce_s))
+        assert rank.recv(4096) == shm._mac(key, b"s", 1, 0, nonce_c, nonce_s)  # proven
         for _ in range(shm.MAX_PENDING + 8):
             socks.append(_connect(address))
         t0 = time.monotonic()
         for s in socks[:8]:
             assert _closed_without_fds(s, timeout=5)
         assert time.monotonic() - t0 < 2.0
-        client = shm.Setup(1, 2, [0, 1], TOKEN, "", 5.0, time.monotonic() + 5, lambda s: None)
-        client.address = address
-        try:
-            client._create()
-            client._hand_over()
-            assert list(hub.finish()) == [1]
-        finally:
-            client.close()
+        socket.send_fds(rank, [b"F"], [ch.memfd, ch.writer])
+        assert rank.recv(16) == b"A"
+        assert list(hub.finish()) == [1] and hub.refused == 8 + shm.MAX_PENDING
     finally:
-        for s in socks:
+        for s in [*socks, rank]:
             s.close()
+        ch.close()
         hub.close()
 
 
