@@ -862,7 +862,8 @@ class Setup:
                         "process at its descriptor limit, RLIMIT_NOFILE?)")
                 ranks = (list(struct.unpack(f"<{len(msg) // 2}H", msg[1:]))
                          if msg[:1] == b"T" and len(msg) % 2 == 1 else [])
-                if not ranks or len(fds) != 2 * len(ranks) or not set(ranks) <= expected:
+                if (not ranks or len(fds) != 2 * len(ranks) or len(set(ranks)) != len(ranks)
+                        or not set(ranks) <= expected):
                     raise Unavailable(f"rank {self.hub} sent a malformed table of segments")
                 for i, p in enumerate(ranks):
                     writer, fds[2 * i + 1] = fds[2 * i + 1], -1  # the channel's now
@@ -888,7 +889,6 @@ class Setup:
             for i in range(0, len(others), TABLE_CHUNK):
                 chunk = others[i:i + TABLE_CHUNK]
                 try:
-                    c.sock.setblocking(True)
                     c.sock.settimeout(self._remaining())
                     socket.send_fds(c.sock, [b"T" + struct.pack(f"<{len(chunk)}H", *chunk)],
                                     [fd for p in chunk for fd in segments[p]])
