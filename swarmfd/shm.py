@@ -633,8 +633,8 @@ class _Hub:
             except OSError:
                 uid = -1
             if uid != self.uid:
-                sock.close()  # another user: not a byte read or written
                 self.refused += 1
+                sock.close()  # another user: not a byte read or written
                 continue
             unproven = [p for p in pending.values() if p.stage == "hello"]
             if len(unproven) >= MAX_PENDING:
@@ -645,8 +645,8 @@ class _Hub:
                 sock.setblocking(False)
                 sock.send(HELLO.pack(SHM_MAGIC, wire.PROTOCOL_VERSION, self.rank, c.nonce))
             except OSError:
-                sock.close()
                 self.refused += 1
+                sock.close()
                 continue
             pending[sock] = c
             sel.register(sock, selectors.EVENT_READ, c)
@@ -656,8 +656,8 @@ class _Hub:
         pending.pop(c.sock, None)
         with contextlib.suppress(KeyError, ValueError):
             sel.unregister(c.sock)
+        self.refused += 1  # counted before the close, which the other end sees at once
         c.close()
-        self.refused += 1
 
     def _step(self, sel: selectors.BaseSelector, pending: dict[socket.socket, _Conn],
               c: _Conn) -> None:
