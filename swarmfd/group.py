@@ -56,6 +56,8 @@ class Group:
         self.transport = transport
         self.seq = 0
         self.shm: _shm.ShmChannel | None = None
+        #: The shared-memory setup while it runs (cleanup() closes it if init fails).
+        self.shm_setup: _shm.Setup | None = None
         self.broken: BaseException | None = None
         self._scratch: dict[np.dtype, np.ndarray] = {}
 
@@ -191,44 +193,42 @@ def _start(config: Config, secret: str | bytes | None = None) -> Config:
         _export_local_ranks(config)
     if hostkey and all(p.hostkey == hostkey for p in peers):
         try:
-            _setup_shm(g, token)
+            _setup_shm(g, token, hostkey, deadline)
         except BaseException:
             cleanup()
             raise
     return config
 
 
-def _setup_shm(g: Group, token: str) -> None:
-    """Switch the group to shared memory when every rank could map every segment.
+def _setup_shm(g: Group, token: str, hostkey: str, deadline: float) -> None:
+    """Move the group's data to shared memory (every rank is on this host).
 
-    The ranks agree through two small all_reduces over TCP, so one rank that
-    cannot create or open a file (a full /dev/shm, say) makes all of them stay
-    on TCP instead of hanging.
+    The ranks agree after each step with an all_gather over TCP of every rank's
+    result, so one rank that cannot take part makes all of them stay on TCP (with
+    a warning naming it and why) instead of hanging, and a lost rank raises
+    PeerLostError here as in any collective. Waits on the setup socket end at the
+    init deadline, or one collective timeout from now if that is later (a join that
+    took nearly all of init_timeout must not leave the setup without time).
     """
     from . import collectives
 
     t = g.transport
     assert t is not None
-    channel = _shm.ShmChannel(g.config.rank, g.config.world_size, token, g.config.timeout,
-                              t.check_peer)
-    ok = np.ones(1, np.int8)
+    cfg = g.config
+    g.shm_setup = setup = _shm.Setup(
+        cfg.rank, cfg.world_size, range(cfg.world_size), token, hostkey, cfg.timeout,
+        max(deadline, time.monotonic() + cfg.timeout), t.check_peer)
     try:
-        channel.create()
-    except OSError:
-        ok[0] = 0
-    collectives.all_reduce(ok, op="min")
-    if ok[0]:
-        try:
-            channel.open_peers()
-        except OSError:
-            ok[0] = 0
-        collectives.all_reduce(ok, op="min")
-    channel.unlink_own()
-    if ok[0]:
+        channel = setup.run(lambda reason: _shm.decode_reasons(
+            collectives.all_gather(_shm.encode_reason(reason))))
+    except SwarmfdError as exc:
+        # Say what init was doing: the user called no all_gather.
+        raise type(exc)(f"init, while the ranks set up shared memory: {exc}").with_traceback(
+            exc.__traceback__) from None
+    g.shm_setup = None
+    if channel is not None:
         g.shm = channel
         t.data_via_shm = True
-    else:
-        channel.close()
 
 
 def _with_local_ranks(config: Config, hosts: list[str]) -> Config:
@@ -289,6 +289,8 @@ def cleanup() -> None:
         g, _group = _group, None
         while _exported:
             os.environ.pop(_exported.pop(), None)
+    if g is not None and g.shm_setup is not None:
+        g.shm_setup.close()
     if g is not None and g.shm is not None:
         g.shm.close()
     if g is not None and g.transport is not None:

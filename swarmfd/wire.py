@@ -34,6 +34,8 @@ Layout (little-endian)::
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
 import itertools
 import math
 import operator
@@ -398,3 +400,17 @@ def timeout_error(activity: str, sig: Signature, timeout: float, culprit: int,
         f"{activity} {sig.describe()}: timed out after {timeout:g} s waiting for rank "
         f"{culprit}{at}; it may be stuck, stopped or in another collective ({hint})"
     )
+
+
+def handshake_mac(key: bytes, label: bytes, role: bytes, client: int, server: int,
+                  nonce_c: bytes, nonce_s: bytes) -> bytes:
+    """The HMAC-SHA256 one side of a connection's handshake proves itself with.
+
+    Both sides draw a nonce, so a proof is good for one connection only (no replay);
+    ``role`` (``b"c"``: the connecting side, ``b"s"``: the listening one) makes one
+    side's proof useless as the other's (no reflection); ``label`` names the protocol,
+    so a proof from one handshake (the socket data plane's, the shared-memory
+    socket's) is worthless in another.
+    """
+    msg = label + role + struct.pack("<HH", client, server) + nonce_c + nonce_s
+    return hmac.new(key, msg, hashlib.sha256).digest()
