@@ -1,22 +1,11 @@
 """How the ranks of one host come to share memory (what ``swarmfd run`` uses).
 
-When every rank of a group runs on one machine, under one user, and the ranks can
-reach each other's unix sockets (one network namespace, as under ``swarmfd run``;
-or a directory they all mount, see ``SWARMFD_SHM_DIR`` below), collectives move
-data through shared memory instead of TCP:
-
-* each rank owns one segment of ``SLOTS * SEGMENT_BYTES`` (slots used in turn, so a
-  slot is filled while peers may still read the previous ones): an anonymous memory
-  file (``memfd_create``), sealed against shrinking and growing, mapped by every rank;
-* each rank owns one pipe (its inbox) that peers write small records to: a
-  :mod:`swarmfd.wire` header, the same one the TCP path uses, so a record carries
-  the collective's signature and mismatches are caught exactly as over TCP.
-
-A record is at most ``PIPE_BUF`` bytes, so writes are atomic and never interleave.
-The owner of an inbox holds its only read end, and one write end, so the inbox never
-reads end-of-file; a peer's write therefore fails with EPIPE exactly when the owner
-has gone (as with the named FIFOs this replaced). A lost peer is noticed through the
-group's TCP connections (``check``).
+The ranks of a host that share a kernel and a user, and can reach each other's unix
+sockets (one network namespace, as under ``swarmfd run``; or a directory they all
+mount, see ``SWARMFD_SHM_DIR`` below), run their groups' collectives through shared
+memory (:class:`swarmfd.comm.planes.shm.ShmPlane`: each rank's segment, an anonymous
+memory file sealed against resizing, and its inbox, a pipe). This module is how
+they get each other's descriptors, safely, at init.
 
 **Nothing has a name.** Segments and pipes exist only as descriptors and mappings
 held by the ranks; the kernel frees them when the last rank holding one exits,
@@ -56,15 +45,13 @@ evicts the oldest), each for at most ``HANDSHAKE_LIMIT`` s. The listener is clos
 as soon as every rank has handed over its descriptors.
 
 The ranks agree after each of the three steps (create, hand over, receive) over TCP,
-with an all_gather of every rank's result. A rank that cannot take part (no memfd,
+with an all_gather of every rank's result (in calls of their own group, not the
+user's). A rank that cannot take part (no memfd,
 no socket, a descriptor limit, ...) makes every rank fall back to TCP, and every rank
 logs a warning naming that rank and the cause (logger ``"swarmfd"``). A rank lost
 during setup makes the others' ``init`` raise :class:`PeerLostError` naming it, as
 in any collective, and every descriptor the setup opened is closed.
 
-Arrays larger than a segment are processed in rounds of ``SEGMENT_BYTES``; the
-extra memory of a rank is therefore bounded (its segment and the parts of the
-peers' segments it reads), whatever the array size.
 """
 
 

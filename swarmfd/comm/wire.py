@@ -461,3 +461,4 @@ def timeout_error(activity: str, sig: Signature, timeout: float, culprit: int,
         f"{activity} {sig.describe()}: timed out after {timeout:g} s waiting for rank "
         f"{culprit}{at}; it may be stuck, stopped or in another collective ({hint})"
     )
+
