@@ -52,6 +52,8 @@ __all__ = ["Engine", "Work"]
 THREAD_SLICE = 0.001
 #: How long a driving caller waits on a plane at a time.
 CALLER_SLICE = 0.05
+#: Deadlines and lost peers are checked at least this often (s) while messages arrive.
+CHECK_EVERY = 0.05
 
 
 def _now() -> float:
@@ -194,6 +196,7 @@ class Engine:
         #: Point-to-point tasks (all running).
         self.p2p: list[_Task] = []
         self.wanted = 0  # callers waiting to drive
+        self.checked = 0.0  # when deadlines and lost peers were last checked
         self.thread: threading.Thread | None = None
         self.closed = False
         #: Provisional timeout reports per group: {rank: rank it waited for}, and their
@@ -299,7 +302,13 @@ class Engine:
                 posted.pop(key)
                 task.key = task.posting = None
                 self._resume(task, payload)
-        if not got:
+        now = _now()
+        if not got or now - self.checked > CHECK_EVERY:
+            # Deadlines and lost peers, also when messages keep coming (a flood, another
+            # group's traffic): at least every CHECK_EVERY seconds.
+            self.checked = now
+            for plane in self.channel.planes:
+                plane.check_lost()
             self._check_waits()
 
     def _advance(self, task: _Task) -> bool:
