@@ -49,6 +49,42 @@ import numpy as np
 
 from ..errors import CollectiveTimeout, MismatchError, ProtocolError
 
+__all__ = [
+    "DTYPES",
+    "DTYPE_CODES",
+    "FLAG_INLINE",
+    "FLAG_LIST",
+    "HEADER",
+    "HEADER_SIZE",
+    "MAGIC",
+    "MAX_ABORT_TEXT",
+    "MAX_PAYLOAD",
+    "NO_ROOT",
+    "P2P_KEYS",
+    "PIECE_BYTES",
+    "PROTOCOL_VERSION",
+    "READY_PIECE",
+    "RTS_PIECE",
+    "SUPPORTED_DTYPE_NAMES",
+    "Collective",
+    "Header",
+    "Kind",
+    "ReduceOp",
+    "Signature",
+    "dtype_code",
+    "dtype_name",
+    "finished_call_error",
+    "list_repr",
+    "message_key",
+    "mismatch_error",
+    "p2p_key",
+    "pack_header",
+    "recover_shape",
+    "shape_hash",
+    "timeout_error",
+    "unpack_header",
+]
+
 MAGIC = b"SWFD"
 PROTOCOL_VERSION = 2
 NO_ROOT = 0xFFFF
