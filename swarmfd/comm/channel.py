@@ -37,10 +37,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..config import ENV_TASK_SLOT
 from ..errors import (
     AbortedError,
     CollectiveTimeout,
@@ -144,6 +146,8 @@ class Channel:
         self.on_report: Callable[[int, int, int, Any], None] = lambda g, r, w, p: None
         #: What the rank is doing, for error messages.
         self.activity = "idle"
+        #: A Swarm task (its slot is its rank + 1): errors name the slot too.
+        self.swarm_task = bool(os.environ.get(ENV_TASK_SLOT, "").strip())
         self.waiting_for = -1
         self._group = 0  # the group of the call being waited on
 
@@ -157,10 +161,12 @@ class Channel:
         self.calls[group] = seq
 
     def where(self, rank: int) -> str:
-        """A peer's host, pid and address, for error messages."""
+        """A peer's host, pid and address, for error messages (on a Swarm, where task
+        slots count from 1 and host names carry the slot, also its slot)."""
         if 0 <= rank < len(self.peers):
             p = self.peers[rank]
-            return f"host {p.host}, pid {p.pid}, {p.endpoint}"
+            slot = f"; task slot {rank + 1}" if self.swarm_task else ""
+            return f"host {p.host}, pid {p.pid}, {p.endpoint}{slot}"
         return "unknown address"
 
     def _why_lost(self, rank: int) -> str:
