@@ -460,9 +460,8 @@ def _all_gather_v(g: _group.Group, arr: np.ndarray, flat: np.ndarray, code: int,
     """all_gather of first dimensions that may differ: sizes first, then the data."""
     n, trailing = g.size, tuple(arr.shape[1:])
     row = int(np.prod(trailing, dtype=np.int64))
-    sig = Signature(Collective.ALL_GATHER, ReduceOp.NONE, code, wire.NO_ROOT, 0,
-                    wire.shape_hash(("rows", *trailing)), f"(rows, {', '.join(map(str, trailing))})"
-                    if trailing else "(rows,)")
+    sig = Signature(Collective.ALL_GATHER_V, ReduceOp.NONE, code, wire.NO_ROOT, row,
+                    wire.shape_hash(trailing), wire.rows_repr(str(trailing)))
     state: dict[str, Any] = {}
 
     def body(o: Op) -> Any:
