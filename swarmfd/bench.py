@@ -11,7 +11,8 @@ host, or as a Swarm job) and measures, for each collective and message size:
 * the median (and min, p90) of those slowest-rank times, the algorithm
   bandwidth ``algbw = bytes / time`` and the bus bandwidth
   ``busbw = algbw * factor`` with the nccl-tests factors: all_reduce
-  ``2(N-1)/N``, all_gather, reduce_scatter and all_to_all ``(N-1)/N``, broadcast
+  ``2(N-1)/N``, all_gather, reduce_scatter, all_to_all, gather and scatter
+  ``(N-1)/N``, broadcast
   and sendrecv ``1`` (GB = 1e9 bytes);
 * the correctness of the last timed iteration's result (rank-dependent
   inputs, exact for integers, ``isclose`` for floats): the ``wrong`` column
@@ -24,6 +25,9 @@ with (as nccl-tests, whose all_gather size is the output buffer), so
 writes into one preallocated result (``out=``) reused every iteration.
 reduce_scatter's and all_to_all's size is the input (as nccl-tests' reduce_scatter
 and alltoall count their send buffer), so busbw is the bytes each rank sent on.
+gather and scatter: ``size`` is one rank's part (as all_gather's), so busbw =
+``(N-1)*size / time``, the bytes the root received or sent; gather fills one
+preallocated ``out=`` on the root, scatter sends from one ``(N, count)`` array.
 sendrecv: every rank sends ``size`` bytes to the next rank of a ring and receives as
 many from the previous one (isend + irecv at once): busbw = size / time.
 
@@ -49,7 +53,7 @@ import numpy as np
 import swarmfd as fd
 
 COLLECTIVES: tuple[str, ...] = ("all_reduce", "broadcast", "all_gather", "reduce_scatter",
-                                 "all_to_all", "sendrecv")
+                                 "all_to_all", "gather", "scatter", "sendrecv")
 """The collectives ``swarmfd bench`` can time."""
 
 FORMATS: tuple[str, ...] = ("table", "csv", "json")
@@ -182,12 +186,18 @@ def default_iters(size: int) -> int:
     return 16
 
 
+def moved_bytes(collective: str, size: int, world_size: int) -> int:
+    """The bytes algbw counts for one call of ``size`` (each rank's input, or part): the
+    whole result of all_gather and gather, the whole source of scatter, else ``size``."""
+    return size * world_size if collective in ("all_gather", "gather", "scatter") else size
+
+
 def bus_factor(collective: str, world_size: int) -> float:
     """The nccl-tests factor from algorithm bandwidth to bus bandwidth."""
     n = world_size
     if collective == "all_reduce":
         return 2 * (n - 1) / n
-    if collective in ("all_gather", "reduce_scatter", "all_to_all"):
+    if collective in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"):
         return (n - 1) / n
     if collective in ("broadcast", "sendrecv"):
         return 1.0
@@ -222,8 +232,14 @@ class _Case:
         elif collective == "reduce_scatter":
             a, b = _parts(count, world)[rank]
             self.out = np.empty(b - a, dtype=dtype)
-        elif collective in ("all_to_all", "sendrecv"):
+        elif collective in ("all_to_all", "sendrecv", "scatter"):
             self.out = np.empty(count, dtype=dtype)
+        elif collective == "gather" and rank == 0:
+            self.out = np.empty((world, count), dtype=dtype)
+        #: scatter's source on rank 0: row r is what rank r must receive.
+        self.chunks: np.ndarray | None = None
+        if collective == "scatter" and rank == 0:
+            self.chunks = np.stack([self.pattern * dtype.type(r + 1) for r in range(world)])
 
     def reset(self) -> None:
         np.copyto(self.x, self.source)
@@ -242,6 +258,12 @@ class _Case:
             fd.reduce_scatter(self.x, self.out)
         elif c == "all_to_all":
             fd.all_to_all(self.x, self.out)
+        elif c == "gather":
+            self.result = fd.gather(self.x, 0, out=self.out)
+        elif c == "scatter":
+            fd.scatter(self.out, self.chunks, 0)
+        elif self.world == 1:  # no peer: the ring's one hop is this rank
+            np.copyto(self.out, self.x)
         else:
             n = self.world
             r = fd.irecv(self.out, (self.rank - 1) % n)
@@ -273,6 +295,10 @@ class _Case:
             return _count_wrong(self.out, want)
         if self.collective == "sendrecv":
             return _count_wrong(self.out, p * p.dtype.type((self.rank - 1) % n + 1))
+        if self.collective == "scatter":
+            return _count_wrong(self.out, p * p.dtype.type(self.rank + 1))
+        if self.collective == "gather" and self.rank != 0:
+            return 0 if self.result is None else p.size
         parts = self.result
         if not isinstance(parts, (list, tuple)) or len(parts) != self.world:
             return p.size * self.world
@@ -379,7 +405,7 @@ def _row(name: str, count: int, dtype: np.dtype, world: int, iters: int, warmup:
          slowest: np.ndarray, wrong: int) -> Row:
     size = count * dtype.itemsize
     median = float(np.median(slowest))
-    moved = size * world if name == "all_gather" else size
+    moved = moved_bytes(name, size, world)
     algbw = moved / median / 1e9 if median > 0 else math.inf
     return Row(
         collective=name, size=size, count=count, dtype=dtype.name, world_size=world,

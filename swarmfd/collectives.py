@@ -495,21 +495,23 @@ def _all_gather_v(g: _group.Group, arr: np.ndarray, flat: np.ndarray, code: int,
     return _run(g, sig, body, finish, async_op)
 
 
-def _gather_out(out: np.ndarray, arr: np.ndarray, size: int, what: str) -> np.ndarray:
-    """``out`` checked as all_gather's result buffer for ``arr`` (ValueError/TypeError)."""
+def _gather_out(out: np.ndarray, arr: np.ndarray, size: int, what: str,
+                name: str = "all_gather") -> np.ndarray:
+    """``out`` checked as all_gather's (or gather's) result buffer for ``arr``
+    (ValueError/TypeError)."""
     want = (size, *arr.shape)
     if out.dtype != arr.dtype:
-        raise TypeError(f"swarmfd.all_gather: out has dtype {out.dtype}, expected x's dtype "
+        raise TypeError(f"swarmfd.{name}: out has dtype {out.dtype}, expected x's dtype "
                         f"{arr.dtype}")
     if out.shape != want:
-        raise ValueError(f"swarmfd.all_gather: out has shape {out.shape}, expected "
+        raise ValueError(f"swarmfd.{name}: out has shape {out.shape}, expected "
                          f"({what}, *x.shape) = {want}")
     if not out.flags.c_contiguous:
-        raise ValueError("swarmfd.all_gather: out must be C-contiguous (e.g. from np.empty)")
+        raise ValueError(f"swarmfd.{name}: out must be C-contiguous (e.g. from np.empty)")
     if not out.flags.writeable:
-        raise ValueError("swarmfd.all_gather: out is read-only; pass a writable array")
+        raise ValueError(f"swarmfd.{name}: out is read-only; pass a writable array")
     if np.shares_memory(out, arr):
-        raise ValueError("swarmfd.all_gather: out overlaps x; pass a separate buffer")
+        raise ValueError(f"swarmfd.{name}: out overlaps x; pass a separate buffer")
     return out
 
 
@@ -716,17 +718,28 @@ def _bounds(rows: list[int], row: int) -> list[tuple[int, int]]:
 # -- gather and scatter -----------------------------------------------------------------
 
 
-def gather(x: Any, dst: int = 0, *, group: Any = None, group_dst: int | None = None,
-           async_op: bool = False) -> Any:
+def gather(x: Any, dst: int = 0, out: Any = None, *, group: Any = None,
+           group_dst: int | None = None, async_op: bool = False) -> Any:
     """Every rank's ``x`` (same shape and dtype), as a list in group-rank order on ``dst``
-    (a world rank; ``group_dst`` a group rank); None on the other ranks."""
+    (a world rank; ``group_dst`` a group rank); None on the other ranks.
+
+    ``out`` (used on ``dst`` only, ignored elsewhere) is a writable C-contiguous array
+    of shape ``(size, *x.shape)`` and ``x``'s dtype, filled in place and reused every
+    call: the list then holds views of its rows, as all_gather's ``out``.
+    """
     g = _group.resolve_group(group, "gather()")
     root = _root(g, dst, group_dst, "dst", "gather")
     arr = _to_numpy(x, "gather")
     code = _check_array(arr, "gather", writable=False)
     flat = np.ascontiguousarray(arr).reshape(-1)
-    rows = np.empty((g.size, flat.size), arr.dtype) if g.rank == root else None
-    if rows is not None:
+    rows = None
+    if g.rank == root:
+        if out is None:
+            rows = np.empty((g.size, flat.size), arr.dtype)
+        else:
+            rows = _gather_out(_to_numpy(out, "gather"), arr, g.size,
+                               "world_size" if g.gid == _group.WORLD_GID else "group size",
+                               "gather").reshape(g.size, flat.size)
         rows[g.rank] = flat
 
     def body(o: Op) -> Any:
@@ -744,18 +757,30 @@ def gather(x: Any, dst: int = 0, *, group: Any = None, group_dst: int | None = N
 def scatter(out: Any, chunks: Any = None, src: int = 0, *, group: Any = None,
             group_src: int | None = None, async_op: bool = False) -> Any:
     """Fill every rank's ``out`` with its chunk of ``src``'s ``chunks`` (a list of one
-    array per group rank, each of ``out``'s shape and dtype, given on ``src`` only).
-    ``src`` is a world rank (``group_src``: a group rank). Returns ``out``."""
+    array per group rank, each of ``out``'s shape and dtype, given on ``src`` only; or
+    one array of shape ``(size, *out.shape)``, sent from without a copy when it is
+    C-contiguous). ``src`` is a world rank (``group_src``: a group rank). Returns ``out``."""
     g = _group.resolve_group(group, "scatter()")
     root = _root(g, src, group_src, "src", "scatter")
     o_arr = _to_numpy(out, "scatter")
     code = _check_array(o_arr, "scatter")
     stacked = None
-    if g.rank == root:
+    if g.rank == root and (isinstance(chunks, np.ndarray) or hasattr(chunks, "detach")):
+        whole = _to_numpy(chunks, "scatter")
+        want = (g.size, *o_arr.shape)
+        if whole.shape != want or whole.dtype != o_arr.dtype:
+            raise ValueError(f"swarmfd.scatter: chunks as one array must have shape {want} "
+                             f"and out's dtype {o_arr.dtype}, got shape {whole.shape} and "
+                             f"dtype {whole.dtype}")
+        if np.shares_memory(whole, o_arr):
+            raise ValueError("swarmfd.scatter: out overlaps chunks; pass a separate buffer")
+        stacked = np.ascontiguousarray(whole).reshape(g.size, o_arr.size)
+    elif g.rank == root:
         items = _items(chunks)
         if items is None or len(items) != g.size:
-            raise ValueError(f"swarmfd.scatter: on src, chunks must be a list of {g.size} arrays "
-                             f"(one per rank of the group), got {type(chunks).__name__}"
+            raise ValueError(f"swarmfd.scatter: on src, chunks must be a list of {g.size} "
+                             f"arrays (one per rank of the group) or one array of shape "
+                             f"({g.size}, *out.shape), got {type(chunks).__name__}"
                              + (f" of {len(items)}" if items is not None else ""))
         stacked = np.empty((g.size, o_arr.size), o_arr.dtype)
         for i, c in enumerate(items):
