@@ -248,8 +248,8 @@ def resolve_group(group: Any, what: str) -> Group:
 
 
 def init(
-    world_size: int = 1,
-    rank: int = 0,
+    world_size: int | None = None,
+    rank: int | None = None,
     *,
     local_rank: int | None = None,
     local_world_size: int | None = None,
@@ -268,6 +268,12 @@ def init(
     ranks that start far apart can meet while a stuck collective still fails
     fast.
 
+    Without ``world_size`` and ``rank`` (give both or neither) the group is the one
+    the environment describes, as :func:`init_from_env` finds it (``WORLD_SIZE``,
+    ``RANK``, ``LOCAL_RANK``, ...; a world of one when nothing is set), and the other
+    arguments override it: so a bare ``fd.init()`` under ``swarmfd run`` or on a
+    Swarm joins the job instead of silently training alone.
+
     A world of more than one rank needs the job secret (at least 32 characters,
     the same on every rank): ``secret``, or else the file named by
     ``SWARMFD_SECRET_FILE`` (default ``/run/secrets/swarmfd_secret``), unless
@@ -275,6 +281,14 @@ def init(
     """
     import os
 
+    if (world_size is None) != (rank is None):
+        raise TypeError("swarmfd.init: give both world_size and rank, or neither (then both "
+                        f"come from the environment, WORLD_SIZE and RANK); got world_size="
+                        f"{world_size!r}, rank={rank!r}")
+    if world_size is None:
+        return _start(config_from_env(
+            local_rank=local_rank, local_world_size=local_world_size, master_addr=master_addr,
+            master_port=master_port, timeout=timeout, init_timeout=init_timeout), secret)
     env = config_from_env({k: v for k, v in os.environ.items()
                            if k in ("MASTER_ADDR", "MASTER_PORT", "SWARMFD_TIMEOUT",
                                     "SWARMFD_INIT_TIMEOUT", "SWARMFD_RESTART_COUNT")})
