@@ -43,6 +43,11 @@ _UFUNCS: dict[ReduceOp, np.ufunc] = {
 }
 _OP_NAMES = {"sum": ReduceOp.SUM, "prod": ReduceOp.PROD, "product": ReduceOp.PROD,
              "min": ReduceOp.MIN, "max": ReduceOp.MAX}
+#: The op strings of every call (a training loop repeats them): (op, is_mean).
+_PARSED_OPS: dict[str, tuple[ReduceOp, bool]] = {
+    **{k: (v, False) for k, v in _OP_NAMES.items()},
+    **{k: (ReduceOp.SUM, True) for k in ("mean", "avg", "average")},
+}
 
 
 # -- inputs ---------------------------------------------------------------------------
@@ -106,6 +111,9 @@ def _check_array(arr: np.ndarray, name: str, *, writable: bool = True) -> int:
 
 def _parse_op(op: Any, name: str) -> tuple[ReduceOp, bool]:
     """(reduce op, is_mean) from a string like "sum" or a ReduceOp."""
+    known = _PARSED_OPS.get(op) if type(op) is str else None
+    if known is not None:
+        return known
     if isinstance(op, ReduceOp) and op != ReduceOp.NONE:
         return (ReduceOp.SUM, True) if op == ReduceOp.MEAN else (op, False)
     if isinstance(op, str):
@@ -159,9 +167,25 @@ def _flat(arr: np.ndarray) -> tuple[np.ndarray, Callable[[], None] | None]:
 # -- running a call ---------------------------------------------------------------------
 
 
+class _Label:
+    """What a call is, for error messages ("all_reduce (call #7 on rank 2)"): built
+    only when a message needs it, since every call names itself but few fail."""
+
+    __slots__ = ("coll", "group", "seq")
+
+    def __init__(self, coll: Collective, group: _group.Group, seq: int) -> None:
+        self.coll, self.group, self.seq = coll, group, seq
+
+    def __str__(self) -> str:
+        g = self.group
+        return (f"{self.coll.label} (call #{self.seq} on rank {g.world_rank}"
+                + ("" if g.gid == _group.WORLD_GID else f", {g.name}") + ")")
+
+    __format__ = lambda self, spec: format(str(self), spec)  # noqa: E731
+
+
 def _label(g: _group.Group, sig: Signature) -> str:
-    return (f"{sig.coll.label} (call #{g.seq} on rank {g.world_rank}"
-            + ("" if g.gid == _group.WORLD_GID else f", {g.name}") + ")")
+    return str(_Label(sig.coll, g, g.seq))
 
 
 def _run(g: _group.Group, sig: Signature, make: Callable[[Op], Any] | None,
@@ -175,33 +199,33 @@ def _run(g: _group.Group, sig: Signature, make: Callable[[Op], Any] | None,
             return completed(None, f"{sig.coll.label} on rank {g.world_rank}", _broken(g))
         raise _broken(g)
     g.seq += 1
-    label = _label(g, sig)
     plane = g.plane()
     if plane is None or g.size == 1 or make is None:
         result = finish(None) if finish is not None else None
-        return completed(result, label) if async_op else result
+        return completed(result, _label(g, sig)) if async_op else result
     ch = g.channel
-    op = Op(ch, plane, list(g.ranks), g.rank, g.gid, g.seq, sig,
+    op = Op(ch, plane, g.ranks, g.rank, g.gid, g.seq, sig,
             plane if plane.kind == "shm" else None, g.next_slot)
     engine = g._state.engine
     if not async_op and engine.idle():
         with engine.lock:  # the progress thread may be finishing its last step
-            return _inline(g, op, make, finish, label)
-    work = engine.submit(g, op, make(op), label, finish)
+            return _inline(g, op, make, finish, _Label(sig.coll, g, g.seq))
+    work = engine.submit(g, op, make(op), _label(g, sig), finish)
     return work if async_op else work.wait()
 
 
 def _inline(g: _group.Group, op: Op, make: Callable[[Op], Any],
-            finish: Callable[[Any], Any] | None, label: str) -> Any:
+            finish: Callable[[Any], Any] | None, label: Any) -> Any:
     """A blocking call on the caller's thread (nothing else pending)."""
     ch = op.channel
-    ch.begin(g.gid, g.seq)
-    ch.set_group(g.gid)
+    ch.calls[g.gid] = g.seq  # ch.begin(g.gid, g.seq), without the call
+    ch._group = g.gid  # ch.set_group(g.gid)
     ch.activity = label
     try:
         if len(ch.planes) > 1:
-            # Aborts may come on another plane than this call's: read what waits there.
-            ch.service([p for p in ch.planes if p is not op.plane])
+            # Aborts may come on another plane than this call's: now and then read what
+            # waits there (a wait reads every plane between its slices anyway).
+            ch.service_others(op.plane)
         result = run(op, make(op))
         ch.flush()
         return finish(result) if finish is not None else result
@@ -229,7 +253,8 @@ _SIGNATURES: dict[tuple[Any, ...], Signature] = {}
 def _signature(coll: Collective, arrays: Sequence[np.ndarray], code: int, op: ReduceOp,
                root: int = wire.NO_ROOT) -> Signature:
     """The call's signature (cached: training loops repeat the same calls)."""
-    key = (coll, op, code, root, *(a.shape for a in arrays))
+    key = (coll, op, code, root, arrays[0].shape) if len(arrays) == 1 else \
+        (coll, op, code, root, *(a.shape for a in arrays))
     sig = _SIGNATURES.get(key)
     if sig is None:
         if len(_SIGNATURES) > 4096:

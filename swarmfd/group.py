@@ -42,6 +42,7 @@ import numpy as np
 
 from .comm import transport as _transport
 from .comm.plane import PeerInfo, Plane
+from .comm.planes import shm as _shm
 from .comm.security import Security
 from .config import (
     ENV_LOCAL_RANK,
@@ -128,6 +129,8 @@ class Group:
         self.broken: BaseException | None = None
         #: Rounds done over shared memory (every member counts the same).
         self.shm_round = 0
+        #: plane()'s answer, and the (transport, shm plane) it was computed for.
+        self._plane: tuple[Any, Any, Plane | None] = (None, None, None)
         #: Point-to-point messages sent to / received from (peer world rank, tag) so far.
         self.p2p_sent: dict[tuple[int, int], int] = {}
         self.p2p_received: dict[tuple[int, int], int] = {}
@@ -165,16 +168,18 @@ class Group:
         if t is None:
             return None
         shm = t.shm
-        if shm is not None and all(r in shm.segments for r in self.ranks):
-            return shm
-        return t.tcp
+        cached_t, cached_shm, plane = self._plane
+        if cached_t is t and cached_shm is shm:
+            return plane
+        plane = shm if shm is not None and all(r in shm.segments for r in self.ranks) \
+            else t.tcp
+        self._plane = (t, shm, plane)
+        return plane
 
     def next_slot(self) -> int:
         """Byte offset of the shared-memory slot of the next round (the same on every
         member: each group rotates over the slots of its own area)."""
-        from .comm.planes.shm import SEGMENT_BYTES, SLOTS, area_of
-
-        slot = area_of(self.gid) + (self.shm_round % SLOTS) * SEGMENT_BYTES
+        slot = _shm.area_of(self.gid) + (self.shm_round % _shm.SLOTS) * _shm.SEGMENT_BYTES
         self.shm_round += 1
         return slot
 

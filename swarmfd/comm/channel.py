@@ -150,6 +150,7 @@ class Channel:
         self.swarm_task = bool(os.environ.get(ENV_TASK_SLOT, "").strip())
         self.waiting_for = -1
         self._group = 0  # the group of the call being waited on
+        self.serviced = 0.0  # when service_others last read the other planes
 
     # -- bookkeeping --------------------------------------------------------------------
 
@@ -282,10 +283,10 @@ class Channel:
                 return payload
             memoryview(into).cast("B")[:] = payload
             return None
-        deadline = _now() + self.timeout
+        last_check = _now()
+        deadline = last_check + self.timeout
         self.waiting_for = src
         self._group = group
-        last_check = _now()
 
         def between() -> None:
             self._between_slices(plane, src, deadline, sig, seq)
@@ -300,7 +301,8 @@ class Channel:
                     or (hdr.kind >= wire.Kind.P2P and wire.message_key(hdr) == key)):
                 if not hdr.matches(sig):
                     raise wire.mismatch_error(self.rank, sig, hdr)
-                self._check_size(hdr, nbytes)
+                if hdr.nbytes != nbytes:
+                    self._check_size(hdr, nbytes)
                 return plane.read_payload(hdr, into, between)
             self._other(plane, hdr, sig, seq, between)
             # Messages keep coming but not the one awaited (a flood, say): the deadline
@@ -517,6 +519,18 @@ class Channel:
         current group are raised, data is stashed, anything else dropped and counted."""
         for plane in self.planes if planes is None else planes:
             self._read_available(plane, keep_data=True)
+
+    def service_others(self, plane: Plane) -> None:
+        """:meth:`service` the planes other than ``plane`` if WAIT_SLICE passed since
+        the last time: a blocking call on one plane sees a peer's abort on another soon,
+        without a read on every plane before every call (a system call each)."""
+        now = _now()
+        if now - self.serviced < WAIT_SLICE:
+            return
+        self.serviced = now
+        for other in self.planes:
+            if other is not plane:
+                self._read_available(other, keep_data=True)
 
     def _read_available(self, plane: Plane, *, keep_data: bool, limit: int = 10_000) -> None:
         """Read up to ``limit`` waiting messages without blocking; raise on a final abort.
