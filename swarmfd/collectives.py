@@ -666,6 +666,11 @@ def all_to_all(x: Any, out: Any = None, *, in_splits: Any = None, out_splits: An
     elif sum(rows_in) != arr.shape[0]:
         raise ValueError(f"swarmfd.all_to_all: in_splits {rows_in} add up to {sum(rows_in)}, "
                          f"but the first dimension is {arr.shape[0]}")
+    if rows_out is not None and rows_in[g.rank] != rows_out[g.rank]:
+        raise ValueError(f"swarmfd.all_to_all: this rank (group rank {g.rank}) sends itself "
+                         f"{rows_in[g.rank]} rows (in_splits[{g.rank}]) but expects "
+                         f"{rows_out[g.rank]} from itself (out_splits[{g.rank}]); they must "
+                         "be equal")
     equal = in_splits is None and out_splits is None
     if rows_out is None and in_splits is None:
         rows_out = list(rows_in)
