@@ -51,6 +51,7 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 
 import swarmfd as fd
+from swarmfd.algorithms.base import split
 
 COLLECTIVES: tuple[str, ...] = ("all_reduce", "broadcast", "all_gather", "reduce_scatter",
                                  "all_to_all", "gather", "scatter", "sendrecv")
@@ -307,15 +308,8 @@ class _Case:
         )
 
 
-def _parts(count: int, n: int) -> list[tuple[int, int]]:
-    """[start, stop) of ``n`` near-equal parts of ``count`` (as np.array_split)."""
-    q, r = divmod(count, n)
-    out, start = [], 0
-    for i in range(n):
-        stop = start + q + (1 if i < r else 0)
-        out.append((start, stop))
-        start = stop
-    return out
+#: [start, stop) of ``n`` near-equal parts of ``count`` (as np.array_split cuts them).
+_parts = split
 
 
 def _count_wrong(actual: np.ndarray, expected: np.ndarray) -> int:

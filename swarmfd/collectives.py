@@ -215,10 +215,12 @@ def _run(g: _group.Group, sig: Signature, make: Callable[[Op], Any] | None,
 
 
 def _inline(g: _group.Group, op: Op, make: Callable[[Op], Any],
-            finish: Callable[[Any], Any] | None, label: Any) -> Any:
-    """A blocking call on the caller's thread (nothing else pending)."""
+            finish: Callable[[Any], Any] | None, label: Any, collective: bool = True) -> Any:
+    """A blocking call on the caller's thread (nothing else pending); ``collective``:
+    the group's next call (a point-to-point message is not one)."""
     ch = op.channel
-    ch.calls[g.gid] = g.seq  # ch.begin(g.gid, g.seq), without the call
+    if collective:
+        ch.calls[g.gid] = g.seq  # ch.begin(g.gid, g.seq), without the call
     ch._group = g.gid  # ch.set_group(g.gid)
     ch.activity = label
     try:
@@ -872,26 +874,9 @@ def _p2p(g: _group.Group, x: Any, peer: int, tag: Any, sending: bool,
     engine = g._state.engine
     if not async_op and engine.idle():
         with engine.lock:
-            return _inline_p2p(g, op, gen, finish, label)
+            return _inline(g, op, lambda _: gen, finish, label, collective=False)
     work = engine.submit(g, op, gen, label, finish, p2p=True)
     return work if async_op else work.wait()
-
-
-def _inline_p2p(g: _group.Group, op: Op, gen: Any, finish: Callable[[Any], Any],
-                label: str) -> Any:
-    ch = op.channel
-    ch.set_group(g.gid)
-    ch.activity = label
-    try:
-        run(op, gen)
-        ch.flush()
-        return finish(None)
-    except BaseException as exc:
-        g.broken = exc
-        ch.abort(exc, g.gid)
-        raise
-    finally:
-        ch.activity = "idle"
 
 
 def _peer(g: _group.Group, rank: Any, group_rank: Any, what: str, name: str) -> int:

@@ -375,14 +375,7 @@ class Channel:
                between: Callable[[], None]) -> None:
         """Handle a message that is not the one being waited for."""
         payload = plane.read_payload(hdr, None, between, keep=True)
-        if not self._from_peer(hdr):
-            self.garbage += 1
-            return
-        if hdr.kind >= wire.Kind.P2P:
-            self._stash_p2p(hdr, payload)
-            return
-        if hdr.group != self._group:
-            self._for_other_group(hdr, payload)
+        if self._elsewhere(hdr, payload):
             return
         if hdr.kind == wire.Kind.ABORT:
             waited = abort_waited_for(payload)
@@ -403,6 +396,19 @@ class Channel:
         self._check_window(hdr, seq)
         # Early message (another peer, or a later collective of a faster peer): keep it.
         self.stash[(hdr.group, hdr.src, hdr.seq, hdr.tag)] = (hdr, payload)
+
+    def _elsewhere(self, hdr: wire.Header, payload: Any) -> bool:
+        """Take a message that is not the current group's collective traffic (garbage,
+        point to point, another group's); True when it was one, False to go on with it."""
+        if not self._from_peer(hdr):
+            self.garbage += 1
+        elif hdr.kind >= wire.Kind.P2P:
+            self._stash_p2p(hdr, payload)
+        elif hdr.group != self._group:
+            self._for_other_group(hdr, payload)
+        else:
+            return False
+        return True
 
     def _stash_p2p(self, hdr: wire.Header, payload: Any) -> None:
         """Keep a point-to-point message until its recv asks for it. (No call window: a
@@ -564,14 +570,7 @@ class Channel:
         """Take a message that arrived outside a receive: raise a final abort of the
         current group, stash data (``keep_data``) or drop and count it."""
         payload = plane.read_payload(hdr, None, between, keep=True)
-        if not self._from_peer(hdr):
-            self.garbage += 1
-            return
-        if hdr.kind >= wire.Kind.P2P:
-            self._stash_p2p(hdr, payload)
-            return
-        if hdr.group != self._group:
-            self._for_other_group(hdr, payload)
+        if self._elsewhere(hdr, payload):
             return
         if hdr.kind == wire.Kind.ABORT and not abort_is_provisional(payload):
             raise error_from_abort(self.activity, hdr.src, payload)
