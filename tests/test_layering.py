@@ -1,4 +1,5 @@
-"""The layering the README promises, checked on the source: who may import zmq, docker, click."""
+"""The layering the README promises, checked on the source: who may import zmq, docker,
+click, torch."""
 
 from __future__ import annotations
 
@@ -45,3 +46,10 @@ def test_nothing_unpickles() -> None:
     """No module uses pickle or marshal (nothing from the network is ever unpickled)."""
     users = sorted(m for m, names in _modules().items() if names & {"pickle", "marshal"})
     assert users == []
+
+
+def test_only_the_torch_package_imports_torch() -> None:
+    """torch stays optional: only swarmfd/torch/ imports it (the core takes tensors as
+    numpy views without importing torch)."""
+    users = sorted(m for m, names in _modules().items() if "torch" in names)
+    assert users and all(m.startswith("torch/") for m in users), users

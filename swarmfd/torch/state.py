@@ -104,7 +104,8 @@ def _describe(opt: torch.optim.Optimizer) -> tuple[dict[str, Any], list[torch.Te
             else:
                 items[key] = {"value": _encode(value, f"state {key!r} of parameter {index}")}
         state[str(index)] = items
-    groups = [{k: _encode(v, f"param_groups[{i}][{k!r}]") for k, v in g.items()}
+    groups = [{k: [int(x) for x in v] if k == "params" else
+               _encode(v, f"param_groups[{i}][{k!r}]") for k, v in g.items()}
               for i, g in enumerate(sd["param_groups"])]
     return {"state": state, "param_groups": groups}, tensors
 

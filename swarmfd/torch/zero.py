@@ -76,7 +76,7 @@ def _state_kinds(optimizer_class: type, hyper: dict[str, Any]) -> dict[str, str]
     ("scalar": step counters, shapes of their own), found by stepping it on a probe."""
     probe = torch.zeros(3, requires_grad=True)
     probe.grad = torch.full((3,), 0.5)
-    opt = optimizer_class([probe], **hyper)
+    opt = optimizer_class([{**hyper, "params": [probe]}])
     opt.step()
     kinds = {}
     for key, value in opt.state[probe].items():
