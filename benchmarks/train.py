@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Step time of data-parallel training: torch DDP (gloo) vs swarmfd.torch DDP and ZeRO.
 
-The model of issue 18: an MLP 256 -> 1024 x 4 -> 10 (3.4 M parameters, 13.6 MB of
-float32 gradients), batch 64 per rank, Adam, one thread per rank. Variants:
+The model of issue 18: an MLP 256 -> 1024 x 4 -> 10 (3.4 M parameters, 13.6 MB
+of float32 gradients), batch 64 per rank, SGD with momentum (``--optim adam``: Adam),
+one thread per rank. Variants:
 
 ``nocomm``        N processes that never synchronise: the compute floor
 ``torch-ddp``     ``torch.nn.parallel.DistributedDataParallel`` over gloo
@@ -18,8 +19,10 @@ Method: ``--rounds`` rounds, each running every (configuration, variant) job onc
 an order rotated from round to round (interleaved, so drifts of the machine's load
 hit every variant alike). A job times ``--steps`` steps after ``--warmup``; a rank's
 figure is its median step, a job's the slowest rank's, a variant's the median over
-rounds. The verdicts are ratios of figures of the same run. Peak memory is each
-rank's VmHWM; the optimizer state is every tensor the optimizer holds.
+rounds. The verdicts are ratios of figures of the same run. Memory is measured with
+Adam in extra jobs (swarmfd DDP with plain Adam and with ZeRO, per N, shared memory):
+each rank's peak RSS (VmHWM) and its optimizer state (every tensor the optimizer
+holds; ZeRO: its local optimizers' state).
 
     python benchmarks/train.py                    # loopback, N=2 and 4, both planes
     python benchmarks/train.py --netsim           # + two simulated hosts at 5 Gbit/s
@@ -108,10 +111,12 @@ def worker(args: argparse.Namespace) -> None:
         m = sft.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
     else:
         m = model
+    cls, kw = ((torch.optim.Adam, {"lr": 1e-4}) if args.optim == "adam" else
+               (torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}))
     if variant == "swarmfd-zero":
-        opt = sft.ZeroRedundancyOptimizer(m.parameters(), torch.optim.Adam, lr=1e-4)
+        opt = sft.ZeroRedundancyOptimizer(m.parameters(), cls, **kw)
     else:
-        opt = torch.optim.Adam(m.parameters(), lr=1e-4)
+        opt = cls(m.parameters(), **kw)
     steps, fwd = [], []
     for i in range(args.warmup + args.steps):
         t0 = time.perf_counter()
@@ -161,19 +166,21 @@ def _records(text: str) -> list[dict[str, Any]]:
     return out
 
 
-def _worker_argv(args: argparse.Namespace, variant: str) -> list[str]:
+def _worker_argv(args: argparse.Namespace, variant: str, optim: str | None = None,
+                 steps: int | None = None) -> list[str]:
     return [sys.executable, str(Path(__file__).resolve()), "worker", "--variant", variant,
-            "--steps", str(args.steps), "--warmup", str(args.warmup),
-            "--bucket-cap-mb", str(args.bucket_cap_mb)]
+            "--steps", str(steps or args.steps), "--warmup", str(args.warmup),
+            "--bucket-cap-mb", str(args.bucket_cap_mb), "--optim", optim or args.optim]
 
 
-def _run_loopback(args: argparse.Namespace, n: int, plane: str, variant: str
-                  ) -> list[dict[str, Any]]:
+def _run_loopback(args: argparse.Namespace, n: int, plane: str, variant: str,
+                  optim: str | None = None, steps: int | None = None) -> list[dict[str, Any]]:
     env = {**os.environ, "SWARMFD_TRANSPORT": "tcp" if plane == "tcp" else "auto",
            "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("SWARMFD_SECRET_FILE", None)
     proc = subprocess.run([sys.executable, "-m", "swarmfd", "run", "-n", str(n), "--",
-                           *_worker_argv(args, variant)], capture_output=True, text=True,
+                           *_worker_argv(args, variant, optim, steps)], capture_output=True,
+                          text=True,
                           env=env, timeout=args.job_timeout, cwd=ROOT)
     recs = _records(proc.stdout)
     if proc.returncode != 0 or len(recs) != n:
@@ -244,6 +251,16 @@ def measure(args: argparse.Namespace) -> tuple[dict[tuple[str, int, str], list[d
                 print(f"round {rnd + 1}/{args.rounds}  {plane:6s} N={n}  {v:13s} "
                       f"{fig['step_ms']:7.1f} ms/step  ({time.monotonic() - t0:.0f} s job, "
                       f"load {os.getloadavg()[0]:.1f})", flush=True)
+    if "swarmfd-zero" in args.variants:  # memory, with Adam
+        for n in args.sizes:
+            for v in ("swarmfd-ddp", "swarmfd-zero"):
+                fig = _figure(_run_loopback(args, n, "shm", v, "adam", steps=3))
+                results[("adam", n, v)] = [fig]
+                rows.append({"round": -1, "config": "adam", "n": n, "variant": v, **fig,
+                             "load1": os.getloadavg()[0]})
+                print(f"memory with Adam  N={n}  {v:13s} state "
+                      f"{fig['state_bytes'] / 1e6:.1f} MB, peak RSS "
+                      f"{fig['hwm_bytes'] / 1e6:.0f} MB", flush=True)
     return results, rows
 
 
@@ -291,21 +308,21 @@ def report(args: argparse.Namespace, results: dict[tuple[str, int, str], list[di
             verdicts.append((f"netsim: swarmfd DDP <= 1.15 x max(no-comm, link {link_ms:.1f} ms)"
                              f" + forward {fwd:.1f} ms = {bound:.1f} ms", sddp, bound,
                              None if sddp is None else sddp <= bound))
-    mem = ["", "| config | N | variant | optimizer state per rank (MB) | of unsharded Adam | "
-           "peak RSS per rank (MB) |", "| --- | --- | --- | --- | --- | --- |"]
-    for plane, n in _configs(args):
-        full = _median(results, plane, n, "swarmfd-ddp", "state_bytes")
-        for v in ("swarmfd-ddp", "swarmfd-zero", "torch-ddp"):
-            st = _median(results, plane, n, v, "state_bytes")
-            hwm = _median(results, plane, n, v, "hwm_bytes")
-            if st is None:
+    mem = ["", "Memory with Adam (shared memory):", "",
+           "| N | variant | Adam state per rank (MB) | of unsharded Adam | "
+           "peak RSS per rank (MB) |", "| --- | --- | --- | --- | --- |"]
+    for n in args.sizes:
+        full = results.get(("adam", n, "swarmfd-ddp"), [{}])[0].get("state_bytes")
+        for v in ("swarmfd-ddp", "swarmfd-zero"):
+            fig = results.get(("adam", n, v), [None])[0]
+            if fig is None:
                 continue
-            frac = st / full if full else None
-            mem.append(f"| {plane} | {n} | {v} | {st / 1e6:.1f} | {_fmt(frac)} | "
-                       f"{(hwm or 0) / 1e6:.0f} |")
+            frac = fig["state_bytes"] / full if full else None
+            mem.append(f"| {n} | {v} | {fig['state_bytes'] / 1e6:.1f} | {_fmt(frac)} | "
+                       f"{fig['hwm_bytes'] / 1e6:.0f} |")
             if v == "swarmfd-zero" and frac is not None:
-                verdicts.append((f"{plane} N={n}: ZeRO Adam state <= 1/N + 5 % of unsharded",
-                                 frac, 1 / n + 0.05, frac <= 1 / n + 0.05))
+                verdicts.append((f"N={n}: ZeRO's Adam state per rank <= 1/N + 5 % of "
+                                 "unsharded Adam's", frac, 1 / n + 0.05, frac <= 1 / n + 0.05))
     return "\n".join(lines + mem), verdicts
 
 
@@ -335,7 +352,8 @@ def plot(args: argparse.Namespace, results: dict[tuple[str, int, str], list[dict
     ax.set_xticks([c + 0.4 - width / 2 for c in range(len(configs))],
                   [f"{p} N={n}" for p, n in configs])
     ax.set_ylabel("ms per step (median of rounds)")
-    ax.set_title(f"MLP {IN}-{HIDDEN}x{LAYERS}-{OUT}, batch {BATCH}/rank, Adam, 1 thread/rank")
+    ax.set_title(f"MLP {IN}-{HIDDEN}x{LAYERS}-{OUT}, batch {BATCH}/rank, {args.optim}, "
+                 "1 thread/rank", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -351,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--steps", type=int, default=30)
         p.add_argument("--warmup", type=int, default=5)
         p.add_argument("--bucket-cap-mb", type=float, default=25.0)
+        p.add_argument("--optim", choices=("sgd", "adam"), default="sgd")
         worker(p.parse_args(argv[1:]))
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -363,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0,
                    help="bucket_cap_mb of both DDPs (default torch's 25)")
+    p.add_argument("--optim", choices=("sgd", "adam"), default="sgd",
+                   help="optimizer of the timed steps (default SGD, momentum 0.9)")
     p.add_argument("--job-timeout", type=float, default=300.0)
     p.add_argument("--quick", action="store_true", help="1 round, 8 steps, N=2 shm only")
     p.add_argument("--out", type=Path, default=None)
@@ -382,15 +403,15 @@ def main(argv: list[str] | None = None) -> int:
     table, verdicts = report(args, results)
     standin = any(f["standin"] for figs in results.values() for f in figs)
     head = [f"# Training step time ({time.strftime('%Y-%m-%d %H:%M')}, {args.rounds} rounds x "
-            f"{args.steps} steps, bucket_cap_mb {args.bucket_cap_mb:g})", ""]
+            f"{args.steps} steps, {args.optim}, bucket_cap_mb {args.bucket_cap_mb:g})", ""]
     if standin:
         head += ["**swarmfd ran on the synchronous stand-in of the async API "
                  "(tests/_async_standin.py): no communication overlaps backward. These "
                  "swarmfd figures are not the design's.**", ""]
-    lines = head + [f"loads (1 min) during the jobs: {min(r['load1'] for r in rows):.1f} - "
-                    f"{max(r['load1'] for r in rows):.1f}", "", "ms per step:", "", table, "",
-                    "Targets (issue 18):", ""]
-    for what, got, limit, ok in verdicts:
+    loads = f"{min(r['load1'] for r in rows):.1f} - {max(r['load1'] for r in rows):.1f}"
+    lines = [*head, f"loads (1 min) during the jobs: {loads}", "", "ms per step:", "", table,
+             "", "Targets (issue 18):", ""]
+    for what, got, _limit, ok in verdicts:
         mark = "n/a" if ok is None else ("PASS" if ok else "MISS")
         lines.append(f"- {mark}: {what} (measured {_fmt(got)})")
     text = "\n".join(lines) + "\n"
