@@ -190,8 +190,10 @@ def _run_loopback(args: argparse.Namespace, n: int, plane: str, variant: str,
 
 
 def _run_netsim(args: argparse.Namespace, net: Any, variant: str) -> list[dict[str, Any]]:
+    # gloo would advertise the address the host name resolves to (127.0.0.1 inside a
+    # namespace): it must use the simulated host's interface.
     env = {"SWARMFD_TRANSPORT": "auto", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-           "PATH": os.environ.get("PATH", "")}
+           "PATH": os.environ.get("PATH", ""), "GLOO_SOCKET_IFNAME": "eth0"}
     result = net.run_job(_worker_argv(args, variant), placement=[0, 1], env=env,
                          timeout=args.job_timeout)
     result.check()
