@@ -97,3 +97,10 @@ def test_core_modules_declare_their_public_names() -> None:
             missing.append(str(p.relative_to(PACKAGE)))
     tools = {"bench.py", "cli.py", "cli_swarm.py", "entrypoint.py", "launch.py"}
     assert sorted(set(missing) - tools) == [], missing
+
+
+def test_only_the_torch_package_imports_torch() -> None:
+    """torch stays optional: only swarmfd/torch/ imports it (the core takes tensors as
+    numpy views without importing torch)."""
+    users = sorted(m for m, names in _modules().items() if "torch" in names)
+    assert users and all(m.startswith("torch/") for m in users), users

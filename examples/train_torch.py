@@ -1,0 +1,230 @@
+#!/usr/bin/env python
+"""Data-parallel PyTorch training with swarmfd.torch: handwritten digits, DDP or ZeRO.
+
+A torch MLP (64 -> 128 -> 128 -> 10) learns scikit-learn's 8x8 handwritten digits
+(``load_digits``: 1797 images that ship with the package, so nothing is downloaded)::
+
+    pip install scikit-learn                  # or: pip install -e ".[examples]"
+    python examples/train_torch.py            # a world of one
+    swarmfd run -n 2 examples/train_torch.py  # two ranks, swarmfd DDP
+    swarmfd run -n 2 examples/train_torch.py --zero   # + ZeroRedundancyOptimizer (Adam)
+    swarmfd run -n 2 --max-restarts 1 examples/train_torch.py --fail-at-epoch 5 \\
+        --checkpoint-dir /tmp/swarmfd-digits-ckpt     # crash, restart, resume
+
+What it shows:
+
+1. ``swarmfd.torch.DistributedDataParallel(model)``: the gradients are averaged over
+   the ranks during ``backward()``, bucket by bucket.
+2. ``--zero``: ``ZeroRedundancyOptimizer(params, torch.optim.Adam)``, each rank holding
+   1/N of Adam's state; under DDP the gradients are reduce-scattered instead.
+3. ``--batch-size`` is the *global* batch: each rank takes 1/N of every batch
+   (``fd.shard_indices`` strides like torch's ``DistributedSampler``, so the N shards
+   of step s together are exactly the batch one process would use), so N ranks
+   follow the trajectory of one process up to float rounding and reach its accuracy.
+4. Checkpoints (``--checkpoint-dir`` or ``$SWARMFD_CHECKPOINT_DIR``): rank 0 writes
+   model and optimizer state (with ``--zero`` consolidated first) after every epoch;
+   on a restart the rank with the newest file on its disk sends it to all
+   (``broadcast_parameters``/``broadcast_optimizer_state``), and training goes on
+   from the next epoch, ending where an uninterrupted run ends.
+
+Exit code 0; 1 if the replicas differ or the accuracy is below ``--min-accuracy``;
+3 for the simulated failure of ``--fail-at-epoch``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import swarmfd as fd
+import swarmfd.torch as sft
+
+CHECKPOINT_NAME = "digits_checkpoint.pt"
+ENV_CHECKPOINT_DIR = "SWARMFD_CHECKPOINT_DIR"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Digits with swarmfd.torch DDP (and ZeRO).")
+    p.add_argument("--epochs", type=int, default=30, help="epochs (default 30)")
+    p.add_argument("--batch-size", type=int, default=64,
+                   help="global batch (default 64), split evenly over the ranks")
+    p.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate (1e-3)")
+    p.add_argument("--hidden", type=int, default=128, help="hidden units (default 128)")
+    p.add_argument("--zero", action="store_true",
+                   help="shard Adam's state over the ranks (ZeroRedundancyOptimizer)")
+    p.add_argument("--seed", type=int, default=0, help="seed of split, init and shuffling")
+    p.add_argument("--checkpoint-dir", type=Path, default=None,
+                   help=f"where rank 0 keeps {CHECKPOINT_NAME} (default ${ENV_CHECKPOINT_DIR}; "
+                        "neither: no checkpoints)")
+    p.add_argument("--resume", action="store_true",
+                   help="resume from the checkpoint (implied on a restart)")
+    p.add_argument("--fail-at-epoch", type=int, default=0,
+                   help="testing aid: the last rank exits with code 3 after saving epoch N, "
+                        "on the first attempt only")
+    p.add_argument("--min-accuracy", type=float, default=0.0,
+                   help="exit 1 below this final test accuracy (default 0)")
+    args = p.parse_args(argv)
+    if args.checkpoint_dir is None and os.environ.get(ENV_CHECKPOINT_DIR):
+        args.checkpoint_dir = Path(os.environ[ENV_CHECKPOINT_DIR])
+    for name in ("epochs", "batch_size", "hidden"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def load_data(seed: int) -> tuple[torch.Tensor, ...]:
+    """The digits, scaled to [0, 1], split 80/20 by a seeded permutation (every rank alike)."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        sys.exit("examples/train_torch.py needs scikit-learn: pip install scikit-learn "
+                 "(or pip install -e '.[examples]')")
+    digits = load_digits()
+    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(digits.target, dtype=torch.int64)
+    order = torch.as_tensor(np.random.default_rng(seed).permutation(len(y)))
+    n_train = int(0.8 * len(y))
+    train, test = order[:n_train], order[n_train:]
+    return x[train], y[train], x[test], y[test]
+
+
+def make_model(hidden: int) -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(),
+                               torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
+                               torch.nn.Linear(hidden, 10))
+
+
+def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Test accuracy over all ranks: each scores its share (no padding), summed."""
+    xs, ys = fd.shard_batch(x), fd.shard_batch(y)
+    with torch.no_grad():
+        correct = float((model(xs).argmax(1) == ys).sum()) if len(ys) else 0.0
+    counts = np.array([correct, len(ys)], dtype=np.float64)
+    fd.all_reduce(counts)
+    return counts[0] / counts[1]
+
+
+def save(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, zero: bool,
+         next_epoch: int) -> None:
+    """Rank 0 writes model + optimizer state atomically (ZeRO: consolidated first)."""
+    if zero:
+        opt.consolidate_state_dict(to=0)  # on every rank
+    if fd.should_save():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save({"epoch": next_epoch, "model": model.state_dict(),
+                    "optimizer": opt.state_dict()}, tmp)
+        os.replace(tmp, path)
+    fd.checkpoint_barrier()  # complete before anyone goes on (or fails)
+
+
+def restore(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
+            zero: bool) -> int:
+    """The newest checkpoint any rank has on its disk, on every rank; the next epoch."""
+    state = None
+    if path.is_file():
+        try:
+            state = torch.load(path, weights_only=True)  # tensors and plain data only
+        except (OSError, RuntimeError, ValueError) as exc:
+            print(f"checkpoint {path} unreadable ({exc}): ignored", file=sys.stderr)
+    epoch = np.array([state["epoch"] if state else -1], dtype=np.int64)
+    fd.all_reduce(epoch, op="max")
+    if epoch[0] < 0:
+        return 0
+    holder = np.array([fd.get_rank() if state and state["epoch"] == epoch[0]
+                       else fd.get_world_size()], dtype=np.int64)
+    fd.all_reduce(holder, op="min")
+    src = int(holder[0])
+    if fd.get_rank() == src:
+        model.load_state_dict(state["model"])
+    sft.broadcast_parameters(model, src=src)
+    # The full optimizer state, via a plain Adam on every rank (ZeRO then takes its part).
+    full = torch.optim.Adam(model.parameters()) if zero else opt
+    if fd.get_rank() == src:
+        full.load_state_dict(state["optimizer"])
+    sft.broadcast_optimizer_state(full, src=src)
+    if zero:
+        opt.load_state_dict(full.state_dict())
+    return int(epoch[0])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)  # one thread per rank: the ranks share the cores
+    cfg = fd.init_from_env()
+    rank, world = cfg.rank, cfg.world_size
+    if args.batch_size % world:
+        fd.print(f"--batch-size {args.batch_size} must be a multiple of the {world} ranks")
+        return 2
+    x_train, y_train, x_test, y_test = load_data(args.seed)
+    torch.manual_seed(args.seed + 1 + rank)  # different on purpose: DDP broadcasts rank 0's
+    model = sft.DistributedDataParallel(make_model(args.hidden))
+    if args.zero:
+        opt: torch.optim.Optimizer = sft.ZeroRedundancyOptimizer(
+            model.parameters(), torch.optim.Adam, lr=args.lr)
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    fd.print(f"{world} rank(s), {'ZeroRedundancyOptimizer(Adam)' if args.zero else 'Adam'}, "
+             f"global batch {args.batch_size} ({args.batch_size // world} per rank), "
+             f"{len(y_train)} train / {len(y_test)} test digits")
+
+    ckpt = args.checkpoint_dir / CHECKPOINT_NAME if args.checkpoint_dir else None
+    fd.print(f"checkpoints: {ckpt}" if ckpt else
+             "checkpoints: off (--checkpoint-dir or SWARMFD_CHECKPOINT_DIR)")
+    start = 0
+    if ckpt is not None and (args.resume or cfg.restart_count > 0):
+        start = restore(ckpt, model, opt, args.zero)
+        fd.print(f"resumed at epoch {start}/{args.epochs}" if start else "no checkpoint found")
+
+    per_rank = args.batch_size // world
+    steps = len(y_train) // args.batch_size  # full global batches only, at every N alike
+    acc = 0.0
+    for epoch in range(start, args.epochs):
+        model.train()
+        order = torch.as_tensor(fd.shard_indices(len(y_train), shuffle=True, seed=args.seed,
+                                                 epoch=epoch))
+        total = torch.zeros(2, dtype=torch.float64)
+        for s in range(steps):
+            batch = order[s * per_rank:(s + 1) * per_rank]
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x_train[batch]), y_train[batch])
+            loss.backward()  # averaged over the ranks when this returns
+            opt.step()
+            total += torch.tensor([loss.item() * len(batch), len(batch)], dtype=torch.float64)
+        sft.all_reduce(total)
+        model.eval()
+        acc = accuracy(model, x_test, y_test)
+        fd.print(f"epoch {epoch + 1:3d}/{args.epochs}  train loss {total[0] / total[1]:.4f}  "
+                 f"test acc {acc:.4f}")
+        if ckpt is not None:
+            save(ckpt, model, opt, args.zero, epoch + 1)
+        if (epoch + 1 == args.fail_at_epoch and cfg.restart_count == 0
+                and rank == world - 1):
+            print(f"rank {rank}: simulated failure after epoch {epoch + 1}", file=sys.stderr,
+                  flush=True)
+            return 3
+    if start >= args.epochs:
+        acc = accuracy(model, x_test, y_test)
+
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    rows = fd.all_gather(flat.numpy())
+    same = all((r == rows[0]).all() for r in rows)
+    digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
+    fd.print(f"final test accuracy: {acc:.4f} ({len(y_test)} test digits)")
+    fd.print(f"params identical on all {world} ranks: {'OK' if same else 'NO'} "
+             f"(checksum {digest})")
+    if not same or acc < args.min_accuracy:
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    fd.cleanup()
+    sys.exit(code)

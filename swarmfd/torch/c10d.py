@@ -1,0 +1,358 @@
+"""swarmfd as a torch.distributed backend: ``init_process_group("swarmfd")``.
+
+Importing :mod:`swarmfd.torch` registers the backend, so a torch script runs its
+``dist.all_reduce``, ``dist.broadcast``, ... and torch's own
+``DistributedDataParallel`` over swarmfd by naming it::
+
+    import swarmfd.torch                      # registers "swarmfd"
+    dist.init_process_group("swarmfd")        # under swarmfd run / swarmfd deploy
+
+The process group is written in Python (a subclass of ``dist.ProcessGroup``, which
+torch calls from C++ for every collective). If swarmfd is not initialised yet, the
+backend initialises it: rank 0 picks a free port for swarmfd's rendezvous and
+publishes it, with its address, through the store torch's rendezvous just built
+(which holds ``MASTER_PORT``), so the two never compete for a port.
+
+Supported: ``all_reduce`` (sum, avg, product, min, max), ``broadcast``,
+``all_gather``, ``all_gather_into_tensor``, ``reduce_scatter``,
+``reduce_scatter_tensor``, ``reduce``, ``gather``, ``scatter``, ``barrier``, their
+``async_op`` forms and coalesced variants; bfloat16 is reduced in float32. Not yet:
+``all_to_all``, ``send``/``recv`` and sub-groups made with ``dist.new_group`` (each
+raises saying so). CPU tensors only.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+from torch.futures import Future
+
+import swarmfd as fd
+
+from . import collectives
+from ._tensors import bits, check_cpu
+
+BACKEND = "swarmfd"
+#: Store keys of the rendezvous address rank 0 publishes (under torch's group prefix).
+_KEY_ADDR, _KEY_PORT = "swarmfd/master_addr", "swarmfd/master_port"
+
+_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "mean", dist.ReduceOp.PRODUCT: "prod",
+        dist.ReduceOp.MIN: "min", dist.ReduceOp.MAX: "max"}
+
+
+def _op(reduce_op: Any) -> str:
+    for key, name in _OPS.items():
+        if reduce_op == key:
+            return name
+    raise ValueError(f"swarmfd backend: reduce op {reduce_op} is not supported (supported: "
+                     "SUM, AVG, PRODUCT, MIN, MAX)")
+
+
+class _Completer:
+    """Completes torch Futures from swarmfd Works, in issue order, on one thread.
+
+    torch's C++ side (its DDP, ``work.wait()``) waits on a Future; swarmfd's async ops
+    progress on their own and only need someone to notice the end. An op already
+    complete when issued is completed at once, without the thread.
+    """
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue[tuple[Any, Future, Any]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, work: Any, value: Any) -> Any:
+        fut: Future = Future()
+        if work is None:
+            fut.set_result(value)
+        elif work.is_completed():
+            self._finish(work, fut, value)
+        else:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, daemon=True,
+                                                    name="swarmfd-c10d-completer")
+                    self._thread.start()
+            self._q.put((work, fut, value))
+        return _create_work_from_future(fut)
+
+    @staticmethod
+    def _finish(work: Any, fut: Future, value: Any) -> None:
+        try:
+            work.wait()
+        except BaseException as exc:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(value)
+
+    def _run(self) -> None:
+        while True:
+            work, fut, value = self._q.get()
+            self._finish(work, fut, value)
+
+
+class ProcessGroupSwarmfd(dist.ProcessGroup):
+    """torch's ProcessGroup interface over a swarmfd group (the world)."""
+
+    def __init__(self, rank: int, size: int, group: Any = None) -> None:
+        super().__init__(rank, size)
+        self._group = group
+        self._done = _Completer()
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    @property
+    def swarmfd_group(self) -> Any:
+        return self._group
+
+    def _check(self, tensors: list[torch.Tensor], fn: str) -> list[torch.Tensor]:
+        for i, t in enumerate(tensors):
+            check_cpu(t, f"tensor {i}", fn)
+        return tensors
+
+    def _world_rank(self, group_rank: int) -> int:
+        return group_rank if self._group is None else int(self._group.ranks[group_rank])
+
+    # -- collectives ----------------------------------------------------------------------
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        op = "sum" if opts is None else _op(opts.reduceOp)
+        ts = self._check(list(tensors), "all_reduce")
+        w = collectives.all_reduce(ts, op, group=self._group, async_op=True)
+        return self._done.submit(w, tensors)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        return self.allreduce(tensors, opts)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        root = 0 if opts is None else int(opts.rootRank)
+        ts = self._check(list(tensors), "broadcast")
+        w = collectives.broadcast(ts, src=self._world_rank(root), group=self._group,
+                                  async_op=True)
+        return self._done.submit(w, tensors)
+
+    def _gather_into(self, out: torch.Tensor, inp: torch.Tensor) -> Any:
+        """all_gather of ``inp`` into ``out`` (size x inp, contiguous), async."""
+        if out.dtype != inp.dtype:
+            raise TypeError(f"all_gather: output dtype {out.dtype} differs from the input's "
+                            f"{inp.dtype}")
+        x = bits(inp.contiguous())
+        rows = bits(out).reshape(self.size(), *x.shape)
+        return fd.all_gather(x, out=rows, group=self._group, async_op=True)
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]],
+                  input_tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        outs, inp = output_tensors[0], check_cpu(input_tensors[0], "input", "all_gather")
+        if len(outs) != self.size():
+            raise ValueError(f"all_gather: {len(outs)} output tensors, expected {self.size()}")
+        staging = torch.empty((self.size(), *inp.shape), dtype=inp.dtype)
+        w = self._gather_into(staging, inp)
+
+        def copy_out() -> None:
+            for o, row in zip(outs, staging, strict=True):
+                o.copy_(row)
+
+        return self._done.submit(_Then(w, copy_out), output_tensors)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
+                          opts: Any = None) -> Any:
+        check_cpu(output, "output", "all_gather_into_tensor")
+        check_cpu(input, "input", "all_gather_into_tensor")
+        if output.numel() != input.numel() * self.size():
+            raise ValueError(f"all_gather_into_tensor: output has {output.numel()} elements, "
+                             f"expected {self.size()} x {input.numel()}")
+        if output.is_contiguous():
+            return self._done.submit(self._gather_into(output, input), [output])
+        staging = torch.empty(output.shape, dtype=output.dtype)
+        return self._done.submit(_Then(self._gather_into(staging, input),
+                                       lambda: output.copy_(staging)), [output])
+
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs,
+                                                                     strict=True)]
+        return _last(works, outputs, self._done)
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def _scatter_reduce(self, output: torch.Tensor, flat: torch.Tensor, op: str) -> Any:
+        """Reduce ``flat`` (size x output's elements) and give this rank its part."""
+        wide = flat.dtype is torch.bfloat16
+        x = flat.to(torch.float32) if wide else flat.contiguous()
+        res = torch.empty(output.numel(), dtype=x.dtype)
+        w = fd.reduce_scatter(x.reshape(self.size(), -1).numpy(),
+                              out=res.reshape(1, -1).numpy(), op=op, group=self._group,
+                              async_op=True)
+        return _Then(w, lambda: output.copy_(res.view(output.shape)))
+
+    def reduce_scatter(self, output_tensors: list[torch.Tensor],
+                       input_tensors: list[list[torch.Tensor]], opts: Any = None) -> Any:
+        out, ins = output_tensors[0], input_tensors[0]
+        if len(ins) != self.size():
+            raise ValueError(f"reduce_scatter: {len(ins)} input tensors, expected {self.size()}")
+        flat = torch.stack([check_cpu(t, f"input {i}", "reduce_scatter").reshape(-1)
+                            for i, t in enumerate(ins)])
+        op = "sum" if opts is None else _op(opts.reduceOp)
+        return self._done.submit(self._scatter_reduce(out, flat, op), output_tensors)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
+                              opts: Any = None) -> Any:
+        check_cpu(output, "output", "reduce_scatter_tensor")
+        check_cpu(input, "input", "reduce_scatter_tensor")
+        if input.numel() != output.numel() * self.size():
+            raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements, "
+                             f"expected {self.size()} x {output.numel()}")
+        op = "sum" if opts is None else _op(opts.reduceOp)
+        return self._done.submit(self._scatter_reduce(output, input, op), [output])
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        works = [self.reduce_scatter_single(o, i, opts)
+                 for o, i in zip(outputs, inputs, strict=True)]
+        return _last(works, outputs, self._done)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        root = 0 if opts is None else int(opts.rootRank)
+        t = check_cpu(tensors[0], "tensor", "reduce")
+        op = "sum" if opts is None else _op(opts.reduceOp)
+        # An all-reduce of a copy; only the root keeps the result (its peers' tensors
+        # stay as they were, as torch documents for reduce).
+        tmp = t.detach().clone()
+        w = collectives.all_reduce(tmp, op, group=self._group, async_op=True)
+
+        def keep() -> None:
+            if self.rank() == root:
+                t.copy_(tmp)
+
+        return self._done.submit(_Then(w, keep), tensors)
+
+    def gather(self, output_tensors: list[list[torch.Tensor]],
+               input_tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        root = 0 if opts is None else int(opts.rootRank)
+        inp = check_cpu(input_tensors[0], "input", "gather")
+        staging = torch.empty((self.size(), *inp.shape), dtype=inp.dtype)
+        w = self._gather_into(staging, inp)
+
+        def keep() -> None:
+            if self.rank() == root:
+                for o, row in zip(output_tensors[0], staging, strict=True):
+                    o.copy_(row)
+
+        return self._done.submit(_Then(w, keep), output_tensors)
+
+    def scatter(self, output_tensors: list[torch.Tensor],
+                input_tensors: list[list[torch.Tensor]], opts: Any = None) -> Any:
+        root = 0 if opts is None else int(opts.rootRank)
+        out = check_cpu(output_tensors[0], "output", "scatter")
+        staging = torch.empty((self.size(), *out.shape), dtype=out.dtype)
+        if self.rank() == root:
+            for row, t in zip(staging, input_tensors[0], strict=True):
+                row.copy_(t)
+        w = fd.broadcast(bits(staging), src=self._world_rank(root), group=self._group,
+                         async_op=True)
+        return self._done.submit(_Then(w, lambda: out.copy_(staging[self.rank()])),
+                                 output_tensors)
+
+    def barrier(self, opts: Any = None) -> Any:
+        fd.barrier(group=self._group)
+        return self._done.submit(None, [])
+
+    def _unsupported(self, name: str) -> Any:
+        raise NotImplementedError(f"the swarmfd torch.distributed backend has no {name} yet; "
+                                  "use the gloo backend for it")
+
+    def all_to_all_single(self, *args: Any, **kwargs: Any) -> Any:
+        return self._unsupported("all_to_all")
+
+    def alltoall(self, *args: Any, **kwargs: Any) -> Any:
+        return self._unsupported("all_to_all")
+
+    def send(self, *args: Any, **kwargs: Any) -> Any:
+        return self._unsupported("send")
+
+    def recv(self, *args: Any, **kwargs: Any) -> Any:
+        return self._unsupported("recv")
+
+
+class _Then:
+    """A swarmfd Work followed by a local step (copy-out) when it completes."""
+
+    def __init__(self, work: Any, then: Any) -> None:
+        self._work, self._then = work, then
+
+    def is_completed(self) -> bool:
+        return bool(self._work.is_completed())
+
+    def wait(self, timeout: float | None = None) -> Any:
+        result = self._work.wait()
+        self._then()
+        return result
+
+
+def _last(works: list[Any], outputs: Any, done: _Completer) -> Any:
+    """One torch Work for several in order: the last completes after the others."""
+    class _All:
+        def is_completed(self) -> bool:
+            return all(w.is_completed() for w in works)
+
+        def wait(self, timeout: float | None = None) -> Any:
+            for w in works:
+                w.wait()
+
+    return done.submit(_All(), outputs)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def _join_swarmfd(store: Any, rank: int, size: int) -> None:
+    """Initialise swarmfd's world: rank 0 publishes a rendezvous port via the store."""
+    if rank == 0:
+        addr = os.environ.get("MASTER_ADDR") or socket.gethostname()
+        store.set(_KEY_ADDR, addr)
+        store.set(_KEY_PORT, str(_free_port()))
+    addr = store.get(_KEY_ADDR).decode()
+    port = int(store.get(_KEY_PORT).decode())
+    fd.init(size, rank, master_addr=addr, master_port=port)
+
+
+def _create(opts: Any, backend_options: Any = None) -> ProcessGroupSwarmfd:
+    """torch's backend creator (extended API): the world group over swarmfd."""
+    rank, size = int(opts.group_rank), int(opts.group_size)
+    ranks = list(opts.global_ranks_in_group or range(size))
+    if fd.is_initialized():
+        world = fd.get_world_size()
+        if ranks != list(range(world)):
+            raise NotImplementedError(
+                "the swarmfd torch.distributed backend serves the world group only: "
+                f"dist.new_group({ranks}) needs every rank to create the swarmfd group, and "
+                "torch calls the backend on members only; use the gloo backend for "
+                "sub-groups, or swarmfd.new_group with swarmfd's own API")
+        if fd.get_rank() != rank:
+            raise RuntimeError(f"torch.distributed says this is rank {rank} of {size}, "
+                               f"swarmfd says rank {fd.get_rank()} of {world}")
+    else:
+        _join_swarmfd(opts.store, rank, size)
+    return ProcessGroupSwarmfd(rank, size)
+
+
+def register() -> None:
+    """Register ``"swarmfd"`` as a torch.distributed backend (idempotent)."""
+    if BACKEND.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+
+
+__all__ = ["BACKEND", "ProcessGroupSwarmfd", "register"]
