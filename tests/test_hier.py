@@ -228,3 +228,234 @@ def test_progress_engine_drives_the_phases() -> None:
     got = run_hosts(fn, hosts)
     for call in range(2):
         _check_reduced([g[call] for g in got], inputs[call], np.float32)
+
+
+# -- selection -----------------------------------------------------------------------------
+
+
+def test_two_level_layout_selection() -> None:
+    """Two-level exactly when the group spans hosts, some host holds several of its ranks,
+    each such host's ranks share one shared-memory plane, and SWARMFD_HIERARCHY is auto."""
+    from swarmfd.algorithms.select import two_level_layout
+
+    hosts = ["a", "b", "a", "b"]
+    lay = two_level_layout(hosts, [0, 1, 0, 1], 2, "auto")
+    assert lay is not None and lay.hosts == ((0, 2), (1, 3)) and lay.local == 1
+    assert two_level_layout(hosts, [0, 1, 0, 1], 2, "off") is None
+    assert two_level_layout(hosts, [0, -1, 0, -1], 0, "auto") is None  # b fell back to TCP
+    assert two_level_layout(hosts, [0, 1, 0, 3], 0, "auto") is None  # b: two planes
+    # a host of one needs no plane; one host, or one rank per host: flat
+    assert two_level_layout(["a", "a", "b"], [0, 0, -1], 2, "auto") is not None
+    assert two_level_layout(["a", "a"], [0, 0], 0, "auto") is None
+    assert two_level_layout(["a", "b", "c"], [-1, -1, -1], 0, "auto") is None
+
+
+def test_two_level_selection_by_size() -> None:
+    from swarmfd.algorithms import select
+
+    lay = hier.layout_of(["a", "a", "b", "b"], 0)
+    assert select.all_reduce_two_level(4096, lay) is hier.all_reduce_small
+    assert select.all_reduce_two_level(select.HIER_SMALL_BYTES, lay) is hier.all_reduce_small
+    assert select.all_reduce_two_level(select.HIER_SMALL_BYTES + 4, lay) is \
+        hier.all_reduce_large
+
+
+# -- the public calls, in-process ------------------------------------------------------------
+
+
+class _World:
+    """Thread-ranks on simulated hosts with a real _State each (memory plane, real shared
+    memory, the progress engine), so that the public calls run as in a job that spans
+    hosts; ``swarmfd.group.current`` answers each thread with its own state."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import threading
+
+        from swarmfd import group as _group
+
+        self.local = threading.local()
+        monkeypatch.setattr(_group, "current", lambda what="": self.local.state)
+
+    def run(self, hosts: list[int], fn: Any, hierarchy: str = "auto") -> list[Any]:
+        from types import SimpleNamespace
+
+        from swarmfd import group as _group
+        from swarmfd.config import Config
+
+        from .memplane import run_hosts
+
+        n = len(hosts)
+        names = [f"host{h}" for h in hosts]
+        domains = [min(r for r in range(n) if hosts[r] == hosts[q])
+                   if hosts.count(hosts[q]) > 1 else -1 for q in range(n)]
+
+        def body(r: int, channel: Any, tcp: Any, shm: Any) -> Any:
+            config = Config(world_size=n, rank=r, master_addr="127.0.0.1", timeout=10)
+            t = SimpleNamespace(tcp=tcp, shm=shm, channel=channel)
+            state = _group._State(config, t, names, hierarchy=hierarchy)  # type: ignore[arg-type]
+            state.shm_domains = domains
+            _group._make_groups(state)
+            state.engine = _group._engine(state)
+            self.local.state = state
+            try:
+                return fn(r, state)
+            finally:
+                state.engine.close()
+
+        return run_hosts(body, hosts)
+
+
+def test_public_calls_on_simulated_hosts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every collective through the public API on 3 + 1 hosts, spread: lists fused per
+    dtype group, mean, a non-contiguous array, async ops, a group that crosses hosts
+    (world ranks 1, 2, 3 of hosts [0, 1, 0, 0]), a root on either host; every result
+    bitwise identical on every rank, and the calls really took the two-level path."""
+    import swarmfd as fd
+    from swarmfd import collectives
+
+    hosts = [0, 1, 0, 0]
+    n = len(hosts)
+    taken: list[str] = []
+    real = {name: getattr(hier, name) for name in ("all_reduce_small", "all_reduce_large",
+                                                    "broadcast", "reduce", "all_gather")}
+    for name, fn in real.items():
+        def spy(*a: Any, _fn: Any = fn, _name: str = name, **k: Any) -> Any:
+            taken.append(_name)
+            return _fn(*a, **k)
+        monkeypatch.setattr(hier, name, spy)
+
+    def body(r: int, state: Any) -> Any:
+        out: dict[str, Any] = {}
+        big = _data(r, 300_001, np.float32)
+        out["big"] = collectives.all_reduce(big)
+        parts = [_data(r, 7, np.float64), _data(r, 1000, np.int32), _data(r, 5, np.float64)]
+        out["list"] = [p.copy() for p in collectives.all_reduce(parts)]
+        m = _data(r, 70_000, np.float64)
+        out["mean"] = collectives.all_reduce(m, op="mean")
+        nc = np.arange(40, dtype=np.float32).reshape(8, 5)[:, ::2] * (r + 1)
+        out["noncontig"] = collectives.all_reduce(nc).copy()
+        w = collectives.all_reduce(_data(r, 200_003, np.int64), async_op=True)
+        w2 = collectives.all_reduce(_data(r, 11, np.int64), op="max", async_op=True)
+        out["async"], out["async_max"] = w.wait(20).copy(), w2.wait(20).copy()
+        for src in (0, 1):
+            b = _data(r, 150_000, np.int16)
+            out[f"bcast{src}"] = collectives.broadcast(b, src=src).copy()
+            x = _data(r, 150_000, np.int64)
+            out[f"reduce{src}"] = collectives.reduce(x, dst=src).copy()
+        out["gather"] = np.stack(collectives.all_gather(_data(r, 70_001, np.float32)))
+        g = fd.new_group([1, 2, 3])
+        if r in (1, 2, 3):
+            out["sub"] = collectives.all_reduce(_data(r, 100_000, np.float64), group=g)
+            out["sub_gather"] = np.stack(collectives.all_gather(_data(r, 9, np.uint8),
+                                                                group=g))
+        collectives.barrier()
+        return out
+
+    got = _World(monkeypatch).run(hosts, body)
+    inputs = {k: [_data(r, c, dt) for r in range(n)] for k, c, dt in (
+        ("big", 300_001, np.float32), ("mean", 70_000, np.float64),
+        ("async", 200_003, np.int64), ("async_max", 11, np.int64),
+        ("b", 150_000, np.int16), ("x", 150_000, np.int64), ("gather", 70_001, np.float32),
+        ("sub", 100_000, np.float64), ("sub_gather", 9, np.uint8))}
+    _check_reduced([o["big"] for o in got], inputs["big"], np.float32)
+    _check_reduced([o["async"] for o in got], inputs["async"], np.int64)
+    assert all(np.array_equal(o["async_max"], np.max(inputs["async_max"], axis=0))
+               for o in got)
+    means = [o["mean"] for o in got]
+    assert all(m.tobytes() == means[0].tobytes() for m in means)
+    assert np.allclose(means[0], np.mean(inputs["mean"], axis=0))
+    for k, (c, dt) in enumerate([(7, np.float64), (1000, np.int32), (5, np.float64)]):
+        _check_reduced([o["list"][k] for o in got], [_data(r, c, dt) for r in range(n)], dt)
+    nc = np.arange(40, dtype=np.float32).reshape(8, 5)[:, ::2]
+    assert all(np.array_equal(o["noncontig"], nc * 10) for o in got)
+    for src in (0, 1):
+        assert all(np.array_equal(o[f"bcast{src}"], inputs["b"][src]) for o in got)
+        assert np.array_equal(got[src][f"reduce{src}"], np.sum(inputs["x"], axis=0))
+        assert all(np.array_equal(got[r][f"reduce{src}"], inputs["x"][r])
+                   for r in range(n) if r != src)
+    assert all(np.array_equal(o["gather"], np.stack(inputs["gather"])) for o in got)
+    _check_reduced([got[r]["sub"] for r in (1, 2, 3)], inputs["sub"][1:], np.float64)
+    assert all(np.array_equal(got[r]["sub_gather"], np.stack(inputs["sub_gather"][1:]))
+               for r in (1, 2, 3))
+    assert set(taken) == set(real), taken
+
+
+def test_hierarchy_off_takes_the_flat_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    from swarmfd import collectives
+
+    taken: list[str] = []
+    for name in ("all_reduce_small", "all_reduce_large", "broadcast", "reduce", "all_gather"):
+        monkeypatch.setattr(hier, name, lambda *a, _n=name, **k: taken.append(_n))
+
+    def body(r: int, state: Any) -> Any:
+        x = collectives.all_reduce(np.full(300_000, r + 1.0))
+        collectives.broadcast(x, src=1)
+        return x
+
+    got = _World(monkeypatch).run([0, 0, 1, 1], body, hierarchy="off")
+    assert all(np.all(g == 10.0) for g in got) and taken == []
+
+
+@pytest.mark.parametrize("algo", ["all_reduce_large", "broadcast", "all_gather"])
+def test_host_lost_mid_call_is_named_by_every_survivor(algo: str) -> None:
+    """Host 1's ranks vanish in the middle of a large call (after some of their rounds;
+    the broadcast's root is there; in all_gather before sending anything): every
+    survivor raises PeerLostError (or the abort of a local peer that lost it) naming a
+    rank of host 1 and its host, within the timeout."""
+    import time
+
+    from swarmfd.algorithms.base import run
+    from swarmfd.comm.plane import PeerInfo
+    from swarmfd.errors import PeerLostError
+
+    from .memplane import Fabric, run_hosts
+
+    hosts = [0, 1, 0, 0, 1]
+    n = len(hosts)
+    fabric = Fabric(n)
+    names = [f"host{h}" for h in hosts]
+    count = 1 << 20  # float32: 4 rounds of a slot
+
+    def fn(r: int, channel: Any, tcp: Any, shm: Any) -> Any:
+        channel.peers = [PeerInfo(q, f"mem:{q}", names[q], 1000 + q) for q in range(n)]
+        slots = [0]
+
+        def next_slot() -> int:
+            slots[0] += 1
+            return ((slots[0] - 1) % 3) << 20
+
+        sig = wire.Signature(wire.Collective.ALL_REDUCE)
+        op = Op(channel, tcp, list(range(n)), r, 0, 1, sig, None, next_slot)
+        lay = hier.layout_of(names, r)
+        buf = np.ones(count, np.float32)
+        if algo == "all_reduce_large":
+            gen = hier.all_reduce_large(op, buf, np.add, lay, shm)
+        elif algo == "broadcast":
+            op.sig = wire.Signature(wire.Collective.BROADCAST, root=1)
+            gen = hier.broadcast(op, buf, 1, lay, shm)
+        else:
+            out = np.zeros((n, 1 << 18), np.float32)
+            gen = hier.all_gather(op, out, lay, shm)
+        if hosts[r] == 1:
+            # run a few steps, then vanish (connections close, nothing more is sent)
+            if algo != "all_gather":
+                req = gen.send(None)
+                for _ in range(2):
+                    req = gen.send(op.complete(req))
+            fabric.kill(r)
+            return None
+        start = time.monotonic()
+        try:
+            run(op, gen)
+        except PeerLostError as exc:
+            channel.abort(exc, 0)
+            return str(exc), time.monotonic() - start
+        raise AssertionError("the call succeeded without host 1")
+
+    got = run_hosts(fn, hosts, fabric=fabric, group_timeout=10.0)
+    for r in range(n):
+        if hosts[r] == 0:
+            msg, took = got[r]
+            assert "lost rank 1" in msg or "lost rank 4" in msg, msg
+            assert "host host1" in msg, msg
+            assert took < 5.0, (r, took, msg)

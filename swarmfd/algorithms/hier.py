@@ -285,7 +285,8 @@ def all_reduce_large(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout, shm:
             seg = buf[a:b]
             yield from select.all_reduce("tcp", seg.nbytes, H, seg.size)(sub, seg, ufunc)
         if local is not None:
-            yield op.flush()  # the ring sent pieces of buf without a copy
+            # (The rings may still be sending pieces of the owned shards: the
+            # all-gather only reads them.)
             for t in range(R):
                 slot_t = (op.next_slot(), *offsets(t))
                 publish(t, *slot_t)
