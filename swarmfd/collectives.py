@@ -27,9 +27,11 @@ from .algorithms.base import Op, run
 from .comm import wire
 from .comm.wire import Collective, ReduceOp, Signature
 from .engine import Work, completed, joined
-from .errors import SwarmfdError
+from .errors import MismatchError, ProtocolError, SwarmfdError
 
-__all__ = ["all_gather", "all_reduce", "all_reduce_mean", "barrier", "broadcast", "reduce"]
+__all__ = ["MAX_OBJECT_BYTES", "all_gather", "all_gather_object", "all_reduce", "all_reduce_mean",
+           "all_to_all", "barrier", "broadcast", "broadcast_object", "gather", "irecv",
+           "isend", "recv", "reduce", "reduce_scatter", "scatter", "send"]
 
 T = TypeVar("T")
 
@@ -435,19 +437,23 @@ def reduce(x: T, dst: int = 0, op: str = "sum", *, group: Any = None,
 
 def all_gather(x: Any, out: Any = None, *, group: Any = None,
                async_op: bool = False) -> list[np.ndarray]:
-    """Every rank's ``x``, as a list of arrays in group-rank order (same shape and dtype).
+    """Every rank's ``x``, as a list of arrays in group-rank order.
 
-    Without ``out`` the result is a new array of N times ``x``'s size, allocated
-    every call. In a loop, pass ``out``: a writable C-contiguous numpy array (or
-    CPU tensor) of shape ``(size, *x.shape)`` and ``x``'s dtype, reused every call;
-    it is filled in place and the list holds views of its rows (no allocation, and
-    no fresh pages to fault in for large results).
+    The dtype and every dimension but the first must agree; the first may differ
+    between ranks (the ranks exchange it first, inside the call), and the list holds
+    each rank's own shape. With ``out``, every rank's ``x`` must have the same shape:
+    ``out`` is a writable C-contiguous numpy array (or CPU tensor) of shape
+    ``(size, *x.shape)`` and ``x``'s dtype, reused every call; it is filled in place
+    and the list holds views of its rows (no allocation, and no fresh pages to fault
+    in for large results).
     """
     g = _group.resolve_group(group, "all_gather()")
     arr = _to_numpy(x, "all_gather")
     code = _check_array(arr, "all_gather", writable=False)
     flat = np.ascontiguousarray(arr).reshape(-1)
     n = g.size
+    if out is None and arr.ndim > 0:
+        return _all_gather_v(g, arr, flat, code, async_op)
     if out is None:
         rows = np.empty((n, flat.size), dtype=arr.dtype)
     else:
@@ -468,6 +474,54 @@ def all_gather(x: Any, out: Any = None, *, group: Any = None,
 
     return _run(g, _signature(Collective.ALL_GATHER, [arr], code, ReduceOp.NONE), body,
                 lambda _: [rows[r].reshape(arr.shape) for r in range(n)], async_op)
+
+
+def _all_gather_v(g: _group.Group, arr: np.ndarray, flat: np.ndarray, code: int,
+                  async_op: bool) -> Any:
+    """all_gather of first dimensions that may differ: sizes first, then the data."""
+    n, trailing = g.size, tuple(arr.shape[1:])
+    row = int(np.prod(trailing, dtype=np.int64))
+    sig = Signature(Collective.ALL_GATHER, ReduceOp.NONE, code, wire.NO_ROOT, 0,
+                    wire.shape_hash(("rows", *trailing)), f"(rows, {', '.join(map(str, trailing))})"
+                    if trailing else "(rows,)")
+    state: dict[str, Any] = {}
+
+    def body(o: Op) -> Any:
+        sizes = np.empty((n, 1), np.int64)
+        sizes[o.me] = arr.shape[0]
+        yield from _exchange(o, sizes)
+        counts = [int(v) for v in sizes[:, 0]]
+        if any(c < 0 for c in counts):
+            raise ProtocolError(f"swarmfd.all_gather: a rank announced {counts} rows")
+        bounds = _bounds(counts, row)
+        res = np.empty(bounds[-1][1], arr.dtype)
+        state["res"], state["counts"] = res, counts
+        two = g.two_level()
+        hier = (two and len(set(counts)) == 1
+                and select.all_gather_two_level(flat.nbytes, two[0]))
+        if hier:  # every rank's part has the same size: the two-level all_gather
+            rows = res.reshape(n, -1)
+            rows[o.me] = flat
+            yield from hier(o, rows, *two)
+        elif o.plane.kind == "shm":
+            yield from select.shm.all_gather_v(o, flat, res, bounds)
+        else:
+            largest = max(b - a for a, b in bounds) * arr.itemsize
+            direct = select.all_gather("tcp", largest, n) is select.tcp.all_gather_direct \
+                and largest <= wire.PIECE_BYTES
+            yield from select.tcp.all_gather_v(o, flat, res, bounds, g.ring, direct)
+
+    def finish(_: Any) -> Any:
+        if "res" not in state:  # a group of one
+            return [arr.copy()]
+        res, counts = state["res"], state["counts"]
+        out, start = [], 0
+        for c in counts:
+            out.append(res[start * row:(start + c) * row].reshape(c, *trailing))
+            start += c
+        return out
+
+    return _run(g, sig, body, finish, async_op)
 
 
 def _gather_out(out: np.ndarray, arr: np.ndarray, size: int, what: str) -> np.ndarray:
@@ -497,3 +551,425 @@ def barrier(*, group: Any = None, async_op: bool = False) -> Work | None:
     g = _group.resolve_group(group, "barrier()")
     return _run(g, Signature(Collective.BARRIER), lambda o: select.tcp.barrier(o, 0),
                 None, async_op)
+
+
+# -- reduce_scatter ---------------------------------------------------------------------
+
+
+def _dim0_parts(arr: np.ndarray, n: int, name: str) -> tuple[list[tuple[int, int]], int]:
+    """Row bounds of ``n`` parts of ``arr`` along its first dimension (as np.array_split
+    splits), and the elements of one row."""
+    if arr.ndim == 0:
+        raise ValueError(f"swarmfd.{name} splits its input along the first dimension, and a "
+                         "0-d array has none: pass an array of at least one dimension")
+    row = int(np.prod(arr.shape[1:], dtype=np.int64))
+    return select.split_rows(arr.shape[0], n), row
+
+
+def _out_array(out: Any, shape: tuple[int, ...], dtype: np.dtype, name: str,
+               arr: np.ndarray | None = None) -> np.ndarray:
+    """``out`` checked as a result buffer of ``shape`` and ``dtype`` (or a new array)."""
+    if out is None:
+        return np.empty(shape, dtype)
+    o = _to_numpy(out, name)
+    if o.dtype != dtype:
+        raise TypeError(f"swarmfd.{name}: out has dtype {o.dtype}, expected {dtype}")
+    if o.shape != shape:
+        raise ValueError(f"swarmfd.{name}: out has shape {o.shape}, expected {shape}")
+    if not o.flags.c_contiguous or not o.flags.writeable:
+        raise ValueError(f"swarmfd.{name}: out must be a writable C-contiguous array")
+    if arr is not None and np.shares_memory(o, arr):
+        raise ValueError(f"swarmfd.{name}: out overlaps x; pass a separate buffer")
+    return o
+
+
+def reduce_scatter(x: Any, out: Any = None, *, op: str = "sum", group: Any = None,
+                   async_op: bool = False) -> Any:
+    """Reduce ``x`` across the group and give rank r part r of the result.
+
+    ``x`` is split along its first dimension as ``np.array_split`` would split it into
+    group-size parts (uneven parts allowed; a first dimension smaller than the group
+    gives some ranks empty parts). Returns ``out`` (a new array when None: part r's
+    shape), or a Work that gives it. ``x`` itself is left unchanged.
+    """
+    g = _group.resolve_group(group, "reduce_scatter()")
+    rop, mean = _parse_op(op, "reduce_scatter")
+    arr = _to_numpy(x, "reduce_scatter")
+    code = _check_array(arr, "reduce_scatter", writable=False)
+    _check_op_dtype(rop, mean, arr.dtype, "reduce_scatter")
+    rows, row = _dim0_parts(arr, g.size, "reduce_scatter")
+    parts = [(a * row, b * row) for a, b in rows]
+    a, b = rows[g.rank]
+    res = _out_array(out, (b - a, *arr.shape[1:]), arr.dtype, "reduce_scatter", arr)
+    flat = np.ascontiguousarray(arr).reshape(-1)
+    res_flat = res.reshape(-1)
+    ufunc = _UFUNCS[rop]
+
+    def body(o: Op) -> Any:
+        algo = select.reduce_scatter(o.plane.kind, flat.nbytes, o.size)
+        if algo is select.tcp.reduce_scatter_ring:
+            yield from algo(o, flat.copy(), parts, res_flat, ufunc, g.ring)  # scratch copy
+        else:
+            yield from algo(o, flat, parts, res_flat, ufunc)
+        if mean:
+            np.divide(res_flat, o.size, out=res_flat)
+
+    def finish(_: Any) -> Any:
+        if g.size == 1:
+            np.copyto(res_flat, flat)
+        return res
+
+    return _run(g, _signature(Collective.REDUCE_SCATTER, [arr], code,
+                              ReduceOp.MEAN if mean else rop), body, finish, async_op)
+
+
+# -- all_to_all -------------------------------------------------------------------------
+
+
+def _splits(value: Any, n: int, what: str) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        splits = [int(v) for v in value]
+    except (TypeError, ValueError):
+        raise TypeError(f"swarmfd.all_to_all: {what} must be a list of {n} row counts, got "
+                        f"{value!r}") from None
+    if len(splits) != n or any(s < 0 for s in splits):
+        raise ValueError(f"swarmfd.all_to_all: {what} must be {n} non-negative row counts "
+                         f"(one per rank of the group), got {splits}")
+    return splits
+
+
+def all_to_all(x: Any, out: Any = None, *, in_splits: Any = None, out_splits: Any = None,
+               group: Any = None, async_op: bool = False) -> Any:
+    """Rank r sends part j of ``x`` to rank j and receives part r of every rank's ``x``,
+    concatenated in rank order into ``out`` (torch's ``all_to_all_single``).
+
+    Parts run along the first dimension: equal by default (the first dimension must
+    divide by the group size), or ``in_splits`` rows each. The receiving rows,
+    ``out_splits``: equal by default; with uneven ``in_splits`` and no ``out_splits``
+    the ranks exchange their splits first (one small all_gather inside the call).
+    Returns ``out`` (a new array when None), or a Work that gives it.
+    """
+    g = _group.resolve_group(group, "all_to_all()")
+    arr = _to_numpy(x, "all_to_all")
+    code = _check_array(arr, "all_to_all", writable=False)
+    if arr.ndim == 0:
+        raise ValueError("swarmfd.all_to_all splits its input along the first dimension, and "
+                         "a 0-d array has none: pass an array of at least one dimension")
+    n = g.size
+    rows_in = _splits(in_splits, n, "in_splits")
+    rows_out = _splits(out_splits, n, "out_splits")
+    if rows_in is None:
+        if arr.shape[0] % n:
+            raise ValueError(f"swarmfd.all_to_all: the first dimension {arr.shape[0]} does not "
+                             f"divide by the group size {n}: pass in_splits for uneven parts")
+        rows_in = [arr.shape[0] // n] * n
+    elif sum(rows_in) != arr.shape[0]:
+        raise ValueError(f"swarmfd.all_to_all: in_splits {rows_in} add up to {sum(rows_in)}, "
+                         f"but the first dimension is {arr.shape[0]}")
+    equal = in_splits is None and out_splits is None
+    if rows_out is None and in_splits is None:
+        rows_out = list(rows_in)
+    row = int(np.prod(arr.shape[1:], dtype=np.int64))
+    flat = np.ascontiguousarray(arr).reshape(-1)
+    trailing = tuple(arr.shape[1:])
+    sig = (_signature(Collective.ALL_TO_ALL, [arr], code, ReduceOp.NONE) if equal else
+           Signature(Collective.ALL_TO_ALL, ReduceOp.NONE, code, wire.NO_ROOT, 0,
+                     wire.shape_hash(("splits", *trailing)), f"(uneven splits, *{trailing})"))
+    state: dict[str, Any] = {}
+    if rows_out is not None:
+        state["out"] = _out_array(out, (sum(rows_out), *trailing), arr.dtype, "all_to_all", arr)
+
+    def body(o: Op) -> Any:
+        matrix = None
+        r_out = rows_out
+        if not equal and (r_out is None or o.plane.kind == "shm"):
+            # Everyone's splits (rank p's row: what p sends to each rank), in this call.
+            every = np.empty((n, n), np.int64)
+            every[o.me] = rows_in
+            yield from _exchange(o, every)
+            matrix = every
+            theirs = [int(every[p, o.me]) for p in range(n)]
+            if r_out is None:
+                r_out = theirs
+            elif r_out != theirs:
+                raise MismatchError(
+                    f"swarmfd.all_to_all: out_splits {r_out} of rank {g.world_rank} differ "
+                    f"from what the ranks send it ({theirs}): every rank's in_splits[r] must "
+                    "equal rank r's out_splits for it")
+        if "out" not in state:
+            state["out"] = _out_array(out, (sum(r_out), *trailing), arr.dtype, "all_to_all", arr)
+        res = state["out"].reshape(-1)
+        send = _bounds(rows_in, row)
+        recv = _bounds(r_out, row)
+        if o.plane.kind == "shm":
+            if matrix is None:
+                matrix = np.full((n, n), rows_in[0], np.int64)
+            totals = [int(matrix[p].sum()) * row for p in range(n)]
+            mine_in = [(int(matrix[p, :o.me].sum()) * row, int(matrix[p, :o.me + 1].sum()) * row)
+                       for p in range(n)]
+            yield from select.shm.all_to_all(o, flat, totals, mine_in, res, recv)
+        else:
+            yield from select.tcp.all_to_all_pairwise(o, flat, send, res, recv)
+
+    def finish(_: Any) -> Any:
+        if "out" not in state:  # a group of one
+            state["out"] = _out_array(out, arr.shape, arr.dtype, "all_to_all", arr)
+            state["out"][...] = arr
+        elif g.size == 1:
+            state["out"][...] = arr
+        return state["out"]
+
+    return _run(g, sig, body, finish, async_op)
+
+
+def _exchange(o: Op, rows: np.ndarray) -> Any:
+    """All-gather the small int64 ``rows`` (this rank's row filled) inside a call: sizes
+    before the data (tags from 2**30, apart from the data's)."""
+    sub = o.sub(o.plane, list(range(o.size)), 1 << 30, o.shm, o.next_slot)
+    if o.plane.kind == "shm":
+        yield from select.shm.all_gather(sub, rows)
+    else:
+        yield from select.tcp.all_gather_direct(sub, rows)
+
+
+def _bounds(rows: list[int], row: int) -> list[tuple[int, int]]:
+    out, start = [], 0
+    for r in rows:
+        out.append((start * row, (start + r) * row))
+        start += r
+    return out
+
+
+# -- gather and scatter -----------------------------------------------------------------
+
+
+def gather(x: Any, dst: int = 0, *, group: Any = None, group_dst: int | None = None,
+           async_op: bool = False) -> Any:
+    """Every rank's ``x`` (same shape and dtype), as a list in group-rank order on ``dst``
+    (a world rank; ``group_dst`` a group rank); None on the other ranks."""
+    g = _group.resolve_group(group, "gather()")
+    root = _root(g, dst, group_dst, "dst", "gather")
+    arr = _to_numpy(x, "gather")
+    code = _check_array(arr, "gather", writable=False)
+    flat = np.ascontiguousarray(arr).reshape(-1)
+    rows = np.empty((g.size, flat.size), arr.dtype) if g.rank == root else None
+    if rows is not None:
+        rows[g.rank] = flat
+
+    def body(o: Op) -> Any:
+        return select.gather(o.plane.kind)(o, flat, rows, root)
+
+    def finish(_: Any) -> Any:
+        if rows is None:
+            return None
+        return [rows[r].reshape(arr.shape) for r in range(g.size)]
+
+    return _run(g, _signature(Collective.GATHER, [arr], code, ReduceOp.NONE, root), body,
+                finish, async_op)
+
+
+def scatter(out: Any, chunks: Any = None, src: int = 0, *, group: Any = None,
+            group_src: int | None = None, async_op: bool = False) -> Any:
+    """Fill every rank's ``out`` with its chunk of ``src``'s ``chunks`` (a list of one
+    array per group rank, each of ``out``'s shape and dtype, given on ``src`` only).
+    ``src`` is a world rank (``group_src``: a group rank). Returns ``out``."""
+    g = _group.resolve_group(group, "scatter()")
+    root = _root(g, src, group_src, "src", "scatter")
+    o_arr = _to_numpy(out, "scatter")
+    code = _check_array(o_arr, "scatter")
+    stacked = None
+    if g.rank == root:
+        items = _items(chunks)
+        if items is None or len(items) != g.size:
+            raise ValueError(f"swarmfd.scatter: on src, chunks must be a list of {g.size} arrays "
+                             f"(one per rank of the group), got {type(chunks).__name__}"
+                             + (f" of {len(items)}" if items is not None else ""))
+        stacked = np.empty((g.size, o_arr.size), o_arr.dtype)
+        for i, c in enumerate(items):
+            a = _to_numpy(c, "scatter")
+            if a.shape != o_arr.shape or a.dtype != o_arr.dtype:
+                raise ValueError(f"swarmfd.scatter: chunk {i} has shape {a.shape} and dtype "
+                                 f"{a.dtype}, expected out's {o_arr.shape} and {o_arr.dtype}")
+            stacked[i] = a.reshape(-1)
+    flat, write_back = _flat(o_arr)
+
+    def body(o: Op) -> Any:
+        return select.scatter(o.plane.kind)(o, stacked, flat, root)
+
+    def finish(_: Any) -> Any:
+        if g.size == 1 and stacked is not None:
+            flat[...] = stacked[0]
+        if write_back is not None:
+            write_back()
+        return out
+
+    return _run(g, _signature(Collective.SCATTER, [o_arr], code, ReduceOp.NONE, root), body,
+                finish, async_op)
+
+
+# -- point to point -----------------------------------------------------------------------
+
+
+def _p2p(g: _group.Group, x: Any, peer: int, tag: Any, sending: bool,
+         async_op: bool) -> Any:
+    from .algorithms import p2p
+
+    name = "send" if sending else "recv"
+    if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or not (
+            0 <= int(tag) < 1 << 32):
+        raise ValueError(f"swarmfd.{name}: tag must be an integer 0 <= tag < 2**32, got "
+                         f"{tag!r}")
+    tag = int(tag)
+    if peer == g.world_rank:
+        raise ValueError(f"swarmfd.{name}: rank {peer} cannot {name} to itself")
+    arr = _to_numpy(x, name)
+    code = _check_array(arr, name, writable=not sending)
+    flat, write_back = (np.ascontiguousarray(arr).reshape(-1), None) if sending else _flat(arr)
+    sig = Signature(Collective.P2P, ReduceOp.NONE, code, wire.NO_ROOT, arr.size,
+                    wire.shape_hash(tuple(arr.shape)), str(tuple(arr.shape)))
+    label = f"{name} (tag {tag} {'to' if sending else 'from'} rank {peer} on rank " \
+            f"{g.world_rank})"
+    if g.broken is not None:
+        if async_op:
+            return completed(None, label, _broken(g))
+        raise _broken(g)
+    counters = g.p2p_sent if sending else g.p2p_received
+    seq = counters.get((peer, tag), 0) + 1
+    counters[(peer, tag)] = seq
+    t = g._state.transport
+    assert t is not None
+    op = Op(t.channel, t.tcp, list(g.ranks), g.rank, g.gid, -1, sig)
+    gen = (p2p.send if sending else p2p.recv)(op, flat, peer, seq, tag)
+    finish = _returns(None if sending else x, write_back)
+    engine = g._state.engine
+    if not async_op and engine.idle():
+        with engine.lock:
+            return _inline_p2p(g, op, gen, finish, label)
+    work = engine.submit(g, op, gen, label, finish, p2p=True)
+    return work if async_op else work.wait()
+
+
+def _inline_p2p(g: _group.Group, op: Op, gen: Any, finish: Callable[[Any], Any],
+                label: str) -> Any:
+    ch = op.channel
+    ch.set_group(g.gid)
+    ch.activity = label
+    try:
+        run(op, gen)
+        ch.flush()
+        return finish(None)
+    except BaseException as exc:
+        g.broken = exc
+        ch.abort(exc, g.gid)
+        raise
+    finally:
+        ch.activity = "idle"
+
+
+def _peer(g: _group.Group, rank: Any, group_rank: Any, what: str, name: str) -> int:
+    """The world rank of a peer given as a world rank or (``group_rank``) a group rank."""
+    return g.ranks[_root(g, rank, group_rank, what, name)]
+
+
+def send(x: Any, dst: int, tag: int = 0, *, group: Any = None,
+         group_dst: int | None = None) -> None:
+    """Send ``x`` to rank ``dst`` (a world rank; ``group_dst``: a group rank) with ``tag``.
+
+    Matching, order and flow control: see :mod:`swarmfd.algorithms.p2p`. A message of up
+    to 16 KiB is copied and the call returns at once; a larger one returns once ``dst``'s
+    recv took it.
+    """
+    g = _group.resolve_group(group, "send()")
+    _p2p(g, x, _peer(g, dst, group_dst, "dst", "send"), tag, True, False)
+
+
+def recv(x: Any, src: int, tag: int = 0, *, group: Any = None,
+         group_src: int | None = None) -> Any:
+    """Receive the next message of (``src``, ``tag``) into ``x`` (in place; its dtype and
+    shape must be the sender's) and return ``x``."""
+    g = _group.resolve_group(group, "recv()")
+    return _p2p(g, x, _peer(g, src, group_src, "src", "recv"), tag, False, False)
+
+
+def isend(x: Any, dst: int, tag: int = 0, *, group: Any = None,
+          group_dst: int | None = None) -> Work:
+    """:func:`send`, as a Work (``x`` belongs to it until ``wait()`` returns)."""
+    g = _group.resolve_group(group, "isend()")
+    return _p2p(g, x, _peer(g, dst, group_dst, "dst", "isend"), tag, True, True)
+
+
+def irecv(x: Any, src: int, tag: int = 0, *, group: Any = None,
+          group_src: int | None = None) -> Work:
+    """:func:`recv`, as a Work whose ``wait()`` returns ``x``."""
+    g = _group.resolve_group(group, "irecv()")
+    return _p2p(g, x, _peer(g, src, group_src, "src", "irecv"), tag, False, True)
+
+
+# -- objects ------------------------------------------------------------------------------
+
+#: The largest object broadcast_object / all_gather_object move (encoded), on every rank:
+#: a receiver refuses a larger announced size before it allocates anything.
+MAX_OBJECT_BYTES = 64 << 20
+
+
+def _encode(obj: Any, name: str) -> np.ndarray:
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        data = b"B" + bytes(obj)
+    else:
+        import json
+
+        try:
+            data = b"J" + json.dumps(obj, separators=(",", ":"), allow_nan=True).encode()
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"swarmfd.{name} takes JSON-serializable values (dict, list, str, "
+                            f"int, float, bool, None) or bytes, never pickled objects: {exc}"
+                            ) from None
+    if len(data) > MAX_OBJECT_BYTES:
+        raise ValueError(f"swarmfd.{name}: the object is {len(data)} bytes encoded, over the "
+                         f"limit of {MAX_OBJECT_BYTES} (send arrays with the array collectives)")
+    return np.frombuffer(data, np.uint8)
+
+
+def _decode(raw: np.ndarray, name: str, src: int) -> Any:
+    data = raw.tobytes()
+    if data[:1] == b"B":
+        return data[1:]
+    if data[:1] == b"J":
+        import json
+
+        try:
+            return json.loads(data[1:].decode("utf-8"))
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            raise ProtocolError(f"swarmfd.{name}: rank {src} sent an object that is not "
+                                     f"valid JSON ({exc})") from None
+    raise ProtocolError(f"swarmfd.{name}: rank {src} sent an object of unknown encoding")
+
+
+def broadcast_object(obj: Any, src: int = 0, *, group: Any = None,
+                     group_src: int | None = None) -> Any:
+    """``src``'s ``obj`` on every rank: a JSON-serializable value or bytes (never pickled),
+    at most MAX_OBJECT_BYTES encoded. Other ranks' ``obj`` is ignored."""
+    g = _group.resolve_group(group, "broadcast_object()")
+    root = _root(g, src, group_src, "src", "broadcast_object")
+    data = _encode(obj, "broadcast_object") if g.rank == root else None
+    length = np.array([0 if data is None else data.size], np.int64)
+    broadcast(length, group=g, group_src=root)
+    n = int(length[0])
+    if not 0 <= n <= MAX_OBJECT_BYTES:
+        raise ProtocolError(f"swarmfd.broadcast_object: rank {g.ranks[root]} announced an "
+                                 f"object of {n} bytes (at most {MAX_OBJECT_BYTES})")
+    buf = data.copy() if data is not None else np.empty(n, np.uint8)
+    broadcast(buf, group=g, group_src=root)
+    return obj if g.rank == root else _decode(buf, "broadcast_object", g.ranks[root])
+
+
+def all_gather_object(obj: Any, *, group: Any = None) -> list[Any]:
+    """Every rank's ``obj`` (JSON-serializable or bytes; see :func:`broadcast_object`), as
+    a list in group-rank order."""
+    g = _group.resolve_group(group, "all_gather_object()")
+    data = _encode(obj, "all_gather_object")
+    parts = all_gather(data, group=g)
+    return [obj if r == g.rank else _decode(p, "all_gather_object", g.ranks[r])
+            for r, p in enumerate(parts)]

@@ -56,6 +56,50 @@ from dataclasses import dataclass, field
 
 from .errors import ConfigError
 
+__all__ = [
+    "DATA_PLANES",
+    "DEFAULT_ENCRYPT",
+    "DEFAULT_MASTER_PORT",
+    "DEFAULT_SECRET_FILE",
+    "DEFAULT_TIMEOUT",
+    "DOCKER_SECRETS_DIR",
+    "ENV_AUTH",
+    "ENV_DATA_PLANE",
+    "ENV_ENCRYPT",
+    "ENV_HIERARCHY",
+    "ENV_INIT_TIMEOUT",
+    "ENV_LOCAL_RANK",
+    "ENV_LOCAL_WORLD_SIZE",
+    "ENV_MASTER_ADDR",
+    "ENV_MASTER_PORT",
+    "ENV_NODE",
+    "ENV_RANK",
+    "ENV_RESTART_COUNT",
+    "ENV_SECRET_FILE",
+    "ENV_SHM_DIR",
+    "ENV_TIMEOUT",
+    "ENV_TRANSPORT",
+    "ENV_WORLD_SIZE",
+    "HIERARCHIES",
+    "MAX_SECRET_BYTES",
+    "MIN_SECRET_CHARS",
+    "TRANSPORTS",
+    "Config",
+    "auth_enabled",
+    "check_secret",
+    "config_from_env",
+    "data_plane",
+    "encrypt_enabled",
+    "hierarchy_mode",
+    "load_secret",
+    "node_name",
+    "parse_env_float",
+    "parse_env_int",
+    "require_secret",
+    "shm_dir",
+    "transport_mode",
+]
+
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_TIMEOUT = 300.0
 

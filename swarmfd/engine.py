@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .algorithms.base import FLUSH, Op
+from .algorithms.base import FLUSH, Op, request
 from .comm.channel import LOST_PEER_GRACE, GroupFailure, Key, Posting
 from .errors import PeerLostError, SwarmfdError
 
@@ -52,6 +52,8 @@ __all__ = ["Engine", "Work"]
 THREAD_SLICE = 0.001
 #: How long a driving caller waits on a plane at a time.
 CALLER_SLICE = 0.05
+#: Deadlines and lost peers are checked at least this often (s) while messages arrive.
+CHECK_EVERY = 0.05
 
 
 def _now() -> float:
@@ -194,6 +196,7 @@ class Engine:
         #: Point-to-point tasks (all running).
         self.p2p: list[_Task] = []
         self.wanted = 0  # callers waiting to drive
+        self.checked = 0.0  # when deadlines and lost peers were last checked
         self.thread: threading.Thread | None = None
         self.closed = False
         #: Provisional timeout reports per group: {rank: rank it waited for}, and their
@@ -277,7 +280,7 @@ class Engine:
                 posted[t.key] = t.posting
                 owners[t.key] = t
             # The plane its receive comes on (a hierarchical call's phases use several).
-            plane = t.op.plane_of(t.req[0]) if t.key is not None else t.op.plane
+            plane = request(t.req)[0].plane if t.key is not None else t.op.plane
             if plane not in planes:
                 planes.append(plane)
         for plane in self.channel.planes:
@@ -301,7 +304,13 @@ class Engine:
                 posted.pop(key)
                 task.key = task.posting = None
                 self._resume(task, payload)
-        if not got:
+        now = _now()
+        if not got or now - self.checked > CHECK_EVERY:
+            # Deadlines and lost peers, also when messages keep coming (a flood, another
+            # group's traffic): at least every CHECK_EVERY seconds.
+            self.checked = now
+            for plane in self.channel.planes:
+                plane.check_lost()
             self._check_waits()
 
     def _advance(self, task: _Task) -> bool:
@@ -338,7 +347,7 @@ class Engine:
 
     def _resume(self, task: _Task, value: Any) -> bool:
         """Send ``value`` into the task's algorithm; set up what it waits for next."""
-        op, ch = task.op, self.channel
+        ch = self.channel
         try:
             while True:
                 req = task.gen.send(value)
@@ -348,13 +357,12 @@ class Engine:
                         task.req, task.key, task.posting = FLUSH, None, None
                         return True
                     continue
-                frm, tag, nbytes, into = req
-                key = (op.gid, op.ranks[frm], op.seq & 0xFFFFFFFF, op.tag_base + tag)
-                found, payload = ch.take(key, op.sig, nbytes, into)
+                _, key, sig, nbytes, into = request(req)
+                found, payload = ch.take(key, sig, nbytes, into)
                 if found:
                     value = payload
                     continue
-                task.req, task.key, task.posting = req, key, (op.sig, nbytes, into)
+                task.req, task.key, task.posting = req, key, (sig, nbytes, into)
                 task.since = _now()
                 return True
         except StopIteration as stop:

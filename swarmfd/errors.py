@@ -7,6 +7,29 @@ swarmfd.SwarmfdError`` as they prefer.
 
 from __future__ import annotations
 
+__all__ = [
+    "AbortedError",
+    "AbortedMismatchError",
+    "AbortedPeerLostError",
+    "AbortedTimeout",
+    "AlreadyInitializedError",
+    "AuthenticationError",
+    "CollectiveError",
+    "CollectiveTimeout",
+    "ConfigError",
+    "MismatchError",
+    "NotInitializedError",
+    "PeerLostError",
+    "ProtocolError",
+    "RendezvousError",
+    "RendezvousTimeout",
+    "SwarmfdError",
+    "abort_is_provisional",
+    "abort_kind",
+    "abort_waited_for",
+    "error_from_abort",
+]
+
 
 class SwarmfdError(Exception):
     """Base class of every error swarmfd raises on purpose."""

@@ -136,6 +136,9 @@ class Group:
         self.broken: BaseException | None = None
         #: Rounds done over shared memory (every member counts the same).
         self.shm_round = 0
+        #: Point-to-point messages sent to / received from (peer world rank, tag) so far.
+        self.p2p_sent: dict[tuple[int, int], int] = {}
+        self.p2p_received: dict[tuple[int, int], int] = {}
         self._scratch: dict[np.dtype, np.ndarray] = {}
         hosts = state.hosts
         first: dict[str, int] = {}

@@ -570,23 +570,25 @@ def test_piece_and_threshold_constants_are_sane() -> None:
 
 
 def _which_transport(rank: int, world: int) -> tuple[bool, list[str]]:
-    import glob
-
     from swarmfd import group
 
     channel = group.current().transport.shm
     fd.barrier()
-    return channel is not None, glob.glob(channel.prefix + "*") if channel else []
+    with open("/proc/self/maps") as f:
+        mapped = sorted({line.split(None, 5)[5].strip() for line in f
+                         if len(line.split(None, 5)) == 6 and "swarmfd" in line})
+    return channel is not None, mapped
 
 
 def test_ranks_of_one_host_use_shared_memory_and_leave_no_files() -> None:
-    """auto picks shared memory on one host, tcp forces TCP; no /dev/shm names stay behind."""
+    """auto picks shared memory on one host, tcp forces TCP; the segments have no name
+    (memfds: nothing in /dev/shm; see tests/test_shm.py for the full checks)."""
     auto = run_ranks(_which_transport, 3)
     tcp = run_ranks(_which_transport, 3, env={"SWARMFD_TRANSPORT": "tcp"})
     assert [used for used, _ in auto] == [True] * 3
     assert [used for used, _ in tcp] == [False] * 3
-    # The group's names are unlinked as soon as every rank has opened them.
-    assert [files for _, files in auto] == [[], [], []]
+    assert [mapped for _, mapped in auto] == [["/memfd:swarmfd-segment (deleted)"]] * 3
+    assert [mapped for _, mapped in tcp] == [[], [], []]
 
 
 def test_bad_transport_setting_is_refused() -> None:

@@ -404,7 +404,7 @@ def test_host_lost_mid_call_is_named_by_every_survivor(algo: str) -> None:
     rank of host 1 and its host, within the timeout."""
     import time
 
-    from swarmfd.algorithms.base import run
+    from swarmfd.algorithms.base import complete, run
     from swarmfd.comm.plane import PeerInfo
     from swarmfd.errors import PeerLostError
 
@@ -441,7 +441,7 @@ def test_host_lost_mid_call_is_named_by_every_survivor(algo: str) -> None:
             if algo != "all_gather":
                 req = gen.send(None)
                 for _ in range(2):
-                    req = gen.send(op.complete(req))
+                    req = gen.send(complete(req))
             fabric.kill(r)
             return None
         start = time.monotonic()

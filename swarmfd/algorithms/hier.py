@@ -100,9 +100,10 @@ DEPTH = 2
 #: phases between hosts use, below ACK and SIG.
 LOCAL_TAGS = 1 << 31
 #: Tag base of the rings of the shards among their owners (more than two hosts), one
-#: block of SHARD_TAGS tags per shard.
-RING_TAGS = 1 << 30
-SHARD_TAGS = 1 << 22
+#: block of SHARD_TAGS tags per shard (a ring of a 1 GiB shard uses about 2000), apart
+#: from a call's size exchange (from 2^30, collectives._exchange).
+RING_TAGS = 3 << 29
+SHARD_TAGS = 1 << 20
 
 
 @dataclass(frozen=True)

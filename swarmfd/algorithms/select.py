@@ -20,8 +20,8 @@ from . import hier, shm, tcp
 
 __all__ = ["HIER_SMALL_BYTES", "PAIR_MAX_BYTES", "SMALL_BYTES", "SMALL_MAX_WORLD",
            "all_gather", "all_gather_two_level", "all_reduce", "all_reduce_two_level",
-           "broadcast", "broadcast_two_level", "reduce", "reduce_two_level",
-           "two_level_layout"]
+           "broadcast", "broadcast_two_level", "gather", "reduce", "reduce_scatter",
+           "reduce_two_level", "scatter", "split_rows", "two_level_layout"]
 
 #: Two ranks all-reduce up to this many bytes as one message each way (the pair
 #: exchange); above it the ring's pipelined pieces win (interleaved A/B over TCP:
@@ -61,6 +61,28 @@ def reduce(kind: str, nbytes: int, size: int) -> Algo:
     if kind == "shm":
         return shm.reduce
     return tcp.reduce_direct if _direct(nbytes, size) else tcp.reduce_chain
+
+
+def split_rows(rows: int, parts: int) -> list[tuple[int, int]]:
+    """Row bounds of ``parts`` parts of ``rows`` rows, as np.array_split cuts them."""
+    from .base import split
+
+    return split(rows, parts)
+
+
+def reduce_scatter(kind: str, nbytes: int, size: int) -> Algo:
+    """``nbytes``: the whole input (every rank's part of it together)."""
+    if kind == "shm":
+        return shm.reduce_scatter
+    return tcp.reduce_scatter_direct if _direct(nbytes, size) else tcp.reduce_scatter_ring
+
+
+def gather(kind: str) -> Algo:
+    return shm.gather if kind == "shm" else tcp.gather_direct
+
+
+def scatter(kind: str) -> Algo:
+    return shm.scatter if kind == "shm" else tcp.scatter_direct
 
 
 def all_gather(kind: str, nbytes: int, size: int) -> Algo:

@@ -15,7 +15,11 @@ that is, after everyone finished reading it.
   others in rank order), so every rank copies out the same bits.
 * **broadcast**: the root copies in, barrier, everyone copies out.
 * **reduce**: everyone copies in, barrier, the root reduces in rank order.
-* **all_gather**: everyone copies in, barrier, everyone copies the others' out.
+* **all_gather**: everyone copies in, barrier, everyone copies the others' out (also
+  of uneven parts).
+* **reduce_scatter**: everyone copies in, barrier, each reduces its own part.
+* **all_to_all**: everyone copies in, barrier, each copies the parts meant for it.
+* **gather**, **scatter**: through the members' segments, the root copying out or in.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from ..comm.planes.shm import SEGMENT_BYTES
 from .base import Algorithm, Op, split
 from .tcp import barrier
 
-__all__ = ["SMALL_BYTES", "all_gather", "all_reduce", "broadcast", "reduce", "rounds"]
+__all__ = ["SMALL_BYTES", "all_gather", "all_gather_v", "all_reduce", "all_to_all", "broadcast",
+           "gather", "reduce", "reduce_scatter", "rounds", "scatter"]
 
 #: Up to this many bytes every rank reduces the whole round itself (one barrier); above
 #: it each rank reduces its 1/N and copies the rest (two barriers' worth of rounds).
@@ -122,3 +127,98 @@ def all_gather(op: Op, out: np.ndarray) -> Algorithm:
         for p in range(op.size):
             if p != op.me:
                 out[p, a:b] = regions[p]
+
+
+def _window(t: int, per: int, lo: int, hi: int) -> tuple[int, int]:
+    """[lo, hi) cut to round t's window [t*per, (t+1)*per)."""
+    return max(lo, t * per), min(hi, (t + 1) * per)
+
+
+def reduce_scatter(op: Op, buf: np.ndarray, parts: list[tuple[int, int]], out: np.ndarray,
+                   ufunc: np.ufunc) -> Algorithm:
+    """Every rank copies its buffer in, round by round; each reduces its own part of the
+    round from every member's slot, in rank order, into ``out`` (flat)."""
+    pa, pb = parts[op.me]
+    for r, (a, b) in enumerate(rounds(buf.nbytes, buf.itemsize)):
+        slot = op.next_slot()
+        regions = _regions(op, slot, buf.dtype, b - a)
+        regions[op.me][...] = buf[a:b]
+        yield from barrier(op, r)
+        x, y = max(pa, a), min(pb, b)
+        if x < y:
+            dst = out[x - pa:y - pa]
+            np.copyto(dst, regions[0][x - a:y - a])
+            for p in range(1, op.size):
+                ufunc(dst, regions[p][x - a:y - a], out=dst)
+
+
+def all_to_all(op: Op, buf: np.ndarray, totals: list[int], mine_in: list[tuple[int, int]],
+               out: np.ndarray, recv: list[tuple[int, int]]) -> Algorithm:
+    """Every rank copies its buffer in by windows; each copies, from every member's
+    window, the part of it meant for this rank. ``totals``: each member's buffer size;
+    ``mine_in[p]``: the range of member p's buffer that is for this rank; ``recv[p]``:
+    where it goes in ``out``."""
+    per = SEGMENT_BYTES // buf.itemsize
+    count = max(1, max(-(-t // per) for t in totals))
+    for t in range(count):
+        slot = op.next_slot()
+        a, b = _window(t, per, 0, buf.size)
+        if a < b:
+            op.region(op.me, slot, buf.dtype, b - a)[...] = buf[a:b]
+        yield from barrier(op, t)
+        for p in range(op.size):
+            x, y = _window(t, per, *mine_in[p])
+            if x < y:
+                src = op.region(p, slot, buf.dtype, y - t * per)[x - t * per:]
+                oa = recv[p][0] + (x - mine_in[p][0])
+                out[oa:oa + (y - x)] = src
+
+
+def gather(op: Op, flat: np.ndarray, out: np.ndarray | None, root: int) -> Algorithm:
+    """Everyone copies in; the root copies every member's rows out (``out``: N x count)."""
+    for r, (a, b) in enumerate(rounds(flat.nbytes, flat.itemsize)):
+        slot = op.next_slot()
+        regions = _regions(op, slot, flat.dtype, b - a)
+        regions[op.me][...] = flat[a:b]
+        yield from barrier(op, r)
+        if op.me == root:
+            assert out is not None
+            for p in range(op.size):
+                out[p, a:b] = regions[p]
+
+
+def scatter(op: Op, chunks: np.ndarray | None, out: np.ndarray, root: int) -> Algorithm:
+    """The root copies a window of every member's chunk in; each copies its own out."""
+    per = max(1, SEGMENT_BYTES // (op.size * out.itemsize))
+    n = out.size
+    for t in range(max(1, -(-n // per))):
+        slot = op.next_slot()
+        a, b = t * per, min(n, (t + 1) * per)
+        region = op.region(root, slot, out.dtype, op.size * (b - a)).reshape(op.size, b - a)
+        if op.me == root:
+            assert chunks is not None
+            region[...] = chunks[:, a:b]
+        yield from barrier(op, t)
+        out[a:b] = region[op.me]
+
+
+def all_gather_v(op: Op, flat: np.ndarray, out: np.ndarray,
+                 rows: list[tuple[int, int]]) -> Algorithm:
+    """Every rank copies its own part in by windows; each copies the others' out."""
+    per = SEGMENT_BYTES // max(1, flat.itemsize)
+    a0, b0 = rows[op.me]
+    out[a0:b0] = flat
+    count = max(1, max(-(-(b - a) // per) for a, b in rows))
+    for t in range(count):
+        slot = op.next_slot()
+        x, y = _window(t, per, 0, flat.size)
+        if x < y:
+            op.region(op.me, slot, flat.dtype, y - x)[...] = flat[x:y]
+        yield from barrier(op, t)
+        for p in range(op.size):
+            if p == op.me:
+                continue
+            pa, pb = rows[p]
+            x, y = _window(t, per, 0, pb - pa)
+            if x < y:
+                out[pa + x:pa + y] = op.region(p, slot, out.dtype, y - x)

@@ -41,14 +41,20 @@ __all__ = [
     "SIG",
     "all_gather_direct",
     "all_gather_ring",
+    "all_gather_v",
     "all_reduce_direct",
     "all_reduce_pair",
     "all_reduce_ring",
+    "all_to_all_pairwise",
     "barrier",
     "broadcast_chain",
     "broadcast_direct",
+    "gather_direct",
     "reduce_chain",
     "reduce_direct",
+    "reduce_scatter_direct",
+    "reduce_scatter_ring",
+    "scatter_direct",
     "signature_ring",
 ]
 
@@ -272,3 +278,168 @@ def barrier(op: Op, tag: int = 0) -> Algorithm:
         op.send((op.me + d) % op.size, (tag << 8) | step, b"")
         yield op.recv((op.me - d) % op.size, (tag << 8) | step, 0)
         d, step = d * 2, step + 1
+
+
+# -- reduce_scatter ---------------------------------------------------------------------
+
+
+def reduce_scatter_direct(op: Op, buf: np.ndarray, parts: Sequence[tuple[int, int]],
+                          out: np.ndarray, ufunc: np.ufunc) -> Algorithm:
+    """Every rank sends part r of its buffer to rank r, which reduces the N parts in rank
+    order into ``out`` (flat)."""
+    for p in range(op.size):
+        if p != op.me:
+            a, b = parts[p]
+            op.send(p, 0, buf[a:b])
+    a, b = parts[op.me]
+    mine = buf[a:b]
+    for p in range(op.size):
+        arr = mine if p == op.me else (yield from op.recv_array(p, 0, mine))
+        if p == 0:
+            out[...] = arr
+        else:
+            ufunc(out, arr, out=out)
+
+
+def reduce_scatter_ring(op: Op, buf: np.ndarray, parts: Sequence[tuple[int, int]],
+                        out: np.ndarray, ufunc: np.ufunc,
+                        ring: Sequence[int] | None = None) -> Algorithm:
+    """Pipelined ring reduce-scatter: N-1 steps, each rank sends (N-1)/N of the buffer.
+
+    The rank at ring position q first sends the part of the rank at q-1, so that after
+    N-1 steps every rank holds its own part, reduced once along the ring. ``buf`` is
+    used as scratch (its parts are reduced into in place); the result goes to ``out``.
+    """
+    order, pos = _ring(op, ring)
+    N = op.size
+    P = num_pieces(max((b - a for a, b in parts), default=0), buf.itemsize)
+    pieces = [[(a + x, a + y) for x, y in split(b - a, P)] for a, b in parts]
+    nxt, prv = order[(pos + 1) % N], order[(pos - 1) % N]
+
+    def part_at(step_pos: int) -> int:
+        return order[(step_pos - 1) % N]
+
+    for j, (a, b) in enumerate(pieces[part_at(pos)]):
+        op.send(nxt, j, buf[a:b])
+    for k in range(N - 1):
+        part = part_at(pos - k - 1)
+        last = k == N - 2
+        for j, (a, b) in enumerate(pieces[part]):
+            seg = buf[a:b]
+            theirs = yield from op.recv_array(prv, k * P + j, seg)
+            if last:
+                # The final step: this rank's own part, fully reduced.
+                oa, ob = a - parts[part][0], b - parts[part][0]
+                ufunc(seg, theirs, out=out[oa:ob])
+            else:
+                ufunc(seg, theirs, out=seg)
+                op.send(nxt, (k + 1) * P + j, seg)
+    if N == 1:
+        out[...] = buf[parts[0][0]:parts[0][1]]
+
+
+# -- all_to_all -------------------------------------------------------------------------
+
+
+def all_to_all_pairwise(op: Op, buf: np.ndarray, send: Sequence[tuple[int, int]],
+                        out: np.ndarray, recv: Sequence[tuple[int, int]]) -> Algorithm:
+    """Pairwise exchange: at step k rank r sends its part for r+k and receives the part of
+    r-k, in pieces (each link carries each part once). ``send``/``recv``: [start, stop)
+    element ranges of each rank's part in ``buf`` and in ``out``."""
+    N, me = op.size, op.me
+    a, b = send[me]
+    ra, rb = recv[me]
+    out[ra:rb] = buf[a:b]
+    for k in range(1, N):
+        dst, src = (me + k) % N, (me - k) % N
+        a, b = send[dst]
+        for j, (x, y) in enumerate(split(b - a, num_pieces(b - a, buf.itemsize))):
+            op.send(dst, (k << 20) | j, buf[a + x:a + y])
+        ra, rb = recv[src]
+        for j, (x, y) in enumerate(split(rb - ra, num_pieces(rb - ra, out.itemsize))):
+            yield op.recv_into(src, (k << 20) | j, out[ra + x:ra + y])
+
+
+# -- gather and scatter -----------------------------------------------------------------
+
+
+def gather_direct(op: Op, flat: np.ndarray, out: np.ndarray | None, root: int) -> Algorithm:
+    """Everyone sends its buffer to the root in pieces (the root's link carries each once);
+    the root acknowledges. ``out``: the root's (N x count) result."""
+    signature_ring(op)
+    pieces = split(flat.size, num_pieces(flat.size, flat.itemsize))
+    if op.me == root:
+        assert out is not None
+        out[root] = flat
+        for p in range(op.size):
+            if p != root:
+                for j, (a, b) in enumerate(pieces):
+                    yield op.recv_into(p, j, out[p, a:b])
+        for p in range(op.size):
+            if p != root:
+                op.send(p, ACK, b"")
+    else:
+        for j, (a, b) in enumerate(pieces):
+            op.send(root, j, flat[a:b])
+        yield op.recv(root, ACK, 0)
+    yield from signature_ring_end(op)
+
+
+def scatter_direct(op: Op, chunks: np.ndarray | None, out: np.ndarray, root: int) -> Algorithm:
+    """The root sends chunk r to rank r in pieces; every rank acknowledges.
+    ``chunks``: the root's (N x count) input; ``out``: every rank's flat result."""
+    signature_ring(op)
+    pieces = split(out.size, num_pieces(out.size, out.itemsize))
+    if op.me == root:
+        assert chunks is not None
+        for p in range(op.size):
+            if p != root:
+                for j, (a, b) in enumerate(pieces):
+                    op.send(p, j, chunks[p, a:b])
+        out[...] = chunks[root]
+        for p in range(op.size):
+            if p != root:
+                yield op.recv(p, ACK, 0)
+    else:
+        for j, (a, b) in enumerate(pieces):
+            yield op.recv_into(root, j, out[a:b])
+        op.send(root, ACK, b"")
+    yield from signature_ring_end(op)
+
+
+# -- all_gather of uneven parts -----------------------------------------------------------
+
+
+def all_gather_v(op: Op, flat: np.ndarray, out: np.ndarray,
+                 rows: Sequence[tuple[int, int]], ring: Sequence[int] | None = None,
+                 direct: bool = False) -> Algorithm:
+    """All-gather of parts of different sizes into ``out`` (flat): part r of rank r at
+    ``rows[r]``. Direct for small totals, else a pipelined ring (each part once around)."""
+    N, me = op.size, op.me
+    a, b = rows[me]
+    out[a:b] = flat
+    if direct:
+        for p in range(N):
+            if p != me:
+                op.send(p, 0, flat)
+        for p in range(N):
+            if p != me:
+                pa, pb = rows[p]
+                yield op.recv_into(p, 0, out[pa:pb])  # direct: every part is one message
+        return
+    order, pos = _ring(op, ring)
+    nxt, prv = order[(pos + 1) % N], order[(pos - 1) % N]
+
+    def pieces_of(r: int) -> list[tuple[int, int]]:
+        ra, rb = rows[r]
+        return [(ra + x, ra + y) for x, y in split(rb - ra, num_pieces(rb - ra, out.itemsize))]
+
+    for j, (x, y) in enumerate(pieces_of(me)):
+        op.send(nxt, j, out[x:y])
+    for k in range(N - 1):
+        owner = order[(pos - k - 1) % N]
+        for j, (x, y) in enumerate(pieces_of(owner)):
+            seg = out[x:y]
+            yield op.recv_into(prv, (k << 20) | j, seg)
+            if k < N - 2:
+                op.send(nxt, ((k + 1) << 20) | j, seg)

@@ -246,7 +246,13 @@ class Channel:
 
     def recv(self, plane: Plane, src: int, sig: wire.Signature, group: int, seq: int,
              tag: int, nbytes: int, into: Any = None) -> Any:
-        """Receive the message (group, src, seq, tag) of ``nbytes`` bytes from ``plane``.
+        """Receive the collective message (group, src, seq, tag): see :meth:`recv_key`."""
+        return self.recv_key(plane, (group, src, seq & 0xFFFFFFFF, tag), sig, nbytes, into)
+
+    def recv_key(self, plane: Plane, key: Key, sig: wire.Signature, nbytes: int,
+                 into: Any = None) -> Any:
+        """Receive the message ``key`` of ``nbytes`` bytes from ``plane`` (a collective's
+        (group, src, seq, tag), or a point-to-point piece's, :func:`wire.p2p_key`).
 
         With ``into`` (a writable buffer of ``nbytes``) the payload lands there and
         ``None`` is returned; otherwise a buffer is returned. Raises
@@ -254,7 +260,12 @@ class Channel:
         ``src`` disconnects, :class:`MismatchError` when a peer's signature differs,
         :class:`AbortedError` when a peer failed.
         """
-        key = (group, src, seq & 0xFFFFFFFF, tag)
+        group, src, seq = key[0] & 0xFFFF, key[1], key[2]
+        p2p = bool(key[0] & wire.P2P_KEYS)
+        if p2p:
+            # While a recv waits, the group's collective messages are judged against its
+            # last call (finished: none of its messages may still come).
+            seq = (self.calls.get(group, 0) + 1) & 0xFFFFFFFF
         stashed = self.stash.pop(key, None)
         if stashed is not None:
             payload = stashed[1]
@@ -278,8 +289,9 @@ class Channel:
             if hdr is None:
                 between()
                 continue
-            if ((hdr.group, hdr.src, hdr.seq, hdr.tag) == key
-                    and hdr.kind == wire.Kind.DATA):
+            if ((hdr.kind == wire.Kind.DATA
+                 and (hdr.group, hdr.src, hdr.seq, hdr.tag) == key)
+                    or (hdr.kind >= wire.Kind.P2P and wire.message_key(hdr) == key)):
                 if not hdr.matches(sig):
                     raise wire.mismatch_error(self.rank, sig, hdr)
                 self._check_size(hdr, nbytes)
@@ -320,8 +332,8 @@ class Channel:
         hdr = plane.next_header(timeout)
         if hdr is None:
             return None
-        key = (hdr.group, hdr.src, hdr.seq, hdr.tag)
-        posting = posted.get(key) if hdr.kind == wire.Kind.DATA else None
+        key = wire.message_key(hdr)
+        posting = posted.get(key) if hdr.kind != wire.Kind.ABORT else None
         if posting is None:
             between = _cutoff(self.timeout)
             with contextlib.suppress(_Cutoff):
@@ -344,6 +356,9 @@ class Channel:
         if not self._from_peer(hdr):
             self.garbage += 1
             return
+        if hdr.kind >= wire.Kind.P2P:
+            self._stash_p2p(hdr, payload)
+            return
         if hdr.group != self._group:
             self._for_other_group(hdr, payload)
             return
@@ -361,11 +376,17 @@ class Channel:
             self.garbage += 1
             return
         behind = (seq - hdr.seq) & 0xFFFFFFFF
-        if behind == 0 and not hdr.matches(sig):
+        if behind == 0 and sig.coll != wire.Collective.P2P and not hdr.matches(sig):
             raise wire.mismatch_error(self.rank, sig, hdr)
         self._check_window(hdr, seq)
         # Early message (another peer, or a later collective of a faster peer): keep it.
         self.stash[(hdr.group, hdr.src, hdr.seq, hdr.tag)] = (hdr, payload)
+
+    def _stash_p2p(self, hdr: wire.Header, payload: Any) -> None:
+        """Keep a point-to-point message until its recv asks for it. (No call window: a
+        large message waits at its sender until the receiver is ready, so what waits
+        here is small ones and requests to send.)"""
+        self.stash[wire.message_key(hdr)] = (hdr, payload)
 
     def _check_window(self, hdr: wire.Header, seq: int) -> None:
         """Raise for a message of a call already finished here, or too far ahead."""
@@ -405,6 +426,14 @@ class Channel:
         self.stash[(hdr.group, hdr.src, hdr.seq, hdr.tag)] = (hdr, payload)
 
     def _check_size(self, hdr: wire.Header, nbytes: int) -> None:
+        if hdr.nbytes != nbytes and hdr.coll == wire.Collective.ALL_TO_ALL:
+            # Each rank chose its own splits: disagreeing ones show as a size difference.
+            raise MismatchError(
+                f"{self.activity}: all_to_all split mismatch: rank {hdr.src} sends this rank "
+                f"{hdr.nbytes} bytes in message {hdr.tag & 0xFFFFF} of step {hdr.tag >> 20}, "
+                f"this rank expects {nbytes} (its out_splits); every rank's in_splits[r] must "
+                "equal rank r's out_splits for it"
+            )
         if hdr.nbytes != nbytes:
             raise ProtocolError(
                 f"{self.activity}: rank {hdr.src} announced {hdr.nbytes} bytes for message "
@@ -456,6 +485,8 @@ class Channel:
                         waited = abort_waited_for(payload)
                         if waited is not None and 0 <= waited < self.world_size:
                             waits.setdefault(hdr.src, waited)
+                    elif self._from_peer(hdr) and hdr.kind >= wire.Kind.P2P:
+                        self._stash_p2p(hdr, payload)
                     elif self._from_peer(hdr) and hdr.group != group:
                         self._for_other_group(hdr, payload)  # other groups' calls go on
         culprit, chain = src, [self.rank, src]
@@ -501,6 +532,9 @@ class Channel:
         payload = plane.read_payload(hdr, None, between, keep=True)
         if not self._from_peer(hdr):
             self.garbage += 1
+            return
+        if hdr.kind >= wire.Kind.P2P:
+            self._stash_p2p(hdr, payload)
             return
         if hdr.group != self._group:
             self._for_other_group(hdr, payload)

@@ -25,12 +25,13 @@ NO_RANK = 0xFFFF
 MAC_SIZE = 32
 
 
-def mac(label: bytes, token: str, role: bytes, client: int, server: int, nonce_c: bytes,
-        nonce_s: bytes) -> bytes:
+def mac(label: bytes, token: str | bytes, role: bytes, client: int, server: int,
+        nonce_c: bytes, nonce_s: bytes) -> bytes:
     """The proof that the sender knows ``token``, for this connection (``label`` names the
     channel, ``role`` the side: b"c" the connecting one, b"s" the listening one)."""
     msg = label + role + struct.pack("<HH", client, server) + nonce_c + nonce_s
-    return hmac.new(token.encode(), msg, hashlib.sha256).digest()
+    key = token.encode() if isinstance(token, str) else token
+    return hmac.new(key, msg, hashlib.sha256).digest()
 
 
 def verify(proof: bytes, expected: bytes) -> bool:

@@ -49,6 +49,42 @@ import numpy as np
 
 from ..errors import CollectiveTimeout, MismatchError, ProtocolError
 
+__all__ = [
+    "DTYPES",
+    "DTYPE_CODES",
+    "FLAG_INLINE",
+    "FLAG_LIST",
+    "HEADER",
+    "HEADER_SIZE",
+    "MAGIC",
+    "MAX_ABORT_TEXT",
+    "MAX_PAYLOAD",
+    "NO_ROOT",
+    "P2P_KEYS",
+    "PIECE_BYTES",
+    "PROTOCOL_VERSION",
+    "READY_PIECE",
+    "RTS_PIECE",
+    "SUPPORTED_DTYPE_NAMES",
+    "Collective",
+    "Header",
+    "Kind",
+    "ReduceOp",
+    "Signature",
+    "dtype_code",
+    "dtype_name",
+    "finished_call_error",
+    "list_repr",
+    "message_key",
+    "mismatch_error",
+    "p2p_key",
+    "pack_header",
+    "recover_shape",
+    "shape_hash",
+    "timeout_error",
+    "unpack_header",
+]
+
 MAGIC = b"SWFD"
 PROTOCOL_VERSION = 2
 NO_ROOT = 0xFFFF
@@ -75,6 +111,18 @@ class Kind(enum.IntEnum):
 
     DATA = 1
     ABORT = 2
+    #: A piece of a point-to-point message (``root``: the piece number; RTS_PIECE: the
+    #: request to send a large one), matched by (group, source, sequence, tag).
+    P2P = 3
+    #: The receiver of a large point-to-point message is ready for it (clear to send).
+    P2P_READY = 4
+
+
+#: The ``root`` of a point-to-point request to send, and of a ready message.
+RTS_PIECE = 0xFFFF
+READY_PIECE = 0xFFFE
+#: Group ids of point-to-point keys are offset by this, so they never meet a collective's.
+P2P_KEYS = 0x10000
 
 
 class Collective(enum.IntEnum):
@@ -385,11 +433,31 @@ def unpack_header(data: bytes | memoryview) -> Header:
 # -- error messages shared by the channels (TCP and shared memory) ----------------------
 
 
+def message_key(hdr: Header) -> tuple[int, int, int, int]:
+    """What a receive names: (group, source, sequence, tag) of a collective's message; a
+    point-to-point one's group is offset by P2P_KEYS and its tag carries the piece."""
+    if hdr.kind == Kind.DATA or hdr.kind == Kind.ABORT:
+        return (hdr.group, hdr.src, hdr.seq, hdr.tag)
+    return (P2P_KEYS | hdr.group, hdr.src, hdr.seq, (hdr.tag << 16) | hdr.root)
+
+
+def p2p_key(group: int, src: int, seq: int, tag: int, piece: int) -> tuple[int, int, int, int]:
+    """The key of piece ``piece`` of a point-to-point message (see :func:`message_key`)."""
+    return (P2P_KEYS | group, src, seq & 0xFFFFFFFF, (tag << 16) | piece)
+
+
 def mismatch_error(rank: int, sig: Signature, hdr: Header) -> MismatchError:
     """The error for a message ``hdr`` of this call whose signature disagrees with ``sig``.
 
     One wording for every channel, so a mismatch reads the same over TCP and shm.
     """
+    if sig.coll == Collective.P2P:
+        theirs = hdr.signature()
+        return MismatchError(
+            f"send/recv mismatch: rank {hdr.src} sent {theirs.describe()} with tag {hdr.tag} "
+            f"as its message #{hdr.seq} to rank {rank}, whose recv expects {sig.describe()}; "
+            "a recv must match its send's dtype and shape"
+        )
     return MismatchError(
         f"collective mismatch at call #{hdr.seq}: rank {rank} called "
         f"{sig.describe()} but rank {hdr.src} called {hdr.signature().describe()}; every "
@@ -429,3 +497,4 @@ def timeout_error(activity: str, sig: Signature, timeout: float, culprit: int,
         f"{activity} {sig.describe()}: timed out after {timeout:g} s waiting for rank "
         f"{culprit}{at}; it may be stuck, stopped or in another collective ({hint})"
     )
+

@@ -1,0 +1,922 @@
+"""The shared-memory channel's setup: no names, nothing left behind, no stranger gets in.
+
+Issue 12 items 5 and 6, guarded here:
+
+* the segments and inboxes have no name (memfds and pipes): a job never has a file in
+  ``/dev/shm``, during init, during collectives or after;
+* kill -9 of one rank, or of every rank, at each moment of the setup (every agreement
+  and inside the descriptor exchange): the survivors' init raises PeerLostError naming
+  the rank, every descriptor is closed, and ``/dev/shm`` holds nothing of the job;
+* another local user (uid 65534, "nobody") who reads ``/proc/net/unix`` and ``/dev/shm``,
+  hammers the setup socket and pre-creates the names the old design used, gets no
+  descriptor, not even a byte, and the job stays on shared memory without a warning;
+* a real failure on one rank (its descriptor limit) makes every rank fall back to TCP
+  with a warning on stderr naming the rank and the cause, and the job completes.
+
+The protocol logic (proofs, refusals, eviction, descriptor checks) is tested in-process
+first; processes only where processes matter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import re
+import select
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from swarmfd.comm import shm_setup as shm
+from swarmfd.comm import wire
+from swarmfd.comm.channel import LOST_PEER_GRACE, Channel
+from swarmfd.comm.planes.shm import ShmPlane
+from swarmfd.errors import CollectiveTimeout, PeerLostError
+
+from .robust_harness import RankCtx, Ranks, error_info, record
+
+#: A job token as the rendezvous draws them (16 hex digits).
+TOKEN = "0123456789abcdef"
+#: An unused uid to play "another local user".
+NOBODY = 65534
+
+
+# -- pure logic ---------------------------------------------------------------------------
+
+
+def test_agreement_rows_carry_each_failed_ranks_reason() -> None:
+    """encode_reason/decode_reasons: "" is success; a reason survives (cut at MAX_REASON
+    bytes, never breaking the decode)."""
+    rows = [shm.encode_reason(""), shm.encode_reason("memfd_create failed: [Errno 24] x"),
+            shm.encode_reason("é" * shm.MAX_REASON)]
+    assert all(r.shape == (1 + shm.MAX_REASON,) and r.dtype == np.uint8 for r in rows)
+    got = shm.decode_reasons(rows)
+    assert set(got) == {1, 2}
+    assert got[1] == "memfd_create failed: [Errno 24] x"
+    assert got[2].startswith("é" * 10) and len(got[2].encode()) <= shm.MAX_REASON
+
+
+def test_host_key_names_kernel_namespace_or_directory_and_user(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The host key changes with SWARMFD_SHM_DIR (a directory replaces the network
+    namespace); an unusable directory is a logged fall-back, not a silent one."""
+    monkeypatch.delenv(shm.ENV_SHM_DIR, raising=False)
+    plain = shm.host_key()
+    assert f":netns:{os.stat('/proc/self/ns/net').st_ino}:{os.getuid()}" in plain
+    monkeypatch.setenv(shm.ENV_SHM_DIR, str(tmp_path))
+    st = os.stat(tmp_path)
+    assert shm.host_key().endswith(f":dir:{st.st_dev}:{st.st_ino}:{os.getuid()}")
+    assert shm.socket_address(TOKEN, "k").startswith(str(tmp_path) + "/swarmfd-shm-")
+    monkeypatch.setenv(shm.ENV_SHM_DIR, str(tmp_path / "missing"))
+    with caplog.at_level(logging.WARNING, "swarmfd"):
+        assert shm.host_key() == ""
+    assert "SWARMFD_SHM_DIR" in caplog.text and "missing" in caplog.text
+
+
+def test_socket_address_is_abstract_and_reveals_no_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default the setup socket is abstract (no file); its name differs per job and
+    host and does not contain the token; the key is another derivation again."""
+    monkeypatch.delenv(shm.ENV_SHM_DIR, raising=False)
+    a = shm.socket_address(TOKEN, "host-a")
+    assert a.startswith("\0swarmfd-shm-") and TOKEN not in a
+    assert a != shm.socket_address(TOKEN, "host-b") != shm.socket_address("f" * 16, "host-a")
+    assert shm.job_key(TOKEN).hex() not in a and len(shm.job_key(TOKEN)) == 32
+
+
+# -- the protocol, in one process ------------------------------------------------------------
+
+
+def _open_fds() -> set[int]:
+    return {int(n) for n in os.listdir("/proc/self/fd")}
+
+
+def _run_setups(n: int, hostkey: str = "test",
+                timeout: float = 5.0) -> list[Any]:
+    """Run the setup of ``n`` ranks as threads of this process; agreement by a barrier."""
+    barrier = threading.Barrier(n)
+    rows: list[np.ndarray] = [shm.encode_reason("")] * n
+    out: list[Any] = [None] * n
+
+    def rank(r: int) -> None:
+        def agree(reason: str) -> dict[int, str]:
+            rows[r] = shm.encode_reason(reason)
+            barrier.wait(10)
+            got = shm.decode_reasons(list(rows))
+            barrier.wait(10)
+            return got
+
+        setup = shm.Setup(r, range(n), TOKEN, hostkey, time.monotonic() + 5)
+        try:
+            out[r] = setup.run(agree)
+        except BaseException as exc:
+            out[r] = exc
+            setup.close()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert not any(t.is_alive() for t in threads)
+    for x in out:
+        if isinstance(x, BaseException):
+            raise x
+    return out
+
+
+def _planes(segments: list[Any], timeout: float = 5.0) -> list[tuple[Channel, ShmPlane]]:
+    """The shared-memory plane of each rank's segments, each with a channel of its own."""
+    out = []
+    for seg in segments:
+        ch = Channel(seg.rank, len(segments), timeout)
+        plane = seg.plane(ch)
+        ch.add_plane(plane)
+        out.append((ch, plane))
+    return out
+
+
+def test_setup_gives_every_rank_every_segment_and_inbox() -> None:
+    """Three ranks (threads): each maps the others' segments (a write is seen by all) and
+    can write to every inbox; the setup sockets and segment descriptors are closed after,
+    and closing the channels leaves no descriptor behind."""
+    before = _open_fds()
+    chans = _run_setups(3)
+    assert all(c is not None for c in chans)
+    c0, c1, c2 = chans
+    assert c0 is not None and c1 is not None and c2 is not None
+    for c in chans:
+        assert c is not None
+        assert c.memfd == -1 and sorted(c.outboxes) == sorted({0, 1, 2} - {c.rank})
+    # Exactly the channels' descriptors are open now, per rank: its inbox (read and write
+    # end), 2 outboxes, and the 3 that Python's mmap objects keep (a dup of the memfd each;
+    # the memfds received or created were closed once mapped).
+    assert len(_open_fds() - before) == 3 * (2 + 2 + 3)
+    (h0, p0), (h1, p1), (h2, p2) = _planes(chans)
+    dt = np.dtype(np.float32)
+    p2.region(2, 0, dt, 4)[...] = [1, 2, 3, 4]
+    assert list(p0.region(2, 0, dt, 4)) == [1, 2, 3, 4] == list(p1.region(2, 0, dt, 4))
+    sig = wire.Signature(wire.Collective.BARRIER)
+    h1.send(p1, 0, sig, 0, 7, 3, b"hello")
+    h2.send(p2, 0, sig, 0, 7, 4)
+    assert bytes(h0.recv(p0, 1, sig, 0, 7, 3, 5)) == b"hello"
+    assert bytes(h0.recv(p0, 2, sig, 0, 7, 4, 0)) == b""
+    for p in (p0, p1, p2):
+        p.close()
+    assert _open_fds() == before
+
+
+def test_a_write_to_an_inbox_breaks_when_its_owner_is_gone() -> None:
+    """The owner holds the only read end of its inbox: once it closed, a peer's write
+    fails (EPIPE), the plane reports that peer lost, and a wait on it raises
+    PeerLostError after the channel's lost-peer grace (as on every plane)."""
+    planes = _planes(_run_setups(3, timeout=0.5))
+    sig = wire.Signature(wire.Collective.BARRIER)
+    try:
+        (_, p1), (h2, p2) = planes[1], planes[2]
+        p1.close()
+        t0 = time.monotonic()
+        h2.send(p2, 1, sig, 0, 1, 0)  # EPIPE: recorded, not raised
+        assert 1 in h2.lost
+        with pytest.raises(PeerLostError, match="lost rank 1"):
+            h2.recv(p2, 1, sig, 0, 1, 0, 0)
+        assert LOST_PEER_GRACE <= time.monotonic() - t0 < LOST_PEER_GRACE + 1.0
+    finally:
+        for _, p in planes:
+            p.close()
+
+
+def test_an_inbox_never_reads_end_of_file() -> None:
+    """The owner keeps a write end of its own inbox: when every peer has closed its
+    outboxes, a wait for a record is a timeout after the group timeout (the inbox is
+    silent, not at end-of-file, which select would report ready forever)."""
+    planes = _planes(_run_setups(3), timeout=0.5)
+    sig = wire.Signature(wire.Collective.BARRIER)
+    try:
+        (h0, p0), (_, p1), (_, p2) = planes
+        p1.close()
+        p2.close()
+        got: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                h0.recv(p0, 1, sig, 0, 1, 0, 0)
+            except BaseException as exc:
+                got.append(exc)
+
+        t0 = time.monotonic()
+        waiter = threading.Thread(target=wait, daemon=True)  # at end-of-file it would spin
+        waiter.start()
+        waiter.join(5)
+        assert not waiter.is_alive(), "the wait did not end: its inbox reads end-of-file?"
+        assert len(got) == 1 and isinstance(got[0], CollectiveTimeout), got
+        # The timeout, then the channel's TIMEOUT_GRACE of listening for reports.
+        assert 0.45 < time.monotonic() - t0 < 2.5
+    finally:
+        for _, p in planes:
+            p.close()
+
+
+def _hub(clients: list[int]) -> tuple[shm._Hub, str]:
+    address = "\0swarmfd-shm-test-" + os.urandom(8).hex()
+    return shm._Hub(address, 0, clients, shm.job_key(TOKEN)), address
+
+
+def _connect(address: str) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.settimeout(5)
+    s.connect(address)
+    return s
+
+
+def _closed_without_fds(s: socket.socket, timeout: float = 5.0) -> bool:
+    """True when the hub closed ``s`` (EOF) having sent no descriptor."""
+    s.settimeout(timeout)
+    while True:
+        msg, fds, _, _ = socket.recv_fds(s, 4096, 16)
+        for fd in fds:
+            os.close(fd)
+        if fds:
+            return False
+        if not msg:
+            return True
+
+
+def test_hub_refuses_bad_proofs_and_strangers_then_admits_the_rank(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wrong key, a replayed proof, a reflected (hub-role) proof, an unknown rank and
+    a silent connection are each closed without a descriptor and counted; the real
+    rank 1 is admitted after them."""
+    monkeypatch.setattr(shm, "HANDSHAKE_LIMIT", 0.3)
+    hub, address = _hub([1])
+    try:
+        key = shm.job_key(TOKEN)
+
+        def attempt(make: Callable[[bytes, bytes], bytes]) -> bool:
+            s = _connect(address)
+            try:
+                hello = s.recv(4096)
+                _, _, hub_rank, nonce_s = shm.HELLO.unpack(hello)
+                assert hub_rank == 0
+                nonce_c = os.urandom(16)
+                s.send(make(nonce_c, nonce_s))
+                return _closed_without_fds(s)
+            finally:
+                s.close()
+
+        def hello(rank: int, nonce_c: bytes) -> bytes:
+            return shm.HELLO.pack(shm.SHM_MAGIC, wire.PROTOCOL_VERSION, rank, nonce_c)
+
+        old_nonce = os.urandom(16)
+        assert attempt(lambda nc, ns: hello(1, nc) + shm._mac(shm.job_key("f" * 16), b"c", 1,
+                                                              0, nc, ns))  # another job's key
+        assert attempt(lambda nc, ns: hello(1, nc) + shm._mac(key, b"c", 1, 0, nc, old_nonce))
+        assert attempt(lambda nc, ns: hello(1, nc) + shm._mac(key, b"s", 1, 0, nc, ns))
+        assert attempt(lambda nc, ns: hello(5, nc) + shm._mac(key, b"c", 5, 0, nc, ns))
+        assert attempt(lambda nc, ns: b"GET / HTTP/1.0\r\n\r\n")
+        silent = _connect(address)
+        t0 = time.monotonic()
+        assert _closed_without_fds(silent)
+        assert 0.25 < time.monotonic() - t0 < 2.0  # evicted after HANDSHAKE_LIMIT
+        silent.close()
+        assert hub.refused == 6
+        client = shm.Setup(1, [0, 1], TOKEN, "", time.monotonic() + 5)
+        client.address = address
+        try:
+            client._create()
+            client._hand_over()
+            admitted = hub.finish()
+            assert list(admitted) == [1]
+        finally:
+            client.close()
+    finally:
+        hub.close()
+
+
+def test_hub_bounds_connections_in_a_handshake(monkeypatch: pytest.MonkeyPatch) -> None:
+    """More silent same-user connections than MAX_PENDING: the oldest are evicted at
+    once (not after the silence limit), but not a rank that already proved itself: it
+    hands over its descriptors after the flood and is admitted."""
+    monkeypatch.setattr(shm, "HANDSHAKE_LIMIT", 30.0)
+    hub, address = _hub([1])
+    socks = []
+    key = shm.job_key(TOKEN)
+    ch = shm._Segments(1)
+    ch.create()
+    rank = _connect(address)
+    try:
+        _, _, _, nonce_s = shm.HELLO.unpack(rank.recv(4096))
+        nonce_c = os.urandom(16)
+        rank.send(shm.HELLO.pack(shm.SHM_MAGIC, wire.PROTOCOL_VERSION, 1, nonce_c)
+                  + shm._mac(key, b"c", 1, 0, nonce_c, nonce_s))
+        assert rank.recv(4096) == shm._mac(key, b"s", 1, 0, nonce_c, nonce_s)  # proven
+        for _ in range(shm.MAX_PENDING + 8):
+            socks.append(_connect(address))
+        t0 = time.monotonic()
+        for s in socks[:8]:
+            assert _closed_without_fds(s, timeout=5)
+        assert time.monotonic() - t0 < 2.0
+        socket.send_fds(rank, [b"F"], [ch.memfd, ch.writer])
+        assert rank.recv(16) == b"A"
+        assert list(hub.finish()) == [1] and hub.refused == 8 + shm.MAX_PENDING
+    finally:
+        for s in [*socks, rank]:
+            s.close()
+        ch.close()
+        hub.close()
+
+
+def test_a_rank_gets_in_while_the_accept_queue_is_flooded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The accept queue is full (the hub held back for 0.3 s) and connections opened and
+    closed in a loop keep it busy: the rank's connect, refused with EAGAIN, is retried
+    until the hub has drained the queue, and the rank gets in."""
+    monkeypatch.setattr(shm, "LISTEN_BACKLOG", 1)
+    monkeypatch.setattr(shm, "ACCEPT_BATCH", 0)  # the hub accepts nothing for now
+    hub, address = _hub([1])
+    queued = [socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(3)]
+    stop = threading.Event()
+    flooded = [0]
+
+    def flood() -> None:
+        while not stop.is_set():
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.setblocking(False)
+            flooded[0] += 1
+            with contextlib.suppress(OSError):
+                s.connect(address)
+            s.close()
+
+    flooders = [threading.Thread(target=flood) for _ in range(2)]
+    client = shm.Setup(1, [0, 1], TOKEN, "", time.monotonic() + 5)
+    client.address = address
+    try:
+        for q in queued[:2]:
+            q.connect(address)
+        queued[2].setblocking(False)
+        with pytest.raises(BlockingIOError):
+            queued[2].connect(address)  # the queue is full
+        for t in flooders:
+            t.start()
+        threading.Timer(0.3, setattr, (shm, "ACCEPT_BATCH", 64)).start()
+        client._create()
+        t0 = time.monotonic()
+        client._hand_over()
+        assert time.monotonic() - t0 > 0.25  # it waited for the queue, and got in
+        assert list(hub.finish()) == [1]
+    finally:
+        stop.set()
+        for t in flooders:
+            t.join(10)
+        for q in queued:
+            q.close()
+        client.close()
+        hub.close()
+    assert flooded[0] > 100 and hub.refused >= 2  # the two queued ones, at least
+
+
+def test_a_rank_sends_nothing_to_a_socket_that_does_not_prove_it_is_the_hub() -> None:
+    """A listener that answers the greeting but cannot prove the job's key gets no
+    descriptor: the rank stops and says why."""
+    address = "\0swarmfd-shm-test-" + os.urandom(8).hex()
+    fake = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    fake.bind(address)
+    fake.listen(1)
+    got: list[Any] = []
+
+    def serve() -> None:
+        conn, _ = fake.accept()
+        conn.settimeout(5)
+        conn.send(shm.HELLO.pack(shm.SHM_MAGIC, wire.PROTOCOL_VERSION, 0, os.urandom(16)))
+        conn.recv(4096)
+        conn.send(os.urandom(shm.MAC_SIZE))  # not the proof
+        try:
+            msg, fds, _, _ = socket.recv_fds(conn, 16, 4)
+            got.append((msg, len(fds)))
+            for fd in fds:
+                os.close(fd)
+        except OSError as exc:
+            got.append(exc)
+        conn.close()
+
+    server = threading.Thread(target=serve)
+    server.start()
+    client = shm.Setup(1, [0, 1], TOKEN, "", time.monotonic() + 5)
+    client.address = address
+    try:
+        client._create()
+        with pytest.raises(shm.Unavailable, match="did not prove it belongs to this job"):
+            client._hand_over()
+    finally:
+        client.close()
+        server.join(10)
+        fake.close()
+    assert got == [(b"", 0)], got  # the rank closed the connection; no descriptor came
+
+
+def test_received_descriptors_are_checked_before_use() -> None:
+    """attach refuses a memfd that is not sealed against resizing, and a read end in
+    place of an inbox's write end; a refused writer is closed, an accepted one kept."""
+    ch = shm._Segments(0)
+    ch.create()
+    unsealed = os.memfd_create("swarmfd-test")
+    r, w = os.pipe2(os.O_NONBLOCK)
+    try:
+        os.ftruncate(unsealed, shm.SEGMENT_SIZE)
+        with pytest.raises(shm.Unavailable, match="not one"):
+            ch.attach(1, unsealed, w)
+        with pytest.raises(OSError):
+            os.fstat(w)  # closed by attach
+        r2, w2 = os.pipe2(os.O_NONBLOCK)
+        with pytest.raises(shm.Unavailable, match="not the write end of a pipe"):
+            ch.attach(1, ch.memfd, r2)
+        with pytest.raises(OSError):
+            os.fstat(r2)
+        assert ch.outboxes == {}
+        ch.attach(1, ch.memfd, w2)  # a sealed segment and a write end: kept
+        assert ch.outboxes == {1: w2}
+    finally:
+        os.close(unsealed)
+        os.close(r)
+        ch.close()
+
+
+# -- real ranks: what a job leaves in /dev/shm -------------------------------------------
+
+
+def _shm_held() -> list[str]:
+    """Paths under /dev/shm this process maps or holds open, except multiprocessing's
+    (the test harness's semaphores, sem.*, and shared values, pym-*)."""
+    paths = set()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(None, 5)
+            if len(parts) == 6 and parts[5].startswith("/dev/shm/"):
+                paths.add(parts[5].strip())
+    for n in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{n}")
+        except OSError:
+            continue
+        if target.startswith("/dev/shm/"):
+            paths.add(target)
+    return sorted(p for p in paths if not p.startswith(("/dev/shm/sem.", "/dev/shm/pym-")))
+
+
+def _job_entries(token: str) -> list[str]:
+    """Entries of /dev/shm that belong to the job of ``token`` (the old design named its
+    files after it; the new one names nothing, and its socket name is a hash)."""
+    return sorted(e for e in os.listdir("/dev/shm") if token and token in e)
+
+
+def _memfd_segments() -> int:
+    with open("/proc/self/maps") as f:
+        return sum("/memfd:swarmfd" in line for line in f)
+
+
+def _fd_targets() -> dict[int, str]:
+    out = {}
+    for n in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            out[int(n)] = os.readlink(f"/proc/self/fd/{n}")
+    return out
+
+
+def _instrument(ctx: RankCtx, moment: str | None) -> list[str]:
+    """In a rank: report the /dev/shm state at every collective of init ("agreement 1",
+    ...), and pause (for the test to kill) at ``moment``: an agreement, "handing over"
+    (about to send its descriptors to the hub), "sending tables" (the hub, about to send
+    every rank the others'), "got table" (just received them). Returns [job token]."""
+    import swarmfd.collectives as coll
+    import swarmfd.comm.rendezvous as tr
+
+    token: list[str] = [""]
+    real_rendezvous = tr.rendezvous
+
+    def rendezvous(*a: Any, **k: Any) -> Any:
+        peers, tok = real_rendezvous(*a, **k)
+        token[0] = tok
+        return peers, tok
+
+    tr.rendezvous = rendezvous  # type: ignore[assignment]
+
+    def pause(here: str) -> None:
+        ctx.report("paused", {"at": here, "token": token[0], "held": _shm_held(),
+                              "entries": _job_entries(token[0])})
+        time.sleep(600)
+
+    calls = [0]
+    for name in ("all_gather", "all_reduce"):
+        real = getattr(coll, name)
+
+        def wrapper(*a: Any, _real: Callable[..., Any] = real, **k: Any) -> Any:
+            calls[0] += 1
+            here = f"agreement {calls[0]}"
+            ctx.report("state", {"at": here, "held": _shm_held(),
+                                 "entries": _job_entries(token[0]),
+                                 "memfds": _memfd_segments()})
+            if moment == here:
+                pause(here)
+            return _real(*a, **k)
+
+        setattr(coll, name, wrapper)
+    if moment in ("handing over", "sending tables"):
+        def send_fds(*a: Any, **k: Any) -> Any:
+            pause(moment)
+
+        socket.send_fds = send_fds  # type: ignore[assignment]
+    if moment == "got table":
+        real_recv = socket.recv_fds
+
+        def recv_fds(*a: Any, **k: Any) -> Any:
+            got = real_recv(*a, **k)
+            pause(moment)
+            return got
+
+        socket.recv_fds = recv_fds  # type: ignore[assignment]
+    return token
+
+
+def _job(ctx: RankCtx, moments: dict[int, str]) -> dict[str, Any]:
+    """Init with the instrumentation above, then (if init worked) collectives; report the
+    state during them. A failed init reports its error and what it left open."""
+    import swarmfd as fd
+    from swarmfd import group
+
+    token = _instrument(ctx, moments.get(ctx.rank))
+    before = _fd_targets()
+    t0 = time.monotonic()
+    try:
+        ctx.init()
+    except BaseException as exc:
+        err = error_info(exc, t0)
+        fd.cleanup()
+        left = {n: t for n, t in _fd_targets().items() if before.get(n) != t}
+        return {"error": err, "left": left, "held": _shm_held(),
+                "entries": _job_entries(token[0]), "memfds": _memfd_segments()}
+    x = np.full(3 << 20, ctx.rank + 1.0, np.float32)  # 12 MiB: several shm rounds
+    fd.all_reduce(x)
+    during = {"held": _shm_held(), "entries": _job_entries(token[0]),
+              "memfds": _memfd_segments(), "on_shm": group.current().transport.shm is not None}
+    fd.barrier()
+    return {"sum": float(x[0]), "during": during, "token": token[0]}
+
+
+def test_a_job_has_no_file_in_dev_shm_during_init_collectives_or_after() -> None:
+    """Three ranks on shared memory: at every agreement of init and during collectives no
+    rank holds or maps anything in /dev/shm, no entry there bears the job's token, and
+    after the job there is none either; the segments are memfds (mapped, so really used)."""
+    with Ranks(_job, 3, {}, init=False, transport="shm", group_timeout=30) as ranks:
+        out = ranks.results(timeout=90)
+        states = [ev[2] for ev in ranks._seen if ev[1] == "state"]
+    token = out[0]["token"]
+    assert token and all(v["token"] == token for v in out.values())
+    assert all(v["sum"] == 6.0 and v["during"]["on_shm"] for v in out.values()), out
+    assert len(states) == 3 * 3, states  # three agreements on each rank
+    for s in [*states, *(v["during"] for v in out.values())]:
+        assert s["held"] == [] and s["entries"] == [], s
+    assert all(v["during"]["memfds"] == 3 for v in out.values()), out
+    assert _job_entries(token) == []
+
+
+#: Moments to kill one rank: (victim, moment). Rank 0 is the hub, 1 and 2 connect to it.
+KILLS = [(1, "agreement 1"), (1, "agreement 2"), (1, "agreement 3"), (0, "agreement 2"),
+         (1, "handing over"), (0, "sending tables"), (2, "got table")]
+
+
+@pytest.mark.parametrize(("victim", "moment"), KILLS, ids=[f"rank{v}-{m.replace(' ', '-')}"
+                                                           for v, m in KILLS])
+def test_kill_of_one_rank_during_setup_names_it_and_leaves_nothing(victim: int,
+                                                                   moment: str) -> None:
+    """kill -9 of one rank at a moment of the setup: the others' init raises
+    PeerLostError naming it, leaves no descriptor open and nothing in /dev/shm."""
+    with Ranks(_job, 3, {victim: moment}, init=False, transport="shm",
+               group_timeout=20) as ranks:
+        paused = ranks.wait("paused", [victim], timeout=60)[victim]
+        killed_at = ranks.kill(victim)
+        survivors = [r for r in range(3) if r != victim]
+        out = ranks.results(survivors, timeout=60)
+    token = paused["token"]
+    record(f"shm-kill[{victim}@{moment}]", after_kill={r: v.get("error", {}).get("t", 0) - killed_at
+                                                     for r, v in out.items()},
+           errors={r: v.get("error", {}).get("message") for r, v in out.items()})
+    try:
+        assert _job_entries(token) == [], "left in /dev/shm"
+        for r, v in out.items():
+            err = v.get("error")
+            assert err is not None, f"rank {r} did not fail: {v}"
+            assert "PeerLostError" in err["mro"], err
+            assert f"lost rank {victim} " in err["message"], err
+            assert err["t"] - killed_at < 5.0, err
+            assert v["left"] == {}, f"rank {r} left descriptors open: {v['left']}"
+            assert v["held"] == [] and v["memfds"] == 0, v
+        assert paused["held"] == [] and paused["entries"] == [], paused
+    finally:
+        _remove_entries(token)
+
+
+@pytest.mark.parametrize("moment", ["agreement 1", "agreement 3"])
+def test_kill_of_every_rank_during_setup_leaves_nothing(moment: str) -> None:
+    """kill -9 of every rank at once during the setup leaves nothing in /dev/shm (named
+    segments could not promise that: nobody survives to unlink them)."""
+    with Ranks(_job, 3, {r: moment for r in range(3)}, init=False, transport="shm",
+               group_timeout=20) as ranks:
+        paused = ranks.wait("paused", timeout=60)
+        for r in range(3):
+            ranks.kill(r)
+        for p in ranks.procs:
+            p.join(10)
+    token = paused[0]["token"]
+    try:
+        assert _job_entries(token) == [], "left in /dev/shm"
+        assert all(v["held"] == [] and v["entries"] == [] for v in paused.values()), paused
+    finally:
+        _remove_entries(token)
+
+
+def _remove_entries(token: str) -> None:
+    """Remove what a job of ``token`` left in /dev/shm (only the old design could)."""
+    for e in _job_entries(token):
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join("/dev/shm", e))
+
+
+# -- real ranks: another local user --------------------------------------------------------
+
+#: The attacker, run as another user (uid 65534). For as long as its stdin stays open it
+#: looks for swarmfd's setup sockets in /proc/net/unix (abstract names are listed there
+#: for everyone), connects to each again and again (and floods it with connections it
+#: closes unread), trying to read a greeting or descriptors; and it does what broke the
+#: old design: it reads the job token off /dev/shm names and creates the names of the
+#: ranks that have not created theirs yet. Prints its tally as JSON.
+_ATTACKER = r"""
+import json, os, select, socket, sys
+world = int(sys.argv[1])
+stats = {"sockets": 0, "connects": 0, "refused": 0, "bytes": 0, "fds": 0, "flood": 0,
+         "created": []}
+seen = set()
+print("ready", flush=True)
+while not select.select([sys.stdin], [], [], 0)[0]:
+    try:
+        with open("/proc/net/unix") as f:
+            names = [l.split()[-1] for l in f.readlines()[1:] if l.split()[-1:] and
+                     l.split()[-1].startswith("@swarmfd")]
+    except OSError:
+        names = []
+    for name in names:
+        if name not in seen:
+            seen.add(name)
+            stats["sockets"] += 1
+        addr = "\0" + name[1:]
+        for i in range(50):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.settimeout(0.5)
+            try:
+                s.connect(addr)
+            except OSError:
+                stats["refused"] += 1
+                s.close()
+                break
+            if i % 5:
+                stats["flood"] += 1  # connect and close, never read
+                s.close()
+                continue
+            stats["connects"] += 1
+            try:
+                s.send(b"\0" * 75)
+                msg, fds, _, _ = socket.recv_fds(s, 4096, 16)
+                stats["bytes"] += len(msg)
+                stats["fds"] += len(fds)
+                for fd in fds:
+                    os.close(fd)
+            except OSError:
+                pass
+            s.close()
+    try:
+        entries = os.listdir("/dev/shm")
+    except OSError:
+        entries = []
+    for e in entries:
+        if e.startswith("swarmfd-") and e.endswith(".seg"):
+            token = e[len("swarmfd-"):].rsplit("-", 1)[0]
+            for r in range(world):
+                base = f"/dev/shm/swarmfd-{token}-{r}"
+                try:
+                    os.close(os.open(base + ".seg", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+                    stats["created"].append(base + ".seg")
+                    os.mkfifo(base + ".fifo", 0o600)
+                    stats["created"].append(base + ".fifo")
+                except OSError:
+                    pass
+print(json.dumps(stats), flush=True)
+"""
+
+
+def _job_under_attack(ctx: RankCtx, late: int) -> dict[str, Any]:
+    """Init (rank ``late`` starts its shared-memory setup 0.5 s after the others, so the
+    attacker has time to find the socket and the names), collectives; report the
+    warnings the swarmfd logger emitted."""
+    import swarmfd as fd
+    from swarmfd import group
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logging.getLogger("swarmfd").addHandler(Keep(logging.WARNING))
+    if ctx.rank == late:
+        real = group._setup_shm
+
+        def later(*a: Any, **k: Any) -> Any:
+            time.sleep(0.5)
+            return real(*a, **k)
+
+        group._setup_shm = later  # type: ignore[assignment]
+    fd.init(ctx.world, ctx.rank, master_addr="127.0.0.1", master_port=ctx.port,
+            timeout=ctx.group_timeout)
+    x = np.full(1000, ctx.rank + 1.0, np.float32)
+    fd.all_reduce(x)
+    return {"on_shm": group.current().transport.shm is not None, "sum": float(x[0]),
+            "warnings": records}
+
+
+def _python_for(uid: int) -> str | None:
+    """A Python interpreter that ``uid`` can run (this one may live under /root)."""
+    for candidate in (os.path.realpath(sys.executable), "/usr/bin/python3",
+                      "/usr/local/bin/python3"):
+        try:
+            ok = subprocess.run([candidate, "-I", "-S", "-c", "import socket; socket.recv_fds"],
+                                user=uid, group=uid, cwd="/", capture_output=True,
+                                timeout=30).returncode == 0
+        except OSError:
+            ok = False
+        if ok:
+            return candidate
+    return None
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a process as another user")
+def test_another_local_user_cannot_downgrade_a_job_or_get_its_descriptors() -> None:
+    """uid 65534 finds the setup socket, connects to it and floods it, and pre-creates
+    the old design's names, during two jobs (one with a rank 0.5 s late): it reads not
+    a byte and gets no descriptor, and every job stays on shared memory, warning-free."""
+    python = _python_for(NOBODY)
+    if python is None:
+        pytest.skip(f"no Python interpreter that uid {NOBODY} may run")
+    attacker = subprocess.Popen(
+        [python, "-I", "-S", "-c", _ATTACKER, "3"], user=NOBODY, group=NOBODY,
+        cwd="/", stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    created: list[str] = []
+    try:
+        assert attacker.stdout is not None and attacker.stdin is not None
+        ready, _, _ = select.select([attacker.stdout], [], [], 30)
+        assert ready and attacker.stdout.readline().strip() == "ready"
+        results = []
+        for late in (2, -1):
+            with Ranks(_job_under_attack, 3, late, init=False, transport="shm",
+                       group_timeout=20) as ranks:
+                results.append(ranks.results(timeout=90))
+        stdout, stderr = attacker.communicate(timeout=30)  # closes its stdin: it stops
+        assert attacker.returncode == 0 and stdout.strip(), stderr
+        stats = json.loads(stdout.strip().splitlines()[-1])
+        created = stats["created"]
+        record("shm-another-user", stats=stats, results=results)
+    finally:
+        if attacker.poll() is None:
+            attacker.kill()
+        attacker.wait(10)
+        for path in created:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    for out in results:
+        for r, v in out.items():
+            assert v["on_shm"] and v["sum"] == 6.0, (r, v)
+            assert v["warnings"] == [], (r, v)
+    assert stats["sockets"] >= 1 and stats["connects"] >= 1, stats  # it did find them
+    assert stats["bytes"] == 0 and stats["fds"] == 0, stats
+
+
+# -- real ranks: a real failure on one rank falls back, loudly --------------------------------
+
+
+def _tight(call: Callable[..., Any]) -> Callable[..., Any]:
+    """``call`` run with RLIMIT_NOFILE at the lowest free descriptor: any descriptor it
+    would create fails (EMFILE) or is dropped by the kernel (received ones)."""
+    import resource
+
+    def tight(*a: Any, **k: Any) -> Any:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        low = os.open("/dev/null", os.O_RDONLY)
+        os.close(low)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+        try:
+            return call(*a, **k)
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+    return tight
+
+
+def _job_with_a_failure(ctx: RankCtx, victim: int, what: str) -> dict[str, Any]:
+    """Rank ``victim`` hits its descriptor limit during its whole shared-memory setup
+    ("setup": at the first descriptor it creates) or only when it receives the others'
+    descriptors ("recv_fds"); stderr is captured as the logging module's last-resort handler
+    writes it (no handler configured)."""
+    import swarmfd as fd
+    from swarmfd import group
+
+    captured = io.StringIO()
+    sys.stderr = captured
+    if ctx.rank == victim:
+        if what == "setup":  # the whole shared-memory setup: its first descriptor fails
+            group._setup_shm = _tight(group._setup_shm)  # type: ignore[assignment]
+        else:
+            socket.recv_fds = _tight(socket.recv_fds)  # type: ignore[assignment]
+    try:
+        fd.init(ctx.world, ctx.rank, master_addr="127.0.0.1", master_port=ctx.port,
+                timeout=ctx.group_timeout)
+        x = np.full(300_000, ctx.rank + 1.0, np.float32)
+        fd.all_reduce(x)
+        fd.barrier()
+        return {"on_shm": group.current().transport.shm is not None, "sum": float(x[-1]),
+                "stderr": captured.getvalue()}
+    finally:
+        sys.stderr = sys.__stderr__
+
+
+@pytest.mark.parametrize(("victim", "what", "cause"), [
+    # The first descriptor of the setup is the memfd; if another thread of the rank
+    # closes a descriptor meanwhile, the memfd takes that one and the pipe fails instead.
+    (1, "setup", r"rank 1: (memfd_create failed|could not create the inbox \(a pipe\)): "
+                 r"\[Errno 24\] Too many open files"),
+    (2, "recv_fds", r"rank 2: could not receive the other ranks' segments: the kernel "
+                    r"delivered 0 descriptor\(s\) and dropped the rest \(MSG_CTRUNC"),
+])
+def test_a_failure_on_one_rank_falls_back_to_tcp_with_a_warning(victim: int, what: str,
+                                                                 cause: str) -> None:
+    """Every rank falls back to TCP, says so once on stderr naming the rank and the
+    cause, and the job completes over TCP."""
+    with Ranks(_job_with_a_failure, 3, victim, what, init=False, transport="shm",
+               group_timeout=20) as ranks:
+        out = ranks.results(timeout=90)
+    for r, v in out.items():
+        assert not v["on_shm"] and v["sum"] == 6.0, (r, v)
+        lines = [line for line in v["stderr"].splitlines() if "shared memory" in line]
+        assert len(lines) == 1, (r, v["stderr"])
+        assert lines[0].startswith(f"swarmfd rank {r}: shared memory between the ranks of "
+                                   "this host is unavailable, collectives use TCP"), lines
+        assert re.search(cause, lines[0]), lines
+
+
+# -- real ranks: the socket in a shared directory ------------------------------------------
+
+
+def _job_in_dir(ctx: RankCtx, directory: str) -> dict[str, Any]:
+    import swarmfd as fd
+    import swarmfd.collectives as coll
+    from swarmfd import group
+
+    seen: list[list[tuple[str, int]]] = []
+    real = coll.all_gather
+
+    def all_gather(*a: Any, **k: Any) -> Any:
+        entries = []
+        for e in os.listdir(directory):
+            with contextlib.suppress(FileNotFoundError):  # unlinked meanwhile
+                entries.append((e, os.stat(os.path.join(directory, e)).st_mode & 0o777))
+        seen.append(entries)
+        return real(*a, **k)
+
+    coll.all_gather = all_gather  # type: ignore[assignment]
+    ctx.init()
+    fd.barrier()
+    return {"on_shm": group.current().transport.shm is not None, "seen": seen,
+            "after": os.listdir(directory)}
+
+
+def test_setup_socket_in_a_shared_directory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With SWARMFD_SHM_DIR the setup socket is a 0600 file there while the ranks connect
+    (the hub's view at the first agreement), gone once they have (everyone's view at the
+    last): the job is on shared memory and leaves the directory empty."""
+    with tempfile.TemporaryDirectory(prefix="swarmfd-test-shm-dir-") as d:
+        monkeypatch.setenv(shm.ENV_SHM_DIR, d)
+        with Ranks(_job_in_dir, 2, d, init=False, transport="shm", group_timeout=20) as ranks:
+            out = ranks.results(timeout=90)
+        assert os.listdir(d) == []
+    (name, mode), = out[0]["seen"][0]
+    assert name.startswith("swarmfd-shm-") and name.endswith(".sock") and mode == 0o600, out
+    for v in out.values():
+        assert v["on_shm"] and len(v["seen"]) == 3 and v["seen"][2] == [], v
+        assert v["after"] == [], v
