@@ -21,9 +21,9 @@ memory; any other over TCP, its ring ordered by host so that it crosses each hos
 link as few times as possible, or, when some host holds several of its ranks and
 shares memory among them, with the two-level algorithms (:mod:`swarmfd.algorithms.hier`;
 ``SWARMFD_HIERARCHY=off`` keeps the flat ones). Which hosts share memory is known to
-every rank: init ends with an exchange of every rank's shared-memory plane (a host
-whose setup fell back to TCP has none), so all ranks of a group pick the same
-algorithms.
+every rank: when the job spans hosts, init ends with an exchange of every rank's
+shared-memory plane (a host whose setup fell back to TCP has none), so all ranks of a
+group pick the same algorithms.
 
 Failure. A collective that fails (a peer lost, a timeout, a mismatch, an abort)
 *breaks its group*: every later call on it raises at once with the original reason,
@@ -393,7 +393,8 @@ def _start(config: Config, secret: str | bytes | None = None) -> Config:
         try:
             if hostkey:
                 _setup_shm(state, peers, hostkey, deadline)
-            _share_domains(state)
+            if len(set(state.hosts)) > 1:  # (on one host no group is two-level)
+                _share_domains(state)
         except BaseException:
             cleanup()
             raise
