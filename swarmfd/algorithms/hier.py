@@ -74,7 +74,7 @@ from typing import Any
 
 import numpy as np
 
-from ..comm.planes.shm import SEGMENT_BYTES
+from ..comm.planes.shm import SEGMENT_BYTES, SLOTS
 from .base import Algorithm, Op, split
 from .tcp import ACK, SIG, barrier
 
@@ -94,7 +94,7 @@ __all__ = [
 ROUND_BYTES = SEGMENT_BYTES
 #: Rounds of a large all_reduce in flight between two hosts: a round's partials are
 #: awaited this many rounds after they were sent, so the link is never idle while the
-#: host copies and reduces.
+#: host copies and reduces (at most SLOTS - 1: see _all_reduce_two_hosts).
 DEPTH = 2
 #: Tag base of the phases inside a host (a sub-op's barriers): above every tag the
 #: phases between hosts use, below ACK and SIG.
@@ -294,44 +294,123 @@ def all_reduce_large(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout, shm:
                 yield from barrier(local, R + t)
                 gather_out(t, *slot_t)
         return
-    g = 1 - h
-    partner = {q: hosts[g][q % len(hosts[g])] for q in mine}
+    yield from _all_reduce_two_hosts(op, buf, ufunc, lay, local, depth, round_bytes)
+
+
+def _all_reduce_two_hosts(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout,
+                          local: Op | None, depth: int, round_bytes: int) -> Algorithm:
+    """Two hosts, pipelined (see the module docstring). Round t, this rank, in its slot:
+
+    * position q (fixed, q * per) of a shard q it does not own: its piece, for the
+      owner to reduce; of a shard it owns: the host partial, reduced straight there
+      from its own array and the locals' pieces, and sent to the partner from there
+      (no copy);
+    * position K + q // L of an owned shard: the partner's partial, received there.
+
+    After the barrier DEPTH rounds later every local computes every shard's result
+    from the owner's two positions, ``ufunc(first host's, second's)``, into its own
+    array: the same bits everywhere, the partner's host included.
+
+    A slot's positions are rewritten SLOTS rounds later; the barriers in between tell
+    that the locals read them, and before a partial is reduced into a position that
+    held one sent SLOTS rounds ago, any bytes still queued to the partner are flushed
+    (there normally are none: the kernel took them long before).
+    """
+    hosts, h, i = lay.hosts, lay.host, lay.local
+    L, K = len(hosts[h]), lay.shards
+    other = hosts[1 - h]
+    partner = [other[q % len(other)] for q in range(K)]
     first = h == 0
-    tmp = np.empty(max(1, max(b - a for a, b in (pieces[q][0] for q in mine))), buf.dtype)
-    d = max(1, min(depth, R))
-    rounds: dict[int, tuple[int, list[int], int]] = {}
+    # The same rounds on both hosts: as many positions as the fullest slot needs.
+    M = max(-(-K // len(rs)) for rs in hosts if len(rs) > 1)
+    per = max(1, min(round_bytes, SEGMENT_BYTES) // buf.itemsize // (K + M))
+    n = (K + M) * per
+    shards = split(buf.size, K)
+    R = max(1, -(-max(b - a for a, b in shards) // per))
+    pieces = [[(a + x, a + y) for x, y in split(b - a, R)] for a, b in shards]
+    mine = [q for q in range(K) if q % L == i]
+    # A partial is read by the locals d rounds after it was reduced, and its position
+    # rewritten SLOTS rounds after: at most SLOTS - 1 rounds in flight.
+    d = max(1, min(depth, R, SLOTS - 1))
+    tmp = np.empty(per, buf.dtype) if local is None else None
+    slots: dict[int, int] = {}
+    dt = buf.dtype
     for t in range(R + d):
         fin = t - d
         if t < R and local is not None:
-            rounds[t] = scatter_in(t)
+            slots[t] = slot = op.next_slot()
+            region = local.region(i, slot, dt, n)
+            for q in range(K):
+                if q % L != i:
+                    a, b = pieces[q][t]
+                    region[q * per:q * per + b - a] = buf[a:b]
         if fin >= 0:
-            # The partner's partials of round fin (sent d rounds ago), combined in host
-            # order into buf, and published for the locals.
+            # The partner's partials of round fin, sent d rounds ago.
+            into = None if local is None else local.region(i, slots[fin], dt, n)
             for q in mine:
                 a, b = pieces[q][fin]
                 if b == a:
                     continue
-                seg, theirs = buf[a:b], tmp[:b - a]
+                if into is not None:
+                    at = (K + q // L) * per
+                    yield op.recv_into(partner[q], fin * K + q, into[at:at + b - a])
+                    continue
+                assert tmp is not None
+                theirs = tmp[:b - a]
                 yield op.recv_into(partner[q], fin * K + q, theirs)
+                yield from _drained(op, partner[q])  # buf[a:b] went out without a copy
+                seg = buf[a:b]
                 if first:
                     ufunc(seg, theirs, out=seg)
                 else:
                     ufunc(theirs, seg, out=seg)
-            if local is not None:
-                publish(fin, *rounds[fin])
         if local is not None:
-            # Everyone copied round t in, and published its results of round fin.
+            # Everyone copied round t in and received its partials of round fin.
             yield from barrier(local, t)
             if fin >= 0:
-                gather_out(fin, *rounds.pop(fin))
+                done = slots.pop(fin)
+                regions = [local.region(p, done, dt, n) for p in range(L)]
+                for q in range(K):
+                    a, b = pieces[q][fin]
+                    reg = regions[q % L]
+                    ours = reg[q * per:q * per + b - a]
+                    at = (K + q // L) * per
+                    theirs = reg[at:at + b - a]
+                    if first:
+                        ufunc(ours, theirs, out=buf[a:b])
+                    else:
+                        ufunc(theirs, ours, out=buf[a:b])
         if t < R:
-            if local is not None:
-                reduce_mine(t, *rounds[t])
+            if local is None:
+                for q in mine:
+                    a, b = pieces[q][t]
+                    if b > a:
+                        op.send(partner[q], t * K + q, buf[a:b])
+                continue
+            if t >= SLOTS:
+                for q in mine:
+                    yield from _drained(op, partner[q])
+            regions = [local.region(p, slots[t], dt, n) for p in range(L)]
             for q in mine:
                 a, b = pieces[q][t]
+                ours = regions[i][q * per:q * per + b - a]
+                first_op = True
+                for p in range(L):
+                    if p != i:
+                        theirs = regions[p][q * per:q * per + b - a]
+                        if first_op:
+                            ufunc(buf[a:b], theirs, out=ours)
+                            first_op = False
+                        else:
+                            ufunc(ours, theirs, out=ours)
                 if b > a:
-                    # copied: buf[a:b] becomes the result before this may have left
-                    op.send(partner[q], t * K + q, buf[a:b], copy=True)
+                    op.send(partner[q], t * K + q, ours)
+
+
+def _drained(op: Op, peer: int) -> Algorithm:
+    """Wait until nothing queued to ``peer`` still reads a buffer (a flush, when needed)."""
+    if op.ranks[peer] in op.plane.unsent():
+        yield op.flush()
 
 
 # -- broadcast and reduce ---------------------------------------------------------------
