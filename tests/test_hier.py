@@ -459,3 +459,48 @@ def test_host_lost_mid_call_is_named_by_every_survivor(algo: str) -> None:
             assert "lost rank 1" in msg or "lost rank 4" in msg, msg
             assert "host host1" in msg, msg
             assert took < 5.0, (r, took, msg)
+
+
+# -- the message layer, as the two-level calls use it -----------------------------------------
+
+
+def test_reading_another_plane_never_abandons_a_payload_half_read() -> None:
+    """While a rank waits on one plane (a shared-memory barrier) the channel reads what
+    arrived on the others (TCP data, into the stash) for a bounded time. A payload begun
+    must be read to its end, however long the time limit has passed: the plane's stream
+    would otherwise parse the rest of it as the next header (seen on simulated hosts as
+    "sent bytes that are not a swarmfd message", 3 hosts x 2, all_gather of 16 MiB)."""
+    import time
+
+    from swarmfd.comm.channel import LOST_PEER_GRACE, Channel
+
+    from .memplane import Fabric, MemoryPlane
+
+    class SlowPlane(MemoryPlane):
+        """A payload that trickles in: read_payload waits in slices, calling between."""
+
+        def read_payload(self, hdr: Any, into: Any, between: Any, keep: bool = False) -> Any:
+            end = time.monotonic() + 1.5 * LOST_PEER_GRACE
+            while time.monotonic() < end:
+                time.sleep(0.02)
+                between()
+            return super().read_payload(hdr, into, between, keep)
+
+    fabric = Fabric(2)
+    channels = [Channel(r, 2, 10.0) for r in range(2)]
+    planes = [SlowPlane(fabric, r, channels[r]) for r in range(2)]
+    for ch, pl in zip(channels, planes, strict=True):
+        ch.add_plane(pl)
+    sig = wire.Signature(wire.Collective.ALL_REDUCE)
+    for tag in range(2):
+        channels[0].send(planes[0], 1, sig, 0, 1, tag, np.full(4, tag, np.int64), copy=True)
+    channels[1].begin(0, 1)
+    channels[1].set_group(0)
+    channels[1].service()
+    # The first payload was read whole (into the stash) although the limit passed
+    # while reading it; the second waits for the next read.
+    assert list(channels[1].stash) == [(0, 0, 1, 0)]
+    _hdr, payload = channels[1].stash[(0, 0, 1, 0)]
+    assert np.array_equal(np.frombuffer(payload, np.int64), [0, 0, 0, 0])
+    channels[1].service()
+    assert (0, 0, 1, 1) in channels[1].stash
