@@ -158,6 +158,24 @@ def test_hierarchy_bounds_match_issue_17() -> None:
     assert hierarchy.parse_variant("flat:SWARMFD_HIERARCHY=off,A=1") == \
         ("flat", {"SWARMFD_HIERARCHY": "off", "A": "1"})
     assert hierarchy.parse_variant("today:") == ("today", {})
+    # uneven hosts, their placements, and the bounds of the other collectives
+    uneven = hierarchy.parse_shape("3+1@5gbit")
+    assert uneven.label == "3+1@5gbit" and uneven.ranks_per_host() == [3, 1]
+    assert hierarchy.placement_of("host", uneven) == [0, 0, 0, 1]
+    assert hierarchy.placement_of("spread", uneven) == [0, 1, 0, 0]
+    assert hierarchy.placement_of("spread", hierarchy.parse_shape("2x2@none")) == spread
+    bu = hierarchy.bounds([0, 0, 0, 1], 2**20, 5_000_000_000)
+    assert bu["best_flat"] / bu["two_level"] == pytest.approx(1.5)  # 2(N-1)/N vs 2(H-1)/H
+    s5 = 2**20 / (5e9 / 8)
+    for coll in ("broadcast", "reduce"):
+        bc = hierarchy.bounds(host, 2**20, 5_000_000_000, coll)
+        assert bc["best_flat"] == bc["two_level"] == pytest.approx(s5)
+    assert hierarchy.bounds(spread, 2**20, 5_000_000_000, "broadcast")["ring"] == \
+        pytest.approx(2 * s5)  # the rank-order chain 0 -> 1 -> 2 -> 3 crosses twice
+    ag = hierarchy.bounds([0, 0, 0, 1], 2**20, 5_000_000_000, "all_gather")
+    assert ag["two_level"] == pytest.approx(3 * s5)  # the host of one receives 3 parts
+    with pytest.raises(ValueError, match="bad shape '3\\+0@1gbit'"):
+        hierarchy.parse_shape("3+0@1gbit")
     with pytest.raises(ValueError, match="is not KEY=VALUE"):
         hierarchy.parse_variant("x:novalue")
 

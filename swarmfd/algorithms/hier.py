@@ -96,6 +96,9 @@ ROUND_BYTES = SEGMENT_BYTES
 #: awaited this many rounds after they were sent, so the link is never idle while the
 #: host copies and reduces (at most SLOTS - 1: see _all_reduce_two_hosts).
 DEPTH = 2
+#: Rounds of an all_gather sent ahead of the one being received (more would sit in
+#: the send queue, which only moves while the rank waits on TCP).
+GATHER_AHEAD = 2
 #: Tag base of the phases inside a host (a sub-op's barriers): above every tag the
 #: phases between hosts use, below ACK and SIG.
 LOCAL_TAGS = 1 << 31
@@ -408,7 +411,13 @@ def _all_reduce_two_hosts(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout,
 
 
 def _drained(op: Op, peer: int) -> Algorithm:
-    """Wait until nothing queued to ``peer`` still reads a buffer (a flush, when needed)."""
+    """Wait until nothing is queued to ``peer`` any more (a flush, when needed).
+
+    Also what keeps the link busy: a rank that waits on shared memory drives no TCP
+    sends (the message layer looks at the other planes once per wait slice, 50 ms), so
+    before a phase inside the host whatever the kernel did not take yet is pushed out
+    (normally nothing, or the tail of the last piece: the kernel holds several).
+    """
     if op.ranks[peer] in op.plane.unsent():
         yield op.flush()
 
@@ -455,6 +464,7 @@ def broadcast(op: Op, buf: np.ndarray, root: int, lay: Layout, shm: Any) -> Algo
                 yield op.recv_into(prv, t, seg)
             if pos < H - 1:
                 op.send(nxt, t, seg)
+                yield from _drained(op, nxt)  # (see _drained)
         if local is not None:
             slot = op.next_slot()
             region = local.region(li, slot, buf.dtype, b - a)
@@ -514,6 +524,7 @@ def reduce(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc, lay: Layout,
                 ufunc(incoming, part, out=part)
             if pos < H - 1:
                 op.send(nxt, t, part, copy=part is not seg)
+                yield from _drained(op, nxt)
     if lead:
         if is_root:
             op.send(leaders[chain[0]], ACK, b"")
@@ -546,16 +557,25 @@ def all_gather(op: Op, out: np.ndarray, lay: Layout, shm: Any) -> Algorithm:
     width = max(len(p) for x in range(H) for p in _published(hosts, x))
     per = max(1, min(ROUND_BYTES, SEGMENT_BYTES) // out.itemsize // width)
     cols = split(count, max(1, -(-count // per)))
-    for t, (a, b) in enumerate(cols):
-        for dst in dests:
-            op.send(dst, t, out[me, a:b])  # out[me] is never written: no copy
+
+    def send(t: int) -> None:
+        if t < len(cols):
+            a, b = cols[t]
+            for dst in dests:
+                op.send(dst, t, out[me, a:b])  # out[me] is never written: no copy
+
+    for t in range(GATHER_AHEAD):
+        send(t)
     local = _local_op(op, lay, shm)
     for t, (a, b) in enumerate(cols):
         w = b - a
+        send(t + GATHER_AHEAD)
         for row in pub[i][1:]:
             yield op.recv_into(row, t, out[row, a:b])
         if local is None:
             continue
+        for dst in dests:
+            yield from _drained(op, dst)
         slot = op.next_slot()
         regions = [local.region(j, slot, out.dtype, len(pub[j]) * w) for j in range(L)]
         for k, row in enumerate(pub[i]):
