@@ -42,7 +42,9 @@ environment, interleaved: ``for run: for shape: for placement: for variant``, so
 variant and its baseline see the same machine load; the ratio columns compare each
 variant with the first. ``HIER_BENCH_RING=rank`` (with ``SWARMFD_HIERARCHY=off``) makes
 the flat ring follow the rank order instead of the hosts (the ring as it was before
-issue 17: under spread placement it crosses the link on every hop). Default variants:
+issue 17: under spread placement it crosses the link on every hop);
+``HIER_BENCH_SMALL_BYTES=N`` sets the two-level all_reduce's small/large threshold
+(``select.HIER_SMALL_BYTES``) for measuring it. Default variants:
 ``flat:SWARMFD_HIERARCHY=off`` and ``two-level:``.
 
     python benchmarks/hierarchy.py                          # 2x2@5gbit and 2x4@2gbit
@@ -92,6 +94,8 @@ ISSUE_17_TODAY = {"host": {16 * MIB: 44.9, 64 * MIB: 177.0},
                   "spread": {16 * MIB: 87.5, 64 * MIB: 343.0}}
 #: The worker's switch to the rank-order flat ring (see the module docstring).
 ENV_RING = "HIER_BENCH_RING"
+#: The worker's override of select.HIER_SMALL_BYTES (bytes), to measure the threshold.
+ENV_SMALL = "HIER_BENCH_SMALL_BYTES"
 
 
 # --- the model ----------------------------------------------------------------------------
@@ -230,6 +234,10 @@ def worker(plan: list[tuple[str, int, int]], warmup: int) -> int:
     world = group.world_group()
     if os.environ.get(ENV_RING, "") == "rank":
         world.ring = list(range(n))  # the flat ring in rank order (the benchmark's switch)
+    if os.environ.get(ENV_SMALL, ""):
+        from swarmfd.algorithms import select
+
+        select.HIER_SMALL_BYTES = int(os.environ[ENV_SMALL])  # the threshold under test
     two = world.two_level() is not None
     try:
         for coll, size, iters in plan:
