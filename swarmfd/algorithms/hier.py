@@ -75,7 +75,7 @@ from typing import Any
 import numpy as np
 
 from ..comm.planes.shm import SEGMENT_BYTES, SLOTS
-from .base import Algorithm, Op, split
+from .base import Algorithm, Op, num_pieces, split
 from .tcp import ACK, SIG, barrier
 
 __all__ = [
@@ -332,6 +332,8 @@ def _all_reduce_two_hosts(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout,
     R = max(1, -(-max(b - a for a, b in shards) // per))
     pieces = [[(a + x, a + y) for x, y in split(b - a, R)] for a, b in shards]
     mine = [q for q in range(K) if q % L == i]
+    # Each piece crosses in J messages of at most PIECE_BYTES (wire.MAX_PAYLOAD).
+    J = num_pieces(per, buf.itemsize)
     # A partial is read by the locals d rounds after it was reduced, and its position
     # rewritten SLOTS rounds after: at most SLOTS - 1 rounds in flight.
     d = max(1, min(depth, R, SLOTS - 1))
@@ -356,11 +358,12 @@ def _all_reduce_two_hosts(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout,
                     continue
                 if into is not None:
                     at = (K + q // L) * per
-                    yield op.recv_into(partner[q], fin * K + q, into[at:at + b - a])
+                    yield from _recv_split(op, partner[q], (fin * K + q) * J,
+                                           into[at:at + b - a], J)
                     continue
                 assert tmp is not None
                 theirs = tmp[:b - a]
-                yield op.recv_into(partner[q], fin * K + q, theirs)
+                yield from _recv_split(op, partner[q], (fin * K + q) * J, theirs, J)
                 yield from _drained(op, partner[q])  # buf[a:b] went out without a copy
                 seg = buf[a:b]
                 if first:
@@ -388,7 +391,7 @@ def _all_reduce_two_hosts(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout,
                 for q in mine:
                     a, b = pieces[q][t]
                     if b > a:
-                        op.send(partner[q], t * K + q, buf[a:b])
+                        _send_split(op, partner[q], (t * K + q) * J, buf[a:b], J)
                 continue
             if t >= SLOTS:
                 for q in mine:
@@ -407,7 +410,21 @@ def _all_reduce_two_hosts(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout,
                         else:
                             ufunc(ours, theirs, out=ours)
                 if b > a:
-                    op.send(partner[q], t * K + q, ours)
+                    _send_split(op, partner[q], (t * K + q) * J, ours, J)
+
+
+def _send_split(op: Op, to: int, tag: int, seg: np.ndarray, parts: int) -> None:
+    """``seg`` in ``parts`` messages (tags ``tag``...), none above PIECE_BYTES."""
+    for j, (x, y) in enumerate(split(seg.size, parts)):
+        if y > x:
+            op.send(to, tag + j, seg[x:y])
+
+
+def _recv_split(op: Op, frm: int, tag: int, out: np.ndarray, parts: int) -> Algorithm:
+    """Receive what :func:`_send_split` sent into ``out``."""
+    for j, (x, y) in enumerate(split(out.size, parts)):
+        if y > x:
+            yield op.recv_into(frm, tag + j, out[x:y])
 
 
 def _drained(op: Op, peer: int) -> Algorithm:
