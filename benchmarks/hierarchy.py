@@ -43,8 +43,10 @@ variant and its baseline see the same machine load; the ratio columns compare ea
 variant with the first. ``HIER_BENCH_RING=rank`` (with ``SWARMFD_HIERARCHY=off``) makes
 the flat ring follow the rank order instead of the hosts (the ring as it was before
 issue 17: under spread placement it crosses the link on every hop);
-``HIER_BENCH_SMALL_BYTES=N`` sets the two-level all_reduce's small/large threshold
-(``select.HIER_SMALL_BYTES``) for measuring it. Default variants:
+``HIER_BENCH_SET=MODULE.NAME=INT;...`` sets constants of ``swarmfd.algorithms`` in the
+ranks (``select.HIER_SMALL_BYTES=0``, ``hier.DEPTH=1``) for measuring them (in a
+variant's environment: separate the items with ``;``, since ``,`` separates variables).
+Default variants:
 ``flat:SWARMFD_HIERARCHY=off`` and ``two-level:``.
 
     python benchmarks/hierarchy.py                          # 2x2@5gbit and 2x4@2gbit
@@ -94,8 +96,8 @@ ISSUE_17_TODAY = {"host": {16 * MIB: 44.9, 64 * MIB: 177.0},
                   "spread": {16 * MIB: 87.5, 64 * MIB: 343.0}}
 #: The worker's switch to the rank-order flat ring (see the module docstring).
 ENV_RING = "HIER_BENCH_RING"
-#: The worker's override of select.HIER_SMALL_BYTES (bytes), to measure the threshold.
-ENV_SMALL = "HIER_BENCH_SMALL_BYTES"
+#: Constants under test in the workers: ``hier.DEPTH=1;select.HIER_SMALL_BYTES=0``.
+ENV_SET = "HIER_BENCH_SET"
 
 
 # --- the model ----------------------------------------------------------------------------
@@ -234,10 +236,16 @@ def worker(plan: list[tuple[str, int, int]], warmup: int) -> int:
     world = group.world_group()
     if os.environ.get(ENV_RING, "") == "rank":
         world.ring = list(range(n))  # the flat ring in rank order (the benchmark's switch)
-    if os.environ.get(ENV_SMALL, ""):
-        from swarmfd.algorithms import select
+    for item in filter(None, os.environ.get(ENV_SET, "").split(";")):
+        # a constant under test: MODULE.NAME=INT, MODULE of swarmfd.algorithms
+        import importlib
 
-        select.HIER_SMALL_BYTES = int(os.environ[ENV_SMALL])  # the threshold under test
+        key, _, value = item.partition("=")
+        mod, _, name = key.rpartition(".")
+        module = importlib.import_module(f"swarmfd.algorithms.{mod}")
+        if not hasattr(module, name):
+            raise SystemExit(f"{ENV_SET}: swarmfd.algorithms.{mod} has no {name}")
+        setattr(module, name, int(value))
     two = world.two_level() is not None
     try:
         for coll, size, iters in plan:

@@ -340,18 +340,27 @@ def _all_reduce_two_hosts(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout,
     tmp = np.empty(per, buf.dtype) if local is None else None
     slots: dict[int, int] = {}
     dt = buf.dtype
+    views: dict[int, list[np.ndarray]] = {}  # slot -> every local's region (reused)
+
+    def regions_at(slot: int) -> list[np.ndarray]:
+        got = views.get(slot)
+        if got is None:
+            assert local is not None
+            got = views[slot] = [local.region(p, slot, dt, n) for p in range(L)]
+        return got
+
     for t in range(R + d):
         fin = t - d
         if t < R and local is not None:
             slots[t] = slot = op.next_slot()
-            region = local.region(i, slot, dt, n)
+            region = regions_at(slot)[i]
             for q in range(K):
                 if q % L != i:
                     a, b = pieces[q][t]
                     region[q * per:q * per + b - a] = buf[a:b]
         if fin >= 0:
             # The partner's partials of round fin, sent d rounds ago.
-            into = None if local is None else local.region(i, slots[fin], dt, n)
+            into = None if local is None else regions_at(slots[fin])[i]
             for q in mine:
                 a, b = pieces[q][fin]
                 if b == a:
@@ -374,8 +383,7 @@ def _all_reduce_two_hosts(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout,
             # Everyone copied round t in and received its partials of round fin.
             yield from barrier(local, t)
             if fin >= 0:
-                done = slots.pop(fin)
-                regions = [local.region(p, done, dt, n) for p in range(L)]
+                regions = regions_at(slots.pop(fin))
                 for q in range(K):
                     a, b = pieces[q][fin]
                     reg = regions[q % L]
@@ -396,7 +404,7 @@ def _all_reduce_two_hosts(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout,
             if t >= SLOTS:
                 for q in mine:
                     yield from _drained(op, partner[q])
-            regions = [local.region(p, slots[t], dt, n) for p in range(L)]
+            regions = regions_at(slots[t])
             for q in mine:
                 a, b = pieces[q][t]
                 ours = regions[i][q * per:q * per + b - a]
