@@ -19,12 +19,17 @@ Every system runs as its own job with its own launcher, all on loopback:
 ``mpi-tcp``   ``mpirun ... --mca btl self,tcp --mca btl_tcp_if_include lo`` + mpi_worker.py
 ``mpi-shm``   ``mpirun ... --mca btl self,vader`` (shared memory) + mpi_worker.py
 
-and measures float32 in-place all_reduce(SUM) the same way (PERFORMANCE.md): per
+and measures float32 collectives (in-place all_reduce(SUM) by default; ``--collective``
+picks others: broadcast, all_gather, reduce_scatter, all_to_all, gather, scatter,
+sendrecv, with swarmfd bench's sizes and busbw) the same way (PERFORMANCE.md): per
 iteration reset the input (untimed), the system's own barrier, time; an
 iteration's time is the slowest rank's; the median over iterations; then the
 median and the best of ``--runs`` interleaved runs (for run in 1..R: for system:
 all sizes; why both: :func:`summarize`).
-swarmfd's broadcast and all_gather are measured in the same swarmfd job.
+By default broadcast and all_gather are measured in the same jobs as all_reduce (gloo:
+all_reduce only). The #14 table: ``--collective reduce_scatter --collective all_to_all
+--collective gather --collective scatter --collective sendrecv --systems
+mpi-tcp,mpi-shm,swarmfd,swarmfd-tcp``.
 
 Systems that are not installed are skipped with a note. Every subprocess has a
 timeout. Results: ``<out-dir>/compare-<stamp>-raw.csv`` (every run),
@@ -56,7 +61,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from swarmfd.bench import bus_factor, default_iters, parse_size, parse_sizes, size_range
+from swarmfd.bench import (
+    COLLECTIVES,
+    bus_factor,
+    default_iters,
+    moved_bytes,
+    parse_size,
+    parse_sizes,
+    size_range,
+)
 
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
@@ -227,8 +240,10 @@ def run_gloo(n: int, plan: Sequence[tuple[int, int]], warmup: int, timeout: floa
 
 
 def run_mpi(name: str, n: int, plan: Sequence[tuple[int, int]], warmup: int, timeout: float,
-            extra: Sequence[str] = ()) -> list[dict]:
-    args = list(extra) or ["--plan", plan_arg(plan), "--warmup", str(warmup)]
+            extra: Sequence[str] = (), collectives: Sequence[str] = ("all_reduce",)
+            ) -> list[dict]:
+    args = list(extra) or ["--plan", plan_arg(plan), "--warmup", str(warmup),
+                           *(a for c in collectives for a in ("--collective", c))]
     cmd = ["mpirun", *MPIRUN_BASE, *MPI_BTL[name], "-n", str(n),
            PY, str(HERE / "mpi_worker.py"), "--name", name, *args]
     results = run_procs([cmd], [dict(os.environ)], timeout)
@@ -292,8 +307,7 @@ def available_systems(variants: Sequence[Variant]) -> tuple[list[str], list[str]
 
 def busbw(collective: str, size: int, n: int, seconds: float) -> float:
     """Bus bandwidth in GB/s, as swarmfd bench reports it."""
-    moved = size * n if collective == "all_gather" else size
-    return moved / seconds / 1e9 * bus_factor(collective, n)
+    return moved_bytes(collective, size, n) / seconds / 1e9 * bus_factor(collective, n)
 
 
 def summarize(results: Sequence[Result]) -> list[dict]:
@@ -333,70 +347,67 @@ def human_time(seconds: float) -> str:
 
 
 def markdown_tables(summary: Sequence[dict], systems: Sequence[str], ns: Sequence[int],
-                    sizes: Sequence[int]) -> str:
-    """PERFORMANCE.md-style tables: latency below 1 MiB, 'latency / busbw' from 1 MiB."""
+                    sizes: Sequence[int], collectives: Sequence[str] = ("all_reduce",)) -> str:
+    """PERFORMANCE.md-style tables, one per collective and N: latency below 1 MiB,
+    'latency / busbw' from 1 MiB (every size for the collectives other than all_reduce)."""
     index = {(r["system"], r["n"], r["collective"], r["size"]): r for r in summary}
     out = []
-    for n in ns:
-        out.append(f"\n### all_reduce, world_size {n}: median latency / busbw (GB/s)\n")
-        out.append("| system | " + " | ".join(human_size(s) for s in sizes) + " |")
-        out.append("|---" * (len(sizes) + 1) + "|")
-        for system in systems:
-            cells = []
-            for s in sizes:
-                r = index.get((system, n, "all_reduce", s))
-                if r is None:
-                    cells.append("-")
-                    continue
-                cell = human_time(r["median_s"])
-                if s >= 1 << 20:
-                    cell += f" / {r['busbw_gbps']:.2f}"
-                if r["wrong"]:
-                    cell += " WRONG"
-                cells.append(cell)
-            out.append(f"| {system} | " + " | ".join(cells) + " |")
-        others = sorted({(r["system"], r["collective"]) for r in summary
-                         if r["n"] == n and r["collective"] != "all_reduce"})
-        if others:
-            out.append(f"\n### other swarmfd collectives, world_size {n}: latency / busbw\n")
-            out.append("| system | collective | " + " | ".join(human_size(s) for s in sizes)
-                       + " |")
-            out.append("|---" * (len(sizes) + 2) + "|")
-            for system, coll in others:
+    for coll in collectives:
+        for n in ns:
+            rows = [sy for sy in systems if any((sy, n, coll, s) in index for s in sizes)]
+            if not rows:
+                continue
+            out.append(f"\n### {coll}, world_size {n}: median latency / busbw (GB/s)\n")
+            out.append("| system | " + " | ".join(human_size(s) for s in sizes) + " |")
+            out.append("|---" * (len(sizes) + 1) + "|")
+            for system in rows:
                 cells = []
                 for s in sizes:
                     r = index.get((system, n, coll, s))
-                    cells.append("-" if r is None else
-                                 f"{human_time(r['median_s'])} / {r['busbw_gbps']:.2f}")
-                out.append(f"| {system} | {coll} | " + " | ".join(cells) + " |")
+                    if r is None:
+                        cells.append("-")
+                        continue
+                    cell = human_time(r["median_s"])
+                    if s >= 1 << 20 or coll != "all_reduce":
+                        cell += f" / {r['busbw_gbps']:.2f}"
+                    if r["wrong"]:
+                        cell += " WRONG"
+                    cells.append(cell)
+                out.append(f"| {system} | " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 
 
 def ratio_tables(summary: Sequence[dict], variants: Sequence[str], baselines: Sequence[str],
-                 ns: Sequence[int], sizes: Sequence[int], stat: str = "median_s") -> str:
+                 ns: Sequence[int], sizes: Sequence[int], stat: str = "median_s",
+                 collectives: Sequence[str] = ("all_reduce",)) -> str:
     """Speed-up of each swarmfd variant over each baseline: t_baseline / t_swarmfd.
 
     Greater than 1 means swarmfd is faster. For sizes >= 1 MiB this is also the
     busbw ratio (busbw_swarmfd / busbw_baseline). ``stat``: ``median_s`` (median
     of the runs) or ``best_s`` (best run of each system, see :func:`summarize`).
     """
-    index = {(r["system"], r["n"], r["size"]): r[stat] for r in summary
-             if r["collective"] == "all_reduce"}
+    index = {(r["system"], r["n"], r["collective"], r["size"]): r[stat] for r in summary}
     which = "median of the runs" if stat == "median_s" else "best run of each system"
-    out = [f"\n### swarmfd speed-up, all_reduce, {which} (t_baseline / t_swarmfd; > 1 = "
-           "swarmfd faster; latency ratio below 1 MiB, busbw ratio from 1 MiB)\n",
-           "| swarmfd | vs | N | " + " | ".join(human_size(s) for s in sizes) + " |",
-           "|---" * (len(sizes) + 3) + "|"]
-    for n in ns:
-        for variant in variants:
-            for base in baselines:
-                cells = []
-                for s in sizes:
-                    mine, theirs = index.get((variant, n, s)), index.get((base, n, s))
-                    cells.append("-" if mine is None or theirs is None else
-                                 f"{theirs / mine:.2f}x")
-                if any(c != "-" for c in cells):
-                    out.append(f"| {variant} | {base} | {n} | " + " | ".join(cells) + " |")
+    out = []
+    for coll in collectives:
+        lines = []
+        for n in ns:
+            for variant in variants:
+                for base in baselines:
+                    cells = []
+                    for s in sizes:
+                        mine = index.get((variant, n, coll, s))
+                        theirs = index.get((base, n, coll, s))
+                        cells.append("-" if mine is None or theirs is None else
+                                     f"{theirs / mine:.2f}x")
+                    if any(c != "-" for c in cells):
+                        lines.append(f"| {variant} | {base} | {n} | " + " | ".join(cells)
+                                     + " |")
+        if lines:
+            out += [f"\n### swarmfd speed-up, {coll}, {which} (t_baseline / t_swarmfd; > 1 = "
+                    "swarmfd faster; latency ratio below 1 MiB, busbw ratio from 1 MiB)\n",
+                    "| swarmfd | vs | N | " + " | ".join(human_size(s) for s in sizes) + " |",
+                    "|---" * (len(sizes) + 3) + "|", *lines]
     return "\n".join(out) + "\n"
 
 
@@ -510,8 +521,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "the defaults ("
                         "'swarmfd' = default transport, shared memory on one host, and "
                         "'swarmfd-tcp:SWARMFD_TRANSPORT=tcp')")
+    p.add_argument("--collective", action="append", dest="collectives", metavar="NAME",
+                   choices=COLLECTIVES,
+                   help="a collective to compare; repeatable (default: all_reduce, broadcast "
+                        "and all_gather; gloo runs all_reduce only)")
     p.add_argument("--no-extra-collectives", action="store_true",
-                   help="skip swarmfd broadcast and all_gather")
+                   help="all_reduce only (no broadcast and all_gather)")
     p.add_argument("--no-memory", action="store_true", help="skip the memory probe")
     p.add_argument("--memory-size", default="64M", help="array size of the memory probe")
     p.add_argument("--timeout", type=float, default=240,
@@ -546,7 +561,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     by_name = {v.name: v for v in variants}
-    extra_colls = [] if args.no_extra_collectives else ["broadcast", "all_gather"]
+    collectives = args.collectives or (
+        ["all_reduce"] + ([] if args.no_extra_collectives else ["broadcast", "all_gather"]))
+    if "all_reduce" not in collectives:
+        systems = [s for s in systems if s != "gloo"]
 
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     out_dir = Path(args.out_dir)
@@ -565,11 +583,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if system == "gloo":
                         recs = run_gloo(n, plan, warmup, args.timeout)
                     elif system in MPI_BTL:
-                        recs = run_mpi(system, n, plan, warmup, args.timeout)
+                        recs = run_mpi(system, n, plan, warmup, args.timeout,
+                                       collectives=collectives)
                     else:
-                        colls = ["all_reduce", *extra_colls]
                         recs = run_swarmfd(by_name[system], n, plan, warmup, args.timeout,
-                                           colls)
+                                           collectives)
                 except (RuntimeError, OSError, ValueError, KeyError) as exc:
                     failures.append(f"N={n} run {run} {system}: {exc}")
                     print(f"  FAILED: {exc}", file=sys.stderr)
@@ -618,7 +636,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     baselines = [s for s in ("gloo", "mpi-tcp", "mpi-shm") if s in systems]
     lines = [f"## swarmfd vs gloo vs Open MPI ({stamp})\n",
              f"{versions()}.",
-             f"float32 in-place all_reduce(SUM); median over iterations of the slowest rank, "
+             f"float32 {', '.join(collectives)} (all_reduce in place, SUM); median over "
+             "iterations of the slowest rank, "
              f"median of {runs} interleaved run(s); warm-up {warmup}; iterations "
              + ", ".join(f"{human_size(s)}:{it}" for s, it in plan) + ".",
              f"Machine: {os.cpu_count()} CPUs; 1-minute load average {load_before:.1f} at the "
@@ -627,11 +646,12 @@ def main(argv: Sequence[str] | None = None) -> int:
              "swarmfd variants: " + "; ".join(
                  f"{v.name} ({' '.join(f'{k}={x}' for k, x in v.env.items()) or 'default'})"
                  for v in variants) + "."]
-    text = "\n".join(lines) + "\n" + markdown_tables(summary, systems, ns, sizes)
+    text = "\n".join(lines) + "\n" + markdown_tables(summary, systems, ns, sizes, collectives)
     if swarm_names and baselines:
         for stat in ("median_s", "best_s"):
             text += ratio_tables(summary, swarm_names, baselines, ns,
-                                 [s for s in sizes if s in RATIO_SIZES] or sizes, stat)
+                                 [s for s in sizes if s in RATIO_SIZES] or sizes, stat,
+                                 collectives)
     if memory:
         text += ("\n### extra peak RSS of one rank during a "
                  f"{human_size(memory[0]['memory_size'])} all_reduce (VmHWM delta, max over "

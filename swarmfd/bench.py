@@ -11,7 +11,9 @@ host, or as a Swarm job) and measures, for each collective and message size:
 * the median (and min, p90) of those slowest-rank times, the algorithm
   bandwidth ``algbw = bytes / time`` and the bus bandwidth
   ``busbw = algbw * factor`` with the nccl-tests factors: all_reduce
-  ``2(N-1)/N``, all_gather ``(N-1)/N``, broadcast ``1`` (GB = 1e9 bytes);
+  ``2(N-1)/N``, all_gather, reduce_scatter, all_to_all, gather and scatter
+  ``(N-1)/N``, broadcast
+  and sendrecv ``1`` (GB = 1e9 bytes);
 * the correctness of the last timed iteration's result (rank-dependent
   inputs, exact for integers, ``isclose`` for floats): the ``wrong`` column
   counts wrong elements, summed over ranks.
@@ -21,6 +23,13 @@ is N arrays of that size, ``algbw`` counts the N*size bytes every rank ends up
 with (as nccl-tests, whose all_gather size is the output buffer), so
 ``busbw = (N-1)*size / time``: the bytes each rank had to receive. all_gather
 writes into one preallocated result (``out=``) reused every iteration.
+reduce_scatter's and all_to_all's size is the input (as nccl-tests' reduce_scatter
+and alltoall count their send buffer), so busbw is the bytes each rank sent on.
+gather and scatter: ``size`` is one rank's part (as all_gather's), so busbw =
+``(N-1)*size / time``, the bytes the root received or sent; gather fills one
+preallocated ``out=`` on the root, scatter sends from one ``(N, count)`` array.
+sendrecv: every rank sends ``size`` bytes to the next rank of a ring and receives as
+many from the previous one (isend + irecv at once): busbw = size / time.
 
 The default iteration counts follow PERFORMANCE.md (300 up to 1 MiB, 64 up to
 16 MiB, 16 above), after 3 warm-ups. This module is a library: it never
@@ -42,8 +51,10 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 
 import swarmfd as fd
+from swarmfd.algorithms.base import split
 
-COLLECTIVES: tuple[str, ...] = ("all_reduce", "broadcast", "all_gather")
+COLLECTIVES: tuple[str, ...] = ("all_reduce", "broadcast", "all_gather", "reduce_scatter",
+                                 "all_to_all", "gather", "scatter", "sendrecv")
 """The collectives ``swarmfd bench`` can time."""
 
 FORMATS: tuple[str, ...] = ("table", "csv", "json")
@@ -176,14 +187,20 @@ def default_iters(size: int) -> int:
     return 16
 
 
+def moved_bytes(collective: str, size: int, world_size: int) -> int:
+    """The bytes algbw counts for one call of ``size`` (each rank's input, or part): the
+    whole result of all_gather and gather, the whole source of scatter, else ``size``."""
+    return size * world_size if collective in ("all_gather", "gather", "scatter") else size
+
+
 def bus_factor(collective: str, world_size: int) -> float:
     """The nccl-tests factor from algorithm bandwidth to bus bandwidth."""
     n = world_size
     if collective == "all_reduce":
         return 2 * (n - 1) / n
-    if collective == "all_gather":
+    if collective in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"):
         return (n - 1) / n
-    if collective == "broadcast":
+    if collective in ("broadcast", "sendrecv"):
         return 1.0
     raise ValueError(f"unknown collective {collective!r}: expected one of {', '.join(COLLECTIVES)}")
 
@@ -197,6 +214,8 @@ class _Case:
     def __init__(self, collective: str, count: int, dtype: np.dtype, rank: int, world: int):
         self.collective = collective
         self.world = world
+        if collective == "all_to_all":
+            count -= count % world  # equal parts (as nccl-tests' alltoall)
         # Small positive integers, exact in every dtype and in any summation order.
         self.pattern = (np.arange(count, dtype=np.int64) % 7 + 1).astype(dtype)
         if collective == "broadcast" and rank != 0:
@@ -205,8 +224,23 @@ class _Case:
             self.source = self.pattern * dtype.type(rank + 1)
         self.x = np.empty_like(self.source)
         self.result: object = None
-        # all_gather fills one preallocated result (out=), as nccl-tests' output buffer.
-        self.out = np.empty((world, count), dtype=dtype) if collective == "all_gather" else None
+        self.rank = rank
+        # all_gather fills one preallocated result (out=), as nccl-tests' output buffer; so
+        # do reduce_scatter (this rank's part), all_to_all and sendrecv.
+        self.out: np.ndarray | None = None
+        if collective == "all_gather":
+            self.out = np.empty((world, count), dtype=dtype)
+        elif collective == "reduce_scatter":
+            a, b = _parts(count, world)[rank]
+            self.out = np.empty(b - a, dtype=dtype)
+        elif collective in ("all_to_all", "sendrecv", "scatter"):
+            self.out = np.empty(count, dtype=dtype)
+        elif collective == "gather" and rank == 0:
+            self.out = np.empty((world, count), dtype=dtype)
+        #: scatter's source on rank 0: row r is what rank r must receive.
+        self.chunks: np.ndarray | None = None
+        if collective == "scatter" and rank == 0:
+            self.chunks = np.stack([self.pattern * dtype.type(r + 1) for r in range(world)])
 
     def reset(self) -> None:
         np.copyto(self.x, self.source)
@@ -214,12 +248,29 @@ class _Case:
             self.out.fill(0)  # so the check sees what the last call wrote
 
     def run(self) -> None:
-        if self.collective == "all_reduce":
+        c = self.collective
+        if c == "all_reduce":
             fd.all_reduce(self.x, op="sum")
-        elif self.collective == "broadcast":
+        elif c == "broadcast":
             fd.broadcast(self.x, src=0)
-        else:
+        elif c == "all_gather":
             self.result = fd.all_gather(self.x, out=self.out)
+        elif c == "reduce_scatter":
+            fd.reduce_scatter(self.x, self.out)
+        elif c == "all_to_all":
+            fd.all_to_all(self.x, self.out)
+        elif c == "gather":
+            self.result = fd.gather(self.x, 0, out=self.out)
+        elif c == "scatter":
+            fd.scatter(self.out, self.chunks, 0)
+        elif self.world == 1:  # no peer: the ring's one hop is this rank
+            np.copyto(self.out, self.x)
+        else:
+            n = self.world
+            r = fd.irecv(self.out, (self.rank - 1) % n)
+            s = fd.isend(self.x, (self.rank + 1) % n)
+            r.wait()
+            s.wait()
 
     def wrong(self) -> int:
         """Number of wrong elements in the last result on this rank."""
@@ -231,12 +282,34 @@ class _Case:
             return _count_wrong(self.x, expected)
         if self.collective == "broadcast":
             return _count_wrong(self.x, p)
+        n = self.world
+        if self.collective == "reduce_scatter":
+            total = np.zeros_like(p)
+            for r in range(n):
+                total = total + p * p.dtype.type(r + 1)
+            a, b = _parts(p.size, n)[self.rank]
+            return _count_wrong(self.out, total[a:b])
+        if self.collective == "all_to_all":
+            # Part j of rank r's input (its pattern times r + 1) goes to rank j, in rank order.
+            a, b = _parts(p.size, n)[self.rank]
+            want = np.concatenate([p[a:b] * p.dtype.type(r + 1) for r in range(n)])
+            return _count_wrong(self.out, want)
+        if self.collective == "sendrecv":
+            return _count_wrong(self.out, p * p.dtype.type((self.rank - 1) % n + 1))
+        if self.collective == "scatter":
+            return _count_wrong(self.out, p * p.dtype.type(self.rank + 1))
+        if self.collective == "gather" and self.rank != 0:
+            return 0 if self.result is None else p.size
         parts = self.result
         if not isinstance(parts, (list, tuple)) or len(parts) != self.world:
             return p.size * self.world
         return sum(
             _count_wrong(np.asarray(part), p * p.dtype.type(r + 1)) for r, part in enumerate(parts)
         )
+
+
+#: [start, stop) of ``n`` near-equal parts of ``count`` (as np.array_split cuts them).
+_parts = split
 
 
 def _count_wrong(actual: np.ndarray, expected: np.ndarray) -> int:
@@ -326,7 +399,7 @@ def _row(name: str, count: int, dtype: np.dtype, world: int, iters: int, warmup:
          slowest: np.ndarray, wrong: int) -> Row:
     size = count * dtype.itemsize
     median = float(np.median(slowest))
-    moved = size * world if name == "all_gather" else size
+    moved = moved_bytes(name, size, world)
     algbw = moved / median / 1e9 if median > 0 else math.inf
     return Row(
         collective=name, size=size, count=count, dtype=dtype.name, world_size=world,

@@ -126,7 +126,8 @@ def run(
 
 @main.command("bench", epilog="See the module docstring of swarmfd.bench for the method.")
 @click.option("--op", "--collective", "collectives", multiple=True, metavar="NAME",
-              help="Collective to time: all_reduce, broadcast or all_gather; repeatable.  "
+              help="Collective to time: all_reduce, broadcast, all_gather, reduce_scatter, "
+                   "all_to_all or sendrecv (isend+irecv around a ring); repeatable.  "
                    "[default: all_reduce]")
 @click.option("--sizes", default=None, metavar="LIST",
               help="Comma-separated sizes in bytes per rank, e.g. 4K,64K,1M,16M,64M.")

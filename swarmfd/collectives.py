@@ -43,6 +43,11 @@ _UFUNCS: dict[ReduceOp, np.ufunc] = {
 }
 _OP_NAMES = {"sum": ReduceOp.SUM, "prod": ReduceOp.PROD, "product": ReduceOp.PROD,
              "min": ReduceOp.MIN, "max": ReduceOp.MAX}
+#: The op strings of every call (a training loop repeats them): (op, is_mean).
+_PARSED_OPS: dict[str, tuple[ReduceOp, bool]] = {
+    **{k: (v, False) for k, v in _OP_NAMES.items()},
+    **{k: (ReduceOp.SUM, True) for k in ("mean", "avg", "average")},
+}
 
 
 # -- inputs ---------------------------------------------------------------------------
@@ -106,6 +111,9 @@ def _check_array(arr: np.ndarray, name: str, *, writable: bool = True) -> int:
 
 def _parse_op(op: Any, name: str) -> tuple[ReduceOp, bool]:
     """(reduce op, is_mean) from a string like "sum" or a ReduceOp."""
+    known = _PARSED_OPS.get(op) if type(op) is str else None
+    if known is not None:
+        return known
     if isinstance(op, ReduceOp) and op != ReduceOp.NONE:
         return (ReduceOp.SUM, True) if op == ReduceOp.MEAN else (op, False)
     if isinstance(op, str):
@@ -159,9 +167,25 @@ def _flat(arr: np.ndarray) -> tuple[np.ndarray, Callable[[], None] | None]:
 # -- running a call ---------------------------------------------------------------------
 
 
+class _Label:
+    """What a call is, for error messages ("all_reduce (call #7 on rank 2)"): built
+    only when a message needs it, since every call names itself but few fail."""
+
+    __slots__ = ("coll", "group", "seq")
+
+    def __init__(self, coll: Collective, group: _group.Group, seq: int) -> None:
+        self.coll, self.group, self.seq = coll, group, seq
+
+    def __str__(self) -> str:
+        g = self.group
+        return (f"{self.coll.label} (call #{self.seq} on rank {g.world_rank}"
+                + ("" if g.gid == _group.WORLD_GID else f", {g.name}") + ")")
+
+    __format__ = lambda self, spec: format(str(self), spec)  # noqa: E731
+
+
 def _label(g: _group.Group, sig: Signature) -> str:
-    return (f"{sig.coll.label} (call #{g.seq} on rank {g.world_rank}"
-            + ("" if g.gid == _group.WORLD_GID else f", {g.name}") + ")")
+    return str(_Label(sig.coll, g, g.seq))
 
 
 def _run(g: _group.Group, sig: Signature, make: Callable[[Op], Any] | None,
@@ -175,33 +199,35 @@ def _run(g: _group.Group, sig: Signature, make: Callable[[Op], Any] | None,
             return completed(None, f"{sig.coll.label} on rank {g.world_rank}", _broken(g))
         raise _broken(g)
     g.seq += 1
-    label = _label(g, sig)
     plane = g.plane()
     if plane is None or g.size == 1 or make is None:
         result = finish(None) if finish is not None else None
-        return completed(result, label) if async_op else result
+        return completed(result, _label(g, sig)) if async_op else result
     ch = g.channel
-    op = Op(ch, plane, list(g.ranks), g.rank, g.gid, g.seq, sig,
+    op = Op(ch, plane, g.ranks, g.rank, g.gid, g.seq, sig,
             plane if plane.kind == "shm" else None, g.next_slot)
     engine = g._state.engine
     if not async_op and engine.idle():
         with engine.lock:  # the progress thread may be finishing its last step
-            return _inline(g, op, make, finish, label)
-    work = engine.submit(g, op, make(op), label, finish)
+            return _inline(g, op, make, finish, _Label(sig.coll, g, g.seq))
+    work = engine.submit(g, op, make(op), _label(g, sig), finish)
     return work if async_op else work.wait()
 
 
 def _inline(g: _group.Group, op: Op, make: Callable[[Op], Any],
-            finish: Callable[[Any], Any] | None, label: str) -> Any:
-    """A blocking call on the caller's thread (nothing else pending)."""
+            finish: Callable[[Any], Any] | None, label: Any, collective: bool = True) -> Any:
+    """A blocking call on the caller's thread (nothing else pending); ``collective``:
+    the group's next call (a point-to-point message is not one)."""
     ch = op.channel
-    ch.begin(g.gid, g.seq)
-    ch.set_group(g.gid)
+    if collective:
+        ch.calls[g.gid] = g.seq  # ch.begin(g.gid, g.seq), without the call
+    ch._group = g.gid  # ch.set_group(g.gid)
     ch.activity = label
     try:
         if len(ch.planes) > 1:
-            # Aborts may come on another plane than this call's: read what waits there.
-            ch.service([p for p in ch.planes if p is not op.plane])
+            # Aborts may come on another plane than this call's: now and then read what
+            # waits there (a wait reads every plane between its slices anyway).
+            ch.service_others(op.plane)
         result = run(op, make(op))
         ch.flush()
         return finish(result) if finish is not None else result
@@ -229,7 +255,8 @@ _SIGNATURES: dict[tuple[Any, ...], Signature] = {}
 def _signature(coll: Collective, arrays: Sequence[np.ndarray], code: int, op: ReduceOp,
                root: int = wire.NO_ROOT) -> Signature:
     """The call's signature (cached: training loops repeat the same calls)."""
-    key = (coll, op, code, root, *(a.shape for a in arrays))
+    key = (coll, op, code, root, arrays[0].shape) if len(arrays) == 1 else \
+        (coll, op, code, root, *(a.shape for a in arrays))
     sig = _SIGNATURES.get(key)
     if sig is None:
         if len(_SIGNATURES) > 4096:
@@ -481,9 +508,8 @@ def _all_gather_v(g: _group.Group, arr: np.ndarray, flat: np.ndarray, code: int,
     """all_gather of first dimensions that may differ: sizes first, then the data."""
     n, trailing = g.size, tuple(arr.shape[1:])
     row = int(np.prod(trailing, dtype=np.int64))
-    sig = Signature(Collective.ALL_GATHER, ReduceOp.NONE, code, wire.NO_ROOT, 0,
-                    wire.shape_hash(("rows", *trailing)), f"(rows, {', '.join(map(str, trailing))})"
-                    if trailing else "(rows,)")
+    sig = Signature(Collective.ALL_GATHER_V, ReduceOp.NONE, code, wire.NO_ROOT, row,
+                    wire.shape_hash(trailing), wire.rows_repr(str(trailing)))
     state: dict[str, Any] = {}
 
     def body(o: Op) -> Any:
@@ -524,21 +550,23 @@ def _all_gather_v(g: _group.Group, arr: np.ndarray, flat: np.ndarray, code: int,
     return _run(g, sig, body, finish, async_op)
 
 
-def _gather_out(out: np.ndarray, arr: np.ndarray, size: int, what: str) -> np.ndarray:
-    """``out`` checked as all_gather's result buffer for ``arr`` (ValueError/TypeError)."""
+def _gather_out(out: np.ndarray, arr: np.ndarray, size: int, what: str,
+                name: str = "all_gather") -> np.ndarray:
+    """``out`` checked as all_gather's (or gather's) result buffer for ``arr``
+    (ValueError/TypeError)."""
     want = (size, *arr.shape)
     if out.dtype != arr.dtype:
-        raise TypeError(f"swarmfd.all_gather: out has dtype {out.dtype}, expected x's dtype "
+        raise TypeError(f"swarmfd.{name}: out has dtype {out.dtype}, expected x's dtype "
                         f"{arr.dtype}")
     if out.shape != want:
-        raise ValueError(f"swarmfd.all_gather: out has shape {out.shape}, expected "
+        raise ValueError(f"swarmfd.{name}: out has shape {out.shape}, expected "
                          f"({what}, *x.shape) = {want}")
     if not out.flags.c_contiguous:
-        raise ValueError("swarmfd.all_gather: out must be C-contiguous (e.g. from np.empty)")
+        raise ValueError(f"swarmfd.{name}: out must be C-contiguous (e.g. from np.empty)")
     if not out.flags.writeable:
-        raise ValueError("swarmfd.all_gather: out is read-only; pass a writable array")
+        raise ValueError(f"swarmfd.{name}: out is read-only; pass a writable array")
     if np.shares_memory(out, arr):
-        raise ValueError("swarmfd.all_gather: out overlaps x; pass a separate buffer")
+        raise ValueError(f"swarmfd.{name}: out overlaps x; pass a separate buffer")
     return out
 
 
@@ -668,6 +696,11 @@ def all_to_all(x: Any, out: Any = None, *, in_splits: Any = None, out_splits: An
     elif sum(rows_in) != arr.shape[0]:
         raise ValueError(f"swarmfd.all_to_all: in_splits {rows_in} add up to {sum(rows_in)}, "
                          f"but the first dimension is {arr.shape[0]}")
+    if rows_out is not None and rows_in[g.rank] != rows_out[g.rank]:
+        raise ValueError(f"swarmfd.all_to_all: this rank (group rank {g.rank}) sends itself "
+                         f"{rows_in[g.rank]} rows (in_splits[{g.rank}]) but expects "
+                         f"{rows_out[g.rank]} from itself (out_splits[{g.rank}]); they must "
+                         "be equal")
     equal = in_splits is None and out_splits is None
     if rows_out is None and in_splits is None:
         rows_out = list(rows_in)
@@ -745,17 +778,28 @@ def _bounds(rows: list[int], row: int) -> list[tuple[int, int]]:
 # -- gather and scatter -----------------------------------------------------------------
 
 
-def gather(x: Any, dst: int = 0, *, group: Any = None, group_dst: int | None = None,
-           async_op: bool = False) -> Any:
+def gather(x: Any, dst: int = 0, out: Any = None, *, group: Any = None,
+           group_dst: int | None = None, async_op: bool = False) -> Any:
     """Every rank's ``x`` (same shape and dtype), as a list in group-rank order on ``dst``
-    (a world rank; ``group_dst`` a group rank); None on the other ranks."""
+    (a world rank; ``group_dst`` a group rank); None on the other ranks.
+
+    ``out`` (used on ``dst`` only, ignored elsewhere) is a writable C-contiguous array
+    of shape ``(size, *x.shape)`` and ``x``'s dtype, filled in place and reused every
+    call: the list then holds views of its rows, as all_gather's ``out``.
+    """
     g = _group.resolve_group(group, "gather()")
     root = _root(g, dst, group_dst, "dst", "gather")
     arr = _to_numpy(x, "gather")
     code = _check_array(arr, "gather", writable=False)
     flat = np.ascontiguousarray(arr).reshape(-1)
-    rows = np.empty((g.size, flat.size), arr.dtype) if g.rank == root else None
-    if rows is not None:
+    rows = None
+    if g.rank == root:
+        if out is None:
+            rows = np.empty((g.size, flat.size), arr.dtype)
+        else:
+            rows = _gather_out(_to_numpy(out, "gather"), arr, g.size,
+                               "world_size" if g.gid == _group.WORLD_GID else "group size",
+                               "gather").reshape(g.size, flat.size)
         rows[g.rank] = flat
 
     def body(o: Op) -> Any:
@@ -773,18 +817,30 @@ def gather(x: Any, dst: int = 0, *, group: Any = None, group_dst: int | None = N
 def scatter(out: Any, chunks: Any = None, src: int = 0, *, group: Any = None,
             group_src: int | None = None, async_op: bool = False) -> Any:
     """Fill every rank's ``out`` with its chunk of ``src``'s ``chunks`` (a list of one
-    array per group rank, each of ``out``'s shape and dtype, given on ``src`` only).
-    ``src`` is a world rank (``group_src``: a group rank). Returns ``out``."""
+    array per group rank, each of ``out``'s shape and dtype, given on ``src`` only; or
+    one array of shape ``(size, *out.shape)``, sent from without a copy when it is
+    C-contiguous). ``src`` is a world rank (``group_src``: a group rank). Returns ``out``."""
     g = _group.resolve_group(group, "scatter()")
     root = _root(g, src, group_src, "src", "scatter")
     o_arr = _to_numpy(out, "scatter")
     code = _check_array(o_arr, "scatter")
     stacked = None
-    if g.rank == root:
+    if g.rank == root and (isinstance(chunks, np.ndarray) or hasattr(chunks, "detach")):
+        whole = _to_numpy(chunks, "scatter")
+        want = (g.size, *o_arr.shape)
+        if whole.shape != want or whole.dtype != o_arr.dtype:
+            raise ValueError(f"swarmfd.scatter: chunks as one array must have shape {want} "
+                             f"and out's dtype {o_arr.dtype}, got shape {whole.shape} and "
+                             f"dtype {whole.dtype}")
+        if np.shares_memory(whole, o_arr):
+            raise ValueError("swarmfd.scatter: out overlaps chunks; pass a separate buffer")
+        stacked = np.ascontiguousarray(whole).reshape(g.size, o_arr.size)
+    elif g.rank == root:
         items = _items(chunks)
         if items is None or len(items) != g.size:
-            raise ValueError(f"swarmfd.scatter: on src, chunks must be a list of {g.size} arrays "
-                             f"(one per rank of the group), got {type(chunks).__name__}"
+            raise ValueError(f"swarmfd.scatter: on src, chunks must be a list of {g.size} "
+                             f"arrays (one per rank of the group) or one array of shape "
+                             f"({g.size}, *out.shape), got {type(chunks).__name__}"
                              + (f" of {len(items)}" if items is not None else ""))
         stacked = np.empty((g.size, o_arr.size), o_arr.dtype)
         for i, c in enumerate(items):
@@ -846,26 +902,9 @@ def _p2p(g: _group.Group, x: Any, peer: int, tag: Any, sending: bool,
     engine = g._state.engine
     if not async_op and engine.idle():
         with engine.lock:
-            return _inline_p2p(g, op, gen, finish, label)
+            return _inline(g, op, lambda _: gen, finish, label, collective=False)
     work = engine.submit(g, op, gen, label, finish, p2p=True)
     return work if async_op else work.wait()
-
-
-def _inline_p2p(g: _group.Group, op: Op, gen: Any, finish: Callable[[Any], Any],
-                label: str) -> Any:
-    ch = op.channel
-    ch.set_group(g.gid)
-    ch.activity = label
-    try:
-        run(op, gen)
-        ch.flush()
-        return finish(None)
-    except BaseException as exc:
-        g.broken = exc
-        ch.abort(exc, g.gid)
-        raise
-    finally:
-        ch.activity = "idle"
 
 
 def _peer(g: _group.Group, rank: Any, group_rank: Any, what: str, name: str) -> int:

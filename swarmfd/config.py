@@ -120,6 +120,10 @@ ENV_TRANSPORT = "SWARMFD_TRANSPORT"
 ENV_NODE = "SWARMFD_NODE"
 ENV_SHM_DIR = "SWARMFD_SHM_DIR"
 ENV_HIERARCHY = "SWARMFD_HIERARCHY"
+#: Set by a Swarm service for each task (``{{.Task.Slot}}``, 1-based): see swarmfd.entrypoint.
+ENV_TASK_SLOT = "SWARMFD_TASK_SLOT"
+#: How long the container entrypoint waits for MASTER_ADDR to resolve.
+ENV_RESOLVE_TIMEOUT = "SWARMFD_RESOLVE_TIMEOUT"
 #: SWARMFD_TRANSPORT: shared memory between the ranks of one host where possible, or TCP.
 TRANSPORTS = ("auto", "tcp")
 #: SWARMFD_HIERARCHY: two-level algorithms where they are faster, or the flat ones.
@@ -162,22 +166,22 @@ class Config:
     is_main: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        _check_int("world_size", self.world_size, minimum=1)
-        _check_int("rank", self.rank, minimum=0)
+        check_int("world_size", self.world_size, minimum=1)
+        check_int("rank", self.rank, minimum=0)
         if self.rank >= self.world_size:
             raise ConfigError(
                 f"rank {self.rank} is out of range: expected 0 <= rank < world_size "
                 f"({self.world_size})"
             )
         if self.local_world_size is not None:
-            _check_int("local_world_size", self.local_world_size, minimum=1)
+            check_int("local_world_size", self.local_world_size, minimum=1)
             if self.local_world_size > self.world_size:
                 raise ConfigError(
                     f"local_world_size {self.local_world_size} exceeds world_size "
                     f"{self.world_size}"
                 )
         if self.local_rank is not None:
-            _check_int("local_rank", self.local_rank, minimum=0)
+            check_int("local_rank", self.local_rank, minimum=0)
             limit = self.local_world_size if self.local_world_size is not None else self.world_size
             if self.local_rank >= limit:
                 raise ConfigError(
@@ -185,7 +189,7 @@ class Config:
                     f"{'local_world_size' if self.local_world_size is not None else 'world_size'}"
                     f" ({limit})"
                 )
-        _check_int("master_port", self.master_port, minimum=1)
+        check_int("master_port", self.master_port, minimum=1)
         if self.master_port > 65535:
             raise ConfigError(f"master_port {self.master_port} is out of range: expected 1..65535")
         if self.master_addr is not None and (
@@ -199,10 +203,10 @@ class Config:
                 f"a world of {self.world_size} ranks needs MASTER_ADDR (the address of rank 0); "
                 "set the environment variable MASTER_ADDR or pass master_addr="
             )
-        _check_seconds("timeout", self.timeout)
+        check_seconds("timeout", self.timeout)
         if self.init_timeout is not None:
-            _check_seconds("init_timeout", self.init_timeout)
-        _check_int("restart_count", self.restart_count, minimum=0)
+            check_seconds("init_timeout", self.init_timeout)
+        check_int("restart_count", self.restart_count, minimum=0)
         object.__setattr__(self, "is_main", self.rank == 0)
 
     @property
@@ -211,21 +215,33 @@ class Config:
         return self.timeout if self.init_timeout is None else float(self.init_timeout)
 
 
-def _check_seconds(name: str, value: object) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+def check_seconds(name: str, value: object, *, allow_zero: bool = False,
+                  type_error: type[Exception] = ConfigError,
+                  value_error: type[Exception] = ConfigError) -> None:
+    """``value`` must be a finite number of seconds, > 0 (or >= 0 with ``allow_zero``).
+
+    The one check of every timeout and grace period (the Config, the launcher, the
+    Swarm spec); the callers choose the exception types (a Config raises ConfigError,
+    the launcher's LaunchConfig TypeError and ValueError).
+    """
+    expected = "a finite number of seconds >= 0" if allow_zero else (
+        "a positive number of seconds")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise type_error(f"{name} must be {expected}, got {value!r}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise value_error(f"{name} must be {expected}, got {value!r}")
 
 
-def _check_int(name: str, value: object, *, minimum: int) -> None:
+def check_int(name: str, value: object, *, minimum: int, what: str = "",
+              type_error: type[Exception] = ConfigError,
+              value_error: type[Exception] = ConfigError) -> None:
+    """``value`` must be an integer >= ``minimum`` (``what`` says what it counts)."""
+    about = f" ({what})" if what else ""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+        raise type_error(f"{name} must be an integer{about}, got {value!r} "
+                         f"({type(value).__name__})")
     if value < minimum:
-        raise ConfigError(f"{name} must be >= {minimum}, got {value}")
+        raise value_error(f"{name} must be an integer >= {minimum}{about}, got {value}")
 
 
 def parse_env_int(environ: Mapping[str, str], name: str, *, minimum: int = 0,

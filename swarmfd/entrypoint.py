@@ -66,17 +66,17 @@ from .config import (
     ENV_LOCAL_RANK,
     ENV_LOCAL_WORLD_SIZE,
     ENV_MASTER_ADDR,
+    ENV_NODE,
     ENV_RANK,
+    ENV_RESOLVE_TIMEOUT,
+    ENV_TASK_SLOT,
     ENV_WORLD_SIZE,
     parse_env_float,
     parse_env_int,
 )
 from .errors import ConfigError, RendezvousTimeout
 
-ENV_TASK_SLOT = "SWARMFD_TASK_SLOT"
 #: The node a rank runs on; when set, LOCAL_RANK/LOCAL_WORLD_SIZE are derived per node.
-ENV_NODE = "SWARMFD_NODE"
-ENV_RESOLVE_TIMEOUT = "SWARMFD_RESOLVE_TIMEOUT"
 DEFAULT_RESOLVE_TIMEOUT = 60.0
 
 EXIT_USAGE = 2

@@ -47,6 +47,7 @@ import numpy as np
 
 from .comm import transport as _transport
 from .comm.plane import PeerInfo, Plane
+from .comm.planes import shm as _shm
 from .comm.security import Security
 from .config import (
     ENV_LOCAL_RANK,
@@ -136,6 +137,8 @@ class Group:
         self.broken: BaseException | None = None
         #: Rounds done over shared memory (every member counts the same).
         self.shm_round = 0
+        #: plane()'s answer, and the (transport, shm plane) it was computed for.
+        self._plane: tuple[Any, Any, Plane | None] = (None, None, None)
         #: Point-to-point messages sent to / received from (peer world rank, tag) so far.
         self.p2p_sent: dict[tuple[int, int], int] = {}
         self.p2p_received: dict[tuple[int, int], int] = {}
@@ -174,9 +177,13 @@ class Group:
         if t is None:
             return None
         shm = t.shm
-        if shm is not None and all(r in shm.segments for r in self.ranks):
-            return shm
-        return t.tcp
+        cached_t, cached_shm, plane = self._plane
+        if cached_t is t and cached_shm is shm:
+            return plane
+        plane = shm if shm is not None and all(r in shm.segments for r in self.ranks) \
+            else t.tcp
+        self._plane = (t, shm, plane)
+        return plane
 
     def two_level(self) -> tuple[Any, Plane] | None:
         """(its :class:`~swarmfd.algorithms.hier.Layout`, this host's shared-memory
@@ -200,9 +207,7 @@ class Group:
     def next_slot(self) -> int:
         """Byte offset of the shared-memory slot of the next round (the same on every
         member: each group rotates over the slots of its own area)."""
-        from .comm.planes.shm import SEGMENT_BYTES, SLOTS, area_of
-
-        slot = area_of(self.gid) + (self.shm_round % SLOTS) * SEGMENT_BYTES
+        slot = _shm.area_of(self.gid) + (self.shm_round % _shm.SLOTS) * _shm.SEGMENT_BYTES
         self.shm_round += 1
         return slot
 
@@ -281,8 +286,8 @@ def resolve_group(group: Any, what: str) -> Group:
 
 
 def init(
-    world_size: int = 1,
-    rank: int = 0,
+    world_size: int | None = None,
+    rank: int | None = None,
     *,
     local_rank: int | None = None,
     local_world_size: int | None = None,
@@ -301,6 +306,12 @@ def init(
     ranks that start far apart can meet while a stuck collective still fails
     fast.
 
+    Without ``world_size`` and ``rank`` (give both or neither) the group is the one
+    the environment describes, as :func:`init_from_env` finds it (``WORLD_SIZE``,
+    ``RANK``, ``LOCAL_RANK``, ...; a world of one when nothing is set), and the other
+    arguments override it: so a bare ``fd.init()`` under ``swarmfd run`` or on a
+    Swarm joins the job instead of silently training alone.
+
     A world of more than one rank needs the job secret (at least 32 characters,
     the same on every rank): ``secret``, or else the file named by
     ``SWARMFD_SECRET_FILE`` (default ``/run/secrets/swarmfd_secret``), unless
@@ -308,6 +319,14 @@ def init(
     """
     import os
 
+    if (world_size is None) != (rank is None):
+        raise TypeError("swarmfd.init: give both world_size and rank, or neither (then both "
+                        f"come from the environment, WORLD_SIZE and RANK); got world_size="
+                        f"{world_size!r}, rank={rank!r}")
+    if world_size is None:
+        return _start(config_from_env(
+            local_rank=local_rank, local_world_size=local_world_size, master_addr=master_addr,
+            master_port=master_port, timeout=timeout, init_timeout=init_timeout), secret)
     env = config_from_env({k: v for k, v in os.environ.items()
                            if k in ("MASTER_ADDR", "MASTER_PORT", "SWARMFD_TIMEOUT",
                                     "SWARMFD_INIT_TIMEOUT", "SWARMFD_RESTART_COUNT")})

@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import math
 import os
 import re
 import secrets
@@ -80,6 +79,21 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import FrameType, MappingProxyType
 from typing import IO, Any
+
+from .config import (
+    ENV_INIT_TIMEOUT,
+    ENV_LOCAL_RANK,
+    ENV_LOCAL_WORLD_SIZE,
+    ENV_MASTER_ADDR,
+    ENV_MASTER_PORT,
+    ENV_RANK,
+    ENV_RESTART_COUNT,
+    ENV_SECRET_FILE,
+    ENV_TIMEOUT,
+    ENV_WORLD_SIZE,
+    check_int,
+    check_seconds,
+)
 
 __all__ = [
     "DEFAULT_GRACE",
@@ -99,18 +113,18 @@ DEFAULT_GRACE = 3.0
 #: Variables the launcher sets for every rank; ``-e`` may not override them.
 RESERVED_ENV = frozenset(
     {
-        "WORLD_SIZE",
-        "RANK",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "SWARMFD_RESTART_COUNT",
-        "SWARMFD_SECRET_FILE",
+        ENV_WORLD_SIZE,
+        ENV_RANK,
+        ENV_LOCAL_RANK,
+        ENV_LOCAL_WORLD_SIZE,
+        ENV_MASTER_ADDR,
+        ENV_MASTER_PORT,
+        ENV_RESTART_COUNT,
+        ENV_SECRET_FILE,
     }
 )
-_ENV_TIMEOUT = "SWARMFD_TIMEOUT"
-_ENV_INIT_TIMEOUT = "SWARMFD_INIT_TIMEOUT"
+
+
 
 _MAX_LINE = 64 * 1024
 _POLL = 0.05
@@ -191,7 +205,7 @@ class LaunchConfig:
                     f"env may not set {key}: the launcher sets it for every rank "
                     "(use -n/--nproc, --master-addr or --master-port instead)"
                 )
-            for name, given in ((_ENV_TIMEOUT, "timeout"), (_ENV_INIT_TIMEOUT, "init_timeout")):
+            for name, given in ((ENV_TIMEOUT, "timeout"), (ENV_INIT_TIMEOUT, "init_timeout")):
                 if key == name and getattr(self, given) is not None:
                     raise ValueError(
                         f"{name} is given both in env and as {given}="
@@ -210,18 +224,13 @@ class LaunchConfig:
 
 
 def _check_int(name: str, value: object, *, minimum: int, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an integer ({what}), got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum} ({what}), got {value}")
+    check_int(name, value, minimum=minimum, what=what, type_error=TypeError,
+              value_error=ValueError)
 
 
 def _check_seconds(name: str, value: object, *, allow_zero: bool) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number of seconds, got {value!r}")
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name} must be a finite number of seconds {bound}, got {value!r}")
+    check_seconds(name, value, allow_zero=allow_zero, type_error=TypeError,
+                  value_error=ValueError)
 
 
 # --- small pure helpers -------------------------------------------------------
@@ -811,9 +820,9 @@ def _rank_env(config: LaunchConfig, port: int, restart: int,
         SWARMFD_SECRET_FILE=secret_file,
     )
     if config.timeout is not None:
-        env[_ENV_TIMEOUT] = repr(float(config.timeout))
+        env[ENV_TIMEOUT] = repr(float(config.timeout))
     if config.init_timeout is not None:
-        env[_ENV_INIT_TIMEOUT] = repr(float(config.init_timeout))
+        env[ENV_INIT_TIMEOUT] = repr(float(config.init_timeout))
     return env
 
 

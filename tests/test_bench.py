@@ -92,8 +92,8 @@ def test_parse_collectives() -> None:
     assert bench.parse_collectives([]) == ["all_reduce"]
     assert bench.parse_collectives(
         ["broadcast", "all-gather", "broadcast"]) == ["broadcast", "all_gather"]
-    with pytest.raises(ValueError, match="unknown collective 'reduce_scatter'"):
-        bench.parse_collectives(["reduce_scatter"])
+    with pytest.raises(ValueError, match="unknown collective 'all_scatter'"):
+        bench.parse_collectives(["all_scatter"])
 
 
 def test_parse_dtype() -> None:
@@ -166,17 +166,16 @@ def test_format_rows_rejects_unknown_format() -> None:
 @pytest.mark.usefixtures("world_of_one")
 def test_run_bench_world_of_one() -> None:
     """In a world of one every collective runs, results are right and busbw factors apply."""
-    rows = bench.run_bench([4096, 65536], ["all_reduce", "broadcast", "all_gather"],
-                           "int32", iters=3, warmup=1)
+    rows = bench.run_bench([4096, 65536], list(bench.COLLECTIVES), "int32", iters=3,
+                           warmup=1)
     assert [(r.collective, r.size) for r in rows] == [
-        (name, size) for name in ("all_reduce", "broadcast", "all_gather")
-        for size in (4096, 65536)]
+        (name, size) for name in bench.COLLECTIVES for size in (4096, 65536)]
     for r in rows:
         assert (r.world_size, r.iters, r.wrong, r.dtype) == (1, 3, 0, "int32")
         assert r.size // 4 == r.count
         assert 0 < r.min_us <= r.time_us <= r.p90_us
         assert r.algbw > 0
-        expected_bus = r.algbw if r.collective == "broadcast" else 0.0
+        expected_bus = r.algbw if r.collective in ("broadcast", "sendrecv") else 0.0
         assert expected_bus == pytest.approx(r.busbw)
 
 
@@ -189,7 +188,7 @@ def test_run_bench_rounds_size_down_to_whole_elements() -> None:
 
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"iters": 0}, "iters"), ({"warmup": -1}, "warmup"), ({"dtype": "str"}, "dtype"),
-    ({"collectives": ["scatter"]}, "collective"), ({"sizes": [0]}, "sizes"),
+    ({"collectives": ["all_scatter"]}, "collective"), ({"sizes": [0]}, "sizes"),
 ])
 def test_run_bench_rejects_bad_arguments(kwargs: dict, match: str) -> None:
     """Bad arguments fail before any group is joined."""
@@ -232,7 +231,7 @@ def test_cli_world_of_one_json_output(tmp_path: os.PathLike) -> None:
 @pytest.mark.parametrize(("args", "match"), [
     (["--sizes", "4K,huge"], "bad size 'huge'"),
     (["--sizes", "4K", "--min-bytes", "1K"], "either --sizes or"),
-    (["--op", "gather"], "unknown collective"),
+    (["--op", "all_scatter"], "unknown collective"),
     (["--dtype", "text"], "unsupported dtype"),
     (["-b", "1M", "-e", "4K"], "exceeds"),
 ])
@@ -250,19 +249,21 @@ def _launcher_available() -> bool:
 @pytest.mark.skipif(not _launcher_available(), reason="`swarmfd run` (launch.py) not there yet")
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
 def test_two_ranks_through_swarmfd_run(tmp_path: os.PathLike, transport: str) -> None:
-    """A real 2-rank run via `swarmfd run -n 2 -- swarmfd bench` gives correct JSON rows."""
+    """A real 2-rank run via `swarmfd run -n 2 -- swarmfd bench` gives correct JSON rows
+    for every collective (each row's ``wrong`` is the count of wrong elements)."""
     out = os.path.join(tmp_path, "bench.json")
     env = {k: v for k, v in os.environ.items() if k not in CONTRACT_VARS}
     env["SWARMFD_TRANSPORT"] = transport
     cmd = [sys.executable, "-m", "swarmfd", "run", "-n", "2", "--timeout", "60", "--",
            sys.executable, "-m", "swarmfd", "bench", "--sizes", "4K,64K", "--iters", "5",
-           "--op", "all_reduce", "--op", "broadcast", "--op", "all_gather",
+           *(a for c in bench.COLLECTIVES for a in ("--op", c)),
            "--format", "json", "--output", out]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     with open(out, encoding="utf-8") as f:
         rows = bench.rows_from_json(f.read())
-    assert len(rows) == 6
+    assert [(r.collective, r.size) for r in rows] == [
+        (c, s) for c in bench.COLLECTIVES for s in (4096, 65536)]
     for r in rows:
         assert (r.world_size, r.iters, r.wrong) == (2, 5, 0)
         assert r.time_us > 0

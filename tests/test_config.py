@@ -49,3 +49,26 @@ def test_init_takes_init_timeout_and_print_config_shows_it() -> None:
         assert "timeout=20s init_timeout=90s" in out.getvalue()
     finally:
         fd.cleanup()
+
+
+def test_a_bare_init_joins_the_group_the_environment_describes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """fd.init() under a launcher is the launcher's job, not a silent world of one; the
+    arguments given override the environment, and world_size without rank is refused."""
+    from swarmfd import group
+
+    started: list[Config] = []
+    monkeypatch.setattr(group, "_start", lambda config, secret=None: started.append(config))
+    for name, value in {"WORLD_SIZE": "3", "RANK": "2", "LOCAL_RANK": "0",
+                        "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "10.0.0.7",
+                        "MASTER_PORT": "29611", "SWARMFD_TIMEOUT": "40"}.items():
+        monkeypatch.setenv(name, value)
+    fd.init()
+    fd.init(timeout=5, master_port=4000)
+    fd.init(2, 1, master_addr="127.0.0.1")
+    got = [(c.world_size, c.rank, c.master_addr, c.master_port, c.timeout) for c in started]
+    assert got == [(3, 2, "10.0.0.7", 29611, 40.0), (3, 2, "10.0.0.7", 4000, 5.0),
+                   (2, 1, "127.0.0.1", 29611, 40.0)]
+    for args in ((2, None), (None, 1)):
+        with pytest.raises(TypeError, match="give both world_size and rank, or neither"):
+            fd.init(*args)

@@ -487,3 +487,18 @@ def test_the_handshake_and_header_layouts_are_fixed() -> None:
     assert handshake.HELLO.size == 29 and handshake.MAC_SIZE == 32
     assert struct.calcsize("<8sBHH16s") == handshake.HELLO.size
 
+
+
+@pytest.mark.parametrize("wrong", ["signature", "size"])
+def test_a_refused_message_is_read_off_the_stream(pair: list[Endpoint], wrong: str) -> None:
+    """The message a receive refuses (another signature, another size) is consumed: the
+    connection also carries the other groups' calls, whose next header must be found."""
+    t0, t1 = pair
+    other = wire.Signature(wire.Collective.BROADCAST, dtype=SIG.dtype, count=SIG.count,
+                           shape=SIG.shape) if wrong == "signature" else SIG
+    t1.send(0, other, 1, 0, b"\0" * (4 if wrong == "signature" else 8000))
+    t1.t.channel.send(t1.t.tcp, 0, SIG, 3, 1, 0, b"next")  # group 3's call
+    t1.flush()
+    with pytest.raises((MismatchError, ProtocolError)):
+        t0.recv(1, SIG, 1, 0, 4)
+    assert bytes(t0.t.channel.recv(t0.t.tcp, 1, SIG, 3, 1, 0, 4)) == b"next"

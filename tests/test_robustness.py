@@ -384,8 +384,12 @@ def _cases(n: int, world: int) -> dict[str, list[tuple[str, Spec, Spec, list[str
         "shape": [
             ("all_reduce-count", ("all_reduce", f32, a, "sum", 0),
              ("all_reduce", f32, b, "sum", 0), [str(n), str(n + 8)]),
-            ("all_gather-count", ("all_gather", f64, a, "", 0),
-             ("all_gather", f64, b, "", 0), [str(n), str(n + 8)]),
+            # A first dimension may differ (the list holds each rank's shape); the
+            # others may not, and with out= no dimension may.
+            ("all_gather-trailing", ("all_gather", f64, (2, n), "", 0),
+             ("all_gather", f64, (2, n + 8), "", 0), [str(n), str(n + 8)]),
+            ("all_gather-out-count", ("all_gather_out", f64, a, "", 0),
+             ("all_gather_out", f64, b, "", 0), [str(n), str(n + 8)]),
             ("broadcast-count", ("broadcast", f32, a, "", 0),
              ("broadcast", f32, b, "", 0), [str(n), str(n + 8)]),
         ],
@@ -440,6 +444,8 @@ def _invoke(spec: Spec, rank: int) -> None:
         fd.reduce(x, dst=root, op=op)
     elif coll == "all_gather":
         fd.all_gather(x)
+    elif coll == "all_gather_out":
+        fd.all_gather(x, out=np.empty((fd.get_world_size(), *shape), dtype))
     elif coll == "barrier":
         fd.barrier()
     else:

@@ -127,15 +127,24 @@ def complete(req: Recv) -> Any:
 
 
 def run(op: Op, algo: Algorithm) -> Any:
-    """Drive ``algo`` to its end on the caller's thread; its return value."""
+    """Drive ``algo`` to its end on the caller's thread; its return value.
+
+    (:func:`complete` of each request, written out: this loop is every blocking
+    call's, and a small call's time is mostly Python steps.)"""
+    send = algo.send
     try:
-        req = algo.send(None)
+        req = send(None)
         while True:
             if req is FLUSH:
                 op.channel.flush()
-                req = algo.send(None)
+                req = send(None)
+            elif req[0] == "key":
+                o = req[1]
+                req = send(o.channel.recv_key(o.plane, req[2], req[3], req[4], req[5]))
             else:
-                req = algo.send(complete(req))
+                o, frm, tag, nbytes, into = req
+                key = (o.gid, o.ranks[frm], o.seq & 0xFFFFFFFF, o.tag_base + tag)
+                req = send(o.channel.recv_key(o.plane, key, o.sig, nbytes, into))
     except StopIteration as stop:
         return stop.value
 

@@ -204,21 +204,7 @@ def scatter(op: Op, chunks: np.ndarray | None, out: np.ndarray, root: int) -> Al
 
 def all_gather_v(op: Op, flat: np.ndarray, out: np.ndarray,
                  rows: list[tuple[int, int]]) -> Algorithm:
-    """Every rank copies its own part in by windows; each copies the others' out."""
-    per = SEGMENT_BYTES // max(1, flat.itemsize)
-    a0, b0 = rows[op.me]
-    out[a0:b0] = flat
-    count = max(1, max(-(-(b - a) // per) for a, b in rows))
-    for t in range(count):
-        slot = op.next_slot()
-        x, y = _window(t, per, 0, flat.size)
-        if x < y:
-            op.region(op.me, slot, flat.dtype, y - x)[...] = flat[x:y]
-        yield from barrier(op, t)
-        for p in range(op.size):
-            if p == op.me:
-                continue
-            pa, pb = rows[p]
-            x, y = _window(t, per, 0, pb - pa)
-            if x < y:
-                out[pa + x:pa + y] = op.region(p, slot, out.dtype, y - x)
+    """Every rank's part (of its own size) into ``out`` at ``rows[r]``: an all_to_all in
+    which every rank sends its whole buffer to every member."""
+    sizes = [b - a for a, b in rows]
+    yield from all_to_all(op, flat, sizes, [(0, s) for s in sizes], out, list(rows))

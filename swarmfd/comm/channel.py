@@ -37,10 +37,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..config import ENV_TASK_SLOT
 from ..errors import (
     AbortedError,
     CollectiveTimeout,
@@ -107,15 +109,26 @@ def _cutoff(seconds: float) -> Callable[[], None]:
 
 
 def abort_body(kind: str, rank: int, message: str, limit: int, **extra: Any) -> bytes:
-    """An abort's JSON, with ``message`` cut so that the *encoded* body fits ``limit``."""
-    text = message[:MAX_ABORT_TEXT]
-    while True:
-        body = json.dumps({"kind": kind, "rank": rank, "message": text, **extra}).encode()
-        if len(body) <= limit or not text:
+    """An abort's JSON, with ``message`` cut (ending in "...") to at most MAX_ABORT_TEXT
+    characters and so that the *encoded* body fits ``limit`` bytes: the longest such
+    start of the message, found by bisection (escapes make a character cost 1 to 12
+    bytes, so the body's excess says little about how much to cut)."""
+    def encode(text: str) -> bytes:
+        return json.dumps({"kind": kind, "rank": rank, "message": text, **extra}).encode()
+
+    if len(message) <= MAX_ABORT_TEXT:
+        body = encode(message)
+        if len(body) <= limit:
             return body
-        text = text[: max(0, len(text) - (len(body) - limit) - 8)] + "..."
-        if len(text) <= 3:
-            text = ""
+    lo, hi = 0, min(len(message), MAX_ABORT_TEXT - 3)  # the longest prefix that fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(encode(message[:mid] + "...")) <= limit:
+            lo = mid
+        else:
+            hi = mid - 1
+    body = encode(message[:lo] + "...")
+    return body if len(body) <= limit else encode("")
 
 
 class Channel:
@@ -144,8 +157,11 @@ class Channel:
         self.on_report: Callable[[int, int, int, Any], None] = lambda g, r, w, p: None
         #: What the rank is doing, for error messages.
         self.activity = "idle"
+        #: A Swarm task (its slot is its rank + 1): errors name the slot too.
+        self.swarm_task = bool(os.environ.get(ENV_TASK_SLOT, "").strip())
         self.waiting_for = -1
         self._group = 0  # the group of the call being waited on
+        self.serviced = 0.0  # when service_others last read the other planes
 
     # -- bookkeeping --------------------------------------------------------------------
 
@@ -157,10 +173,12 @@ class Channel:
         self.calls[group] = seq
 
     def where(self, rank: int) -> str:
-        """A peer's host, pid and address, for error messages."""
+        """A peer's host, pid and address, for error messages (on a Swarm, where task
+        slots count from 1 and host names carry the slot, also its slot)."""
         if 0 <= rank < len(self.peers):
             p = self.peers[rank]
-            return f"host {p.host}, pid {p.pid}, {p.endpoint}"
+            slot = f"; task slot {rank + 1}" if self.swarm_task else ""
+            return f"host {p.host}, pid {p.pid}, {p.endpoint}{slot}"
         return "unknown address"
 
     def _why_lost(self, rank: int) -> str:
@@ -276,10 +294,10 @@ class Channel:
                 return payload
             memoryview(into).cast("B")[:] = payload
             return None
-        deadline = _now() + self.timeout
+        last_check = _now()
+        deadline = last_check + self.timeout
         self.waiting_for = src
         self._group = group
-        last_check = _now()
 
         def between() -> None:
             self._between_slices(plane, src, deadline, sig, seq)
@@ -292,9 +310,13 @@ class Channel:
             if ((hdr.kind == wire.Kind.DATA
                  and (hdr.group, hdr.src, hdr.seq, hdr.tag) == key)
                     or (hdr.kind >= wire.Kind.P2P and wire.message_key(hdr) == key)):
-                if not hdr.matches(sig):
-                    raise wire.mismatch_error(self.rank, sig, hdr)
-                self._check_size(hdr, nbytes)
+                if hdr.nbytes != nbytes or not hdr.matches(sig):
+                    # Read the payload off the stream first: the connection carries the
+                    # other groups' calls, which must still find a header next.
+                    plane.read_payload(hdr, None, between, keep=True)
+                    if not hdr.matches(sig):
+                        raise wire.mismatch_error(self.rank, sig, hdr)
+                    self._check_size(hdr, nbytes)
                 return plane.read_payload(hdr, into, between)
             self._other(plane, hdr, sig, seq, between)
             # Messages keep coming but not the one awaited (a flood, say): the deadline
@@ -353,14 +375,7 @@ class Channel:
                between: Callable[[], None]) -> None:
         """Handle a message that is not the one being waited for."""
         payload = plane.read_payload(hdr, None, between, keep=True)
-        if not self._from_peer(hdr):
-            self.garbage += 1
-            return
-        if hdr.kind >= wire.Kind.P2P:
-            self._stash_p2p(hdr, payload)
-            return
-        if hdr.group != self._group:
-            self._for_other_group(hdr, payload)
+        if self._elsewhere(hdr, payload):
             return
         if hdr.kind == wire.Kind.ABORT:
             waited = abort_waited_for(payload)
@@ -381,6 +396,19 @@ class Channel:
         self._check_window(hdr, seq)
         # Early message (another peer, or a later collective of a faster peer): keep it.
         self.stash[(hdr.group, hdr.src, hdr.seq, hdr.tag)] = (hdr, payload)
+
+    def _elsewhere(self, hdr: wire.Header, payload: Any) -> bool:
+        """Take a message that is not the current group's collective traffic (garbage,
+        point to point, another group's); True when it was one, False to go on with it."""
+        if not self._from_peer(hdr):
+            self.garbage += 1
+        elif hdr.kind >= wire.Kind.P2P:
+            self._stash_p2p(hdr, payload)
+        elif hdr.group != self._group:
+            self._for_other_group(hdr, payload)
+        else:
+            return False
+        return True
 
     def _stash_p2p(self, hdr: wire.Header, payload: Any) -> None:
         """Keep a point-to-point message until its recv asks for it. (No call window: a
@@ -512,6 +540,18 @@ class Channel:
         for plane in self.planes if planes is None else planes:
             self._read_available(plane, keep_data=True)
 
+    def service_others(self, plane: Plane) -> None:
+        """:meth:`service` the planes other than ``plane`` if WAIT_SLICE passed since
+        the last time: a blocking call on one plane sees a peer's abort on another soon,
+        without a read on every plane before every call (a system call each)."""
+        now = _now()
+        if now - self.serviced < WAIT_SLICE:
+            return
+        self.serviced = now
+        for other in self.planes:
+            if other is not plane:
+                self._read_available(other, keep_data=True)
+
     def _read_available(self, plane: Plane, *, keep_data: bool, limit: int = 10_000) -> None:
         """Read up to ``limit`` waiting messages, for at most LOST_PEER_GRACE, without
         blocking; raise on a final abort.
@@ -537,14 +577,7 @@ class Channel:
         """Take a message that arrived outside a receive: raise a final abort of the
         current group, stash data (``keep_data``) or drop and count it."""
         payload = plane.read_payload(hdr, None, between, keep=True)
-        if not self._from_peer(hdr):
-            self.garbage += 1
-            return
-        if hdr.kind >= wire.Kind.P2P:
-            self._stash_p2p(hdr, payload)
-            return
-        if hdr.group != self._group:
-            self._for_other_group(hdr, payload)
+        if self._elsewhere(hdr, payload):
             return
         if hdr.kind == wire.Kind.ABORT and not abort_is_provisional(payload):
             raise error_from_abort(self.activity, hdr.src, payload)

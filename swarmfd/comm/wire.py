@@ -80,6 +80,7 @@ __all__ = [
     "p2p_key",
     "pack_header",
     "recover_shape",
+    "rows_repr",
     "shape_hash",
     "timeout_error",
     "unpack_header",
@@ -142,10 +143,14 @@ class Collective(enum.IntEnum):
     P2P = 10
     #: The sizes exchanged before a collective of uneven parts (all_gather, all_to_all).
     SIZES = 11
+    #: all_gather without ``out=``, whose first dimension may differ between ranks (a
+    #: protocol of its own: the sizes go first). Its count is the elements of one row
+    #: and its shape hash that of the trailing dimensions; it reads as all_gather.
+    ALL_GATHER_V = 12
 
     @property
     def label(self) -> str:
-        return self.name.lower()
+        return "all_gather" if self is Collective.ALL_GATHER_V else self.name.lower()
 
 
 class ReduceOp(enum.IntEnum):
@@ -375,6 +380,8 @@ class Header(NamedTuple):
             shape = list_repr(None, self.count)
         else:
             shape = recover_shape(self.count, self.shape) if self.dtype else ""
+            if shape and coll is Collective.ALL_GATHER_V:
+                shape = rows_repr(shape)
         return Signature(coll, op, self.dtype, self.root, self.count, self.shape, shape,
                          self.fused)
 
@@ -388,6 +395,13 @@ class Header(NamedTuple):
             and self.count == sig.count
             and self.shape == sig.shape
         )
+
+
+def rows_repr(trailing: str) -> str:
+    """How a signature of an uneven all_gather shows its shape: ``(rows, *trailing)``,
+    from the repr of the trailing dimensions (``"()"``, ``"(5,)"``, ``"(2, 3)"``)."""
+    inner = trailing.strip("()").rstrip(",").strip()
+    return f"(rows, {inner})" if inner else "(rows,)"
 
 
 def list_repr(arrays: int | None, elements: int) -> str:

@@ -35,6 +35,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..config import check_seconds
+
 __all__ = [
     "CHECKPOINT_TARGET",
     "DEFAULT_MASTER_PORT",
@@ -488,13 +490,8 @@ class JobSpec:
             raise ValueError(f"--master-port must be in 1..65535, got {self.master_port!r}")
         for option, seconds in (("--timeout", self.timeout),
                                  ("--init-timeout", self.init_timeout)):
-            if seconds is not None and (
-                not isinstance(seconds, (int, float)) or not math.isfinite(seconds)
-                or seconds <= 0
-            ):
-                raise ValueError(
-                    f"{option} must be a positive number of seconds, got {seconds!r}"
-                )
+            if seconds is not None:
+                check_seconds(option, seconds, type_error=ValueError, value_error=ValueError)
         if self.max_per_node is not None and (
             isinstance(self.max_per_node, bool) or not isinstance(self.max_per_node, int)
             or self.max_per_node < 1

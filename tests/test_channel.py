@@ -1,0 +1,200 @@
+"""The message layer (swarmfd.comm.channel) on its own: thread-ranks over an in-memory
+plane and over real shared memory, no process and no socket.
+
+What it owns, whatever the plane: matching by (group, source, call, tag) with a stash
+for early messages, the call window, signatures and mismatches, deadlines with the
+culprit chain, the lost-peer grace, aborts and their encoding, and the separation of
+groups (one group's failure never disturbs another's call).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from swarmfd.comm import wire
+from swarmfd.comm.channel import (
+    LOST_PEER_GRACE,
+    MAX_CALLS_AHEAD,
+    Channel,
+    abort_body,
+)
+from swarmfd.errors import (
+    AbortedError,
+    CollectiveTimeout,
+    MismatchError,
+    PeerLostError,
+    ProtocolError,
+)
+
+from .memplane import Fabric, run_threads
+
+SIG = wire.Signature(wire.Collective.ALL_REDUCE, wire.ReduceOp.SUM,
+                     wire.dtype_code(np.dtype(np.float32)), count=4,
+                     shape=wire.shape_hash((4,)))
+PLANES = ["memory", "shm"]
+
+
+def _payload(v: float) -> bytes:
+    return np.full(4, v, np.float32).tobytes()
+
+
+def _value(data: Any) -> float:
+    return float(np.frombuffer(bytes(data), np.float32)[0])
+
+
+@pytest.mark.parametrize("plane", PLANES)
+def test_messages_match_by_group_source_call_and_tag_and_early_ones_wait(plane: str) -> None:
+    """Ranks 1 and 2 send two calls of group 0, then two of group 7, two tags each;
+    rank 0 takes group 7 first, and within a call the tags and sources in reverse:
+    each receive gets exactly its message (the calls of one group come in order)."""
+    sends = [(g, seq, tag) for g in (0, 7) for seq in (1, 2) for tag in (0, 3)]
+    order = [(g, seq, tag) for g in (7, 0) for seq in (1, 2) for tag in (3, 0)]
+
+    def fn(r: int, ch: Channel, pl: Any) -> Any:
+        if r == 0:
+            got = {}
+            for g, seq, tag in order:
+                for src in (2, 1):
+                    ch.begin(g, seq)
+                    got[(g, seq, tag, src)] = _value(ch.recv(pl, src, SIG, g, seq, tag, 16))
+            return got
+        for g, seq, tag in sends:
+            ch.send(pl, 0, SIG, g, seq, tag, _payload(100 * r + 10 * g + seq + tag / 10))
+        ch.flush()
+        return None
+
+    got = run_threads(fn, 3, plane=plane)[0]
+    assert got == {(g, s, t, src): pytest.approx(100 * src + 10 * g + s + t / 10)
+                   for g, s, t in sends for src in (1, 2)}
+
+
+@pytest.mark.parametrize("plane", PLANES)
+def test_a_different_signature_is_a_mismatch_naming_both_calls(plane: str) -> None:
+    other = wire.Signature(wire.Collective.ALL_REDUCE, wire.ReduceOp.MAX, SIG.dtype,
+                           count=4, shape=SIG.shape)
+
+    def fn(r: int, ch: Channel, pl: Any) -> Any:
+        ch.begin(0, 1)
+        if r == 1:
+            ch.send(pl, 0, other, 0, 1, 0, _payload(1))
+            ch.flush()
+            return None
+        with pytest.raises(MismatchError) as info:
+            ch.recv(pl, 1, SIG, 0, 1, 0, 16)
+        return str(info.value)
+
+    msg = run_threads(fn, 2, plane=plane)[0]
+    assert "op=sum" in msg and "op=max" in msg and "rank 1" in msg, msg
+
+
+def test_a_message_too_far_ahead_is_a_protocol_error_not_a_growing_stash() -> None:
+    def fn(r: int, ch: Channel, pl: Any) -> Any:
+        ch.begin(0, 1)
+        if r == 1:
+            ch.send(pl, 0, SIG, 0, 1 + MAX_CALLS_AHEAD + 1, 0, _payload(1))
+            ch.send(pl, 0, SIG, 0, 1, 0, _payload(2))
+            return None
+        with pytest.raises(ProtocolError, match=f"at most {MAX_CALLS_AHEAD}"):
+            ch.recv(pl, 1, SIG, 0, 1, 0, 16)
+        return len(ch.stash)
+
+    assert run_threads(fn, 2)[0] == 0
+
+
+@pytest.mark.parametrize("plane", PLANES)
+def test_a_timeout_names_the_stuck_rank_not_the_one_waited_for(plane: str) -> None:
+    """Rank 0 waits for 1, which waits for 2, which never sends (stuck): both waiting
+    ranks' timeouts name rank 2 and the chain of waits, on every plane."""
+    def fn(r: int, ch: Channel, pl: Any) -> Any:
+        ch.begin(0, 1)
+        if r == 2:
+            time.sleep(2.5)  # stuck in its own computation
+            return None
+        t0 = time.monotonic()
+        with pytest.raises(CollectiveTimeout) as info:
+            ch.recv(pl, r + 1, SIG, 0, 1, 0, 16)
+        return str(info.value), time.monotonic() - t0
+
+    out = run_threads(fn, 3, plane=plane, group_timeout=0.5)
+    for r in (0, 1):
+        msg, took = out[r]
+        assert "waiting for rank 2" in msg, msg
+        assert took < 0.5 + 1.5, f"rank {r} took {took:.2f} s"
+
+
+@pytest.mark.parametrize("plane", PLANES)
+def test_a_vanished_peer_is_lost_after_the_grace(plane: str) -> None:
+    fabric = Fabric(2)
+
+    def fn(r: int, ch: Channel, pl: Any) -> Any:
+        ch.begin(0, 1)
+        if r == 1:
+            fabric.kill(1)
+            if plane == "shm":
+                pl.close()  # its inbox closes: the peer's write sees EPIPE
+            return None
+        time.sleep(0.05)
+        if plane == "shm":
+            ch.send(pl, 1, SIG, 0, 1, 0, _payload(0))
+        t0 = time.monotonic()
+        with pytest.raises(PeerLostError, match="lost rank 1") as info:
+            ch.recv(pl, 1, SIG, 0, 1, 0, 16)
+        return time.monotonic() - t0, str(info.value)
+
+    took, msg = run_threads(fn, 2, plane=plane, group_timeout=30, fabric=fabric)[0]
+    assert LOST_PEER_GRACE * 0.9 <= took < 5, (took, msg)
+
+
+@pytest.mark.parametrize("plane", PLANES)
+def test_an_abort_reaches_the_waiting_rank_with_its_message(plane: str) -> None:
+    def fn(r: int, ch: Channel, pl: Any) -> Any:
+        ch.begin(0, 1)
+        if r == 1:
+            ch.activity = "all_reduce (call #1 on rank 1)"
+            ch.abort(ValueError("the loss is NaN at step 9"), 0)
+            return None
+        with pytest.raises(AbortedError) as info:
+            ch.recv(pl, 1, SIG, 0, 1, 0, 16)
+        return str(info.value)
+
+    msg = run_threads(fn, 2, plane=plane)[0]
+    assert "rank 1 failed" in msg and "the loss is NaN at step 9" in msg, msg
+
+
+@pytest.mark.parametrize("plane", PLANES)
+def test_another_groups_abort_breaks_that_group_only(plane: str) -> None:
+    """An abort of group 5 arrives while rank 0 waits in group 0: group 0's call still
+    gets its data; group 5's failure is handed to on_group_error."""
+    def fn(r: int, ch: Channel, pl: Any) -> Any:
+        ch.begin(0, 1)
+        if r == 1:
+            ch.abort(RuntimeError("group five went wrong"), 5)
+            ch.send(pl, 0, SIG, 0, 1, 0, _payload(42))
+            ch.flush()
+            return None
+        broken: list[tuple[int, str]] = []
+        ch.on_group_error = lambda g, e: broken.append((g, str(e)))
+        value = _value(ch.recv(pl, 1, SIG, 0, 1, 0, 16))
+        return value, broken
+
+    value, broken = run_threads(fn, 2, plane=plane)[0]
+    assert value == 42
+    assert [g for g, _ in broken] == [5] and "group five went wrong" in broken[0][1]
+
+
+@pytest.mark.parametrize("limit", [200, 1000, 4096 - wire.HEADER_SIZE])
+def test_an_abort_body_fits_its_plane_and_stays_valid_json(limit: int) -> None:
+    """A long message (quotes, newlines, non-ASCII: JSON escapes grow it) is cut so the
+    encoded body fits the plane's record, and it still decodes with its start intact."""
+    message = ('step 9: "loss" is NaN\n' + "é\\" * 5000)
+    body = abort_body("error", 3, message, limit, waiting_for=1)
+    assert len(body) <= limit
+    doc = json.loads(body)
+    assert doc["rank"] == 3 and doc["waiting_for"] == 1 and doc["kind"] == "error"
+    assert doc["message"].startswith('step 9: "loss" is NaN') or limit < 100
+    assert doc["message"].endswith("...")
