@@ -1,47 +1,62 @@
 #!/usr/bin/env python3
-"""The baseline of the hierarchical-collectives work: all_reduce across simulated hosts.
+"""Two-level collectives against flat ones, across simulated hosts (issue 17).
 
-For each shape (``HxL@RATE``: H simulated hosts of L ranks each, links shaped at RATE in
-both directions, see ``benchmarks/netsim.py``) and each placement of the ranks on the
-hosts (``host``: host by host, ``[0, 0, 1, 1]``; ``spread``: round robin, ``[0, 1, 0,
-1]``, as Swarm places a service's tasks), one swarmfd job times ``all_reduce`` (float32,
-sum, in place) at each size, as ``swarmfd bench`` does: per iteration reset the input
-(untimed), ``barrier()``, time the call; after the loop one ``all_reduce(max)`` of the
-times (an iteration takes as long as its slowest rank); the median of those. Beside it:
+For each shape (``HxL@RATE``: H simulated hosts of L ranks each, or ``3+1@RATE``: hosts
+of 3 and 1 ranks; links shaped at RATE in both directions, see ``benchmarks/netsim.py``)
+and each placement of the ranks on the hosts (``host``: host by host, ``[0, 0, 1, 1]``;
+``spread``: round robin, ``[0, 1, 0, 1]``, as Swarm places a service's tasks), one
+swarmfd job per variant times each collective (float32; all_reduce and reduce sum, in
+place; broadcast and reduce rooted at rank 0; all_gather into a reused ``out``) at each
+size, as ``swarmfd bench`` does: per iteration reset the input (untimed),
+``barrier()``, time the call; after the loop one ``all_reduce(max)`` of the times (an
+iteration takes as long as its slowest rank); the median of those. Beside it:
 
-* ``busbw`` = S / time * 2(N-1)/N (nccl-tests' all_reduce factor), GB/s = 1e9 B/s;
-* CPU time per call per rank: ``time.process_time()`` (every thread of the rank, so the
-  socket plane's I/O thread too) around each call; the median over iterations of each
-  rank, then the mean and the max over ranks;
-* the kernel's share of that CPU time (``getrusage`` system time around each call,
-  summed over ranks and iterations);
+* ``busbw`` = S / time * factor (nccl-tests: all_reduce 2(N-1)/N, broadcast and reduce
+  1, all_gather N-1 with S each rank's part), GB/s = 1e9 B/s;
+* CPU time per call per rank: ``time.process_time()`` (every thread of the rank)
+  around each call; the median over iterations of each rank, then the mean and the max
+  over ranks; and the kernel's share of it (``getrusage`` system time);
 * the CPU floor: the CPU time per call of all ranks over the machine's cores; a call
   cannot take less wall time on this machine (when the floor reaches the link bound,
   the ranks are CPU-bound, not link-bound);
 * the bounds on the shaped links, where the network is the limit (issue 17, "Bounds"),
-  as times at the nominal rate:
+  as times at the nominal rate. all_reduce:
 
-  - this ring: the flat ring in rank order moves 2(N-1)/N * S over every ring edge;
-    a host's link carries that once per edge that leaves the host (and per edge that
+  - this ring: the flat ring in rank order moves 2(N-1)/N * S over every ring edge; a
+    host's link carries that once per edge that leaves the host (and per edge that
     enters it), so host by host 1x, spread over 2 hosts L times;
   - best flat: the flat ring ordered by host, 2(N-1)/N * S per link (1.5 S for 2x2,
     1.75 S for 2x4);
   - two-level: reduce-scatter inside each host, an all-reduce of each shard across the
-    hosts, all-gather inside: 2(H-1)/H * S per link (S for 2 hosts).
+    hosts, all-gather inside: 2(H-1)/H * S per link (S for 2 hosts, even or not).
 
-  ``of best`` is best-flat-bound / time: 1.0 would be the flat ring's physical limit.
-  TCP/IP over MTU 1500 carries at most 1448/1514 = 0.956 of the nominal rate
+  broadcast and reduce: S per link, flat (a chain in host order) or two-level; all_gather:
+  what a host's ranks receive from the others, (N - L) * S on the link of a host of L,
+  either way. ``of bound`` is the variant's bound over its time: two-level variants
+  against the two-level bound, flat ones against this ring's (rank order) or the best
+  flat's. TCP/IP over MTU 1500 carries at most 1448/1514 = 0.956 of the nominal rate
   as payload, which is in these ratios.
 
 Variants (``--variant NAME:KEY=VALUE,...``, repeatable) run the same jobs with extra
 environment, interleaved: ``for run: for shape: for placement: for variant``, so a
-variant and its baseline see the same machine load. Default: one variant, ``today``.
+variant and its baseline see the same machine load; the ratio columns compare each
+variant with the first. ``HIER_BENCH_RING=rank`` (with ``SWARMFD_HIERARCHY=off``) makes
+the flat ring follow the rank order instead of the hosts (the ring as it was before
+issue 17: under spread placement it crosses the link on every hop);
+``HIER_BENCH_SET=MODULE.NAME=INT;...`` sets constants of ``swarmfd.algorithms`` in the
+ranks (``select.HIER_SMALL_BYTES=0``, ``hier.DEPTH=1``) for measuring them (in a
+variant's environment: separate the items with ``;``, since ``,`` separates variables).
+Default variants:
+``flat:SWARMFD_HIERARCHY=off`` and ``two-level:``.
 
     python benchmarks/hierarchy.py                          # 2x2@5gbit and 2x4@2gbit
-    python benchmarks/hierarchy.py --shape 2x2@5gbit --placement spread --sizes 1M,16M
-    python benchmarks/hierarchy.py --variant flat:SWARMFD_HIERARCHY=off --variant two-level:
+    python benchmarks/hierarchy.py --shape 3+1@5gbit --placement host --sizes 4K,1M,16M
+    python benchmarks/hierarchy.py --op all_reduce --op broadcast --op reduce --op all_gather
+    python benchmarks/hierarchy.py --variant rank-ring:SWARMFD_HIERARCHY=off,HIER_BENCH_RING=rank \
+        --variant flat:SWARMFD_HIERARCHY=off --variant two-level:
     python benchmarks/hierarchy.py --runs 3 --json results/hierarchy.json
 
+Only time on a quiet machine (the load average is printed at the start and per job).
 Needs root (network namespaces). ``--worker`` is the rank side (started by the harness).
 """
 
@@ -64,6 +79,8 @@ import netsim
 MIB = 1 << 20
 DEFAULT_SHAPES = ("2x2@5gbit", "2x4@2gbit")
 DEFAULT_SIZES = "1M,4M,16M,64M"
+DEFAULT_VARIANTS = ("flat:SWARMFD_HIERARCHY=off", "two-level:")
+COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather")
 PLACEMENTS = ("host", "spread")
 #: Seconds of timed iterations aimed at per point (the iteration count is this over the
 #: bound of this ring, between MIN_ITERS and MAX_ITERS).
@@ -77,6 +94,10 @@ CORES = os.cpu_count() or 1
 #: Issue 17, "Measured today" (2 hosts x 2 ranks at 5gbit, ms): placement -> size -> ms.
 ISSUE_17_TODAY = {"host": {16 * MIB: 44.9, 64 * MIB: 177.0},
                   "spread": {16 * MIB: 87.5, 64 * MIB: 343.0}}
+#: The worker's switch to the rank-order flat ring (see the module docstring).
+ENV_RING = "HIER_BENCH_RING"
+#: Constants under test in the workers: ``hier.DEPTH=1;select.HIER_SMALL_BYTES=0``.
+ENV_SET = "HIER_BENCH_SET"
 
 
 # --- the model ----------------------------------------------------------------------------
@@ -87,23 +108,53 @@ class Shape:
     hosts: int
     per_host: int
     rate: int | None  # bits per second
+    #: Ranks on each host when they differ (``3+1``); None: ``per_host`` on every host.
+    counts: tuple[int, ...] | None = None
 
     @property
     def label(self) -> str:
-        return f"{self.hosts}x{self.per_host}@{netsim.format_rate(self.rate)}"
+        spec = ("+".join(map(str, self.counts)) if self.counts
+                else f"{self.hosts}x{self.per_host}")
+        return f"{spec}@{netsim.format_rate(self.rate)}"
+
+    def ranks_per_host(self) -> list[int]:
+        return list(self.counts) if self.counts else [self.per_host] * self.hosts
 
 
 def parse_shape(text: str) -> Shape:
-    """``"2x4@2gbit"`` -> 2 hosts of 4 ranks, links at 2 Gbit/s (``@none``: unshaped)."""
+    """``"2x4@2gbit"`` -> 2 hosts of 4 ranks, links at 2 Gbit/s (``@none``: unshaped);
+    ``"3+1@5gbit"``: a host of 3 ranks and one of 1."""
     spec, _, rate = text.partition("@")
-    h, _, l_ = spec.lower().partition("x")
     try:
+        if "+" in spec:
+            counts = tuple(int(c) for c in spec.split("+"))
+            if any(c < 1 for c in counts):
+                raise ValueError
+            return Shape(len(counts), max(counts), netsim.parse_rate(rate or None), counts)
+        h, _, l_ = spec.lower().partition("x")
         hosts, per_host = int(h), int(l_)
     except ValueError:
-        raise ValueError(f"bad shape {text!r}: expected HOSTSxRANKS@RATE, e.g. 2x4@2gbit") from None
+        raise ValueError(f"bad shape {text!r}: expected HOSTSxRANKS@RATE (2x4@2gbit) or "
+                         "RANKS+RANKS+...@RATE (3+1@5gbit)") from None
     if hosts < 1 or per_host < 1:
         raise ValueError(f"bad shape {text!r}: hosts and ranks per host must be >= 1")
     return Shape(hosts, per_host, netsim.parse_rate(rate or None))
+
+
+def placement_of(kind: str, shape: Shape) -> list[int]:
+    """The host of each rank: host by host, or round robin over the hosts with room."""
+    counts = shape.ranks_per_host()
+    if kind == "host":
+        return [h for h, c in enumerate(counts) for _ in range(c)]
+    if kind != "spread":
+        raise ValueError(f"unknown placement {kind!r}: expected one of {PLACEMENTS}")
+    left, out = list(counts), []
+    while any(left):
+        for h in range(len(left)):
+            if left[h]:
+                out.append(h)
+                left[h] -= 1
+    return out
 
 
 def ring_crossings(placement: Sequence[int]) -> int:
@@ -119,50 +170,98 @@ def ring_crossings(placement: Sequence[int]) -> int:
     return max([0, *out.values(), *into.values()])
 
 
-def bounds(placement: Sequence[int], size: int, rate: int | None) -> dict[str, float]:
-    """Link-bound times (seconds) of the all_reduce of ``size`` bytes per rank."""
+def bounds(placement: Sequence[int], size: int, rate: int | None,
+           collective: str = "all_reduce") -> dict[str, float]:
+    """Link-bound times (seconds) of ``collective`` of ``size`` bytes per rank (see the
+    module docstring): this ring (rank order), the best flat, the two-level."""
     n, h = len(placement), len(set(placement))
     if rate is None or h < 2:
         return {"ring": math.nan, "best_flat": math.nan, "two_level": math.nan}
     per_second = rate / 8
-    flat = 2 * (n - 1) / n * size
-    return {"ring": ring_crossings(placement) * flat / per_second,
-            "best_flat": flat / per_second,
-            "two_level": 2 * (h - 1) / h * size / per_second}
+    if collective == "all_reduce":
+        flat = 2 * (n - 1) / n * size
+        return {"ring": ring_crossings(placement) * flat / per_second,
+                "best_flat": flat / per_second,
+                "two_level": 2 * (h - 1) / h * size / per_second}
+    if collective == "all_gather":
+        t = max(n - placement.count(x) for x in set(placement)) * size / per_second
+        return {"ring": ring_crossings(placement) * t, "best_flat": t, "two_level": t}
+    t = size / per_second  # broadcast, reduce: a chain carries S over each link once
+    return {"ring": _chain_crossings(placement) * t, "best_flat": t, "two_level": t}
 
 
-def _expected(placement: Sequence[int], size: int, rate: int | None) -> float:
+def _chain_crossings(placement: Sequence[int]) -> int:
+    """The most edges of the chain 0 -> 1 -> ... -> N-1 that leave, or enter, one host
+    (each direction of a link is shaped on its own)."""
+    out: dict[int, int] = {}
+    into: dict[int, int] = {}
+    for r in range(len(placement) - 1):
+        a, b = placement[r], placement[r + 1]
+        if a != b:
+            out[a] = out.get(a, 0) + 1
+            into[b] = into.get(b, 0) + 1
+    return max([1, *out.values(), *into.values()])
+
+
+def bus_factor(collective: str, n: int) -> float:
+    return {"all_reduce": 2 * (n - 1) / n, "all_gather": float(n - 1)}.get(collective, 1.0)
+
+
+def _expected(placement: Sequence[int], size: int, rate: int | None,
+              collective: str = "all_reduce") -> float:
     """A guess of one call's time: this ring's bound (unshaped: 0.5 GB/s per link)."""
-    ring = bounds(placement, size, rate)["ring"]
-    return max(1e-4, size / 0.5e9 if math.isnan(ring) else ring)
+    ring = bounds(placement, size, rate, collective)["ring"]
+    return max(2e-4, size / 0.5e9 if math.isnan(ring) else ring)
 
 
-def plan_iters(placement: Sequence[int], size: int, rate: int | None, budget: float) -> int:
+def plan_iters(placement: Sequence[int], size: int, rate: int | None, budget: float,
+               collective: str = "all_reduce") -> int:
     """Timed iterations for about ``budget`` seconds, MIN_ITERS..MAX_ITERS."""
-    return max(MIN_ITERS, min(MAX_ITERS, math.ceil(budget / _expected(placement, size, rate))))
+    return max(MIN_ITERS, min(MAX_ITERS, math.ceil(
+        budget / _expected(placement, size, rate, collective))))
 
 
 # --- the rank side ------------------------------------------------------------------------
 
 
-def worker(plan: list[tuple[int, int]], warmup: int) -> int:
-    """Time all_reduce at each (bytes, iterations); rank 0 prints one JSON line per size."""
+def worker(plan: list[tuple[str, int, int]], warmup: int) -> int:
+    """Time each (collective, bytes, iterations); rank 0 prints one JSON line each."""
     import numpy as np
 
     import swarmfd as fd
+    from swarmfd import group
 
     cfg = fd.init_from_env()
     rank, n = cfg.rank, cfg.world_size
+    world = group.world_group()
+    if os.environ.get(ENV_RING, "") == "rank":
+        world.ring = list(range(n))  # the flat ring in rank order (the benchmark's switch)
+    for item in filter(None, os.environ.get(ENV_SET, "").split(";")):
+        # a constant under test: MODULE.NAME=INT, MODULE of swarmfd.algorithms
+        import importlib
+
+        key, _, value = item.partition("=")
+        mod, _, name = key.rpartition(".")
+        module = importlib.import_module(f"swarmfd.algorithms.{mod}")
+        if not hasattr(module, name):
+            raise SystemExit(f"{ENV_SET}: swarmfd.algorithms.{mod} has no {name}")
+        setattr(module, name, int(value))
+    two = world.two_level() is not None
     try:
-        for size, iters in plan:
+        for coll, size, iters in plan:
             count = size // 4
             pattern = (np.arange(count, dtype=np.int64) % 7 + 1).astype(np.float32)
             source = pattern * np.float32(rank + 1)
             x = np.empty_like(source)
+            out = np.empty((n, count), np.float32)
+            call = {"all_reduce": lambda x=x: fd.all_reduce(x),
+                    "broadcast": lambda x=x: fd.broadcast(x, src=0),
+                    "reduce": lambda x=x: fd.reduce(x, dst=0),
+                    "all_gather": lambda x=x, out=out: fd.all_gather(x, out=out)}[coll]
             for _ in range(warmup):
                 np.copyto(x, source)
                 fd.barrier()
-                fd.all_reduce(x)
+                call()
             times = np.empty(iters)
             cpu = np.empty(iters)
             kernel = 0.0
@@ -172,25 +271,35 @@ def worker(plan: list[tuple[int, int]], warmup: int) -> int:
                 r0 = resource.getrusage(resource.RUSAGE_SELF)
                 c0 = time.process_time()
                 t0 = time.perf_counter()
-                fd.all_reduce(x)
+                call()
                 times[i] = time.perf_counter() - t0
                 cpu[i] = time.process_time() - c0
                 kernel += resource.getrusage(resource.RUSAGE_SELF).ru_stime - r0.ru_stime
-            expected = pattern * np.float32(n * (n + 1) / 2)  # small integers: exact
-            wrong = np.array([np.count_nonzero(x != expected)], dtype=np.int64)
+            if coll == "all_reduce" or (coll == "reduce" and rank == 0):
+                expected = pattern * np.float32(n * (n + 1) / 2)  # small integers: exact
+                bad = np.count_nonzero(x != expected)
+            elif coll == "broadcast":
+                bad = np.count_nonzero(x != pattern)
+            elif coll == "all_gather":
+                bad = sum(np.count_nonzero(out[r] != pattern * np.float32(r + 1))
+                          for r in range(n))
+            else:
+                bad = np.count_nonzero(x != source)  # a reduce's non-root keeps its input
+            wrong = np.array([bad], dtype=np.int64)
             mine = np.zeros(n)
             mine[rank] = float(np.median(cpu))
-            split = np.array([kernel, float(np.sum(cpu))])  # system time, all CPU time
+            split_ = np.array([kernel, float(np.sum(cpu))])  # system time, all CPU time
             fd.all_reduce(times, op="max")
             fd.all_reduce(wrong)
             fd.all_reduce(mine)
-            fd.all_reduce(split)
+            fd.all_reduce(split_)
             if rank == 0:
                 print(RESULT_PREFIX + json.dumps({
-                    "size": size, "iters": iters, "median_s": float(np.median(times)),
-                    "min_s": float(np.min(times)), "p90_s": float(np.percentile(times, 90)),
-                    "cpu_s": mine.tolist(), "sys_share": float(split[0] / max(split[1], 1e-9)),
-                    "wrong": int(wrong[0])}), flush=True)
+                    "collective": coll, "size": size, "iters": iters,
+                    "median_s": float(np.median(times)), "min_s": float(np.min(times)),
+                    "p90_s": float(np.percentile(times, 90)), "cpu_s": mine.tolist(),
+                    "sys_share": float(split_[0] / max(split_[1], 1e-9)),
+                    "wrong": int(wrong[0]), "two_level": two}), flush=True)
     finally:
         fd.cleanup()
     return 0
@@ -206,6 +315,7 @@ class Row:
     variant: str
     run: int
     world_size: int
+    collective: str
     size: int
     iters: int
     median_ms: float
@@ -219,6 +329,7 @@ class Row:
     ring_bound_ms: float
     best_flat_bound_ms: float
     two_level_bound_ms: float
+    two_level: bool
     wrong: int
     load1: float
 
@@ -238,14 +349,15 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
 
 
 def run_job(net: netsim.SimulatedHosts, shape: Shape, placement_kind: str, variant: str,
-            env: dict[str, str], sizes: list[int], args: argparse.Namespace,
-            run: int) -> list[Row]:
-    placement = netsim.make_placement(placement_kind, shape.hosts, shape.per_host)
-    plan = [(s, args.iters or plan_iters(placement, s, shape.rate, args.budget)) for s in sizes]
-    worst = sum((i + args.warmup) * _expected(placement, s, shape.rate) for s, i in plan)
+            env: dict[str, str], sizes: list[int], collectives: list[str],
+            args: argparse.Namespace, run: int) -> list[Row]:
+    placement = placement_of(placement_kind, shape)
+    plan = [(c, s, args.iters or plan_iters(placement, s, shape.rate, args.budget, c))
+            for c in collectives for s in sizes]
+    worst = sum((i + args.warmup) * _expected(placement, s, shape.rate, c) for c, s, i in plan)
     timeout = args.timeout or 120 + 4 * worst
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--warmup",
-            str(args.warmup), "--plan", ",".join(f"{s}:{i}" for s, i in plan)]
+            str(args.warmup), "--plan", ",".join(f"{c}:{s}:{i}" for c, s, i in plan)]
     job_env = {"SWARMFD_TIMEOUT": str(max(60, int(timeout))), **env}
     result = net.run_job(argv, placement, env=job_env, timeout=timeout)
     if not result.ok:
@@ -258,66 +370,82 @@ def run_job(net: netsim.SimulatedHosts, shape: Shape, placement_kind: str, varia
         if not line.startswith(RESULT_PREFIX):
             continue
         d = json.loads(line[len(RESULT_PREFIX):])
-        b = bounds(placement, d["size"], shape.rate)
+        b = bounds(placement, d["size"], shape.rate, d["collective"])
         rows.append(Row(
             shape=shape.label, placement=placement_kind, variant=variant, run=run,
-            world_size=n, size=d["size"], iters=d["iters"], median_ms=d["median_s"] * 1e3,
-            min_ms=d["min_s"] * 1e3, p90_ms=d["p90_s"] * 1e3,
-            busbw=d["size"] / d["median_s"] * 2 * (n - 1) / n / 1e9,
+            world_size=n, collective=d["collective"], size=d["size"], iters=d["iters"],
+            median_ms=d["median_s"] * 1e3, min_ms=d["min_s"] * 1e3, p90_ms=d["p90_s"] * 1e3,
+            busbw=d["size"] / d["median_s"] * bus_factor(d["collective"], n) / 1e9,
             cpu_ms_mean=statistics.fmean(d["cpu_s"]) * 1e3, cpu_ms_max=max(d["cpu_s"]) * 1e3,
             cpu_floor_ms=sum(d["cpu_s"]) / CORES * 1e3, sys_share=d["sys_share"],
             ring_bound_ms=b["ring"] * 1e3, best_flat_bound_ms=b["best_flat"] * 1e3,
-            two_level_bound_ms=b["two_level"] * 1e3, wrong=d["wrong"], load1=load1))
-    if len(rows) != len(sizes):
+            two_level_bound_ms=b["two_level"] * 1e3, two_level=d["two_level"],
+            wrong=d["wrong"], load1=load1))
+    if len(rows) != len(plan):
         raise netsim.NetsimError(f"{shape.label} {placement_kind} {variant}: rank 0 reported "
-                                 f"{len(rows)} of {len(sizes)} sizes\n" + result.describe())
+                                 f"{len(rows)} of {len(plan)} points\n" + result.describe())
     return rows
 
 
 def _fmt_size(size: int) -> str:
-    return f"{size // MIB} MiB" if size >= MIB and size % MIB == 0 else f"{size // 1024} KiB"
+    if size >= MIB and size % MIB == 0:
+        return f"{size // MIB} MiB"
+    return f"{size // 1024} KiB" if size % 1024 == 0 else f"{size} B"
+
+
+def _bound_of(r: Row) -> float:
+    """The bound a row's variant is held to (see the module docstring)."""
+    if r.two_level:
+        return r.two_level_bound_ms
+    return r.ring_bound_ms if r.variant.startswith("rank") else r.best_flat_bound_ms
 
 
 def table(rows: list[Row]) -> str:
-    """Medians over runs, one line per (shape, placement, variant, size)."""
-    keys: dict[tuple[str, str, str, int], list[Row]] = {}
+    """Medians over runs, one line per (shape, placement, collective, size, variant), with
+    the time ratio to the first variant of the same point (> 1: faster than it)."""
+    keys: dict[tuple[str, str, str, int, str], list[Row]] = {}
     for r in rows:
-        keys.setdefault((r.shape, r.placement, r.variant, r.size), []).append(r)
-    lines = ["| shape | placement | variant | size | time ms (median) | busbw GB/s | "
-             f"CPU ms/call/rank mean / max | kernel share | CPU floor ms ({CORES} cores) | "
-             "this ring bound ms | best flat bound ms | two-level bound ms | of best flat bound | "
-             "runs |",
+        keys.setdefault((r.shape, r.placement, r.collective, r.size, r.variant), []).append(r)
+    first: dict[tuple[str, str, str, int], float] = {}
+    lines = ["| shape | placement | collective | size | variant | time ms (median) | "
+             "x first | busbw GB/s | CPU ms/call/rank mean / max | kernel share | "
+             f"CPU floor ms ({CORES} cores) | bound ms | of bound | runs |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for (shape, placement, variant, size), group in keys.items():
+    for (shape, placement, coll, size, variant), group in keys.items():
         t = statistics.median(r.median_ms for r in group)
+        point = (shape, placement, coll, size)
+        base = first.setdefault(point, t)
         bus = statistics.median(r.busbw for r in group)
         cpu = statistics.median(r.cpu_ms_mean for r in group)
         cpu_max = statistics.median(r.cpu_ms_max for r in group)
         floor = statistics.median(r.cpu_floor_ms for r in group)
         ksh = statistics.median(r.sys_share for r in group)
-        g = group[0]
-        frac = g.best_flat_bound_ms / t if not math.isnan(g.best_flat_bound_ms) else math.nan
-        runs = " ".join(f"{r.median_ms:.1f}" for r in group) if len(group) > 1 else "1"
+        bound = _bound_of(group[0])
+        frac = bound / t if not math.isnan(bound) else math.nan
+        runs = " ".join(f"{r.median_ms:.2f}" for r in group) if len(group) > 1 else "1"
         wrong = sum(r.wrong for r in group)
+        path = "" if group[0].two_level or variant.startswith(("flat", "rank")) else " (flat!)"
         lines.append(
-            f"| {shape} | {placement} | {variant} | {_fmt_size(size)} | {t:.2f} | {bus:.3f} | "
-            f"{cpu:.2f} / {cpu_max:.2f} | {ksh:.0%} | {floor:.1f} | {g.ring_bound_ms:.1f} | "
-            f"{g.best_flat_bound_ms:.1f} | {g.two_level_bound_ms:.1f} | {frac:.2f} | {runs} |"
+            f"| {shape} | {placement} | {coll} | {_fmt_size(size)} | {variant}{path} | "
+            f"{t:.2f} | {base / t:.2f} | {bus:.3f} | {cpu:.2f} / {cpu_max:.2f} | {ksh:.0%} | "
+            f"{floor:.1f} | {bound:.1f} | {frac:.2f} | {runs} |"
             + ("  WRONG RESULTS" if wrong else ""))
     return "\n".join(lines)
 
 
 def issue_comparison(rows: list[Row]) -> str:
-    """Today's 2x2@5gbit figures beside issue 17's "Measured today"."""
+    """The 2x2@5gbit all_reduce figures beside issue 17's "Measured today"."""
     lines = []
-    for placement, points in ISSUE_17_TODAY.items():
-        for size, ms in points.items():
-            got = [r.median_ms for r in rows if r.shape == "2x2@5gbit" and
-                   r.placement == placement and r.size == size and r.variant == rows[0].variant]
-            if got:
-                t = statistics.median(got)
-                lines.append(f"- 2x2@5gbit {placement} {_fmt_size(size)}: {t:.1f} ms here, "
-                             f"{ms:.1f} ms in issue 17 ({t / ms:.2f}x)")
+    for variant in dict.fromkeys(r.variant for r in rows):
+        for placement, points in ISSUE_17_TODAY.items():
+            for size, ms in points.items():
+                got = [r.median_ms for r in rows if r.shape == "2x2@5gbit" and
+                       r.placement == placement and r.size == size and r.variant == variant
+                       and r.collective == "all_reduce"]
+                if got:
+                    t = statistics.median(got)
+                    lines.append(f"- {variant}, 2x2@5gbit {placement} {_fmt_size(size)}: "
+                                 f"{t:.1f} ms here, {ms:.1f} ms in issue 17 ({ms / t:.2f}x)")
     return "\n".join(lines)
 
 
@@ -330,14 +458,19 @@ def _loadavg() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     parser.add_argument("--shape", action="append", default=None,
-                        help=f"HOSTSxRANKS@RATE, repeatable (default {', '.join(DEFAULT_SHAPES)})")
+                        help=f"HOSTSxRANKS@RATE or R+R+...@RATE, repeatable (default "
+                             f"{', '.join(DEFAULT_SHAPES)})")
     parser.add_argument("--placement", action="append", choices=PLACEMENTS, default=None,
                         help="repeatable (default both)")
+    parser.add_argument("--op", "--collective", dest="collectives", action="append",
+                        choices=COLLECTIVES, default=None,
+                        help="repeatable (default all_reduce)")
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help=f"default {DEFAULT_SIZES}")
     parser.add_argument("--variant", action="append", default=None,
-                        help="NAME:KEY=VALUE,... extra rank environment, repeatable")
+                        help="NAME:KEY=VALUE,... extra rank environment, repeatable "
+                             f"(default {' '.join(DEFAULT_VARIANTS)})")
     parser.add_argument("--runs", type=int, default=1, help="interleaved runs (median shown)")
     parser.add_argument("--iters", type=int, default=None,
                         help=f"timed iterations per size (default: --budget over the bound, "
@@ -352,7 +485,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.worker:
-        plan = [(int(s), int(i)) for s, i in (p.split(":") for p in args.plan.split(","))]
+        plan = [(c, int(s), int(i)) for c, s, i in (p.split(":") for p in args.plan.split(","))]
         return worker(plan, args.warmup)
 
     from swarmfd.bench import parse_sizes
@@ -363,11 +496,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"size {s} is not a whole number of float32 elements")
     shapes = [parse_shape(s) for s in (args.shape or DEFAULT_SHAPES)]
     placements = args.placement or list(PLACEMENTS)
-    variants = [parse_variant(v) for v in (args.variant or ["today:"])]
+    collectives = args.collectives or ["all_reduce"]
+    variants = [parse_variant(v) for v in (args.variant or DEFAULT_VARIANTS)]
     if args.runs < 1:
         parser.error("--runs must be >= 1")
 
-    print(f"# hierarchy baseline: all_reduce float32 sum, sizes {args.sizes}, "
+    print(f"# hierarchy: {', '.join(collectives)} float32, sizes {args.sizes}, "
           f"{args.runs} run(s); load average at start {_loadavg()}", flush=True)
     rows: list[Row] = []
     started = time.monotonic()
@@ -377,21 +511,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for placement in placements:
                     for name, env in variants:
                         t0 = time.monotonic()
-                        got = run_job(net, shape, placement, name, env, sizes, args, run)
+                        got = run_job(net, shape, placement, name, env, sizes, collectives,
+                                      args, run)
                         rows += got
                         print(f"# {shape.label} {placement} {name} run {run + 1}: "
-                              + ", ".join(f"{_fmt_size(r.size)} {r.median_ms:.2f} ms"
-                                          for r in got)
+                              + ", ".join(f"{r.collective} {_fmt_size(r.size)} "
+                                          f"{r.median_ms:.2f} ms" for r in got)
                               + f" ({time.monotonic() - t0:.0f} s, load {_loadavg()})",
                               file=sys.stderr, flush=True)
     print(table(rows))
     comparison = issue_comparison(rows)
     if comparison:
-        print("\nAgainst issue 17's \"Measured today\":\n" + comparison)
+        print("\nAgainst issue 17's \"Measured today\" (all_reduce; > 1x: faster):\n"
+              + comparison)
     print(f"\n# {time.monotonic() - started:.0f} s; load average at the end {_loadavg()}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"benchmark": "hierarchy", "sizes": sizes,
+            json.dump({"benchmark": "hierarchy", "sizes": sizes, "collectives": collectives,
                        "shapes": [s.label for s in shapes], "rows": [asdict(r) for r in rows]},
                       f, indent=2)
     return 1 if any(r.wrong for r in rows) else 0

@@ -333,9 +333,17 @@ def _items(x: Any) -> Sequence[Any] | None:
 # -- all_reduce -------------------------------------------------------------------------
 
 
-def _all_reduce_algo(o: Op, flat: np.ndarray, rop: ReduceOp, mean: bool, ring: list[int]) -> Any:
-    algo = select.all_reduce(o.plane.kind, flat.nbytes, o.size, flat.size)
+def _all_reduce_algo(o: Op, flat: np.ndarray, rop: ReduceOp, mean: bool, ring: list[int],
+                     two: Any = None) -> Any:
     ufunc = _UFUNCS[rop]
+    hier = two and select.all_reduce_two_level(flat.nbytes, two[0])
+    if hier:
+        yield from hier(o, flat, ufunc, *two)
+        if mean:
+            yield o.flush()  # pieces of flat may still be on their way to a peer
+            np.divide(flat, o.size, out=flat)
+        return
+    algo = select.all_reduce(o.plane.kind, flat.nbytes, o.size, flat.size)
     if algo is select.tcp.all_reduce_ring:
         yield from algo(o, flat, ufunc, ring)
     else:
@@ -358,7 +366,7 @@ def all_reduce(x: T, op: str = "sum", *, group: Any = None, async_op: bool = Fal
     wire_op = ReduceOp.MEAN if mean else rop
 
     def body(o: Op, flat: np.ndarray) -> Any:
-        return _all_reduce_algo(o, flat, rop, mean, g.ring)
+        return _all_reduce_algo(o, flat, rop, mean, g.ring, g.two_level())
 
     items = _items(x)
     if items is not None:
@@ -401,6 +409,10 @@ def broadcast(x: T, src: int = 0, *, group: Any = None, group_src: int | None = 
     root = _root(g, src, group_src, "src", "broadcast")
 
     def body(o: Op, flat: np.ndarray) -> Any:
+        two = g.two_level()
+        hier = two and select.broadcast_two_level(flat.nbytes, two[0])
+        if hier:
+            return hier(o, flat, root, *two)
         return select.broadcast(o.plane.kind, flat.nbytes, o.size)(o, flat, root)
 
     items = _items(x)
@@ -431,8 +443,13 @@ def reduce(x: T, dst: int = 0, op: str = "sum", *, group: Any = None,
     flat, write_back = _flat(arr)
 
     def body(o: Op) -> Any:
-        yield from select.reduce(o.plane.kind, flat.nbytes, o.size)(o, flat, root,
-                                                                    _UFUNCS[rop])
+        two = g.two_level()
+        hier = two and select.reduce_two_level(flat.nbytes, two[0])
+        if hier:
+            yield from hier(o, flat, root, _UFUNCS[rop], *two)
+        else:
+            yield from select.reduce(o.plane.kind, flat.nbytes, o.size)(o, flat, root,
+                                                                        _UFUNCS[rop])
         if mean and o.me == root:
             yield o.flush()
             np.divide(flat, o.size, out=flat)
@@ -473,6 +490,10 @@ def all_gather(x: Any, out: Any = None, *, group: Any = None,
     rows[g.rank] = flat
 
     def body(o: Op) -> Any:
+        two = g.two_level()
+        hier = two and select.all_gather_two_level(flat.nbytes, two[0])
+        if hier:
+            return hier(o, rows, *two)
         algo = select.all_gather(o.plane.kind, flat.nbytes, o.size)
         if algo is select.tcp.all_gather_ring:
             return algo(o, rows, g.ring)
@@ -501,7 +522,14 @@ def _all_gather_v(g: _group.Group, arr: np.ndarray, flat: np.ndarray, code: int,
         bounds = _bounds(counts, row)
         res = np.empty(bounds[-1][1], arr.dtype)
         state["res"], state["counts"] = res, counts
-        if o.plane.kind == "shm":
+        two = g.two_level()
+        hier = (two and len(set(counts)) == 1
+                and select.all_gather_two_level(flat.nbytes, two[0]))
+        if hier:  # every rank's part has the same size: the two-level all_gather
+            rows = res.reshape(n, -1)
+            rows[o.me] = flat
+            yield from hier(o, rows, *two)
+        elif o.plane.kind == "shm":
             yield from select.shm.all_gather_v(o, flat, res, bounds)
         else:
             largest = max(b - a for a, b in bounds) * arr.itemsize

@@ -279,8 +279,10 @@ class Engine:
             if t.key is not None and t.posting is not None:
                 posted[t.key] = t.posting
                 owners[t.key] = t
-            if t.op.plane not in planes:
-                planes.append(t.op.plane)
+            # The plane its receive comes on (a hierarchical call's phases use several).
+            plane = request(t.req)[0].plane if t.key is not None else t.op.plane
+            if plane not in planes:
+                planes.append(plane)
         for plane in self.channel.planes:
             if plane not in planes:
                 planes.append(plane)  # aborts and reports may come on any plane

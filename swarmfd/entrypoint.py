@@ -18,8 +18,9 @@ and this entrypoint, before it runs the command:
    ``WORLD_SIZE`` is a deployment error, reported with exit code 2);
 2. sets ``LOCAL_RANK=0`` and ``LOCAL_WORLD_SIZE=1`` when unset (one rank per container:
    the rank within its container, which is also the right device index when each
-   container sees only its own GPU). When ``SWARMFD_NODE`` is set (``swarmfd deploy
-   --local-ranks node`` sets it to ``{{.Node.Hostname}}``) they are left unset, and
+   container sees only its own GPU). When ``SWARMFD_NODE`` is set (``swarmfd deploy``
+   sets it to ``{{.Node.Hostname}}``, and with ``--local-ranks container``, its default,
+   ``LOCAL_RANK=0`` and ``LOCAL_WORLD_SIZE=1`` too) they are left as they are: unset,
    swarmfd derives them at rendezvous by grouping the ranks on ``SWARMFD_NODE``
    (``swarmfd.get_config().local_rank``);
 3. waits until ``MASTER_ADDR`` resolves, at most ``SWARMFD_RESOLVE_TIMEOUT`` seconds

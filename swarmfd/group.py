@@ -18,7 +18,12 @@ message header, so the traffic of different groups never mixes.
 
 A group whose ranks all share a host (and its shared memory) runs over shared
 memory; any other over TCP, its ring ordered by host so that it crosses each host's
-link as few times as possible.
+link as few times as possible, or, when some host holds several of its ranks and
+shares memory among them, with the two-level algorithms (:mod:`swarmfd.algorithms.hier`;
+``SWARMFD_HIERARCHY=off`` keeps the flat ones). Which hosts share memory is known to
+every rank: when the job spans hosts, init ends with an exchange of every rank's
+shared-memory plane (a host whose setup fell back to TCP has none), so all ranks of a
+group pick the same algorithms.
 
 Failure. A collective that fails (a peer lost, a timeout, a mismatch, an abort)
 *breaks its group*: every later call on it raises at once with the original reason,
@@ -51,6 +56,7 @@ from .config import (
     config_from_env,
     data_plane,
     encrypt_enabled,
+    hierarchy_mode,
     node_name,
     require_secret,
     transport_mode,
@@ -83,8 +89,10 @@ ABORT_LINGER = 0.5
 WORLD_GID = 0
 HOST_GID = 1
 SETUP_GID = 0xFFFF
+#: The exchange of shared-memory planes that ends init (see _share_domains).
+DOMAINS_GID = 0xFFFE
 FIRST_USER_GID = 2
-MAX_GID = 0xFFFE
+MAX_GID = 0xFFFD
 
 
 class _NonMember:
@@ -145,6 +153,7 @@ class Group:
         self.by_host: dict[str, list[int]] = {}
         for g in range(self.size):
             self.by_host.setdefault(hosts[self.ranks[g]], []).append(g)
+        self._two_level: Any = None  # (layout, shm plane) or False, once known
 
     def __repr__(self) -> str:
         return (f"swarmfd.Group({self.name}, rank {self.rank} of {self.size}, "
@@ -175,6 +184,25 @@ class Group:
             else t.tcp
         self._plane = (t, shm, plane)
         return plane
+
+    def two_level(self) -> tuple[Any, Plane] | None:
+        """(its :class:`~swarmfd.algorithms.hier.Layout`, this host's shared-memory
+        plane) when the group's calls may take the two-level algorithms, else None
+        (see :func:`swarmfd.algorithms.select.two_level_layout`; the same answer on
+        every member)."""
+        if self._two_level is None:
+            from .algorithms.select import two_level_layout
+
+            s = self._state
+            t = s.transport
+            lay = None
+            if t is not None and s.shm_domains is not None:
+                lay = two_level_layout([s.hosts[r] for r in self.ranks],
+                                       [s.shm_domains[r] for r in self.ranks], self.rank,
+                                       s.hierarchy)
+            # (A rank alone on its host has no shared-memory plane, and needs none.)
+            self._two_level = (lay, t.shm) if lay is not None and t is not None else False
+        return self._two_level or None
 
     def next_slot(self) -> int:
         """Byte offset of the shared-memory slot of the next round (the same on every
@@ -211,6 +239,11 @@ class _State:
     groups: dict[int, Group] = dataclasses.field(default_factory=dict)
     next_gid: int = FIRST_USER_GID
     engine: Any = None
+    #: Per world rank, its shared-memory plane's lowest rank (-1: none); None until init
+    #: exchanged them (or when no rank offers shared memory).
+    shm_domains: list[int] | None = None
+    #: SWARMFD_HIERARCHY of this process (init checks that every rank has the same).
+    hierarchy: str = "auto"
 
 
 _state: _State | None = None
@@ -367,7 +400,7 @@ def _start(config: Config, secret: str | bytes | None = None) -> Config:
             t.connect(None, deadline)
             hosts = [p.host for p in peers]
             config = _with_local_ranks(config, hosts)
-            state = _State(config, t, hosts)
+            state = _State(config, t, hosts, hierarchy=hierarchy_mode())
             _make_groups(state)
             state.engine = _engine(state)
             _state = state
@@ -375,9 +408,12 @@ def _start(config: Config, secret: str | bytes | None = None) -> Config:
         except BaseException:
             t.close()
             raise
-    if hostkey:
+    if any(p.hostkey for p in peers):
         try:
-            _setup_shm(state, peers, hostkey, deadline)
+            if hostkey:
+                _setup_shm(state, peers, hostkey, deadline)
+            if len(set(state.hosts)) > 1:  # (on one host no group is two-level)
+                _share_domains(state)
         except BaseException:
             cleanup()
             raise
@@ -441,6 +477,34 @@ def _setup_shm(state: _State, peers: list[PeerInfo], hostkey: str, deadline: flo
                             lambda reason: _agree(setup_group, reason))
     if plane is not None:
         t.add_shm(plane)
+
+
+def _share_domains(state: _State) -> None:
+    """Tell every rank which ranks share memory with which (and each rank's
+    SWARMFD_HIERARCHY), so that every member of a group picks the same algorithms
+    (see :meth:`Group.two_level`): one all_gather of the world, in a group of its own.
+    Ranks whose SWARMFD_HIERARCHY differs would pick different algorithms: a
+    ConfigError naming them."""
+    from . import collectives
+
+    t = state.transport
+    assert t is not None
+    n = state.config.world_size
+    shm = t.shm
+    domain = min(shm.segments) if shm is not None else -1  # type: ignore[attr-defined]
+    mine = np.array([domain, 1 if state.hierarchy == "auto" else 0], dtype=np.int64)
+    group = Group(state, DOMAINS_GID, range(n), "shared-memory planes")
+    try:
+        rows = collectives.all_gather(mine, group=group)
+    except SwarmfdError as exc:
+        raise type(exc)(f"init, while the ranks shared their shared-memory planes: {exc}"
+                        ).with_traceback(exc.__traceback__) from None
+    modes = [int(r[1]) for r in rows]
+    if len(set(modes)) > 1:
+        off = [r for r in range(n) if not modes[r]]
+        raise ConfigError(f"SWARMFD_HIERARCHY differs between ranks: 'off' on rank(s) {off}, "
+                          "'auto' on the others; every rank of a job must use the same")
+    state.shm_domains = [int(r[0]) for r in rows]
 
 
 def _agree(group: Group, reason: str) -> dict[int, str]:

@@ -12,6 +12,11 @@
   fails the test with its stack).
 * :func:`run_algorithm`: one collective call (an :class:`~swarmfd.algorithms.base.Op`
   and an algorithm) on every thread-rank.
+* :func:`run_hosts` and :func:`run_hier_algorithm`: the same on *simulated hosts*
+  (``hosts=[0, 0, 1, 1]``: the host of each rank): every rank has a memory plane to
+  every other (kind "tcp", one :class:`Fabric`) and a real shared-memory plane to the
+  ranks of its host (none on a host of one), both under one channel, as a rank of a
+  job that spans hosts has.
 """
 
 from __future__ import annotations
@@ -128,8 +133,13 @@ class ThreadFailure(AssertionError):
         super().__init__(f"{len(failures)} rank(s) failed:\n{text}")
 
 
-def shm_planes(n: int, channels: list[Channel]) -> list[shm_plane.ShmPlane]:
-    """One real shared-memory plane per thread-rank (memfd segments, pipe inboxes)."""
+def shm_planes(n: int, channels: list[Channel],
+               ranks: list[int] | None = None) -> list[shm_plane.ShmPlane]:
+    """One real shared-memory plane per thread-rank (memfd segments, pipe inboxes):
+    for ranks 0..n-1, or for the world ranks ``ranks`` (``channels`` indexed by world
+    rank), in the order of ``ranks``."""
+    ranks = list(range(n)) if ranks is None else ranks
+    n = len(ranks)
     memfds, pipes = [], []
     for _ in range(n):
         fd = os.memfd_create("swarmfd-test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -141,11 +151,13 @@ def shm_planes(n: int, channels: list[Channel]) -> list[shm_plane.ShmPlane]:
     planes = []
     try:
         for r in range(n):
-            segments = {p: mmap.mmap(memfds[p], shm_plane.SEGMENT_SIZE, mmap.MAP_SHARED,
-                                     mmap.PROT_READ | mmap.PROT_WRITE) for p in range(n)}
-            outboxes = {p: os.dup(pipes[p][1]) for p in range(n) if p != r}
-            planes.append(shm_plane.ShmPlane(channels[r], r, segments, os.dup(pipes[r][0]),
-                                             outboxes, os.dup(pipes[r][1])))
+            segments = {ranks[p]: mmap.mmap(memfds[p], shm_plane.SEGMENT_SIZE,
+                                            mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                        for p in range(n)}
+            outboxes = {ranks[p]: os.dup(pipes[p][1]) for p in range(n) if p != r}
+            planes.append(shm_plane.ShmPlane(channels[ranks[r]], ranks[r], segments,
+                                             os.dup(pipes[r][0]), outboxes,
+                                             os.dup(pipes[r][1])))
     finally:
         for fd in memfds:
             os.close(fd)
@@ -170,42 +182,80 @@ def run_threads(fn: Callable[..., Any], n: int, *args: Any, plane: str = "memory
         planes = [MemoryPlane(fabric, r, channels[r]) for r in range(n)]
     for ch, pl in zip(channels, planes, strict=True):
         ch.add_plane(pl)
+    try:
+        return _on_threads(lambda r: fn(r, channels[r], planes[r], *args), n, timeout,
+                           fabric)
+    finally:
+        if plane == "shm":
+            for p in planes:
+                with contextlib.suppress(Exception):
+                    p.close()
+
+
+def run_hosts(fn: Callable[..., Any], hosts: list[int], *args: Any, timeout: float = 30.0,
+              group_timeout: float = 10.0, fabric: Fabric | None = None) -> list[Any]:
+    """Run ``fn(rank, channel, tcp, shm, *args)`` on one thread-rank per entry of
+    ``hosts`` (the simulated host of each rank): ``tcp`` a :class:`MemoryPlane` to every
+    rank, ``shm`` a real shared-memory plane to the ranks of the same host (None on a
+    host of one); both planes are the rank's channel's, the memory plane first."""
+    n = len(hosts)
+    channels = [Channel(r, n, group_timeout) for r in range(n)]
+    fabric = fabric or Fabric(n)
+    tcp = [MemoryPlane(fabric, r, channels[r]) for r in range(n)]
+    shm: list[Any] = [None] * n
+    try:
+        for host in sorted(set(hosts)):
+            ranks = [r for r in range(n) if hosts[r] == host]
+            if len(ranks) > 1:
+                for r, pl in zip(ranks, shm_planes(0, channels, ranks), strict=True):
+                    shm[r] = pl
+        for r in range(n):
+            channels[r].add_plane(tcp[r])
+            if shm[r] is not None:
+                channels[r].add_plane(shm[r])
+        return _on_threads(lambda r: fn(r, channels[r], tcp[r], shm[r], *args), n, timeout,
+                           fabric)
+    finally:
+        for p in shm:
+            if p is not None:
+                with contextlib.suppress(Exception):
+                    p.close()
+
+
+def _on_threads(body: Callable[[int], Any], n: int, timeout: float,
+                fabric: Fabric | None) -> list[Any]:
+    """``body(rank)`` on n threads: the results in rank order, or every failure with its
+    traceback, or the stacks of the ranks that did not finish within ``timeout``."""
     results: dict[int, tuple[bool, Any]] = {}
 
-    def body(r: int) -> None:
+    def run_one(r: int) -> None:
         try:
-            results[r] = (True, fn(r, channels[r], planes[r], *args))
+            results[r] = (True, body(r))
         except BaseException:
             results[r] = (False, traceback.format_exc())
 
-    threads = [threading.Thread(target=body, args=(r,), daemon=True, name=f"rank-{r}")
+    threads = [threading.Thread(target=run_one, args=(r,), daemon=True, name=f"rank-{r}")
                for r in range(n)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + timeout
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
-    try:
-        hung = [r for r, t in enumerate(threads) if t.is_alive()]
-        if hung:
-            frames = sys._current_frames()
-            stacks = "".join(
-                f"--- rank {r} stack ---\n"
-                + "".join(traceback.format_stack(frames[threads[r].ident]))  # type: ignore[index]
-                for r in hung if threads[r].ident in frames)
-            if fabric is not None:
-                for r in range(n):
-                    fabric.kill(r)  # let the stuck threads end (they are daemons anyway)
-            raise AssertionError(f"rank(s) {hung} did not finish within {timeout} s\n{stacks}")
-        failures = {r: v for r, (ok, v) in results.items() if not ok}
-        if failures:
-            raise ThreadFailure(failures)
-        return [results[r][1] for r in range(n)]
-    finally:
-        if plane == "shm":
-            for p in planes:
-                with contextlib.suppress(Exception):
-                    p.close()
+    hung = [r for r, t in enumerate(threads) if t.is_alive()]
+    if hung:
+        frames = sys._current_frames()
+        stacks = "".join(
+            f"--- rank {r} stack ---\n"
+            + "".join(traceback.format_stack(frames[threads[r].ident]))  # type: ignore[index]
+            for r in hung if threads[r].ident in frames)
+        if fabric is not None:
+            for r in range(n):
+                fabric.kill(r)  # let the stuck threads end (they are daemons anyway)
+        raise AssertionError(f"rank(s) {hung} did not finish within {timeout} s\n{stacks}")
+    failures = {r: v for r, (ok, v) in results.items() if not ok}
+    if failures:
+        raise ThreadFailure(failures)
+    return [results[r][1] for r in range(n)]
 
 
 def run_algorithm(n: int, make: Callable[[Op], Any], *, plane: str = "memory",
@@ -230,3 +280,38 @@ def run_algorithm(n: int, make: Callable[[Op], Any], *, plane: str = "memory",
         return result()
 
     return run_threads(fn, n, plane=plane, timeout=timeout)
+
+
+def run_hier_algorithm(hosts: list[int], make: Callable[..., Any], *,
+                       sig: wire.Signature | None = None, timeout: float = 30.0,
+                       calls: int = 1) -> list[Any]:
+    """``calls`` calls of a group of every rank on simulated ``hosts`` (see
+    :func:`run_hosts`): ``make(op, layout, shm, call)`` returns (algorithm generator,
+    result getter); the root op is on the memory plane, as a real call's is on TCP.
+    Returns each rank's list of results (one per call)."""
+    from swarmfd.algorithms.hier import layout_of
+
+    sig = sig or wire.Signature(wire.Collective.ALL_REDUCE)
+    n = len(hosts)
+    names = [f"host{h}" for h in hosts]
+
+    def fn(r: int, channel: Channel, tcp: Any, shm: Any) -> Any:
+        rounds = [0]
+
+        def next_slot() -> int:
+            slot = shm_plane.area_of(0) + (rounds[0] % shm_plane.SLOTS) * shm_plane.SEGMENT_BYTES
+            rounds[0] += 1
+            return slot
+
+        lay = layout_of(names, r)
+        out = []
+        for call in range(calls):
+            op = Op(channel, tcp, list(range(n)), r, 0, call + 1, sig, None, next_slot)
+            channel.begin(0, call + 1)
+            algo, result = make(op, lay, shm, call)
+            run(op, algo)
+            channel.flush()
+            out.append(result())
+        return out
+
+    return run_hosts(fn, hosts, timeout=timeout)

@@ -74,7 +74,9 @@ def test_service_env_sets_world_slot_master_and_port():
     assert env["MASTER_PORT"] == "1234"
     assert env["SWARMFD_TIMEOUT"] == "7.5"
     assert env["SWARMFD_JOB"] == "job-1"
-    assert "SWARMFD_NODE" not in env
+    # the node is the rank's host; local ranks stay per container (0 of 1) by default
+    assert env["SWARMFD_NODE"] == "{{.Node.Hostname}}"
+    assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("0", "1")
     assert "SWARMFD_TIMEOUT" not in env_of(S.build_service_spec(make_job()))
     assert "SWARMFD_INIT_TIMEOUT" not in env_of(S.build_service_spec(make_job()))
 
@@ -92,6 +94,10 @@ def test_local_ranks_per_node_sets_the_node_template():
     """--local-ranks node passes the node's host name, so swarmfd groups ranks per node."""
     env = env_of(S.build_service_spec(make_job(local_ranks="node")))
     assert env["SWARMFD_NODE"] == "{{.Node.Hostname}}"
+    assert "LOCAL_RANK" not in env and "LOCAL_WORLD_SIZE" not in env  # derived per node
+    # per container, the user's own values win
+    env = env_of(S.build_service_spec(make_job(env={"LOCAL_RANK": "3"})))
+    assert (env["LOCAL_RANK"], env["SWARMFD_NODE"]) == ("3", "{{.Node.Hostname}}")
     with pytest.raises(ValueError, match="--local-ranks"):
         make_job(local_ranks="host")
 
@@ -129,7 +135,7 @@ def test_resources_placement_mounts_workdir_and_networks():
     }
     assert task["Placement"] == {"Constraints": ["node.role==worker"], "MaxReplicas": 2}
     assert task["ContainerSpec"]["Mounts"] == [
-        {"Type": "bind", "Source": "/data", "Target": "/data", "ReadOnly": True}]
+        {"Type": "bind", "Source": "/data", "Target": "/data", "ReadOnly": True}, SHM_MOUNT]
     assert task["ContainerSpec"]["Dir"] == "/work"
     assert task["Networks"] == [{"Target": "job-1"}, {"Target": "shared"}]
 
@@ -159,10 +165,40 @@ def test_job_secret_is_mounted_as_a_root_only_file_and_restart_count_is_in_the_e
 
 
 def test_minimal_spec_has_no_empty_optional_sections():
-    """No Resources/Placement/Mounts/Dir unless asked for."""
+    """No Resources/Placement/Mounts/Dir unless asked for (ranks that may share a node
+    mount the node's shared-memory volume; one rank per node needs none)."""
+    task = S.build_service_spec(make_job(max_per_node=1))["TaskTemplate"]
+    assert "Resources" not in task
+    assert "Mounts" not in task["ContainerSpec"] and "Dir" not in task["ContainerSpec"]
     task = S.build_service_spec(make_job())["TaskTemplate"]
     assert "Resources" not in task and "Placement" not in task
-    assert "Mounts" not in task["ContainerSpec"] and "Dir" not in task["ContainerSpec"]
+    assert task["ContainerSpec"]["Mounts"] == [SHM_MOUNT]
+
+
+SHM_MOUNT = {"Type": "volume", "Source": "swarmfd-shm", "Target": "/run/swarmfd-shm",
+             "VolumeOptions": {"NoCopy": True}}
+
+
+def test_ranks_that_may_share_a_node_mount_its_shared_memory_volume():
+    """Several ranks, not --max-per-node 1: the node's volume swarmfd-shm at
+    /run/swarmfd-shm and SWARMFD_SHM_DIR naming it (the contract: -e cannot point it
+    elsewhere while the volume is mounted); -e SWARMFD_SHM_DIR=DIR instead is the user's
+    own directory (and mount), and then nothing is added."""
+    spec = S.build_service_spec(make_job(max_per_node=2))
+    assert SHM_MOUNT in spec["TaskTemplate"]["ContainerSpec"]["Mounts"]
+    assert env_of(spec)["SWARMFD_SHM_DIR"] == S.SHM_TARGET == "/run/swarmfd-shm"
+    for job in (make_job(max_per_node=1), make_job(world_size=1)):
+        spec = S.build_service_spec(job)
+        assert "Mounts" not in spec["TaskTemplate"]["ContainerSpec"]
+        assert "SWARMFD_SHM_DIR" not in env_of(spec)
+    own = S.build_service_spec(make_job(
+        env={"SWARMFD_SHM_DIR": "/shared"},
+        mounts=(S.parse_mount("type=volume,src=mine,dst=/shared"),)))
+    assert own["TaskTemplate"]["ContainerSpec"]["Mounts"] == [
+        {"Type": "volume", "Source": "mine", "Target": "/shared"}]
+    assert env_of(own)["SWARMFD_SHM_DIR"] == "/shared"
+    with pytest.raises(ValueError, match="the target /run/swarmfd-shm is mounted twice"):
+        make_job(mounts=(S.parse_mount("type=tmpfs,dst=/run/swarmfd-shm"),))
 
 
 # --- JobSpec validation -----------------------------------------------------------------
@@ -256,7 +292,7 @@ def test_checkpoint_volume_mounts_a_named_volume_and_sets_the_directory():
     container = spec["TaskTemplate"]["ContainerSpec"]
     assert container["Mounts"] == [
         {"Type": "tmpfs", "Target": "/scratch"},
-        {"Type": "volume", "Source": "mnist-ckpt", "Target": S.CHECKPOINT_TARGET}]
+        {"Type": "volume", "Source": "mnist-ckpt", "Target": S.CHECKPOINT_TARGET}, SHM_MOUNT]
     assert env_of(spec)["SWARMFD_CHECKPOINT_DIR"] == S.CHECKPOINT_TARGET == "/checkpoints"
     assert "SWARMFD_CHECKPOINT_DIR" not in env_of(S.build_service_spec(make_job()))
 

@@ -3,18 +3,25 @@
 One place decides which algorithm runs; each threshold carries the measurement
 behind it. ``kind`` is the plane's (``"shm"`` or ``"tcp"``); ``nbytes`` the flat
 buffer's size; ``size`` the group's.
+
+A group that spans hosts may take the two-level algorithms (:mod:`.hier`) instead of
+the flat TCP ones: :func:`two_level_layout` says whether it can (the same answer on
+every member), the ``*_two_level`` functions which one a call takes (None: flat).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..comm import wire
-from . import shm, tcp
+from ..comm.planes.shm import SEGMENT_BYTES
+from . import hier, shm, tcp
 
-__all__ = ["PAIR_MAX_BYTES", "SMALL_BYTES", "SMALL_MAX_WORLD", "all_gather", "all_reduce",
-           "broadcast", "gather", "reduce", "reduce_scatter", "scatter", "split_rows"]
+__all__ = ["HIER_SMALL_BYTES", "PAIR_MAX_BYTES", "SMALL_BYTES", "SMALL_MAX_WORLD",
+           "all_gather", "all_gather_two_level", "all_reduce", "all_reduce_two_level",
+           "broadcast", "broadcast_two_level", "gather", "reduce", "reduce_scatter",
+           "reduce_two_level", "scatter", "split_rows", "two_level_layout"]
 
 #: Two ranks all-reduce up to this many bytes as one message each way (the pair
 #: exchange); above it the ring's pipelined pieces win (interleaved A/B over TCP:
@@ -83,3 +90,52 @@ def all_gather(kind: str, nbytes: int, size: int) -> Algo:
     if kind == "shm":
         return shm.all_gather
     return tcp.all_gather_direct if _direct(nbytes, size) else tcp.all_gather_ring
+
+
+# -- two-level (hier.py) ------------------------------------------------------------------
+
+#: Up to this many bytes the two-level all_reduce sends whole host partials between
+#: hosts (one barrier, one network hop; at most a slot); above it the sharded pipeline.
+HIER_SMALL_BYTES = 256 << 10
+
+
+def two_level_layout(hosts: Sequence[str], domains: Sequence[int], me: int,
+                     mode: str) -> hier.Layout | None:
+    """The layout of a group whose group rank g runs on ``hosts[g]`` in shared-memory
+    plane ``domains[g]`` (its lowest world rank, -1 for none), as group rank ``me``
+    sees it, when its calls may run two-level; else None.
+
+    Two-level when ``mode`` is "auto", the group spans hosts, some host holds several
+    of its ranks, and on every such host they all share one shared-memory plane.
+    Everything here is known alike to every member (init shares the planes).
+    """
+    if mode != "auto":
+        return None
+    lay = hier.layout_of(hosts, me)
+    if not lay.two_level():
+        return None
+    for ranks in lay.hosts:
+        if len(ranks) > 1 and (domains[ranks[0]] < 0
+                               or any(domains[g] != domains[ranks[0]] for g in ranks)):
+            return None
+    return lay
+
+
+def all_reduce_two_level(nbytes: int, lay: hier.Layout) -> Algo | None:
+    """The two-level all_reduce of ``nbytes``, or None for the flat one."""
+    if nbytes <= min(HIER_SMALL_BYTES, SEGMENT_BYTES):
+        return hier.all_reduce_small
+    return hier.all_reduce_large
+
+
+def broadcast_two_level(nbytes: int, lay: hier.Layout) -> Algo | None:
+    return hier.broadcast
+
+
+def reduce_two_level(nbytes: int, lay: hier.Layout) -> Algo | None:
+    return hier.reduce
+
+
+def all_gather_two_level(nbytes: int, lay: hier.Layout) -> Algo | None:
+    """``nbytes``: one rank's part."""
+    return hier.all_gather

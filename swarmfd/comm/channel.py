@@ -553,13 +553,20 @@ class Channel:
                 self._read_available(other, keep_data=True)
 
     def _read_available(self, plane: Plane, *, keep_data: bool, limit: int = 10_000) -> None:
-        """Read up to ``limit`` waiting messages without blocking; raise on a final abort.
+        """Read up to ``limit`` waiting messages, for at most LOST_PEER_GRACE, without
+        blocking; raise on a final abort.
 
-        Data messages are stashed for a later receive (``keep_data``) or dropped.
+        Data messages are stashed for a later receive (``keep_data``) or dropped. The
+        time limit is checked between messages, never inside one: a payload begun is read
+        to its end (a stream left in the middle of one would parse its bytes as the next
+        header), within the timeout like any read.
         """
-        between = _cutoff(LOST_PEER_GRACE)
+        end = _now() + LOST_PEER_GRACE
+        between = _cutoff(self.timeout)
         with contextlib.suppress(_Cutoff):
             for _ in range(limit):
+                if _now() > end:
+                    return
                 hdr = plane.next_header(0)
                 if hdr is None:
                     return

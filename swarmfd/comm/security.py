@@ -175,3 +175,5 @@ def keepalive(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, idle)
     sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, intvl)
     sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, cnt)
+    # TCP_USER_TIMEOUT: see swarmfd.comm.planes.socket._keepalive.
+    sock.setsockopt(zmq.TCP_MAXRT, (idle + intvl * cnt) * 1000)

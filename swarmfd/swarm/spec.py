@@ -13,6 +13,16 @@ hostname ``{{.Service.Name}}-{{.Task.Slot}}`` (Swarm makes it a DNS alias, so
 ``<job>-1`` names rank 0) and the environment contract the container entrypoint
 (:mod:`swarmfd.entrypoint`) turns into ``RANK``, plus one attachable overlay
 network of the same name. Everything carries the label ``org.swarmfd.job=<job>``.
+
+Every rank knows its node (``SWARMFD_NODE={{.Node.Hostname}}``): the ranks of one
+node are one host for swarmfd (its host group, and the two-level collectives that
+keep a node's traffic in shared memory). Two tasks on one node are two containers,
+with no IPC namespace or /dev/shm in common, so when a job may place several ranks
+on a node each rank also mounts the node's volume SHM_VOLUME at SHM_TARGET
+(``SWARMFD_SHM_DIR``): there they meet to hand each other their shared-memory
+segments (see :mod:`swarmfd.comm.shm_setup`; the socket file is gone once they have).
+The local driver creates the volume on each node where a rank starts; it stays
+empty after the job (``docker volume rm swarmfd-shm`` on a node removes it).
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ __all__ = [
     "CHECKPOINT_TARGET",
     "DEFAULT_MASTER_PORT",
     "ENV_CHECKPOINT_DIR",
+    "ENV_SHM_DIR",
     "LABEL_FAILURE",
     "LABEL_IMAGE",
     "LABEL_JOB",
@@ -41,6 +52,8 @@ __all__ = [
     "RESERVED_ENV",
     "SECRET_MODE",
     "SECRET_TARGET",
+    "SHM_TARGET",
+    "SHM_VOLUME",
     "JobSpec",
     "build_network_spec",
     "build_service_spec",
@@ -93,6 +106,13 @@ RESERVED_ENV = {
 CHECKPOINT_TARGET = "/checkpoints"
 ENV_CHECKPOINT_DIR = "SWARMFD_CHECKPOINT_DIR"
 _VOLUME_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+#: The node's volume where a job's ranks on one node meet to share memory (see the
+#: module docstring), mounted at SHM_TARGET and named by SWARMFD_SHM_DIR (the name
+#: swarmfd.config reads; not imported: this package stays apart from the core).
+SHM_VOLUME = "swarmfd-shm"
+SHM_TARGET = "/run/swarmfd-shm"
+ENV_SHM_DIR = "SWARMFD_SHM_DIR"
 
 #: The job secret in every rank: ``/run/secrets/<SECRET_TARGET>``, readable by root only.
 SECRET_TARGET = "swarmfd_secret"
@@ -522,12 +542,23 @@ class JobSpec:
     def all_mounts(self) -> list[dict[str, Any]]:
         """The ``--mount``s plus the ``--checkpoint-volume`` (a named volume of the
         local driver: Swarm creates it on each node where a rank starts, and keeps it
-        after the job; ``docker volume rm NAME`` deletes it)."""
+        after the job; ``docker volume rm NAME`` deletes it) and the node's
+        shared-memory volume (:meth:`shares_nodes`)."""
         mounts = [dict(m) for m in self.mounts]
         if self.checkpoint_volume:
             mounts.append({"Type": "volume", "Source": self.checkpoint_volume,
                            "Target": CHECKPOINT_TARGET})
+        if self.shares_nodes():
+            mounts.append({"Type": "volume", "Source": SHM_VOLUME, "Target": SHM_TARGET,
+                           "VolumeOptions": {"NoCopy": True}})
         return mounts
+
+    def shares_nodes(self) -> bool:
+        """True when ranks may share a node (more than one rank, not --max-per-node 1):
+        they then mount the node's shared-memory volume, unless ``-e SWARMFD_SHM_DIR``
+        names a directory of the user's own."""
+        return (self.world_size > 1 and self.max_per_node != 1
+                and ENV_SHM_DIR not in self.env)
 
     def job_labels(self) -> dict[str, str]:
         """The labels on every object of the job (service, network, containers)."""
@@ -549,12 +580,20 @@ class JobSpec:
             contract["SWARMFD_INIT_TIMEOUT"] = f"{self.init_timeout:g}"
         if self.checkpoint_volume:
             contract[ENV_CHECKPOINT_DIR] = CHECKPOINT_TARGET
+        defaults = {"PYTHONUNBUFFERED": "1"}
         if self.local_ranks == "node":
             # The entrypoint then leaves LOCAL_RANK/LOCAL_WORLD_SIZE unset, and swarmfd
             # derives them at rendezvous by grouping the ranks on SWARMFD_NODE.
             contract["SWARMFD_NODE"] = "{{.Node.Hostname}}"
+        else:
+            # The node is still the rank's host (module docstring); its local ranks stay
+            # per container, 0 of 1, unless the user sets them.
+            defaults.update(SWARMFD_NODE="{{.Node.Hostname}}", LOCAL_RANK="0",
+                            LOCAL_WORLD_SIZE="1")
+        if self.shares_nodes():
+            contract[ENV_SHM_DIR] = SHM_TARGET
         # Defaults first (the user may override them), the contract last (it may not).
-        merged = {"PYTHONUNBUFFERED": "1", **self.env, **contract}
+        merged = {**defaults, **self.env, **contract}
         return [f"{k}={v}" for k, v in merged.items()]
 
 

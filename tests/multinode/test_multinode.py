@@ -239,6 +239,64 @@ def test_bench_across_nodes_plain_and_encrypted(multinode: Any,
           + "\n".join(line for line in proc.stderr.splitlines() if "error" in line.lower())[:1500])
 
 
+# --- 3b. two ranks per node: the two-level collectives ------------------------------------
+
+HIER_JOB = (ROOT / "tests" / "hier_job.py").read_text()
+HIER_PREFIX = "HIER-RESULT "
+
+
+def test_two_level_collectives_with_two_ranks_per_node(
+        multinode: Any, job_name: Callable[[str], str]) -> None:
+    """2 ranks per node (N=6 on 3 nodes), default deploy options: the two containers of a
+    node share memory through the node's swarmfd-shm volume, and every collective takes
+    the two-level path (tests/hier_job.py --expect-two-level: each rank checks every
+    result and fails on a silent fall-back to flat TCP)."""
+    n = 2 * len(multinode.nodes)
+    name = job_name("hier")
+    started = time.monotonic()
+    proc = swarmfd(multinode, "deploy", multinode.image_id, "-n", str(n), "--name", name,
+                   "--max-per-node", "2", "--timeout", "60", "--",
+                   "python", "-c", HIER_JOB, "--expect-two-level", "--sizes", "0,3,70000,300000")
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    import json
+
+    results = {}
+    for rank, lines in rank_lines(proc.stdout).items():
+        found = [ln for ln in lines if ln.startswith(HIER_PREFIX)]
+        assert found, (rank, lines)
+        results[rank] = json.loads(found[-1][len(HIER_PREFIX):])
+    assert sorted(results) == list(range(n)), proc.stdout
+    nodes = {r["host"] for r in results.values()}
+    assert sorted(nodes) == sorted(node_names(multinode)), results
+    for rank, r in results.items():
+        assert r["failures"] == [] and r["shm"], (rank, r)
+        layout = [sorted(h) for h in r["layout"]]
+        assert sorted(layout) == sorted(
+            sorted(q for q in results if results[q]["host"] == node) for node in nodes), r
+    print(f"\nmultinode N={n}, two ranks per node, two-level collectives: {elapsed:.1f} s end "
+          f"to end; layout {results[0]['layout']}, calls {results[0]['calls']}")
+
+
+def test_bench_two_level_against_flat_two_ranks_per_node(
+        multinode: Any, job_name: Callable[[str], str]) -> None:
+    """`swarmfd bench` with 2 ranks per node, flat (SWARMFD_HIERARCHY=off) then
+    two-level: both correct (bench checks its results); the tables are the report."""
+    n = 2 * len(multinode.nodes)
+    tables = {}
+    for label, extra in (("flat", ("-e", "SWARMFD_HIERARCHY=off")), ("two-level", ())):
+        started = time.monotonic()
+        proc = swarmfd(multinode, "deploy", multinode.image_id, "-n", str(n), "--name",
+                       job_name("hbench"), "--max-per-node", "2", *extra, "--",
+                       "swarmfd", "bench", "--sizes", "64K,1M,16M", "--iters", "5",
+                       "--op", "all_reduce", "--op", "broadcast", "--quiet")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        tables[label] = _bench_table(proc.stdout)
+        assert "busbw" in tables[label], tables[label]
+        print(f"\nswarmfd bench, {n} ranks, 2 per node on {len(multinode.nodes)} nodes, "
+              f"{label} ({time.monotonic() - started:.1f} s):\n{tables[label]}")
+
+
 # --- 4. your own project on every node: the in-cluster registry --------------------------
 
 

@@ -121,6 +121,11 @@ def _keepalive(sock: socket.socket, idle: int, intvl: int, cnt: int) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, intvl)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, cnt)
+    # Keepalive probes only an idle connection: one with data in flight to a host that
+    # vanished retransmits for many minutes instead. The user timeout ends it as soon:
+    # data unacknowledged for as long as keepalive takes (a stopped peer's kernel still
+    # acknowledges, also the probes of a full window, so a SIGSTOP stays a timeout).
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, (idle + intvl * cnt) * 1000)
 
 
 def _mac(token: str, role: bytes, client: int, server: int, nonce_c: bytes,

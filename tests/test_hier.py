@@ -1,0 +1,506 @@
+"""The two-level algorithms (swarmfd/algorithms/hier.py), in-process on simulated hosts.
+
+Thread-ranks with a memory plane to every rank (the "TCP" between hosts) and real
+shared memory among the ranks of each simulated host (tests/memplane.py run_hosts):
+every collective, even and uneven hosts, two and three hosts, spread placements,
+sizes around the rounds and shards, every dtype group, against numpy's answer (exact
+for integers; floats bitwise identical on every rank). tests/test_hier_netsim.py runs
+the public calls between real processes on simulated hosts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from swarmfd.algorithms import hier
+from swarmfd.algorithms.base import Op
+from swarmfd.comm import wire
+
+from .memplane import run_hier_algorithm
+
+#: Simulated hosts of each rank: even, spread (hosts interleaved in rank order), uneven
+#: (3 + 1, 1 + 3, 4 + 2 where K=4 does not divide evenly), three hosts, 2 x 4.
+HOSTS = {
+    "2x2": [0, 0, 1, 1],
+    "2x2-spread": [0, 1, 0, 1],
+    "3+1": [0, 0, 0, 1],
+    "1+3": [0, 1, 1, 1],
+    "4+2-spread": [0, 1, 0, 0, 1, 0],
+    "3+2+1": [0, 0, 1, 1, 2, 0],
+    "3x2": [0, 0, 1, 1, 2, 2],
+    "2x4": [0, 0, 0, 0, 1, 1, 1, 1],
+}
+DTYPES = [np.int8, np.int64, np.uint32, np.float16, np.float32, np.float64, np.complex128]
+#: Element counts: empty, fewer than the shards, odd, and several rounds (float64: a
+#: round is 131072 items per rank; with K shards each gets 131072 / K of them).
+COUNTS = [0, 1, 3, 1001, 131072 * 2 + 5]
+
+
+def _data(rank: int, count: int, dtype: Any, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed * 100 + rank)
+    dt = np.dtype(dtype)
+    if dt.kind in "iu":
+        return rng.integers(0, 50, count).astype(dt)
+    if dt.kind == "c":
+        return (rng.standard_normal(count) + 1j * rng.standard_normal(count)).astype(dt)
+    return (rng.standard_normal(count) * 10.0 ** rng.integers(-3, 4, count)).astype(dt)
+
+
+def _check_reduced(got: list[np.ndarray], inputs: list[np.ndarray], dtype: Any) -> None:
+    for r in range(1, len(got)):
+        assert got[r].tobytes() == got[0].tobytes(), f"rank {r} differs from rank 0 ({dtype})"
+    want = sum(inputs[1:], start=inputs[0].copy())
+    if np.dtype(dtype).kind in "iu":
+        assert np.array_equal(got[0], want), dtype
+    else:
+        assert np.allclose(got[0], want, rtol=1e-2, atol=1e-2), dtype
+
+
+def _all_reduce(kind: str, inputs: list[np.ndarray], hosts: list[int], **kw: Any) -> list[Any]:
+    algo = hier.all_reduce_small if kind == "small" else hier.all_reduce_large
+
+    def make(op: Op, lay: hier.Layout, shm: Any, call: int) -> Any:
+        buf = inputs[op.me].copy()
+        return algo(op, buf, np.add, lay, shm, **kw), lambda: buf
+
+    return [r[0] for r in run_hier_algorithm(hosts, make)]
+
+
+def test_layout() -> None:
+    lay = hier.layout_of(["b", "a", "b", "c", "a"], 4)
+    assert lay.hosts == ((0, 2), (1, 4), (3,))
+    assert (lay.host, lay.local, lay.locals, lay.shards) == (1, 1, [1, 4], 2)
+    assert lay.two_level()
+    assert not hier.layout_of(["a", "b", "c"], 0).two_level()  # one rank per host
+    assert not hier.layout_of(["a", "a"], 1).two_level()  # one host
+    with pytest.raises(ValueError, match="bad layout"):
+        hier.Layout(((0, 1), (1,)), 0)
+
+
+@pytest.mark.parametrize("shape", list(HOSTS))
+@pytest.mark.parametrize("count", COUNTS)
+def test_all_reduce_large(shape: str, count: int) -> None:
+    hosts = HOSTS[shape]
+    for dtype in DTYPES if count < 1000 else [np.int64, np.float32]:
+        inputs = [_data(r, count, dtype) for r in range(len(hosts))]
+        _check_reduced(_all_reduce("large", inputs, hosts), inputs, dtype)
+
+
+@pytest.mark.parametrize("shape", list(HOSTS))
+@pytest.mark.parametrize("count", [0, 1, 5, 1001, 32768])
+def test_all_reduce_small(shape: str, count: int) -> None:
+    hosts = HOSTS[shape]
+    for dtype in DTYPES if count < 1000 else [np.uint32, np.float64]:
+        inputs = [_data(r, count, dtype) for r in range(len(hosts))]
+        _check_reduced(_all_reduce("small", inputs, hosts), inputs, dtype)
+
+
+@pytest.mark.parametrize("depth", [1, 2, 5])
+@pytest.mark.parametrize("round_bytes", [4096, 1 << 20])
+def test_all_reduce_large_depth_and_rounds(depth: int, round_bytes: int) -> None:
+    """The pipeline holds for any depth and round size (many small rounds: slots are
+    reused while earlier rounds' results are still being copied out)."""
+    for shape in ("2x2-spread", "3+1", "4+2-spread"):
+        hosts = HOSTS[shape]
+        inputs = [_data(r, 50_001, np.float32, seed=depth) for r in range(len(hosts))]
+        got = _all_reduce("large", inputs, hosts, depth=depth, round_bytes=round_bytes)
+        _check_reduced(got, inputs, np.float32)
+
+
+def test_all_reduce_calls_in_a_row() -> None:
+    """Consecutive calls of both paths rotate through the slots without a rank
+    overwriting what a slower one still reads."""
+    hosts = HOSTS["4+2-spread"]
+    sizes = [10, 70_000, 3, 300_000, 7, 40_000]
+    inputs = [[_data(r, n, np.float64, seed=c) for c, n in enumerate(sizes)]
+              for r in range(len(hosts))]
+
+    def make(op: Op, lay: hier.Layout, shm: Any, call: int) -> Any:
+        buf = inputs[op.me][call].copy()
+        if buf.size < 50_000:
+            return hier.all_reduce_small(op, buf, np.add, lay, shm), lambda: buf
+        return hier.all_reduce_large(op, buf, np.add, lay, shm, round_bytes=65536), lambda: buf
+
+    got = run_hier_algorithm(hosts, make, calls=len(sizes))
+    for c in range(len(sizes)):
+        _check_reduced([g[c] for g in got], [inp[c] for inp in inputs], np.float64)
+
+
+@pytest.mark.parametrize("shape", list(HOSTS))
+@pytest.mark.parametrize("count", [0, 3, 1001, 131072 * 2 + 5])
+def test_broadcast(shape: str, count: int) -> None:
+    hosts = HOSTS[shape]
+    n = len(hosts)
+    sig_for = {}
+    for root in sorted({0, n - 1, n // 2}):
+        inputs = [_data(r, count, np.int64, seed=root) for r in range(n)]
+        sig_for[root] = wire.Signature(wire.Collective.BROADCAST, root=root)
+
+        def make(op: Op, lay: hier.Layout, shm: Any, call: int, root: int = root,
+                 inputs: list[np.ndarray] = inputs) -> Any:
+            buf = inputs[op.me].copy()
+            return hier.broadcast(op, buf, root, lay, shm), lambda: buf
+
+        for got in run_hier_algorithm(hosts, make, sig=sig_for[root]):
+            assert np.array_equal(got[0], inputs[root])
+
+
+@pytest.mark.parametrize("shape", list(HOSTS))
+@pytest.mark.parametrize("count", [0, 3, 1001, 131072 * 2 + 5])
+def test_reduce(shape: str, count: int) -> None:
+    hosts = HOSTS[shape]
+    n = len(hosts)
+    for root in sorted({0, n - 1, n // 2}):
+        inputs = [_data(r, count, np.int64, seed=root) for r in range(n)]
+
+        def make(op: Op, lay: hier.Layout, shm: Any, call: int, root: int = root,
+                 inputs: list[np.ndarray] = inputs) -> Any:
+            buf = inputs[op.me].copy()
+            return hier.reduce(op, buf, root, np.add, lay, shm), lambda: buf
+
+        got = run_hier_algorithm(hosts, make, sig=wire.Signature(wire.Collective.REDUCE,
+                                                                 root=root))
+        assert np.array_equal(got[root][0], sum(inputs[1:], start=inputs[0].copy()))
+        for r in range(n):
+            if r != root:
+                assert np.array_equal(got[r][0], inputs[r]), f"rank {r}'s array changed"
+
+
+@pytest.mark.parametrize("shape", list(HOSTS))
+@pytest.mark.parametrize("count", [0, 1, 1001, 131072 + 3])
+def test_all_gather(shape: str, count: int) -> None:
+    hosts = HOSTS[shape]
+    n = len(hosts)
+    inputs = [_data(r, count, np.float32) for r in range(n)]
+
+    def make(op: Op, lay: hier.Layout, shm: Any, call: int) -> Any:
+        out = np.full((n, count), np.nan, np.float32)
+        out[op.me] = inputs[op.me]
+        return hier.all_gather(op, out, lay, shm), lambda: out
+
+    for got in run_hier_algorithm(hosts, make, sig=wire.Signature(wire.Collective.ALL_GATHER)):
+        assert np.array_equal(got[0], np.stack(inputs)), "rows out of place"
+
+
+def test_progress_engine_drives_the_phases() -> None:
+    """The same algorithms issued as async ops (swarmfd.engine): the engine waits on the
+    plane of each receive (shared memory inside a host, TCP between), two calls of one
+    group queued behind each other."""
+    from types import SimpleNamespace
+
+    from swarmfd.engine import Engine
+
+    from .memplane import run_hosts
+
+    hosts = HOSTS["3+1"]
+    n = len(hosts)
+    names = [f"host{h}" for h in hosts]
+    inputs = [[_data(r, c, np.float32, seed=c) for r in range(n)] for c in (5, 300_001)]
+
+    def fn(r: int, channel: Any, tcp: Any, shm: Any) -> Any:
+        rounds = [0]
+
+        def next_slot() -> int:
+            from swarmfd.comm.planes import shm as shm_plane
+
+            slot = (rounds[0] % shm_plane.SLOTS) * shm_plane.SEGMENT_BYTES
+            rounds[0] += 1
+            return slot
+
+        lay = hier.layout_of(names, r)
+        engine = Engine(channel, 10.0, lambda g, exc: None)
+        group = SimpleNamespace(gid=0, broken=None)
+        works, bufs = [], []
+        sig = wire.Signature(wire.Collective.ALL_REDUCE)
+        for call, algo in enumerate((hier.all_reduce_small, hier.all_reduce_large)):
+            buf = inputs[call][r].copy()
+            op = Op(channel, tcp, list(range(n)), r, 0, call + 1, sig, None, next_slot)
+            works.append(engine.submit(group, op, algo(op, buf, np.add, lay, shm), f"#{call}"))
+            bufs.append(buf)
+        for w in works:
+            w.wait(20)
+        engine.close()
+        return bufs
+
+    got = run_hosts(fn, hosts)
+    for call in range(2):
+        _check_reduced([g[call] for g in got], inputs[call], np.float32)
+
+
+# -- selection -----------------------------------------------------------------------------
+
+
+def test_two_level_layout_selection() -> None:
+    """Two-level exactly when the group spans hosts, some host holds several of its ranks,
+    each such host's ranks share one shared-memory plane, and SWARMFD_HIERARCHY is auto."""
+    from swarmfd.algorithms.select import two_level_layout
+
+    hosts = ["a", "b", "a", "b"]
+    lay = two_level_layout(hosts, [0, 1, 0, 1], 2, "auto")
+    assert lay is not None and lay.hosts == ((0, 2), (1, 3)) and lay.local == 1
+    assert two_level_layout(hosts, [0, 1, 0, 1], 2, "off") is None
+    assert two_level_layout(hosts, [0, -1, 0, -1], 0, "auto") is None  # b fell back to TCP
+    assert two_level_layout(hosts, [0, 1, 0, 3], 0, "auto") is None  # b: two planes
+    # a host of one needs no plane; one host, or one rank per host: flat
+    assert two_level_layout(["a", "a", "b"], [0, 0, -1], 2, "auto") is not None
+    assert two_level_layout(["a", "a"], [0, 0], 0, "auto") is None
+    assert two_level_layout(["a", "b", "c"], [-1, -1, -1], 0, "auto") is None
+
+
+def test_two_level_selection_by_size() -> None:
+    from swarmfd.algorithms import select
+
+    lay = hier.layout_of(["a", "a", "b", "b"], 0)
+    assert select.all_reduce_two_level(4096, lay) is hier.all_reduce_small
+    assert select.all_reduce_two_level(select.HIER_SMALL_BYTES, lay) is hier.all_reduce_small
+    assert select.all_reduce_two_level(select.HIER_SMALL_BYTES + 4, lay) is \
+        hier.all_reduce_large
+
+
+# -- the public calls, in-process ------------------------------------------------------------
+
+
+class _World:
+    """Thread-ranks on simulated hosts with a real _State each (memory plane, real shared
+    memory, the progress engine), so that the public calls run as in a job that spans
+    hosts; ``swarmfd.group.current`` answers each thread with its own state."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import threading
+
+        from swarmfd import group as _group
+
+        self.local = threading.local()
+        monkeypatch.setattr(_group, "current", lambda what="": self.local.state)
+
+    def run(self, hosts: list[int], fn: Any, hierarchy: str = "auto") -> list[Any]:
+        from types import SimpleNamespace
+
+        from swarmfd import group as _group
+        from swarmfd.config import Config
+
+        from .memplane import run_hosts
+
+        n = len(hosts)
+        names = [f"host{h}" for h in hosts]
+        domains = [min(r for r in range(n) if hosts[r] == hosts[q])
+                   if hosts.count(hosts[q]) > 1 else -1 for q in range(n)]
+
+        def body(r: int, channel: Any, tcp: Any, shm: Any) -> Any:
+            config = Config(world_size=n, rank=r, master_addr="127.0.0.1", timeout=10)
+            t = SimpleNamespace(tcp=tcp, shm=shm, channel=channel)
+            state = _group._State(config, t, names, hierarchy=hierarchy)  # type: ignore[arg-type]
+            state.shm_domains = domains
+            _group._make_groups(state)
+            state.engine = _group._engine(state)
+            self.local.state = state
+            try:
+                return fn(r, state)
+            finally:
+                state.engine.close()
+
+        return run_hosts(body, hosts)
+
+
+def test_public_calls_on_simulated_hosts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every collective through the public API on 3 + 1 hosts, spread: lists fused per
+    dtype group, mean, a non-contiguous array, async ops, a group that crosses hosts
+    (world ranks 1, 2, 3 of hosts [0, 1, 0, 0]), a root on either host; every result
+    bitwise identical on every rank, and the calls really took the two-level path."""
+    import swarmfd as fd
+    from swarmfd import collectives
+
+    hosts = [0, 1, 0, 0]
+    n = len(hosts)
+    taken: list[str] = []
+    real = {name: getattr(hier, name) for name in ("all_reduce_small", "all_reduce_large",
+                                                    "broadcast", "reduce", "all_gather")}
+    for name, fn in real.items():
+        def spy(*a: Any, _fn: Any = fn, _name: str = name, **k: Any) -> Any:
+            taken.append(_name)
+            return _fn(*a, **k)
+        monkeypatch.setattr(hier, name, spy)
+
+    def body(r: int, state: Any) -> Any:
+        out: dict[str, Any] = {}
+        big = _data(r, 300_001, np.float32)
+        out["big"] = collectives.all_reduce(big)
+        parts = [_data(r, 7, np.float64), _data(r, 1000, np.int32), _data(r, 5, np.float64)]
+        out["list"] = [p.copy() for p in collectives.all_reduce(parts)]
+        m = _data(r, 70_000, np.float64)
+        out["mean"] = collectives.all_reduce(m, op="mean")
+        nc = np.arange(40, dtype=np.float32).reshape(8, 5)[:, ::2] * (r + 1)
+        out["noncontig"] = collectives.all_reduce(nc).copy()
+        w = collectives.all_reduce(_data(r, 200_003, np.int64), async_op=True)
+        w2 = collectives.all_reduce(_data(r, 11, np.int64), op="max", async_op=True)
+        out["async"], out["async_max"] = w.wait(20).copy(), w2.wait(20).copy()
+        for src in (0, 1):
+            b = _data(r, 150_000, np.int16)
+            out[f"bcast{src}"] = collectives.broadcast(b, src=src).copy()
+            x = _data(r, 150_000, np.int64)
+            out[f"reduce{src}"] = collectives.reduce(x, dst=src).copy()
+        out["gather"] = np.stack(collectives.all_gather(_data(r, 70_001, np.float32)))
+        g = fd.new_group([1, 2, 3])
+        if r in (1, 2, 3):
+            out["sub"] = collectives.all_reduce(_data(r, 100_000, np.float64), group=g)
+            out["sub_gather"] = np.stack(collectives.all_gather(_data(r, 9, np.uint8),
+                                                                group=g))
+        collectives.barrier()
+        return out
+
+    got = _World(monkeypatch).run(hosts, body)
+    inputs = {k: [_data(r, c, dt) for r in range(n)] for k, c, dt in (
+        ("big", 300_001, np.float32), ("mean", 70_000, np.float64),
+        ("async", 200_003, np.int64), ("async_max", 11, np.int64),
+        ("b", 150_000, np.int16), ("x", 150_000, np.int64), ("gather", 70_001, np.float32),
+        ("sub", 100_000, np.float64), ("sub_gather", 9, np.uint8))}
+    _check_reduced([o["big"] for o in got], inputs["big"], np.float32)
+    _check_reduced([o["async"] for o in got], inputs["async"], np.int64)
+    assert all(np.array_equal(o["async_max"], np.max(inputs["async_max"], axis=0))
+               for o in got)
+    means = [o["mean"] for o in got]
+    assert all(m.tobytes() == means[0].tobytes() for m in means)
+    assert np.allclose(means[0], np.mean(inputs["mean"], axis=0))
+    for k, (c, dt) in enumerate([(7, np.float64), (1000, np.int32), (5, np.float64)]):
+        _check_reduced([o["list"][k] for o in got], [_data(r, c, dt) for r in range(n)], dt)
+    nc = np.arange(40, dtype=np.float32).reshape(8, 5)[:, ::2]
+    assert all(np.array_equal(o["noncontig"], nc * 10) for o in got)
+    for src in (0, 1):
+        assert all(np.array_equal(o[f"bcast{src}"], inputs["b"][src]) for o in got)
+        assert np.array_equal(got[src][f"reduce{src}"], np.sum(inputs["x"], axis=0))
+        assert all(np.array_equal(got[r][f"reduce{src}"], inputs["x"][r])
+                   for r in range(n) if r != src)
+    assert all(np.array_equal(o["gather"], np.stack(inputs["gather"])) for o in got)
+    _check_reduced([got[r]["sub"] for r in (1, 2, 3)], inputs["sub"][1:], np.float64)
+    assert all(np.array_equal(got[r]["sub_gather"], np.stack(inputs["sub_gather"][1:]))
+               for r in (1, 2, 3))
+    assert set(taken) == set(real), taken
+
+
+def test_hierarchy_off_takes_the_flat_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    from swarmfd import collectives
+
+    taken: list[str] = []
+    for name in ("all_reduce_small", "all_reduce_large", "broadcast", "reduce", "all_gather"):
+        monkeypatch.setattr(hier, name, lambda *a, _n=name, **k: taken.append(_n))
+
+    def body(r: int, state: Any) -> Any:
+        x = collectives.all_reduce(np.full(300_000, r + 1.0))
+        collectives.broadcast(x, src=1)
+        return x
+
+    got = _World(monkeypatch).run([0, 0, 1, 1], body, hierarchy="off")
+    assert all(np.all(g == 10.0) for g in got) and taken == []
+
+
+@pytest.mark.parametrize("algo", ["all_reduce_large", "broadcast", "all_gather"])
+def test_host_lost_mid_call_is_named_by_every_survivor(algo: str) -> None:
+    """Host 1's ranks vanish in the middle of a large call (after some of their rounds;
+    the broadcast's root is there; in all_gather before sending anything): every
+    survivor raises PeerLostError (or the abort of a local peer that lost it) naming a
+    rank of host 1 and its host, within the timeout."""
+    import time
+
+    from swarmfd.algorithms.base import complete, run
+    from swarmfd.comm.plane import PeerInfo
+    from swarmfd.errors import PeerLostError
+
+    from .memplane import Fabric, run_hosts
+
+    hosts = [0, 1, 0, 0, 1]
+    n = len(hosts)
+    fabric = Fabric(n)
+    names = [f"host{h}" for h in hosts]
+    count = 1 << 20  # float32: 4 rounds of a slot
+
+    def fn(r: int, channel: Any, tcp: Any, shm: Any) -> Any:
+        channel.peers = [PeerInfo(q, f"mem:{q}", names[q], 1000 + q) for q in range(n)]
+        slots = [0]
+
+        def next_slot() -> int:
+            slots[0] += 1
+            return ((slots[0] - 1) % 3) << 20
+
+        sig = wire.Signature(wire.Collective.ALL_REDUCE)
+        op = Op(channel, tcp, list(range(n)), r, 0, 1, sig, None, next_slot)
+        lay = hier.layout_of(names, r)
+        buf = np.ones(count, np.float32)
+        if algo == "all_reduce_large":
+            gen = hier.all_reduce_large(op, buf, np.add, lay, shm)
+        elif algo == "broadcast":
+            op.sig = wire.Signature(wire.Collective.BROADCAST, root=1)
+            gen = hier.broadcast(op, buf, 1, lay, shm)
+        else:
+            out = np.zeros((n, 1 << 18), np.float32)
+            gen = hier.all_gather(op, out, lay, shm)
+        if hosts[r] == 1:
+            # run a few steps, then vanish (connections close, nothing more is sent)
+            if algo != "all_gather":
+                req = gen.send(None)
+                for _ in range(2):
+                    req = gen.send(complete(req))
+            fabric.kill(r)
+            return None
+        start = time.monotonic()
+        try:
+            run(op, gen)
+        except PeerLostError as exc:
+            channel.abort(exc, 0)
+            return str(exc), time.monotonic() - start
+        raise AssertionError("the call succeeded without host 1")
+
+    got = run_hosts(fn, hosts, fabric=fabric, group_timeout=10.0)
+    for r in range(n):
+        if hosts[r] == 0:
+            msg, took = got[r]
+            assert "lost rank 1" in msg or "lost rank 4" in msg, msg
+            assert "host host1" in msg, msg
+            assert took < 5.0, (r, took, msg)
+
+
+# -- the message layer, as the two-level calls use it -----------------------------------------
+
+
+def test_reading_another_plane_never_abandons_a_payload_half_read() -> None:
+    """While a rank waits on one plane (a shared-memory barrier) the channel reads what
+    arrived on the others (TCP data, into the stash) for a bounded time. A payload begun
+    must be read to its end, however long the time limit has passed: the plane's stream
+    would otherwise parse the rest of it as the next header (seen on simulated hosts as
+    "sent bytes that are not a swarmfd message", 3 hosts x 2, all_gather of 16 MiB)."""
+    import time
+
+    from swarmfd.comm.channel import LOST_PEER_GRACE, Channel
+
+    from .memplane import Fabric, MemoryPlane
+
+    class SlowPlane(MemoryPlane):
+        """A payload that trickles in: read_payload waits in slices, calling between."""
+
+        def read_payload(self, hdr: Any, into: Any, between: Any, keep: bool = False) -> Any:
+            end = time.monotonic() + 1.5 * LOST_PEER_GRACE
+            while time.monotonic() < end:
+                time.sleep(0.02)
+                between()
+            return super().read_payload(hdr, into, between, keep)
+
+    fabric = Fabric(2)
+    channels = [Channel(r, 2, 10.0) for r in range(2)]
+    planes = [SlowPlane(fabric, r, channels[r]) for r in range(2)]
+    for ch, pl in zip(channels, planes, strict=True):
+        ch.add_plane(pl)
+    sig = wire.Signature(wire.Collective.ALL_REDUCE)
+    for tag in range(2):
+        channels[0].send(planes[0], 1, sig, 0, 1, tag, np.full(4, tag, np.int64), copy=True)
+    channels[1].begin(0, 1)
+    channels[1].set_group(0)
+    channels[1].service()
+    # The first payload was read whole (into the stash) although the limit passed
+    # while reading it; the second waits for the next read.
+    assert list(channels[1].stash) == [(0, 0, 1, 0)]
+    _hdr, payload = channels[1].stash[(0, 0, 1, 0)]
+    assert np.array_equal(np.frombuffer(payload, np.int64), [0, 0, 0, 0])
+    channels[1].service()
+    assert (0, 0, 1, 1) in channels[1].stash
