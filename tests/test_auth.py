@@ -39,8 +39,7 @@ from swarmfd.comm import security as transport
 from swarmfd.comm import wire
 from swarmfd.comm.plane import PeerInfo
 
-from .conftest import free_port, run_ranks, write_secret_file
-from .robust_harness import RankCtx, Ranks, error_info, record
+from .harness import RankCtx, Ranks, error_info, free_port, record, run_ranks, write_secret_file
 
 PY = sys.executable
 ROOT = Path(__file__).resolve().parent.parent

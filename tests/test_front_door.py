@@ -40,8 +40,7 @@ from swarmfd.comm.plane import PeerInfo
 from swarmfd.comm.planes import socket as lanes
 
 from .attacker import listening_ports
-from .conftest import run_ranks
-from .robust_harness import RankCtx, Ranks, record
+from .harness import RankCtx, Ranks, record, run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 IS_ROOT = os.geteuid() == 0

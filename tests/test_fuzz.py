@@ -48,8 +48,8 @@ from swarmfd import errors
 from swarmfd.comm import wire
 from swarmfd.comm.channel import TIMEOUT_GRACE
 
+from .harness import RankCtx, Ranks, error_info, record
 from .robust_fuzz import ZMTP_READY, Fuzzer, zmtp_handshake
-from .robust_harness import RankCtx, Ranks, error_info, record
 
 SWARMFD = Path(fd.__file__).parent
 #: The data-port fuzz runs against the zmq data plane and shared-memory groups (whose TCP

@@ -25,8 +25,7 @@ from swarmfd.comm.planes import socket as lanes
 from swarmfd.config import data_plane
 from swarmfd.errors import ConfigError, MismatchError, ProtocolError
 
-from .conftest import run_ranks_raw
-from .robust_harness import RankCtx, Ranks
+from .harness import RankCtx, Ranks, run_ranks_raw
 
 SECRET = b"s" * 40
 SIG = wire.Signature(wire.Collective.ALL_REDUCE, wire.ReduceOp.SUM, 5, wire.NO_ROOT, 1, 0)

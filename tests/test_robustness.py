@@ -30,8 +30,7 @@ import swarmfd as fd
 from swarmfd.comm.channel import TIMEOUT_GRACE
 from swarmfd.group import ABORT_LINGER
 
-from .conftest import free_port
-from .robust_harness import RankCtx, Ranks, error_info, record
+from .harness import RankCtx, Ranks, error_info, free_port, record
 
 #: Elements of a "small" array (direct exchange) and of a "large" one (ring / chains;
 #: 16 MiB of float32, several pieces and several shared-memory rounds).
