@@ -16,7 +16,7 @@ from swarmfd.algorithms import select
 from swarmfd.comm import wire
 from swarmfd.comm.planes import zmq as zmq_transport
 
-from .conftest import RankFailure, free_port, run_ranks, run_ranks_raw, transport_env
+from .harness import RankFailure, free_port, run_ranks, run_ranks_raw, transport_env
 
 INTS = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64]
 FLOATS = [np.float16, np.float32, np.float64]
@@ -30,10 +30,12 @@ LARGE_DTYPES = {np.dtype(t) for t in (np.int64, np.uint8, np.float16, np.float32
 def _value(rank: int, shape: tuple[int, ...], dtype: type, salt: int = 0) -> np.ndarray:
     """Deterministic per-rank test data, small enough that sums and products stay exact."""
     n = int(np.prod(shape)) if shape else 1
-    base = (np.arange(n, dtype=np.int64) * 7 + rank * 3 + salt) % 5 + 1
+    # (i * 7 + rank * 3 + salt) % 5 + 1 for i < n: the pattern repeats every 5 elements,
+    # so it is made for 5 and tiled (the battery makes thousands of these).
+    base = (np.arange(5, dtype=np.int64) * 7 + rank * 3 + salt) % 5 + 1
     if np.dtype(dtype).kind == "c":
-        return (base + 1j * (base % 3)).astype(dtype).reshape(shape)
-    return base.astype(dtype).reshape(shape)
+        return np.tile((base + 1j * (base % 3)).astype(dtype), n // 5 + 1)[:n].reshape(shape)
+    return np.tile(base.astype(dtype), n // 5 + 1)[:n].reshape(shape)
 
 
 def _reference(
@@ -57,44 +59,75 @@ def _digest(arr: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest()
 
 
+def _equal(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    """np.testing.assert_array_equal, with numpy's cheap comparison first (the battery
+    makes thousands: the full assertion only runs to describe a difference)."""
+    if not (got.shape == want.shape and np.array_equal(got, want)):
+        np.testing.assert_array_equal(got, want, err_msg=what)
+
+
+class _Values:
+    """Every rank's :func:`_value` for one dtype and shape (salts 0-3), and the references
+    the battery compares with, each computed once: the battery asks for them ~30-70
+    times per dtype and shape, and making them took half of its time."""
+
+    def __init__(self, world: int, shape: tuple[int, ...], dtype: type) -> None:
+        self.world = world
+        self.vals = [[_value(r, shape, dtype, salt) for r in range(world)] for salt in range(4)]
+        self._refs: dict[tuple[str, int], np.ndarray] = {}
+
+    def mine(self, rank: int, salt: int = 0) -> np.ndarray:
+        return self.vals[salt][rank].copy()
+
+    def reference(self, op: str, salt: int = 0) -> np.ndarray:
+        """:func:`_reference` of these values."""
+        key = (op, salt)
+        if key not in self._refs:
+            vals = self.vals[salt]
+            out = vals[0].copy()
+            for v in vals[1:]:
+                out = {"sum": np.add, "prod": np.multiply, "min": np.minimum,
+                       "max": np.maximum}[op](out, v)
+            self._refs[key] = out.astype(vals[0].dtype)
+        return self._refs[key]
+
+
 def _battery(rank: int, world: int) -> list[str]:
     """Every collective, dtype and shape; asserts locally, returns digests of float results."""
     digests = []
     for dtype in INTS + FLOATS + COMPLEX:
         ops = ["sum", "prod"] if np.dtype(dtype).kind == "c" else ["sum", "prod", "min", "max"]
         for shape in SHAPES + (LARGE_SHAPES if np.dtype(dtype) in LARGE_DTYPES else []):
+            v = _Values(world, shape, dtype)
             for op in ops:
-                x = _value(rank, shape, dtype)
+                x = v.mine(rank)
                 ret = fd.all_reduce(x, op=op)
                 assert ret is x
-                want = _reference(op, world, shape, dtype)
                 # Values are small integers: exact for every dtype (float16 included).
-                np.testing.assert_array_equal(x, want, err_msg=f"all_reduce {op} {dtype} {shape}")
+                _equal(x, v.reference(op), f"all_reduce {op} {dtype} {shape}")
                 digests.append(_digest(x))
             if np.dtype(dtype).kind in "fc":
-                x = _value(rank, shape, dtype)
+                x = v.mine(rank)
                 fd.all_reduce_mean(x)
                 np.testing.assert_allclose(
-                    x, _reference("sum", world, shape, dtype) / world, rtol=1e-3,
-                    err_msg=f"mean {dtype} {shape}")
+                    x, v.reference("sum") / world, rtol=1e-3, err_msg=f"mean {dtype} {shape}")
                 digests.append(_digest(x))
             for src in range(world):
-                y = _value(rank, shape, dtype, salt=1)
+                y = v.mine(rank, 1)
                 assert fd.broadcast(y, src=src) is y
-                np.testing.assert_array_equal(y, _value(src, shape, dtype, salt=1))
+                _equal(y, v.vals[1][src], f"broadcast src={src} {dtype} {shape}")
             for dst in range(world):
-                z = _value(rank, shape, dtype, salt=2)
-                before = z.copy()
+                z = v.mine(rank, 2)
                 assert fd.reduce(z, dst=dst) is z
                 if rank == dst:
-                    np.testing.assert_array_equal(z, _reference("sum", world, shape, dtype, 2))
+                    _equal(z, v.reference("sum", 2), f"reduce dst={dst} {dtype} {shape}")
                 else:
-                    np.testing.assert_array_equal(z, before)
-            g = fd.all_gather(_value(rank, shape, dtype, salt=3))
+                    _equal(z, v.vals[2][rank], f"reduce dst={dst} {dtype} {shape} (non-root)")
+            g = fd.all_gather(v.mine(rank, 3))
             assert isinstance(g, list) and len(g) == world
             for r, part in enumerate(g):
                 assert part.shape == shape and part.dtype == np.dtype(dtype)
-                np.testing.assert_array_equal(part, _value(r, shape, dtype, salt=3))
+                _equal(part, v.vals[3][r], f"all_gather part {r} {dtype} {shape}")
     fd.barrier()
     return digests
 
