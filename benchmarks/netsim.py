@@ -38,7 +38,8 @@ Ranks. ``popen``/``run`` start any command with ``ip netns exec``; ``start_job``
 ``run_job`` start a swarmfd job: N ranks placed on hosts by ``placement`` (the host
 index of each rank: ``[0, 0, 1, 1]`` host by host, ``[0, 1, 0, 1]`` spread, see
 :func:`make_placement`), with ``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR`` (the address of
-rank 0's host), ``MASTER_PORT``, ``SWARMFD_NODE`` (the simulated host's name, so ranks
+rank 0's host), ``MASTER_PORT`` (swarmfd's rendezvous then listens on MASTER_PORT + 1),
+``SWARMFD_NODE`` (the simulated host's name, so ranks
 group by simulated host; all hosts see the one /dev/shm, but swarmfd's shared-memory
 host key includes the network namespace, so only ranks of one simulated host can share
 memory) and ``SWARMFD_SECRET_FILE`` (a fresh job secret in a 0600 file
@@ -130,7 +131,8 @@ CMD_TIMEOUT = 20.0
 DEFAULT_JOB_TIMEOUT = 120.0
 #: Seconds between SIGABRT (stack dump) and SIGKILL for a job that timed out.
 ABORT_GRACE = 1.0
-#: MASTER_PORT of the first job of an instance; each job takes the next one (the
+#: MASTER_PORT of the first job of an instance; its ranks' rendezvous derives
+#: MASTER_PORT + 1 (SWARMFD_PORT unset), so each job takes the next pair of ports (the
 #: namespaces are private, so nothing else holds these ports).
 FIRST_MASTER_PORT = 29500
 #: Variables a job sets for every rank (``env`` may not set them).
@@ -138,7 +140,7 @@ JOB_ENV = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "SWARMFD_NODE",
            "SWARMFD_SECRET_FILE")
 #: Variables removed from the inherited environment of a job's ranks (a harness that
 #: itself runs under ``swarmfd run`` must not hand its own values down).
-SCRUBBED_ENV = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "SWARMFD_RESTART_COUNT")
+SCRUBBED_ENV = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "SWARMFD_RESTART_COUNT", "SWARMFD_PORT")
 
 _B36 = "0123456789abcdefghijklmnopqrstuvwxyz"
 _TAG = r"[0-9a-z]{2,6}"
@@ -1043,7 +1045,7 @@ class SimulatedHosts:
     def _next_port(self) -> int:
         with _LOCK:
             port = self._port
-            self._port += 1
+            self._port += 2  # MASTER_PORT and the rendezvous's MASTER_PORT + 1
             return port
 
     def _forget(self, proc: subprocess.Popen[Any]) -> None:

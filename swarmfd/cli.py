@@ -44,7 +44,11 @@ def _parse_env_items(items: tuple[str, ...]) -> dict[str, str]:
 @click.option("--master-addr", default=None, metavar="HOST",
               help="Address of rank 0, set as MASTER_ADDR.  [default: 127.0.0.1]")
 @click.option("--master-port", type=int, default=None, metavar="PORT",
-              help="Rendezvous port, set as MASTER_PORT.  [default: a free port, new per restart]")
+              help="MASTER_PORT, torch.distributed's port.  [default: a free port, new per "
+                   "restart]")
+@click.option("--swarmfd-port", type=int, default=None, metavar="PORT",
+              help="SWARMFD_PORT, swarmfd's rendezvous port.  [default: --master-port + 1 "
+                   "when that is given, else a second free port, new per restart]")
 @click.option("--timeout", type=float, default=None, metavar="SECONDS",
               help="Seconds a collective may wait for a peer (sets SWARMFD_TIMEOUT).")
 @click.option("--init-timeout", type=float, default=None, metavar="SECONDS",
@@ -65,6 +69,7 @@ def run(
     nproc: int,
     master_addr: str | None,
     master_port: int | None,
+    swarmfd_port: int | None,
     timeout: float | None,
     init_timeout: float | None,
     env_items: tuple[str, ...],
@@ -76,9 +81,10 @@ def run(
     """Start N local ranks of COMMAND and supervise them.
 
     Each rank gets WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT and SWARMFD_SECRET_FILE (the path of a fresh job secret, private
-    to this run and deleted at its end); a first word ending in .py runs with
-    this Python. Output
+    MASTER_PORT (torch.distributed's), SWARMFD_PORT (swarmfd's rendezvous, another
+    port, so a script may use both) and SWARMFD_SECRET_FILE (the path of a fresh
+    job secret, private to this run and deleted at its end); a first word ending
+    in .py runs with this Python. Output
     lines are prefixed with the rank. The first failing rank stops the others
     and sets the exit code; Ctrl-C stops every rank (exit 130).
 
@@ -104,6 +110,7 @@ def run(
             max_restarts=max_restarts,
             grace=grace,
             master_port=master_port,
+            swarmfd_port=swarmfd_port,
             **({"master_addr": master_addr} if master_addr is not None else {}),
         )
     except (ValueError, TypeError) as exc:

@@ -287,7 +287,8 @@ class _DeployCommand(click.Command):
 @click.option("--label", "labels", multiple=True, metavar="KEY=VALUE",
               help="Label on the job's service and network; repeatable.")
 @click.option("--master-port", type=int, default=29500, show_default=True, metavar="PORT",
-              help="Rendezvous port of rank 0 (MASTER_PORT).")
+              help="MASTER_PORT, torch.distributed's port on rank 0; swarmfd's rendezvous "
+                   "uses the next one (SWARMFD_PORT: set it with -e to choose another).")
 @click.option("--timeout", type=float, default=None, metavar="SECONDS",
               help="Seconds a collective may wait for a peer (sets SWARMFD_TIMEOUT).")
 @click.option("--init-timeout", type=float, default=None, metavar="SECONDS",
@@ -367,7 +368,9 @@ def deploy(
     secret (<job>-secret: a random key every rank reads at
     /run/secrets/swarmfd_secret), all labelled with the job name. Each rank gets
     WORLD_SIZE, RANK (from its task slot), LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR
-    and MASTER_PORT; IMAGE must use swarmfd's entrypoint (the swarmfd image does).
+    and MASTER_PORT (swarmfd's rendezvous listens on MASTER_PORT + 1, inside the job's
+    network; nothing is published); IMAGE must use swarmfd's entrypoint (the swarmfd
+    image does).
     Swarm numbers task slots from 1: rank R is slot R+1, so its container's host name
     is <job>-<R+1> and rank 0's address is <job>-1.
     Put '--' before COMMAND when COMMAND has options of its own.

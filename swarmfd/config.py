@@ -9,7 +9,12 @@ torch.distributed uses, so launchers and scripts carry over unchanged):
                       the world is one host, else derived at rendezvous)
 ``LOCAL_WORLD_SIZE``  number of ranks on this host
 ``MASTER_ADDR``       host name or address of rank 0 (required when WORLD_SIZE > 1)
-``MASTER_PORT``       rendezvous port served by rank 0 (default 29500)
+``MASTER_PORT``       the port torch.distributed's store uses (default 29500, as
+                      torch's); swarmfd binds none of it, it derives its own below
+``SWARMFD_PORT``      the port of swarmfd's rendezvous, served by rank 0 (default:
+                      MASTER_PORT + 1, so 29501), so that a script can call
+                      ``torch.distributed.init_process_group`` beside swarmfd, before
+                      or after it, without the two binding the same port
 ``SWARMFD_TIMEOUT``   seconds any collective may wait for a peer (default 300)
 ``SWARMFD_INIT_TIMEOUT`` seconds ``init`` waits for every rank to join (default: the
                       timeout above). Ranks of a Swarm job can start minutes apart
@@ -60,6 +65,7 @@ __all__ = [
     "DATA_PLANES",
     "DEFAULT_ENCRYPT",
     "DEFAULT_MASTER_PORT",
+    "DEFAULT_RENDEZVOUS_PORT_OFFSET",
     "DEFAULT_SECRET_FILE",
     "DEFAULT_TIMEOUT",
     "DOCKER_SECRETS_DIR",
@@ -73,6 +79,7 @@ __all__ = [
     "ENV_MASTER_ADDR",
     "ENV_MASTER_PORT",
     "ENV_NODE",
+    "ENV_PORT",
     "ENV_RANK",
     "ENV_RESTART_COUNT",
     "ENV_SECRET_FILE",
@@ -95,12 +102,20 @@ __all__ = [
     "node_name",
     "parse_env_float",
     "parse_env_int",
+    "parse_env_port",
+    "rendezvous_port",
     "require_secret",
     "shm_dir",
     "transport_mode",
 ]
 
+#: MASTER_PORT when unset: torch.distributed's default, so both read the same port.
 DEFAULT_MASTER_PORT = 29500
+#: swarmfd's rendezvous port when SWARMFD_PORT is unset: MASTER_PORT + this. MASTER_PORT
+#: itself is torch's (its TCPStore binds it on rank 0 for as long as the group lives), so
+#: swarmfd takes the next port: predictable for firewalls and Swarm networks, and free of
+#: torch whichever of the two initialises first.
+DEFAULT_RENDEZVOUS_PORT_OFFSET = 1
 DEFAULT_TIMEOUT = 300.0
 
 ENV_WORLD_SIZE = "WORLD_SIZE"
@@ -109,6 +124,8 @@ ENV_LOCAL_RANK = "LOCAL_RANK"
 ENV_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
 ENV_MASTER_ADDR = "MASTER_ADDR"
 ENV_MASTER_PORT = "MASTER_PORT"
+#: swarmfd's own rendezvous port (see :func:`rendezvous_port`).
+ENV_PORT = "SWARMFD_PORT"
 ENV_TIMEOUT = "SWARMFD_TIMEOUT"
 ENV_INIT_TIMEOUT = "SWARMFD_INIT_TIMEOUT"
 ENV_RESTART_COUNT = "SWARMFD_RESTART_COUNT"
@@ -151,6 +168,9 @@ class Config:
 
     ``local_rank``/``local_world_size`` of ``None`` mean "not given": the
     process group fills them in at rendezvous by grouping ranks per host.
+    ``rendezvous_port`` is the port rank 0's rendezvous binds on ``master_addr``
+    (swarmfd's own: ``SWARMFD_PORT``, else ``MASTER_PORT + 1``, or ``fd.init``'s
+    ``master_port=`` argument), not ``MASTER_PORT``, which is torch.distributed's.
     """
 
     world_size: int
@@ -158,7 +178,7 @@ class Config:
     local_rank: int | None = None
     local_world_size: int | None = None
     master_addr: str | None = None
-    master_port: int = DEFAULT_MASTER_PORT
+    rendezvous_port: int = DEFAULT_MASTER_PORT + DEFAULT_RENDEZVOUS_PORT_OFFSET
     timeout: float = DEFAULT_TIMEOUT
     restart_count: int = 0
     #: Seconds init may wait for every rank to join; None: ``timeout``.
@@ -189,9 +209,10 @@ class Config:
                     f"{'local_world_size' if self.local_world_size is not None else 'world_size'}"
                     f" ({limit})"
                 )
-        check_int("master_port", self.master_port, minimum=1)
-        if self.master_port > 65535:
-            raise ConfigError(f"master_port {self.master_port} is out of range: expected 1..65535")
+        check_int("rendezvous_port", self.rendezvous_port, minimum=1, what="a TCP port")
+        if self.rendezvous_port > 65535:
+            raise ConfigError(f"rendezvous_port {self.rendezvous_port} is out of range: "
+                              "expected a TCP port 1..65535")
         if self.master_addr is not None and (
             not isinstance(self.master_addr, str) or not self.master_addr.strip()
         ):
@@ -268,6 +289,46 @@ def parse_env_int(environ: Mapping[str, str], name: str, *, minimum: int = 0,
     return value
 
 
+def parse_env_port(environ: Mapping[str, str], name: str) -> int | None:
+    """Read a TCP port (1..65535) from the environment; ``None`` when unset or empty."""
+    value = parse_env_int(environ, name, minimum=1, hint=" (a TCP port, 1..65535)")
+    if value is not None and value > 65535:
+        raise ConfigError(f"environment variable {name}={environ[name]!r} is invalid: "
+                          "expected a TCP port, 1..65535")
+    return value
+
+
+def rendezvous_port(environ: Mapping[str, str] | None = None) -> int:
+    """The port swarmfd's rendezvous binds on rank 0: ``SWARMFD_PORT``, else
+    ``MASTER_PORT + 1`` (MASTER_PORT defaulting to 29500, as torch's, so 29501).
+
+    MASTER_PORT stays torch.distributed's: its TCPStore holds it on rank 0 for the life
+    of its group, so swarmfd serving there too would make one of the two fail to bind
+    (whichever came second). ConfigError on a value that is not a port, when
+    MASTER_PORT is 65535 (no port follows it) with SWARMFD_PORT unset, and when both
+    name the same port.
+    """
+    env = os.environ if environ is None else environ
+    master = parse_env_port(env, ENV_MASTER_PORT)
+    own = parse_env_port(env, ENV_PORT)
+    if own is not None:
+        if own == master:
+            raise ConfigError(
+                f"{ENV_PORT}={own} is {ENV_MASTER_PORT} too: {ENV_MASTER_PORT} is "
+                f"torch.distributed's (its store binds it), swarmfd's rendezvous needs a port "
+                f"of its own; choose another {ENV_PORT}, or unset it ({ENV_MASTER_PORT} + "
+                f"{DEFAULT_RENDEZVOUS_PORT_OFFSET})")
+        return own
+    base = master if master is not None else DEFAULT_MASTER_PORT
+    port = base + DEFAULT_RENDEZVOUS_PORT_OFFSET
+    if port > 65535:
+        raise ConfigError(
+            f"{ENV_MASTER_PORT}={base} leaves no port for swarmfd's rendezvous, which is "
+            f"{ENV_MASTER_PORT} + {DEFAULT_RENDEZVOUS_PORT_OFFSET} unless {ENV_PORT} is set: "
+            f"set {ENV_PORT} to a free port, or choose a lower {ENV_MASTER_PORT}")
+    return port
+
+
 def parse_env_float(environ: Mapping[str, str], name: str) -> float | None:
     """Read a positive float environment variable; ``None`` when unset or empty."""
     raw = environ.get(name)
@@ -288,7 +349,8 @@ def config_from_env(environ: Mapping[str, str] | None = None, **overrides: objec
     """Build a :class:`Config` from the environment contract (see module docstring).
 
     With none of the variables set this is a world of one. ``overrides``
-    (``timeout=...`` and friends) win over the environment.
+    (``timeout=...`` and friends) win over the environment; ``rendezvous_port=`` makes
+    SWARMFD_PORT and MASTER_PORT irrelevant (they are then not read).
     """
     env = os.environ if environ is None else environ
     world_size = parse_env_int(env, ENV_WORLD_SIZE, minimum=1)
@@ -297,13 +359,14 @@ def config_from_env(environ: Mapping[str, str] | None = None, **overrides: objec
         raise ConfigError(f"{ENV_RANK}={rank} is set but {ENV_WORLD_SIZE} is not: set both")
     if world_size is not None and world_size > 1 and rank is None:
         raise ConfigError(f"{ENV_WORLD_SIZE}={world_size} is set but {ENV_RANK} is not: set both")
+    port = overrides.get("rendezvous_port")
     values: dict[str, object] = {
         "world_size": world_size if world_size is not None else 1,
         "rank": rank if rank is not None else 0,
         "local_rank": parse_env_int(env, ENV_LOCAL_RANK, minimum=0),
         "local_world_size": parse_env_int(env, ENV_LOCAL_WORLD_SIZE, minimum=1),
         "master_addr": (env.get(ENV_MASTER_ADDR) or "").strip() or None,
-        "master_port": parse_env_int(env, ENV_MASTER_PORT, minimum=1) or DEFAULT_MASTER_PORT,
+        "rendezvous_port": port if port is not None else rendezvous_port(env),
         "timeout": parse_env_float(env, ENV_TIMEOUT) or DEFAULT_TIMEOUT,
         "restart_count": parse_env_int(env, ENV_RESTART_COUNT, minimum=0) or 0,
         "init_timeout": parse_env_float(env, ENV_INIT_TIMEOUT),
@@ -320,7 +383,7 @@ def config_from_env(environ: Mapping[str, str] | None = None, **overrides: objec
 
 def _describe(env: Mapping[str, str]) -> str:
     names = (ENV_WORLD_SIZE, ENV_RANK, ENV_LOCAL_RANK, ENV_LOCAL_WORLD_SIZE, ENV_MASTER_ADDR,
-             ENV_MASTER_PORT)
+             ENV_MASTER_PORT, ENV_PORT)
     shown = [f"{n}={env[n]}" for n in names if n in env]
     return ", ".join(shown) if shown else "none of the variables set"
 

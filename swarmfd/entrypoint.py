@@ -8,7 +8,9 @@ or a stack file) sets:
 ``SWARMFD_TASK_SLOT``  ``{{.Task.Slot}}``: the task's slot, 1..replicas (1-based)
 ``WORLD_SIZE``         the number of replicas
 ``MASTER_ADDR``        ``{{.Service.Name}}-1``: the host name of slot 1 (rank 0)
-``MASTER_PORT``        optional; rank 0's rendezvous port (default 29500)
+``MASTER_PORT``        optional; torch.distributed's port (default 29500)
+``SWARMFD_PORT``       optional; swarmfd's rendezvous port on rank 0 (default
+                      MASTER_PORT + 1, so 29501: :func:`swarmfd.config.rendezvous_port`)
 hostname              ``{{.Service.Name}}-{{.Task.Slot}}`` (a service setting, not a variable)
 
 and this entrypoint, before it runs the command:
@@ -96,7 +98,8 @@ Environment (set by the service):
   {ENV_TASK_SLOT}        {{{{.Task.Slot}}}}, 1-based; RANK = slot - 1 unless RANK is set
   {ENV_WORLD_SIZE}               number of replicas (slot must be <= WORLD_SIZE)
   {ENV_MASTER_ADDR}              rank 0's host name, e.g. {{{{.Service.Name}}}}-1
-  MASTER_PORT              rank 0's port (default 29500)
+  MASTER_PORT              torch.distributed's port on rank 0 (default 29500)
+  SWARMFD_PORT             swarmfd's rendezvous port on rank 0 (default MASTER_PORT + 1)
   SWARMFD_NODE             node name; when set, LOCAL_RANK is derived per node at rendezvous
   {ENV_RESOLVE_TIMEOUT}  seconds to wait for MASTER_ADDR to resolve (default 60)
 """
@@ -222,7 +225,8 @@ def wait_for_host(
 
 
 def _describe(env: Mapping[str, str]) -> str:
-    names = (ENV_TASK_SLOT, ENV_WORLD_SIZE, ENV_RANK, ENV_MASTER_ADDR, "MASTER_PORT")
+    names = (ENV_TASK_SLOT, ENV_WORLD_SIZE, ENV_RANK, ENV_MASTER_ADDR, "MASTER_PORT",
+             "SWARMFD_PORT")
     return " ".join(f"{n}={env[n]}" for n in names if env.get(n))
 
 

@@ -300,7 +300,12 @@ def init(
     """Join a process group of ``world_size`` ranks as ``rank`` and return its :class:`Config`.
 
     Transport details not given as arguments come from the environment
-    (``MASTER_ADDR``, ``MASTER_PORT``, ``SWARMFD_TIMEOUT``, ``SWARMFD_INIT_TIMEOUT``).
+    (``MASTER_ADDR``, ``SWARMFD_PORT`` or ``MASTER_PORT``, ``SWARMFD_TIMEOUT``,
+    ``SWARMFD_INIT_TIMEOUT``). ``master_port`` is the port of swarmfd's rendezvous on
+    ``master_addr`` (:attr:`Config.rendezvous_port`), used as given; without it,
+    ``SWARMFD_PORT``, else ``MASTER_PORT + 1`` (29501 when neither is set): MASTER_PORT
+    itself is left to torch.distributed, so ``init_process_group`` can run beside
+    swarmfd, before or after ``init``.
     ``timeout`` is how long any collective may wait for a peer; ``init_timeout``
     how long this call waits for every rank to join (default: ``timeout``), so
     ranks that start far apart can meet while a stuck collective still fails
@@ -326,17 +331,18 @@ def init(
     if world_size is None:
         return _start(config_from_env(
             local_rank=local_rank, local_world_size=local_world_size, master_addr=master_addr,
-            master_port=master_port, timeout=timeout, init_timeout=init_timeout), secret)
+            rendezvous_port=master_port, timeout=timeout, init_timeout=init_timeout), secret)
     env = config_from_env({k: v for k, v in os.environ.items()
-                           if k in ("MASTER_ADDR", "MASTER_PORT", "SWARMFD_TIMEOUT",
-                                    "SWARMFD_INIT_TIMEOUT", "SWARMFD_RESTART_COUNT")})
+                           if k in ("MASTER_ADDR", "MASTER_PORT", "SWARMFD_PORT",
+                                    "SWARMFD_TIMEOUT", "SWARMFD_INIT_TIMEOUT",
+                                    "SWARMFD_RESTART_COUNT")}, rendezvous_port=master_port)
     config = Config(
         world_size=world_size,
         rank=rank,
         local_rank=local_rank,
         local_world_size=local_world_size,
         master_addr=master_addr if master_addr is not None else env.master_addr,
-        master_port=master_port if master_port is not None else env.master_port,
+        rendezvous_port=env.rendezvous_port,
         timeout=timeout if timeout is not None else env.timeout,
         restart_count=env.restart_count,
         init_timeout=init_timeout if init_timeout is not None else env.init_timeout,
@@ -396,7 +402,7 @@ def _start(config: Config, secret: str | bytes | None = None) -> Config:
 
             hostkey = shm_setup.host_key() if mode == "auto" else ""
             me = t.me(node_name(), hostkey)
-            peers = t.rendezvous(me, master_ip, config.master_port, deadline)
+            peers = t.rendezvous(me, master_ip, config.rendezvous_port, deadline)
             t.connect(None, deadline)
             hosts = [p.host for p in peers]
             config = _with_local_ranks(config, hosts)

@@ -9,7 +9,11 @@ word ending in ``.py`` runs with the current Python, ``sys.executable``). Each c
 ``LOCAL_WORLD_SIZE``       N
 ``MASTER_ADDR``            ``--master-addr`` (default ``127.0.0.1``)
 ``MASTER_PORT``            ``--master-port``, or a free port picked by binding port 0
-                           on MASTER_ADDR (a new one on every restart)
+                           on MASTER_ADDR (a new one on every restart): the port
+                           torch.distributed's store binds, should the script use it
+``SWARMFD_PORT``           ``--swarmfd-port``, else ``--master-port`` + 1 when that is
+                           given, else a second free port, distinct from MASTER_PORT
+                           (new on every restart): the port swarmfd's rendezvous binds
 ``SWARMFD_TIMEOUT``        ``--timeout``, when given
 ``SWARMFD_INIT_TIMEOUT``   ``--init-timeout``, when given
 ``SWARMFD_RESTART_COUNT``  0 on the first attempt, then 1, 2, ... on each restart
@@ -86,6 +90,7 @@ from .config import (
     ENV_LOCAL_WORLD_SIZE,
     ENV_MASTER_ADDR,
     ENV_MASTER_PORT,
+    ENV_PORT,
     ENV_RANK,
     ENV_RESTART_COUNT,
     ENV_SECRET_FILE,
@@ -103,6 +108,7 @@ __all__ = [
     "LaunchConfig",
     "exit_code_of",
     "find_free_port",
+    "find_free_ports",
     "launch",
     "resolve_command",
 ]
@@ -119,6 +125,7 @@ RESERVED_ENV = frozenset(
         ENV_LOCAL_WORLD_SIZE,
         ENV_MASTER_ADDR,
         ENV_MASTER_PORT,
+        ENV_PORT,
         ENV_RESTART_COUNT,
         ENV_SECRET_FILE,
     }
@@ -139,7 +146,10 @@ class LaunchConfig:
     """What ``swarmfd run`` should start; validated on creation (``ValueError``/``TypeError``).
 
     ``command`` is the argv of every rank; ``env`` adds variables to the
-    launcher's environment; ``master_port=None`` picks a free port per attempt;
+    launcher's environment; ``master_port`` is MASTER_PORT (torch.distributed's) and
+    ``swarmfd_port`` SWARMFD_PORT (swarmfd's rendezvous): ``None`` picks a free port per
+    attempt, except that a ``swarmfd_port`` of ``None`` beside a given ``master_port``
+    is ``master_port + 1``, as a rank would derive it (the two always differ);
     ``grace`` is how long ranks get between SIGTERM (or a forwarded Ctrl-C) and
     SIGKILL; ``timeout`` (seconds) becomes ``SWARMFD_TIMEOUT`` for the ranks, and
     ``init_timeout`` ``SWARMFD_INIT_TIMEOUT``.
@@ -149,6 +159,7 @@ class LaunchConfig:
     command: Sequence[str]
     master_addr: str = DEFAULT_MASTER_ADDR
     master_port: int | None = None
+    swarmfd_port: int | None = None
     env: Mapping[str, str] = field(default_factory=dict)
     timeout: float | None = None
     prefix: bool = True
@@ -183,10 +194,21 @@ class LaunchConfig:
                 f"master_addr must be a host name or IP address without spaces, "
                 f"got {self.master_addr!r}"
             )
-        if self.master_port is not None:
-            _check_int("master_port", self.master_port, minimum=1, what="a TCP port")
-            if self.master_port > 65535:
-                raise ValueError(f"master_port must be a TCP port 1..65535, got {self.master_port}")
+        for name in ("master_port", "swarmfd_port"):
+            port = getattr(self, name)
+            if port is not None:
+                _check_int(name, port, minimum=1, what="a TCP port")
+                if port > 65535:
+                    raise ValueError(f"{name} must be a TCP port 1..65535, got {port}")
+        if self.swarmfd_port is None and self.master_port == 65535:
+            raise ValueError(
+                "master_port 65535 leaves no port for swarmfd's rendezvous (SWARMFD_PORT, "
+                "by default MASTER_PORT + 1): give a lower master_port (--master-port) or a "
+                "swarmfd_port (--swarmfd-port)")
+        if self.swarmfd_port is not None and self.swarmfd_port == self.master_port:
+            raise ValueError(
+                f"swarmfd_port and master_port are both {self.master_port}: MASTER_PORT is "
+                "torch.distributed's, swarmfd's rendezvous needs a port of its own")
 
         if not isinstance(self.env, Mapping):
             raise TypeError(f"env must be a mapping of str to str, got {type(self.env).__name__}")
@@ -203,7 +225,7 @@ class LaunchConfig:
             if key in RESERVED_ENV:
                 raise ValueError(
                     f"env may not set {key}: the launcher sets it for every rank "
-                    "(use -n/--nproc, --master-addr or --master-port instead)"
+                    "(use -n/--nproc, --master-addr, --master-port or --swarmfd-port instead)"
                 )
             for name, given in ((ENV_TIMEOUT, "timeout"), (ENV_INIT_TIMEOUT, "init_timeout")):
                 if key == name and getattr(self, given) is not None:
@@ -285,19 +307,37 @@ def find_free_port(host: str = DEFAULT_MASTER_ADDR) -> int:
     Another process may take the port before rank 0 binds it; that race is
     small, and a restart picks a new port anyway.
     """
+    return find_free_ports(host, 1)[0]
+
+
+def find_free_ports(host: str = DEFAULT_MASTER_ADDR, count: int = 2,
+                    avoid: Iterable[int] = ()) -> list[int]:
+    """``count`` distinct TCP ports free on ``host`` right now, none of them in ``avoid``.
+
+    Every socket stays bound until all are picked, so the kernel cannot hand out one
+    port twice (MASTER_PORT and SWARMFD_PORT must differ); see :func:`find_free_port`
+    for the race that remains.
+    """
     try:
         infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
     except OSError as exc:
         raise ValueError(f"master_addr {host!r} does not resolve to an address: {exc}") from None
     family, socktype, proto, _, sockaddr = infos[0]
-    with socket.socket(family, socktype, proto) as sock:
-        try:
-            sock.bind(sockaddr)
-        except OSError:
-            # Not an address of this host (a launcher for a remote master, say):
-            # any free local port is as good a guess as we can make.
-            sock.bind(("::", 0) if family == socket.AF_INET6 else ("0.0.0.0", 0))
-        return int(sock.getsockname()[1])
+    avoided = set(avoid)
+    with contextlib.ExitStack() as stack:
+        ports: list[int] = []
+        while len(ports) < count:
+            sock = stack.enter_context(socket.socket(family, socktype, proto))
+            try:
+                sock.bind(sockaddr)
+            except OSError:
+                # Not an address of this host (a launcher for a remote master, say):
+                # any free local port is as good a guess as we can make.
+                sock.bind(("::", 0) if family == socket.AF_INET6 else ("0.0.0.0", 0))
+            port = int(sock.getsockname()[1])
+            if port not in avoided:
+                ports.append(port)
+        return ports
 
 
 # --- output -------------------------------------------------------------------
@@ -806,7 +846,18 @@ class _Attempt:
                 self.guardian.forget(proc.pid)
 
 
-def _rank_env(config: LaunchConfig, port: int, restart: int,
+def _ports(config: LaunchConfig) -> tuple[int, int]:
+    """This attempt's (MASTER_PORT, SWARMFD_PORT): as given, derived, or fresh free ports."""
+    master, own = config.master_port, config.swarmfd_port
+    if master is not None:
+        return master, own if own is not None else master + 1
+    if own is not None:
+        return find_free_ports(config.master_addr, 1, avoid=(own,))[0], own
+    master, own = find_free_ports(config.master_addr, 2)
+    return master, own
+
+
+def _rank_env(config: LaunchConfig, port: int, swarmfd_port: int, restart: int,
               secret_file: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
@@ -816,6 +867,7 @@ def _rank_env(config: LaunchConfig, port: int, restart: int,
         LOCAL_WORLD_SIZE=str(config.nproc),
         MASTER_ADDR=config.master_addr,
         MASTER_PORT=str(port),
+        SWARMFD_PORT=str(swarmfd_port),
         SWARMFD_RESTART_COUNT=str(restart),
         SWARMFD_SECRET_FILE=secret_file,
     )
@@ -874,8 +926,8 @@ def launch(
             while True:
                 if signals.received:  # arrived between two attempts: do not start another
                     return 128 + signals.received[0]
-                port = config.master_port or find_free_port(config.master_addr)
-                env = _rank_env(config, port, restart, secret_file)
+                port, swarmfd_port = _ports(config)
+                env = _rank_env(config, port, swarmfd_port, restart, secret_file)
                 outcome = _Attempt(config, argv, env, output, guardian, signals).run()
                 if outcome.code == 0 or outcome.interrupted:
                     return outcome.code

@@ -79,7 +79,7 @@ def print_config(config: Config | None = None, file: Any = None) -> None:
     builtins.print(
         f"swarmfd config: rank {config.rank}/{config.world_size} "
         f"local_rank {config.local_rank}/{config.local_world_size} "
-        f"main={config.is_main} master={config.master_addr}:{config.master_port} "
+        f"main={config.is_main} rendezvous={config.master_addr}:{config.rendezvous_port} "
         f"timeout={config.timeout:g}s init_timeout={config.join_timeout:g}s "
         f"restart={config.restart_count}",
         file=file if file is not None else sys.stdout,

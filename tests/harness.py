@@ -174,7 +174,7 @@ _HANDED_OUT: set[int] = set()
 def free_port() -> int:
     """A TCP port that was free a moment ago on 127.0.0.1, never handed out before here.
 
-    It lies below the kernel's ephemeral range, as a MASTER_PORT should: ports the
+    It lies below the kernel's ephemeral range, as a rendezvous port should: ports the
     kernel hands out meanwhile (every connection's local end, every listener on port
     0, such as the socket plane's) can then not take it before it is used.
     """
@@ -231,13 +231,17 @@ class RankCtx:
 
     def init(self, port: int | None = None, timeout: float | None = None,
              init_timeout: float | None = None) -> None:
-        """Join the group (on ``port``, default the harness's MASTER_PORT)."""
+        """Join the group, rank 0 serving the rendezvous on ``port`` (default the
+        harness's, :attr:`Ranks.port`: the port the tests attack and probe)."""
         import swarmfd as fd
 
-        fd.init(self.world, self.rank, master_addr="127.0.0.1",
-                master_port=port or self.port,
-                timeout=self.group_timeout if timeout is None else timeout,
-                init_timeout=init_timeout)
+        wanted = port or self.port
+        config = fd.init(self.world, self.rank, master_addr="127.0.0.1", master_port=wanted,
+                         timeout=self.group_timeout if timeout is None else timeout,
+                         init_timeout=init_timeout)
+        if config.rendezvous_port != wanted:  # (what the tests aim at must be what binds)
+            raise AssertionError(f"rank {self.rank}: the rendezvous used port "
+                                 f"{config.rendezvous_port}, not the harness's {wanted}")
         if self.transport is None:
             return  # whatever the environment chose (run_ranks)
         from swarmfd import group

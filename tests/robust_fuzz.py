@@ -1,4 +1,4 @@
-"""A loopback fuzzer for swarmfd's ports (rendezvous MASTER_PORT and the ranks' data ports).
+"""A loopback fuzzer for swarmfd's ports (rank 0's rendezvous port and the ranks' data ports).
 
 :class:`Fuzzer` sends, for a bounded time and only to 127.0.0.1:
 
@@ -75,7 +75,8 @@ def forged_message(rng: random.Random, world: int, max_payload: int = 4096) -> l
 
 
 class Fuzzer:
-    """Sends random traffic to ``data_ports`` and ``master_port`` (see module docstring)."""
+    """Sends random traffic to ``data_ports`` and ``master_port``, the port rank 0's
+    rendezvous binds (``Config.rendezvous_port``; see module docstring)."""
 
     def __init__(self, data_ports: list[int], master_port: int | None, world: int, seed: int,
                  kinds: tuple[str, ...] = ("raw", "zmtp", "push", "dealer", "forged"),

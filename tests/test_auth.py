@@ -21,6 +21,7 @@ import hashlib
 import os
 import re
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -339,6 +340,11 @@ def test_strangers_inject_nothing_and_cannot_abort(encrypt: str,
     with Ranks(_looping_job, 3, group_timeout=60.0,
                transport="zmq" if encrypt == "0-zmq" else "tcp") as ranks:
         ports = ranks.wait("ports")
+        # The rendezvous port's listener closed when init returned: the rdv-* strangers
+        # find it closed, which is what they check (rendezvous-time attacks:
+        # test_front_door.py, test_fuzz.py).
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", ranks.port), timeout=2).close()
         sent = _strangers([ports[r] for r in range(3)], ranks.port, 5.0)
         ranks.release()
         out = ranks.results(timeout=60)

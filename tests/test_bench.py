@@ -19,7 +19,7 @@ from swarmfd.bench import Row
 from swarmfd.cli import main
 
 CONTRACT_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                 "MASTER_PORT", "SWARMFD_TIMEOUT", "SWARMFD_RESTART_COUNT")
+                 "MASTER_PORT", "SWARMFD_PORT", "SWARMFD_TIMEOUT", "SWARMFD_RESTART_COUNT")
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ import swarmfd as fd
 from .conftest import run_ranks, transport_env
 
 CONTRACT_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                 "MASTER_PORT")
+                 "MASTER_PORT", "SWARMFD_PORT")
 
 
 @pytest.fixture

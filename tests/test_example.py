@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "train.py"
 TIMEOUT = 120.0
 CONTRACT_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                 "MASTER_PORT", "SWARMFD_TIMEOUT", "SWARMFD_RESTART_COUNT",
+                 "MASTER_PORT", "SWARMFD_PORT", "SWARMFD_TIMEOUT", "SWARMFD_RESTART_COUNT",
                  "SWARMFD_CHECKPOINT_DIR")
 
 ACCURACY = re.compile(r"final test accuracy: (\d\.\d+)")

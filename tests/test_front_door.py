@@ -10,10 +10,12 @@ second) but holds no secret; a *passive reader* also sees every byte on the wire
   the moment it appears: init still completes, at most a second later than without;
 * a passive reader that replays the zmq data plane's PLAIN tokens and forges data
   and aborts: nothing is admitted, results stay exact;
-* junk handshake frames at MASTER_PORT and at the zmq data socket of a running job:
-  the rank's memory grows by far less than 64 MiB;
-* 1100 silent connections at MASTER_PORT of a rank whose descriptor limit is 1024:
-  init completes;
+* junk handshake frames at the rendezvous port (rank 0's, swarmfd's own: not
+  MASTER_PORT, which is torch.distributed's) and at the zmq data socket of a running
+  job: the rank's memory grows by far less than 64 MiB;
+* 1100 silent connections at the rendezvous port of a rank whose descriptor limit is
+  1024: init completes (each attack on the rendezvous port first sees rank 0's
+  process listen there);
 * setup errors count strangers; secret files others can write are refused; an
   ndarray subclass is handled.
 """
@@ -132,7 +134,7 @@ def test_silent_strangers_and_a_flood_do_not_stop_or_slow_init(transport_name: s
     stormy, attack = _job_with_flood(transport_name, flood=True)
     record(f"flood[{transport_name}]", calm=calm, stormy=stormy, attack=attack)
     # Rank 0's and rank 1's data listeners were found and flooded (rank 2's, which no
-    # peer dials, lives a few ms; MASTER_PORT has its own tests below).
+    # peer dials, lives a few ms; the rendezvous port has its own tests below).
     assert len(attack.get("ports", [])) >= 2, attack
     assert attack.get("silent", 0) >= 200 and attack.get("churn", 0) > 0, attack
     for r in range(3):
@@ -230,9 +232,10 @@ def _wait_listening(pid: int, port: int, timeout: float = 30.0) -> None:
         time.sleep(0.01)
 
 
-def test_junk_handshakes_at_master_port_pin_little_memory() -> None:
-    """300 connections to MASTER_PORT, each a CURVE greeting and a frame announcing (almost)
-    1 MiB, then 64 KiB of junk: rank 0's memory grows by less than 64 MiB, and init completes."""
+def test_junk_handshakes_at_the_rendezvous_port_pin_little_memory() -> None:
+    """300 connections to rank 0's rendezvous port, each a CURVE greeting and a frame
+    announcing (almost) 1 MiB, then 64 KiB of junk: rank 0's memory grows by less than
+    64 MiB, and init completes."""
     with Ranks(_rank0_waits, 2, group_timeout=30.0, init=False, transport="tcp") as ranks:
         pids = ranks.wait("pid")
         _wait_listening(pids[0], ranks.port)
@@ -245,7 +248,7 @@ def test_junk_handshakes_at_master_port_pin_little_memory() -> None:
             ranks.release()
             out = ranks.results(timeout=60)
     growth = (peak - before) / 2**20
-    record("junk-master-port", before=before, peak=peak, growth_mib=growth,
+    record("junk-rendezvous-port", before=before, peak=peak, growth_mib=growth,
            attack=attacker.result)
     assert attacker.result["established"] >= 290, attacker.result
     assert out[0]["ok"] and out[1]["ok"]
@@ -313,7 +316,7 @@ def _low_fd_limit(ctx: RankCtx) -> dict[str, Any]:
 
 def test_init_completes_at_a_1024_descriptor_limit_with_1100_strangers() -> None:
     """Rank 0 starts with a soft limit of 1024 descriptors; 1100 silent strangers connect
-    to MASTER_PORT before rank 1 arrives: init raises the soft limit to the hard one, as
+    to its rendezvous port before rank 1 arrives: init raises the soft limit to the hard one, as
     servers do, and completes."""
     if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 4096:
         pytest.skip("the hard descriptor limit is too low to show this")

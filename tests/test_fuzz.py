@@ -3,11 +3,13 @@
 * Pure functions first: any bytes given to the header decoder or the abort
   decoder give a value or a ProtocolError-style refusal, never another
   exception; nothing on the receive path unpickles or evaluates (AST check).
-* Rendezvous: random traffic at MASTER_PORT while rank 0 waits for the others
-  does not stop the group from forming.
+* Rendezvous: random traffic at the rendezvous port (the port rank 0 binds,
+  swarmfd's own, not MASTER_PORT) while rank 0 waits for the others does not stop
+  the group from forming.
 * A running job: thousands of random payloads (raw TCP bytes, ZMTP-valid
   PUSH/DEALER messages, forged swarmfd headers) at every rank's data port and
-  at MASTER_PORT while the ranks loop on all_reduce: every result stays exact
+  at the rendezvous port (closed by then: checked) while the ranks loop on
+  all_reduce: every result stays exact
   and the ranks' memory stays flat. Bounded in time, loopback only.
 * Targeted reproductions of each way the fuzz could hurt a job (forged ABORT,
   forged stale or future messages, a flood that hides deadlines, an oversized
@@ -269,6 +271,9 @@ def _run_fuzzed_job(transport: str, kinds: tuple[str, ...], seed: int,
     with Ranks(_fuzzed_job, world, group_timeout=60.0, transport=transport) as ranks:
         ports = ranks.wait("port")
         ranks.wait("warm")
+        # The rendezvous port gets its share of the fuzz: its listener closed when init
+        # returned, which is what that share checks (not a port nobody ever bound).
+        assert not _listening(ranks.port), f"rendezvous port {ranks.port} still listens"
         fuzzer = Fuzzer([ports[r] for r in range(world)], ranks.port, world, seed, kinds)
         try:
             fuzzer.run(seconds)
@@ -326,19 +331,27 @@ def _late_joiners(ctx: RankCtx) -> list[int]:
     return [int(v) for v in x]
 
 
+def _listening(port: int) -> bool:
+    """Whether a TCP connection to 127.0.0.1:port succeeds now."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+    except OSError:
+        return False
+    return True
+
+
 def _wait_listening(port: int, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+        if _listening(port):
             return
-        except OSError:
-            time.sleep(0.05)
-    raise AssertionError(f"nothing listens on MASTER_PORT {port} after {timeout} s")
+        time.sleep(0.05)
+    raise AssertionError(f"nothing listens on the rendezvous port {port} after {timeout} s")
 
 
-def test_random_traffic_at_master_port_does_not_stop_rendezvous() -> None:
-    """Rank 0 waits for the others while MASTER_PORT gets thousands of random payloads."""
+def test_random_traffic_at_the_rendezvous_port_does_not_stop_rendezvous() -> None:
+    """Rank 0 waits for the others while its rendezvous port (the one it binds: checked
+    listening first) gets thousands of random payloads."""
     with Ranks(_late_joiners, 3, init=False, group_timeout=60.0) as ranks:
         _wait_listening(ranks.port)
         fuzzer = Fuzzer([], ranks.port, 3, seed=7, kinds=("raw", "zmtp", "dealer"),

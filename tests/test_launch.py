@@ -157,8 +157,10 @@ def test_each_rank_sees_the_contract_env(runs: Runs) -> None:
     assert (code, err) == (0, b"")
     seen = {r: json.loads(lines[0]) for r, lines in by_rank(out).items()}
     assert sorted(seen) == [0, 1, 2]
-    ports = {env["MASTER_PORT"] for env in seen.values()}
-    assert len(ports) == 1 and 1 <= int(ports.pop()) <= 65535
+    ports = {(env["MASTER_PORT"], env["SWARMFD_PORT"]) for env in seen.values()}
+    assert len(ports) == 1
+    master, own = map(int, ports.pop())
+    assert 1 <= master <= 65535 and 1 <= own <= 65535 and master != own
     for rank, env in seen.items():
         assert {
             "WORLD_SIZE": "3",
@@ -182,9 +184,54 @@ def test_options_reach_the_ranks_env(runs: Runs) -> None:
     assert code == 0
     for env in (json.loads(lines[0]) for lines in by_rank(out).values()):
         assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("localhost", "23456")
+        assert env["SWARMFD_PORT"] == "23457"  # derived as a rank would: MASTER_PORT + 1
         assert float(env["SWARMFD_TIMEOUT"]) == 7.5
         assert float(env["SWARMFD_INIT_TIMEOUT"]) == 600.0
         assert (env["FOO"], env["EMPTY"]) == ("bar=baz", "")
+
+
+def test_torch_and_swarmfd_get_two_distinct_free_ports(runs: Runs) -> None:
+    """MASTER_PORT (torch.distributed's store) and SWARMFD_PORT (swarmfd's rendezvous) are
+    both free when the ranks start: rank 0 listens on both at once."""
+    code, out, err = runs.run("-n", "2", WORKER, "bind-ports")
+    assert (code, err) == (0, b""), err
+    bound = json.loads(by_rank(out)[0][0])["bound"]
+    assert len(set(bound)) == 2, bound
+
+
+def test_swarmfd_port_option(runs: Runs) -> None:
+    """--swarmfd-port sets SWARMFD_PORT; MASTER_PORT is then a free port of its own."""
+    code, out, err = runs.run("-n", "1", "--swarmfd-port", "23458", WORKER, "env")
+    assert code == 0, err
+    env = json.loads(by_rank(out)[0][0])
+    assert env["SWARMFD_PORT"] == "23458" and env["MASTER_PORT"] not in ("23458", None)
+
+
+def test_the_ports_of_an_attempt() -> None:
+    """Given, derived (--master-port + 1, as a rank would) or fresh and distinct."""
+    from swarmfd.launch import _ports
+
+    def ports(**kw: int) -> tuple[int, int]:
+        return _ports(LaunchConfig(nproc=1, command=["true"], **kw))
+
+    assert ports(master_port=23456) == (23456, 23457)
+    assert ports(master_port=23456, swarmfd_port=40000) == (23456, 40000)
+    master, own = ports(swarmfd_port=40000)
+    assert own == 40000 and master != own
+    master, own = ports()
+    assert master != own
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("-e", "SWARMFD_PORT=1"), "env may not set SWARMFD_PORT"),
+    (("--master-port", "65535"), "master_port 65535 leaves no port for swarmfd's rendezvous"),
+    (("--master-port", "23456", "--swarmfd-port", "23456"),
+     "swarmfd_port and master_port are both 23456"),
+    (("--swarmfd-port", "70000"), "swarmfd_port must be a TCP port 1..65535"),
+])
+def test_cli_refuses_bad_ports(args: tuple[str, ...], message: str) -> None:
+    result = CliRunner().invoke(main, ["run", "-n", "1", *args, WORKER, "env"])
+    assert result.exit_code == 2 and message in result.output, result.output
 
 
 def test_py_path_runs_with_the_current_python(runs: Runs) -> None:
@@ -264,9 +311,12 @@ def test_max_restarts_restarts_the_group_until_it_succeeds(runs: Runs) -> None:
     """Fails on attempts 0 and 1, succeeds on 2: --max-restarts 2 ends 0 with 3 attempts."""
     code, out, err = runs.run("-n", "2", "--max-restarts", "2", WORKER, "restart", str(runs.piddir))
     assert code == 0, err
-    attempts = [re.match(rb"attempt (\d+) port (\d+)", line).groups() for line in by_rank(out)[0]]
-    assert [a for a, _ in attempts] == [b"0", b"1", b"2"]
-    assert len({p for _, p in attempts}) > 1, "a new free port is picked per restart"
+    attempts = [re.fullmatch(rb"attempt (\d+) port (\d+) swarmfd (\d+)", line).groups()
+                for line in by_rank(out)[0]]
+    assert [a for a, _, _ in attempts] == [b"0", b"1", b"2"]
+    assert len({p for _, p, _ in attempts}) > 1, "a new free port is picked per restart"
+    assert len({q for _, _, q in attempts}) > 1, "a new SWARMFD_PORT is picked per restart"
+    assert all(p != q for _, p, q in attempts), attempts
     assert err.count(b"swarmfd run: rank 1 exited with code 3") == 2
     assert b"restart 1 of 2" in err and b"restart 2 of 2" in err
     assert_all_gone(recorded_pids(runs.piddir))
@@ -277,7 +327,8 @@ def test_max_restarts_exhausted_returns_the_last_code(runs: Runs) -> None:
     code, out, err = runs.run("-n", "2", "--max-restarts", "1", "--master-port", "23457",
                               WORKER, "restart", str(runs.piddir))  # fmt: skip
     assert code == 3
-    assert by_rank(out)[1] == [b"attempt 0 port 23457", b"attempt 1 port 23457"]
+    assert by_rank(out)[1] == [b"attempt 0 port 23457 swarmfd 23458",
+                               b"attempt 1 port 23457 swarmfd 23458"]
     assert b"no restarts left (max_restarts=1); exiting with code 3" in err
 
 
@@ -470,6 +521,10 @@ def test_launcher_killed_with_sigkill_takes_its_ranks_along(runs: Runs) -> None:
         ({"command": []}, "command is empty"),
         ({"command": "python x.py"}, "command must be a sequence of strings"),
         ({"master_port": 70000}, "master_port must be a TCP port 1..65535"),
+        ({"swarmfd_port": 0}, "swarmfd_port must be an integer >= 1 (a TCP port)"),
+        ({"master_port": 65535}, "master_port 65535 leaves no port for swarmfd's rendezvous"),
+        ({"master_port": 80, "swarmfd_port": 80}, "swarmfd_port and master_port are both 80"),
+        ({"env": {"SWARMFD_PORT": "3"}}, "env may not set SWARMFD_PORT"),
         ({"master_addr": " "}, "master_addr must be a host name"),
         ({"env": {"RANK": "3"}}, "env may not set RANK"),
         ({"env": {"A=B": "1"}}, "env name 'A=B' is invalid"),
@@ -565,7 +620,8 @@ def test_cli_help_shows_an_example() -> None:
     result = CliRunner().invoke(main, ["run", "--help"])
     assert result.exit_code == 0
     assert "swarmfd run -n 4 train.py" in result.output
-    for option in ("--nproc", "--master-port", "--max-restarts", "--no-prefix", "--env"):
+    for option in ("--nproc", "--master-port", "--swarmfd-port", "--max-restarts", "--no-prefix",
+                   "--env"):
         assert option in result.output
 
 

@@ -642,7 +642,7 @@ def test_a_stashed_message_is_checked_against_the_signature() -> None:
     assert not silent, f"rank 0's mismatched broadcast returned in rounds {silent}: {out[0]}"
 
 
-def _busy_master_port(ctx: RankCtx, port: int) -> dict[str, Any]:
+def _busy_rendezvous_port(ctx: RankCtx, port: int) -> dict[str, Any]:
     t0 = time.monotonic()
     try:
         ctx.init(port, timeout=20.0)
@@ -652,19 +652,52 @@ def _busy_master_port(ctx: RankCtx, port: int) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("transport", WITH_ZMQ)
-def test_a_busy_master_port_fails_init_at_once(transport: str) -> None:
-    """Rank 0 whose MASTER_PORT is taken gets RendezvousError naming the port in well under
+def test_a_busy_rendezvous_port_fails_init_at_once(transport: str) -> None:
+    """Rank 0 whose rendezvous port is taken gets RendezvousError naming the port (and the
+    variables that choose it) in well under
     the group timeout, and returns (a socket left open once made init hang forever)."""
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        with Ranks(_busy_master_port, 2, port, init=False, transport=transport) as ranks:
+        with Ranks(_busy_rendezvous_port, 2, port, init=False, transport=transport) as ranks:
             info = ranks.results([0], timeout=30)[0]
     assert info["error"] is not None, info
     assert info["error"].startswith("RendezvousError"), info
-    assert f"MASTER_PORT {port}" in info["error"], info
+    assert f"cannot serve rendezvous on port {port}" in info["error"], info
+    assert "SWARMFD_PORT, else MASTER_PORT + 1" in info["error"], info
     assert info["took"] < 5.0, info
+
+
+def _derived_port_beside_a_store(ctx: RankCtx) -> dict[str, Any]:
+    """Join from the environment's MASTER_PORT alone (SWARMFD_PORT unset, as a Swarm
+    rank does); rank 0 reports the port its rendezvous bound."""
+    cfg = fd.init(ctx.world, ctx.rank, master_addr="127.0.0.1", timeout=20.0)
+    x = np.ones(3)
+    fd.all_reduce(x)
+    return {"port": cfg.rendezvous_port, "sum": float(x.sum())}
+
+
+def test_the_rendezvous_derives_master_port_plus_one_beside_a_store_on_master_port() -> None:
+    """With MASTER_PORT=P held by a listener (torch's TCPStore, say) and SWARMFD_PORT
+    unset, the group forms on P + 1: swarmfd never binds MASTER_PORT."""
+    for _ in range(50):  # a port whose successor is free too
+        port = free_port()
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        break
+    else:
+        raise AssertionError("no free pair of ports")
+    with socket.socket() as store:
+        store.bind(("127.0.0.1", port))
+        store.listen()
+        env = {"MASTER_PORT": str(port), "SWARMFD_PORT": ""}
+        with Ranks(_derived_port_beside_a_store, 2, init=False, env=env) as ranks:
+            out = ranks.results(timeout=60)
+    assert out == {r: {"port": port + 1, "sum": 6.0} for r in range(2)}, out
 
 
 def _leave_mid_job(ctx: RankCtx) -> dict[str, Any]:

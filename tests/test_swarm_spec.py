@@ -78,6 +78,10 @@ def test_service_env_sets_world_slot_master_and_port():
     assert env["SWARMFD_NODE"] == "{{.Node.Hostname}}"
     assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("0", "1")
     assert "SWARMFD_TIMEOUT" not in env_of(S.build_service_spec(make_job()))
+    # swarmfd's rendezvous port is derived in each rank (MASTER_PORT + 1), or chosen with -e
+    assert "SWARMFD_PORT" not in env
+    assert env_of(S.build_service_spec(make_job(
+        master_port=65535, env={"SWARMFD_PORT": "4000"})))["SWARMFD_PORT"] == "4000"
     assert "SWARMFD_INIT_TIMEOUT" not in env_of(S.build_service_spec(make_job()))
 
 
@@ -212,6 +216,13 @@ def test_ranks_that_may_share_a_node_mount_its_shared_memory_volume():
         ({"command": ()}, r"missing COMMAND"),
         ({"master_port": 0}, r"--master-port must be in 1\.\.65535"),
         ({"master_port": 70000}, r"--master-port"),
+        ({"master_port": 65535},
+         r"MASTER_PORT=65535 leaves no port for swarmfd's rendezvous.*\(MASTER_PORT is "
+         r"--master-port, SWARMFD_PORT -e SWARMFD_PORT=PORT\)"),
+        ({"env": {"SWARMFD_PORT": "70000"}}, r"SWARMFD_PORT='70000' is invalid: expected a TCP"),
+        ({"env": {"SWARMFD_PORT": "x"}}, r"SWARMFD_PORT='x' is not an integer"),
+        ({"master_port": 4000, "env": {"SWARMFD_PORT": "4000"}},
+         r"SWARMFD_PORT=4000 is MASTER_PORT too"),
         ({"timeout": 0}, r"--timeout must be a positive"),
         ({"timeout": float("nan")}, r"--timeout"),
         ({"init_timeout": 0}, r"--init-timeout must be a positive"),

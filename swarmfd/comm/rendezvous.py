@@ -1,14 +1,17 @@
 """Rendezvous: every rank learns every other's :class:`PeerInfo` through rank 0.
 
-Rank 0 serves a ZeroMQ ROUTER at ``MASTER_ADDR:MASTER_PORT`` (on MASTER_ADDR's own
-address when it is one of this host's, else every interface); every other rank sends
-it a JSON hello (protocol version, world size, its PeerInfo) and gets back the table
-of all of them, plus a random job token rank 0 draws. The ROUTER is always CURVE
-(authenticated and encrypted with the job's key, :mod:`swarmfd.comm.security`) unless
-authentication is off; it exists only during init. No other fixed port is used.
+Rank 0 serves a ZeroMQ ROUTER at ``MASTER_ADDR`` on swarmfd's own rendezvous port
+(``SWARMFD_PORT``, else ``MASTER_PORT + 1``: :func:`swarmfd.config.rendezvous_port`;
+MASTER_PORT itself is left to torch.distributed's store, so the two can live side by
+side), on MASTER_ADDR's own address when it is one of this host's, else every
+interface; every other rank sends it a JSON hello (protocol version, world size, its
+PeerInfo) and gets back the table of all of them, plus a random job token rank 0
+draws. The ROUTER is always CURVE (authenticated and encrypted with the job's key,
+:mod:`swarmfd.comm.security`) unless authentication is off; it exists only during
+init. No other fixed port is used.
 
-Strangers at MASTER_PORT: frames over MAX_HELLO_MESSAGE and handshakes slower than
-HANDSHAKE_IVL_MS drop the connection; failed handshakes and failed accepts are
+Strangers at the rendezvous port: frames over MAX_HELLO_MESSAGE and handshakes slower
+than HANDSHAKE_IVL_MS drop the connection; failed handshakes and failed accepts are
 counted for the timeout's message. A joining rank reports another job secret only on
 evidence (see MAX_HANDSHAKE_FAILURES); a handshake rank 0 dropped late is retried.
 Nothing received is unpickled: the messages are JSON, validated field by field.
@@ -38,7 +41,7 @@ from .security import ZAP_RENDEZVOUS, Security, keepalive, stranger_facing
 __all__ = ["local_address_toward", "rendezvous", "resolve"]
 
 #: Limit on a rendezvous message rank 0 receives (a hello: JSON of a few hundred bytes)
-#: and on every frame of the handshakes on rank 0's MASTER_PORT, which strangers can
+#: and on every frame of the handshakes on rank 0's rendezvous port, which strangers can
 #: reach: libzmq allocates a frame before it can tell it is junk, so a stranger pins at
 #: most this much per connection (300 connections sending junk frames: +0.9 MiB, against
 #: +306 MiB with the former 1 MiB limit; tests/test_front_door.py).
@@ -162,8 +165,9 @@ def _serve_rendezvous(
     except zmq.ZMQError as exc:
         router.close(linger=0)
         raise RendezvousError(
-            f"rank 0 cannot serve rendezvous on MASTER_PORT {port} ({exc}); is another job "
-            "using it? choose a free MASTER_PORT"
+            f"rank 0 cannot serve rendezvous on port {port} ({exc}): swarmfd's rendezvous "
+            "port (SWARMFD_PORT, else MASTER_PORT + 1, or init's master_port=) is in use; "
+            "is another job using it? choose a free SWARMFD_PORT (or MASTER_PORT)"
         ) from None
     # The monitor only once the bind worked: on a failed bind nothing would close it (and
     # before close() destroyed the context, term() waited for it forever).
@@ -275,7 +279,8 @@ def _join_rendezvous(
                         if dropped else "")
                 raise RendezvousTimeout(
                     f"rendezvous timed out after {t.join_timeout:g} s: rank {me.rank} got no "
-                    f"answer from rank 0 at {master_ip}:{port} (MASTER_ADDR/MASTER_PORT); is "
+                    f"answer from rank 0 at {master_ip}:{port} (MASTER_ADDR, and SWARMFD_PORT "
+                    "else MASTER_PORT + 1: the same on every rank?); is "
                     f"rank 0 running?{hint} (give slow starters longer with "
                     "SWARMFD_INIT_TIMEOUT or init_timeout=)"
                 )

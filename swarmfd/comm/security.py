@@ -6,8 +6,8 @@ socket that binds is a server, every one that connects a client, and one ZAP
 handler per rank (:class:`Authenticator`, pyzmq's ``ThreadAuthenticator`` with
 swarmfd's policies) admits only connections that prove they belong to the job:
 
-* the rendezvous (MASTER_PORT): always CURVE, authenticated and encrypted, any number
-  of clients holding the job key (its listener closes after init);
+* the rendezvous (SWARMFD_PORT, else MASTER_PORT + 1): always CURVE, authenticated and
+  encrypted, any number of clients holding the job key (its listener closes after init);
 * the zmq data plane: each peer's connection is admitted **once**. Unencrypted, a
   ZMQ PLAIN user name is the connecting rank and its password a one-time token
   (:func:`connection_token`) derived from the listening rank's per-session token,
@@ -50,7 +50,7 @@ __all__ = [
 #: ZAP domains of the rendezvous and of the zmq data plane.
 ZAP_RENDEZVOUS = "swarmfd-rendezvous"
 ZAP_DATA = "swarmfd-data"
-#: A connection to a bound socket (MASTER_PORT, the zmq data socket) that has not
+#: A connection to a bound socket (the rendezvous port, the zmq data socket) that has not
 #: authenticated within this many ms is dropped (libzmq's default is 30 s). A legitimate
 #: handshake takes a few ms (a CURVE one under 5 ms here, on a loaded machine).
 HANDSHAKE_IVL_MS = 2000

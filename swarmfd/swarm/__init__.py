@@ -22,7 +22,9 @@ A *job* is N ranks of one command, run as Swarm tasks:
 
 Each task runs the image's entrypoint (:mod:`swarmfd.entrypoint`) with
 ``WORLD_SIZE=N``, ``SWARMFD_TASK_SLOT`` (1..N), ``MASTER_ADDR=<job>-1`` (the DNS name of
-slot 1, rank 0), ``MASTER_PORT`` and ``SWARMFD_JOB``; the entrypoint sets
+slot 1, rank 0), ``MASTER_PORT`` (torch.distributed's; swarmfd's rendezvous derives
+``MASTER_PORT + 1``, inside the overlay network, unless ``-e SWARMFD_PORT`` chooses
+it) and ``SWARMFD_JOB``; the entrypoint sets
 ``RANK = slot - 1`` (and ``LOCAL_RANK``), waits until ``MASTER_ADDR`` resolves and
 execs the command. ``swarmfd deploy`` follows the job: task progress on stderr,
 every rank's output prefixed ``[rank R]``, and when a rank fails it stops the

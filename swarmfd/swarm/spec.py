@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import check_seconds
+from ..config import ENV_PORT, check_seconds, rendezvous_port
 
 __all__ = [
     "CHECKPOINT_TARGET",
@@ -81,6 +81,9 @@ LABEL_FAILURE = "org.swarmfd.failure"
 LABEL_STOPPED = "org.swarmfd.stopped"
 
 DEFAULT_MASTER_PORT = 29500
+#: swarmfd's rendezvous port (``SWARMFD_PORT``, swarmfd.config.ENV_PORT) is not set by
+#: deploy: each rank derives MASTER_PORT + 1 inside the job's overlay network, unless
+#: ``-e SWARMFD_PORT=P`` chooses it. Neither port is published on the nodes.
 #: Longest job name: the hostname ``<job>-<slot>`` must stay a valid DNS label (<= 63).
 MAX_JOB_NAME = 50
 
@@ -488,6 +491,7 @@ class JobSpec:
             1 <= self.master_port <= 65535
         ):
             raise ValueError(f"--master-port must be in 1..65535, got {self.master_port!r}")
+        self._check_rendezvous_port()
         for option, seconds in (("--timeout", self.timeout),
                                  ("--init-timeout", self.init_timeout)):
             if seconds is not None:
@@ -538,6 +542,19 @@ class JobSpec:
                 raise ValueError(f"--mount: {CHECKPOINT_TARGET} is where --checkpoint-volume "
                                  "mounts its volume: mount something else elsewhere")
             raise ValueError(f"--mount: the target {duplicates[0]} is mounted twice")
+
+    def _check_rendezvous_port(self) -> None:
+        """What every rank would refuse, refused at deploy (swarmfd.config's rule, a
+        ConfigError, so a ValueError): a SWARMFD_PORT that is no port or is MASTER_PORT
+        (torch.distributed's), or none at all to derive (--master-port 65535)."""
+        env = {"MASTER_PORT": str(self.master_port)}
+        if ENV_PORT in self.env:
+            env[ENV_PORT] = self.env[ENV_PORT]
+        try:
+            rendezvous_port(env)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (MASTER_PORT is --master-port, {ENV_PORT} -e "
+                             f"{ENV_PORT}=PORT)") from None
 
     def all_mounts(self) -> list[dict[str, Any]]:
         """The ``--mount``s plus the ``--checkpoint-volume`` (a named volume of the

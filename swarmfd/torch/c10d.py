@@ -11,7 +11,11 @@ The process group is written in Python (a subclass of ``dist.ProcessGroup``, whi
 torch calls from C++ for every collective). If swarmfd is not initialised yet, the
 backend initialises it: rank 0 picks a free port for swarmfd's rendezvous and
 publishes it, with its address, through the store torch's rendezvous just built
-(which holds ``MASTER_PORT``), so the two never compete for a port.
+(which holds ``MASTER_PORT``), so the two never compete for a port, and passes it to
+``fd.init(master_port=...)``, which binds it as given (SWARMFD_PORT is not read on
+this path). A script that calls ``fd.init()`` and ``init_process_group("gloo")``
+itself, in either order, is as safe: swarmfd's rendezvous then binds SWARMFD_PORT,
+else MASTER_PORT + 1, never MASTER_PORT (see :func:`swarmfd.config.rendezvous_port`).
 
 Supported: ``all_reduce`` (sum, avg, product, min, max), ``broadcast``,
 ``all_gather``, ``all_gather_into_tensor``, ``reduce_scatter``,

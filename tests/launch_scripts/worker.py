@@ -20,7 +20,7 @@ ATTEMPT = int(os.environ.get("SWARMFD_RESTART_COUNT", "0"))
 
 ENV_KEYS = (
     "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-    "SWARMFD_TIMEOUT", "SWARMFD_RESTART_COUNT", "PYTHONUNBUFFERED",
+    "SWARMFD_PORT", "SWARMFD_TIMEOUT", "SWARMFD_RESTART_COUNT", "PYTHONUNBUFFERED",
 )
 
 
@@ -45,6 +45,20 @@ def mode_env(*extra: str) -> None:
     """Print the contract variables (and any named in argv) as one JSON line."""
     keys = (*ENV_KEYS, *extra)
     print(json.dumps({"executable": sys.executable, **{k: os.environ.get(k) for k in keys}}))
+
+
+def mode_bind_ports() -> None:
+    """Rank 0 listens on MASTER_PORT and SWARMFD_PORT at MASTER_ADDR, both at once (as
+    torch's store and swarmfd's rendezvous would), and prints the two ports as JSON."""
+    if RANK != 0:
+        return
+    import socket
+
+    ports = [int(os.environ["MASTER_PORT"]), int(os.environ["SWARMFD_PORT"])]
+    socks = [socket.create_server((os.environ["MASTER_ADDR"], p)) for p in ports]
+    print(json.dumps({"bound": [s.getsockname()[1] for s in socks]}))
+    for s in socks:
+        s.close()
 
 
 def mode_sleep(piddir: str, *flags: str) -> None:
@@ -108,7 +122,8 @@ def mode_output(lines: str) -> None:
 def mode_restart(piddir: str) -> None:
     """Fail with code 3 on attempts 0 and 1 (rank 1 only); succeed from attempt 2 on."""
     record(piddir, child=False)
-    print(f"attempt {ATTEMPT} port {os.environ['MASTER_PORT']}")
+    print(f"attempt {ATTEMPT} port {os.environ['MASTER_PORT']} "
+          f"swarmfd {os.environ['SWARMFD_PORT']}")
     if ATTEMPT < 2 and RANK == 1:
         wait_for_all(piddir)
         sys.exit(3)
