@@ -11,6 +11,9 @@
 # test asks for the engine, so a selection without Swarm tests never installs, starts
 # or builds anything.
 #
+# The session runs in two lanes side by side (pytest-xdist): the Docker tests, which
+# mostly wait on the engine, and everything else in order.
+#
 # Environment: VENV (default .venv in the checkout), SWARMFD_SKIP_DOCKER=1 to leave
 # Docker alone even then (Swarm tests then skip when no engine answers, or fail under
 # CI=true).
@@ -36,5 +39,13 @@ if [ "${SWARMFD_SKIP_DOCKER:-0}" != 1 ]; then
   export SWARMFD_SETUP_DOCKER=1  # the Swarm fixtures may run scripts/setup-docker.sh
 fi
 
+# Two lanes (pytest-xdist, see pytest_collection_modifyitems in tests/conftest.py): the
+# Docker tests on one worker, the rest in order on the other. -n/--numprocesses or
+# -p no:xdist among the arguments chooses otherwise.
+LANES=(-n 2 --dist loadgroup)
+for arg in "$@"; do
+  case "$arg" in -n|-n[0-9]*|--numprocesses*|no:xdist) LANES=() ;; esac
+done
+
 export PATH="$VENV/bin:$PATH"
-exec "$VENV/bin/python" -m pytest "$@"
+exec "$VENV/bin/python" -m pytest "${LANES[@]}" "$@"

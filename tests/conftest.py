@@ -53,6 +53,24 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(_SECRET_DIR, ignore_errors=True)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Two lanes when pytest-xdist runs the session with ``--dist loadgroup`` (as
+    scripts/test.sh does), each in collection order on a worker of its own:
+
+    * ``waiting``: the Docker tests (marked ``swarm``) and the tests marked ``waits``
+      (a rank stopped until a timeout fires, a fresh venv being installed). They mostly
+      wait: the machine was 85-93 % idle during the multi-node tests;
+    * ``working``: every other test, the ones that keep ranks busy.
+
+    Beside the waiting lane the working lane runs much as it would alone; two lanes of
+    busy ranks side by side would make every timing bound compete for two cores."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        waiting = item.get_closest_marker("swarm") or item.get_closest_marker("waits")
+        item.add_marker(pytest.mark.xdist_group("waiting" if waiting else "working"))
+
+
 @pytest.fixture
 def ranks() -> Callable[..., list[Any]]:
     """The :func:`run_ranks` helper as a fixture."""

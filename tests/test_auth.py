@@ -563,6 +563,7 @@ def _waits_for_rank1(ctx: RankCtx) -> Any:
     return {"type": None}
 
 
+@pytest.mark.waits  # a vanished or stopped peer: detection by keepalive or the timeout
 @pytest.mark.parametrize(("vanish", "plane"), [(True, "tcp"), (True, "zmq"), (False, "tcp")],
                          ids=["vanished", "vanished-zmq", "stopped"])
 def test_a_vanished_peer_is_lost_within_seconds_a_stopped_one_times_out(vanish: bool,

@@ -499,6 +499,7 @@ def _stuck(rank: int, world: int) -> None:
         time.sleep(6)  # alive but silent
 
 
+@pytest.mark.waits  # the silent rank's peers wait for the timeout
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_silent_rank_times_out_naming_the_peer(transport: str) -> None:
     """A live rank that never calls the collective makes the other time out, naming it."""

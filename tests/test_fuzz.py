@@ -94,7 +94,7 @@ def test_headers_with_valid_magic_and_random_fields_decode(rest: bytes, tail: by
     assert text.startswith("(") and text.endswith(")")
 
 
-@settings(max_examples=1000, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(st.one_of(
     st.binary(max_size=512),
     st.recursive(st.none() | st.booleans() | st.floats() | st.integers() | st.text(),
@@ -401,20 +401,13 @@ def test_hostile_json_hellos_do_not_stop_rendezvous() -> None:
 
 @pytest.mark.parametrize("auth", ["on", "off"])
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_garbage_and_random_connections_do_not_disturb_a_job(
-        transport: str, auth: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Raw bytes, ZMTP junk, random PUSH/DEALER messages: results exact, memory flat."""
-    _auth(monkeypatch, auth)
-    out, fuzzer = _run_fuzzed_job(transport, ("raw", "zmtp", "push", "dealer"), seed=1)
-    _check_fuzzed_job(f"fuzz-garbage[{transport},auth={auth}]", transport, out, fuzzer, auth)
-
-
-@pytest.mark.parametrize("auth", ["on", "off"])
-@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_fuzz_with_forged_headers_does_not_disturb_a_job(
         transport: str, auth: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The issue's fuzz: every kind of payload incl. forged headers; exact, memory flat,
-    on every plane, even without a secret (no stranger's bytes reach a rank)."""
+    """The issue's fuzz: every kind of payload (raw bytes, ZMTP junk, random PUSH and
+    DEALER messages, forged swarmfd headers) at the data ports and the rendezvous port;
+    results exact, memory flat, on every plane, even without a secret (no stranger's
+    bytes reach a rank). One job per plane and mode covers every kind (a job of the
+    kinds without forged headers, 15 s more each, was its subset)."""
     _auth(monkeypatch, auth)
     out, fuzzer = _run_fuzzed_job(transport, ("raw", "zmtp", "push", "dealer", "forged"),
                                   seed=2)

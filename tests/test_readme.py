@@ -197,6 +197,7 @@ def test_local_commands_run(block: Block) -> None:
         remove_tmp_paths(block)
 
 
+@pytest.mark.waits  # pip installs a fresh venv
 @pytest.mark.slow
 @pytest.mark.parametrize("block", of_kind("fresh-clone"), ids=lambda b: b.id)
 def test_fresh_clone_commands_run(block: Block, tmp_path: Path) -> None:

@@ -271,6 +271,7 @@ STOP_CASES = [
 ]
 
 
+@pytest.mark.waits  # a stopped rank: the others wait for the timeout
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize(("name", "world"), STOP_CASES)
 def test_sigstop_times_out_after_the_configured_timeout(name: str, world: int,
@@ -334,6 +335,7 @@ def _stop_loop(ctx: RankCtx) -> Any:
     return info
 
 
+@pytest.mark.waits  # a stopped rank: the others wait for the timeout
 @pytest.mark.parametrize("transport", WITH_ZMQ)
 def test_sigstop_during_a_loop_of_large_all_reduces(transport: str) -> None:
     """N=3, rank 2 stopped mid-loop: ranks 0 and 1 time out ~timeout after the stop."""
@@ -777,6 +779,7 @@ def _join_late(ctx: RankCtx, late: float, timeout: float,
             "join_timeout": cfg.join_timeout}
 
 
+@pytest.mark.waits  # a late rank, then a timeout
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_init_timeout_lets_a_late_rank_join_while_collectives_keep_their_timeout(
         transport: str) -> None:

@@ -11,8 +11,9 @@ result is what it checked (making every rank's inputs on every rank was most of 
 run's time). Sizes are log-uniform (mostly small, now and then millions of elements).
 
 One run per real plane between processes (N=3: the socket and zmq planes, shared
-memory), and N=4 on thread-ranks over the socket plane and shared memory
-(tests/threadranks.py: the same public calls and planes, without spawning).
+memory), and N=4 (the plan's first THREAD_STEPS steps) on thread-ranks over the
+socket plane and shared memory (tests/threadranks.py: the same public calls and
+planes, without spawning).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ from .harness import record, run_ranks, transport_env
 from .threadranks import run_api
 
 STEPS = 1000
+#: Steps of the N=4 runs on thread-ranks (their GIL-bound Python makes a step 2-3x
+#: dearer than a process's): 500 of the same plan, ~10 s each.
+THREAD_STEPS = 500
 MAX_ELEMENTS = 4 << 20
 DTYPES = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
           np.float16, np.float32, np.float64, np.complex64, np.complex128]
@@ -192,9 +196,9 @@ def _stress(rank: int, world: int, seed: int, steps: int,
 
 
 def _compare(out: list[dict[str, Any]], seed: int, world: int, name: str,
-             elapsed: float) -> None:
+             elapsed: float, steps: int = STEPS) -> None:
     """Every step's digests agree across ranks (the reduce's root alone holds a result)."""
-    plan = _plan(seed, STEPS, world)
+    plan = _plan(seed, steps, world)
     for step, (coll, dtype, n, op, root) in enumerate(plan):
         seen = {r: out[r]["digests"][step] for r in range(world)}
         if coll == "reduce":
@@ -218,12 +222,14 @@ def test_1000_random_collectives(world: int, transport: str) -> None:
 
 
 @pytest.mark.parametrize("plane", ["socket", "shm"])
-def test_1000_random_collectives_of_4_thread_ranks(plane: str) -> None:
-    """The same at N=4, on thread-ranks over the socket plane and shared memory (these
-    ran as processes: 4 ranks on 2 cores took 190-290 s there)."""
+def test_random_collectives_of_4_thread_ranks(plane: str) -> None:
+    """The same plan's first THREAD_STEPS steps at N=4, on thread-ranks over the socket
+    plane and shared memory (these ran as processes: 4 ranks on 2 cores took 190-290 s
+    there)."""
     world = 4
     seed = 20240 + world
     t0 = time.monotonic()
-    out = run_api(_stress, world, seed, STEPS, _Inputs(seed, world), plane=plane,
+    out = run_api(_stress, world, seed, THREAD_STEPS, _Inputs(seed, world), plane=plane,
                   timeout=600, group_timeout=60)
-    _compare(out, seed, world, f"stress[threads,{plane},N={world}]", time.monotonic() - t0)
+    _compare(out, seed, world, f"stress[threads,{plane},N={world}]", time.monotonic() - t0,
+             THREAD_STEPS)
