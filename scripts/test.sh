@@ -39,10 +39,10 @@ if [ "${SWARMFD_SKIP_DOCKER:-0}" != 1 ]; then
   export SWARMFD_SETUP_DOCKER=1  # the Swarm fixtures may run scripts/setup-docker.sh
 fi
 
-# Two lanes (pytest-xdist, see pytest_collection_modifyitems in tests/conftest.py): the
+# Two lanes (pytest-xdist, see pytest_xdist_make_scheduler in tests/conftest.py): the
 # Docker tests on one worker, the rest in order on the other. -n/--numprocesses or
 # -p no:xdist among the arguments chooses otherwise.
-LANES=(-n 2 --dist loadgroup)
+LANES=(-n 2)
 for arg in "$@"; do
   case "$arg" in -n|-n[0-9]*|--numprocesses*|no:xdist) LANES=() ;; esac
 done

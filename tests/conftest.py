@@ -53,25 +53,62 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(_SECRET_DIR, ignore_errors=True)
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Two lanes when pytest-xdist runs the session with ``--dist loadgroup`` (as
-    scripts/test.sh does), each in collection order on a worker of its own:
+#: The waiting lane, by node id (the scheduler of xdist's controller sees node ids, not
+#: markers): the Docker tests (marked ``swarm``) and the tests marked ``waits``.
+#: pytest_collection_modifyitems checks that the two agree.
+WAITING_LANE = (
+    "tests/swarm/",
+    "tests/multinode/",
+    "tests/test_readme.py::test_swarm_",
+    "tests/test_readme.py::test_fresh_clone_commands_run",
+    "tests/test_robustness.py::test_sigstop_times_out_after_the_configured_timeout",
+    "tests/test_robustness.py::test_sigstop_during_a_loop_of_large_all_reduces",
+    "tests/test_robustness.py::test_init_timeout_lets_a_late_rank_join",
+    "tests/test_auth.py::test_a_vanished_peer_is_lost_within_seconds",
+    "tests/test_collectives.py::test_a_silent_rank_times_out_naming_the_peer",
+)
 
-    * ``waiting``: the Docker tests (marked ``swarm``) and the tests marked ``waits``
-      (a rank stopped until a timeout fires, a fresh venv being installed). They mostly
-      wait: the machine was 85-93 % idle during the multi-node tests;
+
+def lane_of(nodeid: str) -> str:
+    """``waiting`` or ``working`` (see :func:`pytest_xdist_make_scheduler`)."""
+    return "waiting" if nodeid.startswith(WAITING_LANE) else "working"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The waiting lane's node ids are exactly the tests marked ``swarm`` or ``waits``."""
+    wrong = [item.nodeid for item in items
+             if (lane_of(item.nodeid) == "waiting")
+             != bool(item.get_closest_marker("swarm") or item.get_closest_marker("waits"))]
+    if wrong:
+        raise pytest.UsageError(
+            "tests/conftest.py WAITING_LANE disagrees with the swarm/waits markers of "
+            f"{wrong[:5]}: mark them, or add them to WAITING_LANE (or both, the other way)")
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown without xdist
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Two lanes under pytest-xdist (scripts/test.sh runs ``-n 2``), each in collection
+    order on a worker of its own:
+
+    * ``waiting``: the Docker tests and the tests marked ``waits`` (a rank stopped until
+      a timeout fires, a fresh venv being installed). They mostly wait: the machine was
+      85-93 % idle during the multi-node tests;
     * ``working``: every other test, the ones that keep ranks busy.
 
     Beside the waiting lane the working lane runs much as it would alone; two lanes of
     busy ranks side by side would make every timing bound compete for two cores."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        waiting = item.get_closest_marker("swarm") or item.get_closest_marker("waits")
-        item.add_marker(pytest.mark.xdist_group("waiting" if waiting else "working"))
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Lanes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return lane_of(nodeid)
+
+    return Lanes(config, log)
 
 
 @pytest.fixture
 def ranks() -> Callable[..., list[Any]]:
     """The :func:`run_ranks` helper as a fixture."""
     return run_ranks
+
+
