@@ -69,9 +69,18 @@ WAITING_LANE = (
 )
 
 
+#: The unit lane, by file: tests of pure logic in one process (thread-ranks over an
+#: in-memory plane, plain data), with no rank processes and no timing bound.
+UNIT_LANE = tuple(f"tests/test_{name}.py::" for name in (
+    "algorithms", "hier", "wire", "channel", "config", "layering", "sharding",
+    "accumulate", "swarm_spec", "entrypoint", "torch"))
+
+
 def lane_of(nodeid: str) -> str:
-    """``waiting`` or ``working`` (see :func:`pytest_xdist_make_scheduler`)."""
-    return "waiting" if nodeid.startswith(WAITING_LANE) else "working"
+    """``waiting``, ``unit`` or ``working`` (see :func:`pytest_xdist_make_scheduler`)."""
+    if nodeid.startswith(WAITING_LANE):
+        return "waiting"
+    return "unit" if nodeid.startswith(UNIT_LANE) else "working"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -87,16 +96,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown without xdist
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Two lanes under pytest-xdist (scripts/test.sh runs ``-n 2``), each in collection
-    order on a worker of its own:
+    """Three lanes under pytest-xdist (scripts/test.sh runs ``-n 3``), each in
+    collection order on a worker of its own:
 
     * ``waiting``: the Docker tests and the tests marked ``waits`` (a rank stopped until
       a timeout fires, a fresh venv being installed). They mostly wait: the machine was
       85-93 % idle during the multi-node tests;
+    * ``unit``: the in-process tests of pure logic (:data:`UNIT_LANE`), about a minute;
     * ``working``: every other test, the ones that keep ranks busy.
 
-    Beside the waiting lane the working lane runs much as it would alone; two lanes of
-    busy ranks side by side would make every timing bound compete for two cores."""
+    Run in one lane, the suite left the 2 cores 46 % idle. Beside the waiting lane the
+    working lane runs much as it would alone; two lanes of busy ranks side by side
+    would make every timing bound compete for the two cores."""
     from xdist.scheduler import LoadScopeScheduling
 
     class Lanes(LoadScopeScheduling):

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -417,7 +418,14 @@ def cleanup_leftovers(host: docker.DockerClient, run_dir: Path = DEFAULT_RUN_DIR
 
     _parallel([lambda cid=c["Id"]: remove(cid) for c in containers])
     deadline = _now() + timeout
-    for vol in host.api.volumes(filters=label).get("Volumes") or []:
+    # Also the nodes' data volumes by name: one removed while its node was being created
+    # is made again by the container's bind, without the label, and would then give the
+    # next cluster a node that is already part of a swarm.
+    named = re.compile(rf"{re.escape(NAME_PREFIX)}-\d+-data")
+    volumes = {v["Name"]: v for v in host.api.volumes().get("Volumes") or []
+               if named.fullmatch(v["Name"])}
+    volumes.update({v["Name"]: v for v in host.api.volumes(filters=label).get("Volumes") or []})
+    for vol in volumes.values():
         while True:
             try:
                 host.api.remove_volume(vol["Name"], force=True)
