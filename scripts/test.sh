@@ -27,7 +27,8 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
-"$VENV/bin/python" -m pip install --quiet -e ".[test]"
+# The examples extra (scikit-learn: examples/train_torch.py's data) lets its test run.
+"$VENV/bin/python" -m pip install --quiet -e ".[test,examples]"
 # torch is optional for swarmfd; its CPU build (pinned: an unpinned torch pulls a
 # multi-GB CUDA build) lets the tensor tests run instead of skipping.
 if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then

@@ -69,11 +69,12 @@ WAITING_LANE = (
 )
 
 
-#: The unit lane, by file: tests of pure logic in one process (thread-ranks over an
-#: in-memory plane, plain data), with no rank processes and no timing bound.
+#: The unit lane, by file: tests without a timing bound, of pure logic in one process
+#: (thread-ranks over an in-memory plane, plain data) and the torch example's training
+#: runs (judged by accuracy).
 UNIT_LANE = tuple(f"tests/test_{name}.py::" for name in (
     "algorithms", "hier", "wire", "channel", "config", "layering", "sharding",
-    "accumulate", "swarm_spec", "entrypoint", "torch"))
+    "accumulate", "swarm_spec", "entrypoint", "torch", "torch_example"))
 
 
 def lane_of(nodeid: str) -> str:
@@ -102,7 +103,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     * ``waiting``: the Docker tests and the tests marked ``waits`` (a rank stopped until
       a timeout fires, a fresh venv being installed). They mostly wait: the machine was
       85-93 % idle during the multi-node tests;
-    * ``unit``: the in-process tests of pure logic (:data:`UNIT_LANE`), about a minute;
+    * ``unit``: tests without a timing bound (:data:`UNIT_LANE`), in-process logic and
+      the torch example's training runs, about two minutes;
     * ``working``: every other test, the ones that keep ranks busy.
 
     Run in one lane, the suite left the 2 cores 46 % idle. Beside the waiting lane the

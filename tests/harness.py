@@ -63,6 +63,7 @@ __all__ = [
     "error_info",
     "free_port",
     "record",
+    "require",
     "run_ranks",
     "run_ranks_raw",
     "start_line",
@@ -539,6 +540,23 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any
 
 
 # -- measurements ------------------------------------------------------------------------------
+
+
+def require(module: str, install: str) -> Any:
+    """Import an optional test dependency: without it the calling test module skips,
+    except under ``CI=true``, where it fails (a CI without torch, say, must never pass
+    unnoticed). ``install`` says how to get it."""
+    import importlib
+
+    import pytest
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:  # pragma: no cover - depends on the machine
+        if os.environ.get("CI", "").strip().lower() in ("1", "true", "yes"):
+            pytest.fail(f"{module} is not importable, and under CI=true the tests that need "
+                        f"it must run ({install})", pytrace=False)
+        pytest.skip(f"{module} is not installed ({install})", allow_module_level=True)
 
 
 def record(test: str, **values: Any) -> None:

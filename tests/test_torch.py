@@ -8,21 +8,16 @@ under CI=true they fail: a CI without torch must not pass unnoticed.
 from __future__ import annotations
 
 import gc
-import os
 
 import pytest
 
-try:
-    import torch
-except ImportError:  # pragma: no cover - depends on the machine
-    if os.environ.get("CI", "").strip().lower() in ("1", "true", "yes"):
-        pytest.fail("torch is not importable, and under CI=true the torch tests must run "
-                    "(pip install torch==2.13.0, the CPU wheel)", pytrace=False)
-    pytest.skip("torch is not installed (pip install torch==2.13.0)", allow_module_level=True)
+from .harness import require
 
-import swarmfd as fd
-import swarmfd.torch as sft
-from swarmfd.torch import _buckets
+torch = require("torch", "pip install torch==2.13.0, the CPU wheel")
+
+import swarmfd as fd  # noqa: E402 (swarmfd.torch imports torch)
+import swarmfd.torch as sft  # noqa: E402 (swarmfd.torch imports torch)
+from swarmfd.torch import _buckets  # noqa: E402 (swarmfd.torch imports torch)
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
 """examples/train_torch.py under swarmfd run: N=2 reaches N=1's accuracy through a crash.
 
-The example needs scikit-learn (the examples extra: ``pip install -e ".[examples]"``);
-without it these tests skip. Without torch they skip, or fail under CI=true.
+The example needs scikit-learn (the examples extra: ``pip install -e ".[examples]"``,
+which scripts/test.sh installs) and torch: without either these tests skip, or fail
+under CI=true.
 """
 
 from __future__ import annotations
@@ -12,18 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from .harness import require
 
-try:
-    import torch  # noqa: F401
-except ImportError:  # pragma: no cover - depends on the machine
-    if os.environ.get("CI", "").strip().lower() in ("1", "true", "yes"):
-        pytest.fail("torch is not importable, and under CI=true the torch tests must run "
-                    "(pip install torch==2.13.0, the CPU wheel)", pytrace=False)
-    pytest.skip("torch is not installed (pip install torch==2.13.0)", allow_module_level=True)
-
-pytest.importorskip("sklearn", reason="the example needs scikit-learn (pip install -e "
-                    "'.[examples]')")
+torch = require("torch", "pip install torch==2.13.0, the CPU wheel")
+require("sklearn", "the example's data: pip install -e '.[examples]'")
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_torch.py"

@@ -16,17 +16,9 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-import pytest
+from .harness import free_port, require, run_ranks, run_ranks_raw
 
-try:
-    import torch
-except ImportError:  # pragma: no cover - depends on the machine
-    if os.environ.get("CI", "").strip().lower() in ("1", "true", "yes"):
-        pytest.fail("torch is not importable, and under CI=true the torch tests must run "
-                    "(pip install torch==2.13.0, the CPU wheel)", pytrace=False)
-    pytest.skip("torch is not installed (pip install torch==2.13.0)", allow_module_level=True)
-
-from tests.conftest import free_port, run_ranks, run_ranks_raw
+torch = require("torch", "pip install torch==2.13.0, the CPU wheel")
 
 ROOT = Path(__file__).resolve().parents[1]
 F64 = torch.float64
