@@ -11,8 +11,8 @@
 # test asks for the engine, so a selection without Swarm tests never installs, starts
 # or builds anything.
 #
-# The session runs in three lanes side by side (pytest-xdist): the Docker tests and
-# others that mostly wait, the in-process unit tests, and the tests of real ranks.
+# The session runs in three lanes side by side (pytest-xdist): the Docker tests, the
+# tests that mostly wait and the in-process unit tests, and the tests of real ranks.
 #
 # Environment: VENV (default .venv in the checkout), SWARMFD_SKIP_DOCKER=1 to leave
 # Docker alone even then (Swarm tests then skip when no engine answers, or fail under
@@ -41,8 +41,8 @@ if [ "${SWARMFD_SKIP_DOCKER:-0}" != 1 ]; then
 fi
 
 # Three lanes (pytest-xdist, see pytest_xdist_make_scheduler in tests/conftest.py): the
-# Docker tests and the waiting ones, the in-process unit tests, and the rest, each in
-# order on a worker of its own. -n/--numprocesses or
+# Docker tests; the waiting ones and the in-process unit tests; the rest, each in order
+# on a worker of its own. -n/--numprocesses or
 # -p no:xdist among the arguments chooses otherwise.
 LANES=(-n 3)
 for arg in "$@"; do

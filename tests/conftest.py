@@ -53,13 +53,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(_SECRET_DIR, ignore_errors=True)
 
 
-#: The waiting lane, by node id (the scheduler of xdist's controller sees node ids, not
-#: markers): the Docker tests (marked ``swarm``) and the tests marked ``waits``.
-#: pytest_collection_modifyitems checks that the two agree.
-WAITING_LANE = (
-    "tests/swarm/",
-    "tests/multinode/",
-    "tests/test_readme.py::test_swarm_",
+#: The tests marked ``waits``, by node id (the scheduler of xdist's controller sees node
+#: ids, not markers); pytest_collection_modifyitems checks that the two agree.
+WAITS = (
     "tests/test_readme.py::test_fresh_clone_commands_run",
     "tests/test_robustness.py::test_sigstop_times_out_after_the_configured_timeout",
     "tests/test_robustness.py::test_sigstop_during_a_loop_of_large_all_reduces",
@@ -67,32 +63,32 @@ WAITING_LANE = (
     "tests/test_auth.py::test_a_vanished_peer_is_lost_within_seconds",
     "tests/test_collectives.py::test_a_silent_rank_times_out_naming_the_peer",
 )
-
-
-#: The unit lane, by file: tests without a timing bound, of pure logic in one process
-#: (thread-ranks over an in-memory plane, plain data) and the torch example's training
-#: runs (judged by accuracy).
-UNIT_LANE = tuple(f"tests/test_{name}.py::" for name in (
+#: The Docker tests (marked ``swarm``), by node id.
+DOCKER = ("tests/swarm/", "tests/multinode/", "tests/test_readme.py::test_swarm_")
+#: Tests without a timing bound that need no rank processes beside them, by file: pure
+#: logic in one process (thread-ranks over an in-memory plane, plain data) and the torch
+#: example's training runs (judged by accuracy).
+UNIT = tuple(f"tests/test_{name}.py::" for name in (
     "algorithms", "hier", "wire", "channel", "config", "layering", "sharding",
     "accumulate", "swarm_spec", "entrypoint", "torch", "torch_example"))
 
 
 def lane_of(nodeid: str) -> str:
-    """``waiting``, ``unit`` or ``working`` (see :func:`pytest_xdist_make_scheduler`)."""
-    if nodeid.startswith(WAITING_LANE):
-        return "waiting"
-    return "unit" if nodeid.startswith(UNIT_LANE) else "working"
+    """``docker``, ``waiting`` or ``working`` (see :func:`pytest_xdist_make_scheduler`)."""
+    if nodeid.startswith(DOCKER):
+        return "docker"
+    return "waiting" if nodeid.startswith(WAITS + UNIT) else "working"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The waiting lane's node ids are exactly the tests marked ``swarm`` or ``waits``."""
+    """DOCKER and WAITS name exactly the tests marked ``swarm`` and ``waits``."""
     wrong = [item.nodeid for item in items
-             if (lane_of(item.nodeid) == "waiting")
-             != bool(item.get_closest_marker("swarm") or item.get_closest_marker("waits"))]
+             if item.nodeid.startswith(DOCKER) != bool(item.get_closest_marker("swarm"))
+             or item.nodeid.startswith(WAITS) != bool(item.get_closest_marker("waits"))]
     if wrong:
         raise pytest.UsageError(
-            "tests/conftest.py WAITING_LANE disagrees with the swarm/waits markers of "
-            f"{wrong[:5]}: mark them, or add them to WAITING_LANE (or both, the other way)")
+            "tests/conftest.py DOCKER/WAITS disagree with the swarm/waits markers of "
+            f"{wrong[:5]}: mark them, or list them (or both, the other way)")
 
 
 @pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown without xdist
@@ -100,15 +96,15 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """Three lanes under pytest-xdist (scripts/test.sh runs ``-n 3``), each in
     collection order on a worker of its own:
 
-    * ``waiting``: the Docker tests and the tests marked ``waits`` (a rank stopped until
-      a timeout fires, a fresh venv being installed). They mostly wait: the machine was
-      85-93 % idle during the multi-node tests;
-    * ``unit``: tests without a timing bound (:data:`UNIT_LANE`), in-process logic and
-      the torch example's training runs, about two minutes;
-    * ``working``: every other test, the ones that keep ranks busy.
+    * ``docker``: the Docker tests (engine, images, a one-node and a multi-node Swarm),
+      which mostly wait on the engine and the containers (the machine was 85-93 % idle
+      during the multi-node tests);
+    * ``waiting``: the tests marked ``waits`` (a rank stopped until a timeout fires, a
+      fresh venv being installed), then the tests of :data:`UNIT`;
+    * ``working``: every other test, the ones that keep rank processes busy.
 
-    Run in one lane, the suite left the 2 cores 46 % idle. Beside the waiting lane the
-    working lane runs much as it would alone; two lanes of busy ranks side by side
+    Run in one lane, the suite left the 2 cores 46 % idle. Beside the other two lanes
+    the working lane runs much as it would alone: two lanes of busy ranks side by side
     would make every timing bound compete for the two cores."""
     from xdist.scheduler import LoadScopeScheduling
 
