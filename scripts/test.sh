@@ -11,8 +11,8 @@
 # test asks for the engine, so a selection without Swarm tests never installs, starts
 # or builds anything.
 #
-# The session runs in three lanes side by side (pytest-xdist): the Docker tests, the
-# tests that mostly wait and the in-process unit tests, and the tests of real ranks.
+# The session runs in two lanes side by side (pytest-xdist): the Docker tests and the
+# tests that mostly wait, and everything else.
 #
 # Environment: VENV (default .venv in the checkout), SWARMFD_SKIP_DOCKER=1 to leave
 # Docker alone even then (Swarm tests then skip when no engine answers, or fail under
@@ -40,11 +40,10 @@ if [ "${SWARMFD_SKIP_DOCKER:-0}" != 1 ]; then
   export SWARMFD_SETUP_DOCKER=1  # the Swarm fixtures may run scripts/setup-docker.sh
 fi
 
-# Three lanes (pytest-xdist, see pytest_xdist_make_scheduler in tests/conftest.py): the
-# Docker tests; the waiting ones and the in-process unit tests; the rest, each in order
-# on a worker of its own. -n/--numprocesses or
+# Two lanes (pytest-xdist, see pytest_xdist_make_scheduler in tests/conftest.py): the
+# Docker tests and the waiting ones; the rest, each in order on a worker of its own. -n/--numprocesses or
 # -p no:xdist among the arguments chooses otherwise.
-LANES=(-n 3)
+LANES=(-n 2)
 for arg in "$@"; do
   case "$arg" in -n|-n[0-9]*|--numprocesses*|no:xdist) LANES=() ;; esac
 done
