@@ -83,7 +83,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown without xdist
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Two lanes under pytest-xdist (scripts/test.sh runs ``-n 2``), each in collection
+    """Two lanes under pytest-xdist (``SWARMFD_TEST_LANES=2 scripts/test.sh``), each in collection
     order on a worker of its own:
 
     * ``waiting``: the Docker tests (engine, images, a one-node and a multi-node Swarm)
