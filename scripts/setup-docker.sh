@@ -106,8 +106,9 @@ start_dockerd() {
   fi
   log "starting $dockerd (log: $DOCKERD_LOG)"
   mkdir -p "$(dirname "$DOCKERD_LOG")"
-  # setsid + nohup: the daemon outlives this script and its terminal.
-  setsid nohup "$dockerd" >>"$DOCKERD_LOG" 2>&1 </dev/null &
+  # setsid + nohup: the daemon outlives this script and its terminal; 9>&-: it must not
+  # inherit the set-up lock (see take_lock), or it would hold it as long as it runs.
+  setsid nohup "$dockerd" >>"$DOCKERD_LOG" 2>&1 </dev/null 9>&- &
 }
 
 step_engine() {
@@ -344,9 +345,22 @@ step_status() {
   fi
 }
 
+# One set-up at a time: .ci/run starts `all` in the background while the test venv is
+# installed, and the test fixtures' own calls then wait here for it and find it done.
+take_lock() {
+  local lock="${SWARMFD_SETUP_LOCK:-/run/lock/swarmfd-setup-docker.lock}"
+  mkdir -p "$(dirname "$lock")" 2>/dev/null || true
+  exec 9>>"$lock" || die "cannot open the set-up lock file $lock (set SWARMFD_SETUP_LOCK)"
+  if ! flock -n 9; then
+    log "another setup-docker.sh run holds $lock; waiting for it"
+    flock 9
+  fi
+}
+
 main() {
   local steps=("$@")
   [ ${#steps[@]} -gt 0 ] || steps=(deploy)
+  case "${steps[0]}" in status|-h|--help) ;; *) take_lock ;; esac
   local t0; t0=$(now)
   local s
   for s in "${steps[@]}"; do
