@@ -222,6 +222,38 @@ def run_hosts(fn: Callable[..., Any], hosts: list[int], *args: Any, timeout: flo
                     p.close()
 
 
+def run_rank_threads(body: Callable[[int], None], n: int,
+                     timeout: float) -> tuple[list[threading.Thread], list[int], str]:
+    """Start ``body(rank)`` on n daemon threads named ``rank-R`` and join them until
+    ``timeout``: the threads, the ranks still running, and their stacks ("" if none)."""
+    threads = [threading.Thread(target=body, args=(r,), daemon=True, name=f"rank-{r}")
+               for r in range(n)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, t in enumerate(threads) if t.is_alive()]
+    frames = sys._current_frames() if hung else {}
+    stacks = "".join(
+        f"--- rank {r} stack ---\n"
+        + "".join(traceback.format_stack(frames[threads[r].ident]))  # type: ignore[index]
+        for r in hung if threads[r].ident in frames)
+    return threads, hung, stacks
+
+
+def sample_data(rank: int, count: int, dtype: Any, seed: int = 0) -> np.ndarray:
+    """Rank-dependent test input of ``count`` items: small integers, or floats (complex:
+    both parts) spread over seven orders of magnitude, so sums depend on their order."""
+    rng = np.random.default_rng(seed * 100 + rank)
+    dt = np.dtype(dtype)
+    if dt.kind in "iu":
+        return rng.integers(0, 50, count).astype(dt)
+    if dt.kind == "c":
+        return (rng.standard_normal(count) + 1j * rng.standard_normal(count)).astype(dt)
+    return (rng.standard_normal(count) * 10.0 ** rng.integers(-3, 4, count)).astype(dt)
+
+
 def _on_threads(body: Callable[[int], Any], n: int, timeout: float,
                 fabric: Fabric | None) -> list[Any]:
     """``body(rank)`` on n threads: the results in rank order, or every failure with its
@@ -234,20 +266,8 @@ def _on_threads(body: Callable[[int], Any], n: int, timeout: float,
         except BaseException:
             results[r] = (False, traceback.format_exc())
 
-    threads = [threading.Thread(target=run_one, args=(r,), daemon=True, name=f"rank-{r}")
-               for r in range(n)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + timeout
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, t in enumerate(threads) if t.is_alive()]
+    _, hung, stacks = run_rank_threads(run_one, n, timeout)
     if hung:
-        frames = sys._current_frames()
-        stacks = "".join(
-            f"--- rank {r} stack ---\n"
-            + "".join(traceback.format_stack(frames[threads[r].ident]))  # type: ignore[index]
-            for r in hung if threads[r].ident in frames)
         if fabric is not None:
             for r in range(n):
                 fabric.kill(r)  # let the stuck threads end (they are daemons anyway)

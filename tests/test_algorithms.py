@@ -20,23 +20,13 @@ from swarmfd.algorithms import select, shm, tcp
 from swarmfd.algorithms.base import Op
 from swarmfd.comm import wire
 
-from .memplane import run_algorithm, run_threads
+from .memplane import run_algorithm, run_threads, sample_data
 
 DTYPES = [np.int8, np.int64, np.uint32, np.float16, np.float32, np.float64, np.complex128]
 #: Element counts around the edges: empty, fewer than ranks, a piece, several pieces and
 #: rounds (1 MiB pieces and shared-memory rounds; float64: 131072 per MiB).
 COUNTS = [0, 1, 3, 1000, 131072, 131072 * 2 + 5]
 SIZES = [2, 3, 4, 5]
-
-
-def _data(rank: int, count: int, dtype: Any, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed * 100 + rank)
-    dt = np.dtype(dtype)
-    if dt.kind in "iu":
-        return rng.integers(0, 50, count).astype(dt)
-    if dt.kind == "c":
-        return (rng.standard_normal(count) + 1j * rng.standard_normal(count)).astype(dt)
-    return (rng.standard_normal(count) * 10.0 ** rng.integers(-3, 4, count)).astype(dt)
 
 
 def _tcp_all_reduce(op: Op, buf: np.ndarray) -> Any:
@@ -62,7 +52,7 @@ def test_all_reduce(algo: str, n: int, count: int) -> None:
     for dtype in DTYPES if count < 1000 else [np.int64, np.float32]:
         if algo in ("pair", "direct") and count * np.dtype(dtype).itemsize > wire.MAX_PAYLOAD:
             continue  # one message each way: the selection table never picks them here
-        inputs = [_data(r, count, dtype) for r in range(n)]
+        inputs = [sample_data(r, count, dtype) for r in range(n)]
         want = sum(inputs[1:], start=inputs[0].copy()) if n else None
 
         def make(op: Op, inputs: list[np.ndarray] = inputs) -> Any:
@@ -82,7 +72,7 @@ def test_all_reduce(algo: str, n: int, count: int) -> None:
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("count", COUNTS)
 def test_broadcast_and_reduce(plane: str, n: int, count: int) -> None:
-    inputs = [_data(r, count, np.int64) for r in range(n)]
+    inputs = [sample_data(r, count, np.int64) for r in range(n)]
     for root in {0, n - 1, n // 2}:
         def make_b(op: Op, root: int = root) -> Any:
             buf = inputs[op.me].copy()
@@ -110,7 +100,7 @@ def test_broadcast_and_reduce(plane: str, n: int, count: int) -> None:
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("count", COUNTS)
 def test_all_gather(algo: str, n: int, count: int) -> None:
-    inputs = [_data(r, count, np.float32) for r in range(n)]
+    inputs = [sample_data(r, count, np.float32) for r in range(n)]
 
     def make(op: Op) -> Any:
         out = np.empty((n, count), np.float32)
@@ -166,7 +156,7 @@ def test_reduce_scatter(algo: str, n: int, count: int) -> None:
     for dtype in DTYPES if count < 1000 else [np.int64, np.float32]:
         if algo == "direct" and count * np.dtype(dtype).itemsize > wire.MAX_PAYLOAD:
             continue  # one message per part: the selection table never picks it here
-        inputs = [_data(r, count, dtype) for r in range(n)]
+        inputs = [sample_data(r, count, dtype) for r in range(n)]
         total = sum(inputs[1:], start=inputs[0].copy())
         parts = select.split_rows(count, n)
 
@@ -214,7 +204,7 @@ def test_all_to_all(algo: str, n: int, layout: str) -> None:
     else:
         sends = [[131072 + 3 * i + j for j in range(n)] for i in range(n)]
     dtype = np.float64 if layout == "large" else np.int32
-    inputs = [_data(i, sum(sends[i]), dtype, seed=3) for i in range(n)]
+    inputs = [sample_data(i, sum(sends[i]), dtype, seed=3) for i in range(n)]
 
     def make(op: Op) -> Any:
         me = op.me
@@ -241,8 +231,8 @@ def test_all_to_all(algo: str, n: int, layout: str) -> None:
 def test_gather_and_scatter(plane: str, n: int, count: int) -> None:
     """gather: the root holds every rank's row; scatter: every rank gets the root's row
     for it; other ranks' inputs are untouched, for every root."""
-    inputs = [_data(r, count, np.float32, seed=5) for r in range(n)]
-    chunks = np.stack([_data(r, count, np.float32, seed=6) for r in range(n)])
+    inputs = [sample_data(r, count, np.float32, seed=5) for r in range(n)]
+    chunks = np.stack([sample_data(r, count, np.float32, seed=6) for r in range(n)])
     for root in sorted({0, n - 1, n // 2}):
         def make_g(op: Op, root: int = root) -> Any:
             flat = inputs[op.me].copy()
@@ -280,7 +270,7 @@ def test_all_gather_of_uneven_parts(algo: str, n: int, rows: str) -> None:
     else:
         counts = [131072 + 1000 * r for r in range(n)]
     assert algo != "direct" or max(counts) * 8 <= wire.PIECE_BYTES
-    inputs = [_data(r, c, np.float64, seed=7) for r, c in enumerate(counts)]
+    inputs = [sample_data(r, c, np.float64, seed=7) for r, c in enumerate(counts)]
     at, offsets = 0, []
     for c in counts:
         offsets.append((at, at + c))
@@ -309,9 +299,9 @@ def test_point_to_point_eager_and_rendezvous_in_order_per_tag() -> None:
     from swarmfd.algorithms.base import run
 
     big = [0, 5, p2p.EAGER_BYTES // 8 + 1, (3 << 20) // 8 + 3]
-    msgs = {1: [_data(1, c, np.float64, seed=10 + i) for i, c in enumerate([3, 0, 7])],
-            2: [_data(2, c, np.float64, seed=20 + i) for i, c in enumerate([4, 1])],
-            3: [_data(3, c, np.float64, seed=30 + i) for i, c in enumerate(big)]}
+    msgs = {1: [sample_data(1, c, np.float64, seed=10 + i) for i, c in enumerate([3, 0, 7])],
+            2: [sample_data(2, c, np.float64, seed=20 + i) for i, c in enumerate([4, 1])],
+            3: [sample_data(3, c, np.float64, seed=30 + i) for i, c in enumerate(big)]}
     sig = wire.Signature(wire.Collective.P2P, dtype=wire.dtype_code(np.dtype(np.float64)))
 
     def fn(r: int, channel: Any, pl: Any) -> Any:

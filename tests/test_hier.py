@@ -19,7 +19,7 @@ from swarmfd.algorithms import hier
 from swarmfd.algorithms.base import Op
 from swarmfd.comm import wire
 
-from .memplane import run_hier_algorithm
+from .memplane import run_hier_algorithm, sample_data
 
 #: Simulated hosts of each rank: even, spread (hosts interleaved in rank order), uneven
 #: (3 + 1, 1 + 3, 4 + 2 where K=4 does not divide evenly), three hosts, 2 x 4.
@@ -37,16 +37,6 @@ DTYPES = [np.int8, np.int64, np.uint32, np.float16, np.float32, np.float64, np.c
 #: Element counts: empty, fewer than the shards, odd, and several rounds (float64: a
 #: round is 131072 items per rank; with K shards each gets 131072 / K of them).
 COUNTS = [0, 1, 3, 1001, 131072 * 2 + 5]
-
-
-def _data(rank: int, count: int, dtype: Any, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed * 100 + rank)
-    dt = np.dtype(dtype)
-    if dt.kind in "iu":
-        return rng.integers(0, 50, count).astype(dt)
-    if dt.kind == "c":
-        return (rng.standard_normal(count) + 1j * rng.standard_normal(count)).astype(dt)
-    return (rng.standard_normal(count) * 10.0 ** rng.integers(-3, 4, count)).astype(dt)
 
 
 def _check_reduced(got: list[np.ndarray], inputs: list[np.ndarray], dtype: Any) -> None:
@@ -85,7 +75,7 @@ def test_layout() -> None:
 def test_all_reduce_large(shape: str, count: int) -> None:
     hosts = HOSTS[shape]
     for dtype in DTYPES if count < 1000 else [np.int64, np.float32]:
-        inputs = [_data(r, count, dtype) for r in range(len(hosts))]
+        inputs = [sample_data(r, count, dtype) for r in range(len(hosts))]
         _check_reduced(_all_reduce("large", inputs, hosts), inputs, dtype)
 
 
@@ -94,7 +84,7 @@ def test_all_reduce_large(shape: str, count: int) -> None:
 def test_all_reduce_small(shape: str, count: int) -> None:
     hosts = HOSTS[shape]
     for dtype in DTYPES if count < 1000 else [np.uint32, np.float64]:
-        inputs = [_data(r, count, dtype) for r in range(len(hosts))]
+        inputs = [sample_data(r, count, dtype) for r in range(len(hosts))]
         _check_reduced(_all_reduce("small", inputs, hosts), inputs, dtype)
 
 
@@ -105,7 +95,7 @@ def test_all_reduce_large_depth_and_rounds(depth: int, round_bytes: int) -> None
     reused while earlier rounds' results are still being copied out)."""
     for shape in ("2x2-spread", "3+1", "4+2-spread"):
         hosts = HOSTS[shape]
-        inputs = [_data(r, 50_001, np.float32, seed=depth) for r in range(len(hosts))]
+        inputs = [sample_data(r, 50_001, np.float32, seed=depth) for r in range(len(hosts))]
         got = _all_reduce("large", inputs, hosts, depth=depth, round_bytes=round_bytes)
         _check_reduced(got, inputs, np.float32)
 
@@ -115,7 +105,7 @@ def test_all_reduce_calls_in_a_row() -> None:
     overwriting what a slower one still reads."""
     hosts = HOSTS["4+2-spread"]
     sizes = [10, 70_000, 3, 300_000, 7, 40_000]
-    inputs = [[_data(r, n, np.float64, seed=c) for c, n in enumerate(sizes)]
+    inputs = [[sample_data(r, n, np.float64, seed=c) for c, n in enumerate(sizes)]
               for r in range(len(hosts))]
 
     def make(op: Op, lay: hier.Layout, shm: Any, call: int) -> Any:
@@ -136,7 +126,7 @@ def test_broadcast(shape: str, count: int) -> None:
     n = len(hosts)
     sig_for = {}
     for root in sorted({0, n - 1, n // 2}):
-        inputs = [_data(r, count, np.int64, seed=root) for r in range(n)]
+        inputs = [sample_data(r, count, np.int64, seed=root) for r in range(n)]
         sig_for[root] = wire.Signature(wire.Collective.BROADCAST, root=root)
 
         def make(op: Op, lay: hier.Layout, shm: Any, call: int, root: int = root,
@@ -154,7 +144,7 @@ def test_reduce(shape: str, count: int) -> None:
     hosts = HOSTS[shape]
     n = len(hosts)
     for root in sorted({0, n - 1, n // 2}):
-        inputs = [_data(r, count, np.int64, seed=root) for r in range(n)]
+        inputs = [sample_data(r, count, np.int64, seed=root) for r in range(n)]
 
         def make(op: Op, lay: hier.Layout, shm: Any, call: int, root: int = root,
                  inputs: list[np.ndarray] = inputs) -> Any:
@@ -174,7 +164,7 @@ def test_reduce(shape: str, count: int) -> None:
 def test_all_gather(shape: str, count: int) -> None:
     hosts = HOSTS[shape]
     n = len(hosts)
-    inputs = [_data(r, count, np.float32) for r in range(n)]
+    inputs = [sample_data(r, count, np.float32) for r in range(n)]
 
     def make(op: Op, lay: hier.Layout, shm: Any, call: int) -> Any:
         out = np.full((n, count), np.nan, np.float32)
@@ -198,7 +188,7 @@ def test_progress_engine_drives_the_phases() -> None:
     hosts = HOSTS["3+1"]
     n = len(hosts)
     names = [f"host{h}" for h in hosts]
-    inputs = [[_data(r, c, np.float32, seed=c) for r in range(n)] for c in (5, 300_001)]
+    inputs = [[sample_data(r, c, np.float32, seed=c) for r in range(n)] for c in (5, 300_001)]
 
     def fn(r: int, channel: Any, tcp: Any, shm: Any) -> Any:
         rounds = [0]
@@ -326,33 +316,34 @@ def test_public_calls_on_simulated_hosts(monkeypatch: pytest.MonkeyPatch) -> Non
 
     def body(r: int, state: Any) -> Any:
         out: dict[str, Any] = {}
-        big = _data(r, 300_001, np.float32)
+        big = sample_data(r, 300_001, np.float32)
         out["big"] = collectives.all_reduce(big)
-        parts = [_data(r, 7, np.float64), _data(r, 1000, np.int32), _data(r, 5, np.float64)]
+        parts = [sample_data(r, 7, np.float64), sample_data(r, 1000, np.int32),
+                 sample_data(r, 5, np.float64)]
         out["list"] = [p.copy() for p in collectives.all_reduce(parts)]
-        m = _data(r, 70_000, np.float64)
+        m = sample_data(r, 70_000, np.float64)
         out["mean"] = collectives.all_reduce(m, op="mean")
         nc = np.arange(40, dtype=np.float32).reshape(8, 5)[:, ::2] * (r + 1)
         out["noncontig"] = collectives.all_reduce(nc).copy()
-        w = collectives.all_reduce(_data(r, 200_003, np.int64), async_op=True)
-        w2 = collectives.all_reduce(_data(r, 11, np.int64), op="max", async_op=True)
+        w = collectives.all_reduce(sample_data(r, 200_003, np.int64), async_op=True)
+        w2 = collectives.all_reduce(sample_data(r, 11, np.int64), op="max", async_op=True)
         out["async"], out["async_max"] = w.wait(20).copy(), w2.wait(20).copy()
         for src in (0, 1):
-            b = _data(r, 150_000, np.int16)
+            b = sample_data(r, 150_000, np.int16)
             out[f"bcast{src}"] = collectives.broadcast(b, src=src).copy()
-            x = _data(r, 150_000, np.int64)
+            x = sample_data(r, 150_000, np.int64)
             out[f"reduce{src}"] = collectives.reduce(x, dst=src).copy()
-        out["gather"] = np.stack(collectives.all_gather(_data(r, 70_001, np.float32)))
+        out["gather"] = np.stack(collectives.all_gather(sample_data(r, 70_001, np.float32)))
         g = fd.new_group([1, 2, 3])
         if r in (1, 2, 3):
-            out["sub"] = collectives.all_reduce(_data(r, 100_000, np.float64), group=g)
-            out["sub_gather"] = np.stack(collectives.all_gather(_data(r, 9, np.uint8),
+            out["sub"] = collectives.all_reduce(sample_data(r, 100_000, np.float64), group=g)
+            out["sub_gather"] = np.stack(collectives.all_gather(sample_data(r, 9, np.uint8),
                                                                 group=g))
         collectives.barrier()
         return out
 
     got = _World(monkeypatch).run(hosts, body)
-    inputs = {k: [_data(r, c, dt) for r in range(n)] for k, c, dt in (
+    inputs = {k: [sample_data(r, c, dt) for r in range(n)] for k, c, dt in (
         ("big", 300_001, np.float32), ("mean", 70_000, np.float64),
         ("async", 200_003, np.int64), ("async_max", 11, np.int64),
         ("b", 150_000, np.int16), ("x", 150_000, np.int64), ("gather", 70_001, np.float32),
@@ -365,7 +356,7 @@ def test_public_calls_on_simulated_hosts(monkeypatch: pytest.MonkeyPatch) -> Non
     assert all(m.tobytes() == means[0].tobytes() for m in means)
     assert np.allclose(means[0], np.mean(inputs["mean"], axis=0))
     for k, (c, dt) in enumerate([(7, np.float64), (1000, np.int32), (5, np.float64)]):
-        _check_reduced([o["list"][k] for o in got], [_data(r, c, dt) for r in range(n)], dt)
+        _check_reduced([o["list"][k] for o in got], [sample_data(r, c, dt) for r in range(n)], dt)
     nc = np.arange(40, dtype=np.float32).reshape(8, 5)[:, ::2]
     assert all(np.array_equal(o["noncontig"], nc * 10) for o in got)
     for src in (0, 1):

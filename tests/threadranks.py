@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import threading
 import time
 import traceback
@@ -44,7 +43,7 @@ from swarmfd.comm.channel import Channel
 from swarmfd.comm.plane import PeerInfo
 
 from .harness import RankFailure
-from .memplane import Fabric, MemoryPlane, shm_planes
+from .memplane import Fabric, MemoryPlane, run_rank_threads, shm_planes
 
 __all__ = ["PLANES", "run_api"]
 
@@ -176,24 +175,11 @@ def run_api(fn: Callable[..., Any], world: int, *args: Any, plane: str = "socket
         finally:
             _local.state = None
 
-    threads = [threading.Thread(target=body, args=(r,), daemon=True, name=f"rank-{r}")
-               for r in range(world)]
+    threads: list[threading.Thread] = []
     hung: list[int] = []
     with _thread_states():
         try:
-            for t in threads:
-                t.start()
-            deadline = time.monotonic() + timeout
-            for t in threads:
-                t.join(max(0.0, deadline - time.monotonic()))
-            hung = [r for r, t in enumerate(threads) if t.is_alive()]
-            stacks = ""
-            if hung:
-                frames = sys._current_frames()
-                stacks = "".join(
-                    f"--- rank {r} stack ---\n"
-                    + "".join(traceback.format_stack(frames[threads[r].ident]))  # type: ignore[index]
-                    for r in hung if threads[r].ident in frames)
+            threads, hung, stacks = run_rank_threads(body, world, timeout)
         finally:
             broken = hung or any(not ok for ok, _ in results.values())
             for s in states:
