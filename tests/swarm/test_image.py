@@ -18,7 +18,7 @@ JOB_TIMEOUT = 120.0
 # (so its name stays in DNS while the others look it up, as a real rendezvous would);
 # the others connect to MASTER_ADDR:MASTER_PORT over the overlay network.
 PROBE = """
-import os, socket
+import os, socket, time
 import swarmfd, zmq, numpy
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 master, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -36,7 +36,6 @@ if rank == 0:
             peers.append(int(conn.recv(16).decode()))
     print("peers=%s" % ",".join(map(str, sorted(peers))), flush=True)
 else:
-    import time
     deadline = time.monotonic() + 60
     while True:  # rank 0's name resolves once its container starts, before it listens
         try:
@@ -48,6 +47,10 @@ else:
             time.sleep(0.1)
     with conn:
         conn.sendall(str(rank).encode())
+# The test reads this output from the running container: Docker once removed a finished
+# task's container within half a second of its exit, before its logs were read.
+print("end=1", flush=True)
+time.sleep(1.0)
 """
 
 
@@ -95,25 +98,42 @@ def test_entrypoint_rejects_slot_beyond_world_size(docker_client: Any, swarmfd_i
     assert b"SWARMFD_TASK_SLOT=3 exceeds WORLD_SIZE=2" in info.value.stderr
 
 
-def _wait_terminal(service: Any, replicas: int, timeout: float) -> list[dict[str, Any]]:
-    """Poll until ``replicas`` tasks are in a terminal state; return them sorted by slot."""
+def _wait_terminal(client: Any, service: Any, replicas: int,
+                   timeout: float) -> tuple[list[dict[str, Any]], dict[int, str]]:
+    """Poll until ``replicas`` tasks are in a terminal state: the tasks sorted by slot, and
+    each slot's output, read from its container as soon as it shows the probe's last
+    line (``end=1``; the probe then lives on for a second), so a container that Docker
+    removes right after it exits has been read already."""
     deadline = time.monotonic() + timeout
     tasks: list[dict[str, Any]] = []
+    logs: dict[int, str] = {}
     while time.monotonic() < deadline:
         tasks = service.tasks()
+        for task in tasks:
+            slot = task.get("Slot")
+            if slot is not None and "end=1" not in logs.get(slot, ""):
+                out = _task_logs(client, task)
+                if out is not None:
+                    logs[slot] = out
         if len(tasks) >= replicas and all(t["Status"]["State"] in TERMINAL_STATES for t in tasks):
-            return sorted(tasks, key=lambda t: t["Slot"])
+            return sorted(tasks, key=lambda t: t["Slot"]), logs
         time.sleep(0.25)
     states = {t.get("Slot"): t["Status"]["State"] for t in tasks}
     raise TimeoutError(f"service {service.name}: tasks not done after {timeout:.0f} s: {states}")
 
 
-def _task_logs(client: Any, task: dict[str, Any]) -> str:
-    """The task container's output (read from the container: service logs can drop lines)."""
+def _task_logs(client: Any, task: dict[str, Any]) -> str | None:
+    """The task container's output so far (from the container: service logs can drop
+    lines), or None when it has no container (yet, or any more)."""
+    import docker
+
     container_id = task["Status"].get("ContainerStatus", {}).get("ContainerID")
     if not container_id:
-        return f"<no container: {task['Status'].get('Err')}>"
-    return client.containers.get(container_id).logs(stdout=True, stderr=True).decode()
+        return None
+    try:
+        return client.containers.get(container_id).logs(stdout=True, stderr=True).decode()
+    except docker.errors.NotFound:
+        return None
 
 
 def test_two_replica_swarm_job_runs_every_rank(
@@ -151,9 +171,10 @@ def test_two_replica_swarm_job_runs_every_rank(
         init=True,
     )
     try:
-        tasks = _wait_terminal(service, replicas, JOB_TIMEOUT)
+        tasks, found = _wait_terminal(swarm, service, replicas, JOB_TIMEOUT)
         elapsed = time.monotonic() - started
-        logs = {t["Slot"]: _task_logs(swarm, t) for t in tasks}
+        logs = {t["Slot"]: found.get(t["Slot"], f"<no output read: {t['Status'].get('Err')}>")
+                for t in tasks}
         for task in tasks:
             status = task["Status"]
             assert status["State"] == "complete", (task["Slot"], status, logs[task["Slot"]])
