@@ -542,21 +542,32 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any
 # -- measurements ------------------------------------------------------------------------------
 
 
-def require(module: str, install: str) -> Any:
-    """Import an optional test dependency: without it the calling test module skips,
-    except under ``CI=true``, where it fails (a CI without torch, say, must never pass
-    unnoticed). ``install`` says how to get it."""
-    import importlib
+def in_ci() -> bool:
+    """True under ``CI=true`` (also 1 or yes): what the suite needs is then a requirement."""
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 
+
+def unavailable(reason: str, *, what: str, fix: str, module_level: bool = False) -> None:
+    """Skip the calling test for ``reason``, except under ``CI=true``, where it fails: a CI
+    without torch, Docker or root, say, must never pass unnoticed. ``what`` names the
+    tests that need it ("the Swarm tests"), ``fix`` says how to get it."""
     import pytest
+
+    if in_ci():
+        pytest.fail(f"{reason} (CI=true: {what} must run; {fix})", pytrace=False)
+    pytest.skip(f"{reason}; {fix} to enable {what}", allow_module_level=module_level)
+
+
+def require(module: str, install: str) -> Any:
+    """Import an optional test dependency: without it the calling test module skips, or
+    fails under ``CI=true`` (:func:`unavailable`). ``install`` says how to get it."""
+    import importlib
 
     try:
         return importlib.import_module(module)
     except ImportError:  # pragma: no cover - depends on the machine
-        if os.environ.get("CI", "").strip().lower() in ("1", "true", "yes"):
-            pytest.fail(f"{module} is not importable, and under CI=true the tests that need "
-                        f"it must run ({install})", pytrace=False)
-        pytest.skip(f"{module} is not installed ({install})", allow_module_level=True)
+        unavailable(f"{module} is not importable", what="the tests that need it",
+                    fix=install, module_level=True)
 
 
 def record(test: str, **values: Any) -> None:

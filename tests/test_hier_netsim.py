@@ -13,7 +13,6 @@ tests/test_auth.py). Needs root: skips without it, fails under CI=true.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -28,6 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import netsim  # noqa: E402
 
+from .harness import unavailable  # noqa: E402
+
 JOB = str(ROOT / "tests" / "hier_job.py")
 PREFIX = "HIER-RESULT "
 #: A killed rank is named within this long (tests/test_robustness.py KILL_DETECTION_LIMIT).
@@ -38,19 +39,13 @@ idle, intvl, cnt = KEEPALIVE
 VANISH_DETECTION_LIMIT = idle + intvl * (cnt + 1) + 2.0
 
 
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
-
-
 @pytest.fixture(scope="module")
 def net() -> Iterator[netsim.SimulatedHosts]:
     """Three unshaped simulated hosts for the whole module (jobs use some of them)."""
     try:
         netsim.check_requirements()
     except netsim.NetsimUnavailable as exc:
-        if _in_ci():
-            pytest.fail(f"{exc} (CI=true: the simulated-host tests must run, as root)")
-        pytest.skip(str(exc))
+        unavailable(str(exc), what="the simulated-host tests", fix="run them as root")
     with netsim.SimulatedHosts(hosts=3) as hosts:
         yield hosts
 

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import pytest
 
+from . import harness
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 CONTRACT_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
@@ -220,12 +222,9 @@ def test_fresh_clone_commands_run(block: Block, tmp_path: Path) -> None:
 
 def _engine() -> object:
     """A Docker client of a Swarm manager, or skip (fail under CI=true), like tests/swarm."""
-    in_ci = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
-
     def unavailable(reason: str) -> None:
-        if in_ci:
-            pytest.fail(f"{reason} (CI=true: the Swarm tests must run)")
-        pytest.skip(reason)
+        harness.unavailable(reason, what="the Swarm tests",
+                            fix="run `sudo scripts/setup-docker.sh`")
 
     from tests.swarm.docker_setup import ensure_engine
 

@@ -23,20 +23,15 @@ from typing import Any
 
 import pytest
 
+from tests.harness import unavailable
+
 ROOT = Path(__file__).resolve().parents[2]
 SETUP_SCRIPT = ROOT / "scripts" / "setup-docker.sh"
 BUILD_TIMEOUT = 900.0
 
 
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
-
-
 def _unavailable(reason: str) -> None:
-    if _in_ci():
-        pytest.fail(f"{reason} (CI=true: the multi-node tests must run; run "
-                    "scripts/setup-docker.sh as root)")
-    pytest.skip(f"{reason}; run `sudo scripts/setup-docker.sh` to enable the multi-node tests")
+    unavailable(reason, what="the multi-node tests", fix="run `sudo scripts/setup-docker.sh`")
 
 
 def _build() -> dict[str, str]:

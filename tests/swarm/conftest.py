@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 
+from tests.harness import unavailable
 from tests.swarm.docker_setup import ensure_engine
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,15 +41,9 @@ IMAGE_BUILD_TIMEOUT = 900.0
 CLEANUP_TIMEOUT = 60.0
 
 
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
-
-
 def _unavailable(reason: str) -> None:
     """Skip, or fail under CI where the engine is a requirement, not an option."""
-    if _in_ci():
-        pytest.fail(f"{reason} (CI=true: the Swarm tests must run; run scripts/setup-docker.sh)")
-    pytest.skip(f"{reason}; run `sudo scripts/setup-docker.sh` to enable the Swarm tests")
+    unavailable(reason, what="the Swarm tests", fix="run `sudo scripts/setup-docker.sh`")
 
 
 @pytest.fixture(scope="session")
