@@ -11,7 +11,7 @@
 # test asks for the engine, so a selection without Swarm tests never installs, starts
 # or builds anything.
 #
-# SWARMFD_TEST_LANES=2: two lanes side by side (pytest-xdist), see below.
+# SWARMFD_TEST_LANES=1: the tests one after another instead of in two lanes (see below).
 #
 # Environment: VENV (default .venv in the checkout), SWARMFD_SKIP_DOCKER=1 to leave
 # Docker alone even then (Swarm tests then skip when no engine answers, or fail under
@@ -39,13 +39,13 @@ if [ "${SWARMFD_SKIP_DOCKER:-0}" != 1 ]; then
   export SWARMFD_SETUP_DOCKER=1  # the Swarm fixtures may run scripts/setup-docker.sh
 fi
 
-# SWARMFD_TEST_LANES=2 runs two lanes side by side (pytest-xdist, see
-# pytest_xdist_make_scheduler in tests/conftest.py): the Docker tests and the waiting
-# ones; the rest. 760 s wall instead of 1310 s here, but in 2 of 3 runs one test then
-# failed (a timing bound, a Docker container gone): the default stays one lane.
-LANES=()
-if [ -n "${SWARMFD_TEST_LANES:-}" ]; then
-  LANES=(-n "$SWARMFD_TEST_LANES")
+# Two lanes side by side (pytest-xdist; see pytest_xdist_make_scheduler in
+# tests/conftest.py): the Docker tests and the waiting ones (timeouts, a fresh venv),
+# which leave the CPU mostly idle; and the rest, at a lower CPU priority, so the
+# waiting lane's timing bounds hold beside it. SWARMFD_TEST_LANES=1: one lane.
+LANES=(-n "${SWARMFD_TEST_LANES:-2}")
+if [ "${SWARMFD_TEST_LANES:-2}" = 1 ]; then
+  LANES=()
 fi
 
 export PATH="$VENV/bin:$PATH"
