@@ -152,7 +152,9 @@ def _remove_service(client: Any, service: Any, timeout: float = CLEANUP_TIMEOUT)
         service.remove()
     deadline = time.monotonic() + timeout
     label = f"com.docker.swarm.service.name={name}"
-    while client.containers.list(all=True, filters={"label": label}):
+    # The low-level list: containers.list() inspects each listed container, and one that
+    # Docker removes in between makes that inspect fail (404), as happened in a CI run.
+    while client.api.containers(all=True, filters={"label": label}):
         if time.monotonic() > deadline:
             raise TimeoutError(
                 f"containers of service {name} still exist {timeout:.0f} s after removal"
