@@ -4,7 +4,8 @@ Every worker measures the same way as ``swarmfd bench`` and PERFORMANCE.md:
 per iteration reset the input (untimed), the system's own barrier, time the
 collective; after the loop the per-iteration times are reduced with MAX over
 ranks (an iteration takes as long as its slowest rank), and rank 0 prints one
-JSON line per size with the median, min and p90 of those times.
+JSON line per size with the median, min and p90 of those times, and the CPU time per
+call of a rank (its process, every thread; mean over iterations and ranks).
 """
 
 from __future__ import annotations
@@ -34,20 +35,24 @@ def time_loop(
     op: Callable[[], object],
     iters: int,
     warmup: int,
-) -> np.ndarray:
-    """Run ``warmup`` untimed and ``iters`` timed iterations; return this rank's times (s)."""
+) -> tuple[np.ndarray, float]:
+    """Run ``warmup`` untimed and ``iters`` timed iterations; return this rank's times (s)
+    and its process's CPU seconds per timed call (every thread, as swarmfd bench)."""
     for _ in range(warmup):
         reset()
         barrier()
         op()
     times = np.empty(iters, dtype=np.float64)
+    cpu = 0.0
     for i in range(iters):
         reset()
         barrier()
+        c0 = time.process_time()
         t0 = time.perf_counter()
         op()
         times[i] = time.perf_counter() - t0
-    return times
+        cpu += time.process_time() - c0
+    return times, cpu / iters
 
 
 def summary(slowest: np.ndarray) -> dict[str, float]:

@@ -105,6 +105,8 @@ class Result:
     min_s: float
     p90_s: float
     wrong: int
+    #: CPU time per call of one rank (its process, every thread), mean over ranks.
+    cpu_s: float = 0.0
 
 
 DEFAULT_VARIANTS = (
@@ -277,7 +279,8 @@ def run_swarmfd(variant: Variant, n: int, plan: Sequence[tuple[int, int]], warmu
             doc = json.load(f)
     return [{"system": variant.name, "n": n, "collective": r["collective"], "size": r["size"],
              "iters": r["iters"], "wrong": r["wrong"], "median_s": r["time_us"] / 1e6,
-             "min_s": r["min_us"] / 1e6, "p90_s": r["p90_us"] / 1e6} for r in doc["rows"]]
+             "min_s": r["min_us"] / 1e6, "p90_s": r["p90_us"] / 1e6,
+             "cpu_s": r.get("cpu_us", 0.0) / 1e6} for r in doc["rows"]]
 
 
 def swarmfd_memory(variant: Variant, n: int, size: int, timeout: float) -> list[dict]:
@@ -329,6 +332,7 @@ def summarize(results: Sequence[Result]) -> list[dict]:
                      "best_s": min(r.median_s for r in rs),
                      "run_medians_us": " ".join(f"{r.median_s * 1e6:.1f}" for r in rs),
                      "latency_us": t * 1e6, "busbw_gbps": busbw(coll, size, n, t),
+                     "cpu_us": statistics.median(r.cpu_s for r in rs) * 1e6,
                      "wrong": sum(r.wrong for r in rs)})
     return rows
 
@@ -375,6 +379,35 @@ def markdown_tables(summary: Sequence[dict], systems: Sequence[str], ns: Sequenc
                     cells.append(cell)
                 out.append(f"| {system} | " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
+
+
+def cpu_tables(summary: Sequence[dict], systems: Sequence[str], ns: Sequence[int],
+               sizes: Sequence[int], collectives: Sequence[str] = ("all_reduce",)) -> str:
+    """Next to latency: CPU time per call of one rank (its process, every thread: progress
+    and I/O threads count), median of the runs; and its share of the latency (1.0 = a
+    core busy for the whole call: polling waits, or work)."""
+    index = {(r["system"], r["n"], r["collective"], r["size"]): r for r in summary}
+    out = []
+    for coll in collectives:
+        for n in ns:
+            rows = [sy for sy in systems if any((sy, n, coll, s) in index for s in sizes)]
+            if not rows:
+                continue
+            out.append(f"\n### {coll}, world_size {n}: CPU time per call per rank "
+                       "(x latency)\n")
+            out.append("| system | " + " | ".join(human_size(s) for s in sizes) + " |")
+            out.append("|---" * (len(sizes) + 1) + "|")
+            for system in rows:
+                cells = []
+                for s in sizes:
+                    r = index.get((system, n, coll, s))
+                    if r is None or not r.get("cpu_us"):
+                        cells.append("-")
+                        continue
+                    cells.append(f"{human_time(r['cpu_us'] / 1e6)} "
+                                 f"({r['cpu_us'] / 1e6 / r['median_s']:.2f})")
+                out.append(f"| {system} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n" if out else ""
 
 
 def ratio_tables(summary: Sequence[dict], variants: Sequence[str], baselines: Sequence[str],
@@ -595,7 +628,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"  done in {time.monotonic() - t0:.1f}s", file=sys.stderr)
                 results += [Result(run=run, system=system, n=n, collective=r["collective"],
                                    size=r["size"], iters=r["iters"], median_s=r["median_s"],
-                                   min_s=r["min_s"], p90_s=r["p90_s"], wrong=r["wrong"])
+                                   min_s=r["min_s"], p90_s=r["p90_s"], wrong=r["wrong"],
+                                   cpu_s=r.get("cpu_s", 0.0))
                             for r in recs]
 
     memory = []
@@ -647,6 +681,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                  f"{v.name} ({' '.join(f'{k}={x}' for k, x in v.env.items()) or 'default'})"
                  for v in variants) + "."]
     text = "\n".join(lines) + "\n" + markdown_tables(summary, systems, ns, sizes, collectives)
+    text += cpu_tables(summary, systems, ns, sizes, collectives)
     if swarm_names and baselines:
         for stat in ("median_s", "best_s"):
             text += ratio_tables(summary, swarm_names, baselines, ns,

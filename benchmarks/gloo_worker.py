@@ -43,15 +43,18 @@ def bench(plan: list[tuple[int, int]], warmup: int, rank: int, world: int) -> No
         count = max(1, size // 4)
         src = torch.full((count,), float(rank + 1), dtype=torch.float32)
         x = torch.empty_like(src)
-        times = time_loop(partial(x.copy_, src), dist.barrier, partial(dist.all_reduce, x),
-                          iters, warmup)
+        times, cpu_s = time_loop(partial(x.copy_, src), dist.barrier,
+                                 partial(dist.all_reduce, x), iters, warmup)
+        cpu = torch.tensor([cpu_s], dtype=torch.float64)
+        dist.all_reduce(cpu)
         expected = world * (world + 1) / 2
         wrong = int((x != expected).sum())
         slowest = torch.from_numpy(times)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         if rank == 0:
             emit({"system": "gloo", "n": world, "collective": "all_reduce", "size": count * 4,
-                  "iters": iters, "wrong": wrong, **summary(slowest.numpy())})
+                  "iters": iters, "wrong": wrong, "cpu_s": float(cpu[0]) / world,
+                  **summary(slowest.numpy())})
 
 
 def measure_memory(size: int, rank: int, world: int) -> None:

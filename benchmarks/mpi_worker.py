@@ -115,7 +115,8 @@ def bench(comm: MPI.Comm, plan: list[tuple[int, int]], warmup: int, name: str,
     rank, world = comm.Get_rank(), comm.Get_size()
     for size, iters in plan:
         case = Case(comm, collective, max(1, size // 4))
-        times = time_loop(case.reset, comm.Barrier, case.call, iters, warmup)
+        times, cpu = time_loop(case.reset, comm.Barrier, case.call, iters, warmup)
+        cpu = comm.allreduce(cpu, op=MPI.SUM) / world
         wrong = np.array([float(case.wrong())])
         comm.Allreduce(MPI.IN_PLACE, wrong, op=MPI.SUM)
         slowest = np.empty_like(times)
@@ -123,7 +124,7 @@ def bench(comm: MPI.Comm, plan: list[tuple[int, int]], warmup: int, name: str,
         if rank == 0:
             emit({"system": name, "n": world, "collective": collective,
                   "size": case.count * 4, "iters": iters, "wrong": int(wrong[0]),
-                  **summary(slowest)})
+                  "cpu_s": cpu, **summary(slowest)})
 
 
 def measure_memory(comm: MPI.Comm, size: int, name: str) -> None:

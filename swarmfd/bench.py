@@ -14,6 +14,8 @@ host, or as a Swarm job) and measures, for each collective and message size:
   ``2(N-1)/N``, all_gather, reduce_scatter, all_to_all, gather and scatter
   ``(N-1)/N``, broadcast
   and sendrecv ``1`` (GB = 1e9 bytes);
+* the CPU time per call (``cpu_us``: :func:`time.process_time` of each rank's process,
+  every thread, around the timed calls; mean over iterations and ranks);
 * the correctness of the last timed iteration's result (rank-dependent
   inputs, exact for integers, ``isclose`` for floats): the ``wrong`` column
   counts wrong elements, summed over ranks.
@@ -89,6 +91,10 @@ class Row:
     algbw: float
     busbw: float
     wrong: int
+    #: CPU time per call of one rank (every thread of its process: the progress thread
+    #: and libzmq's I/O thread count too), mean over iterations and ranks. Waits that
+    #: poll (SWARMFD_SPIN) trade CPU time for latency; this shows the price.
+    cpu_us: float = 0.0
 
 
 # --- parsing -----------------------------------------------------------------
@@ -321,21 +327,26 @@ def _count_wrong(actual: np.ndarray, expected: np.ndarray) -> int:
     return int(np.count_nonzero(actual != expected))
 
 
-def _measure(case: _Case, iters: int, warmup: int) -> np.ndarray:
-    """Warm up, then time ``iters`` iterations; returns this rank's times in seconds."""
+def _measure(case: _Case, iters: int, warmup: int) -> tuple[np.ndarray, float]:
+    """Warm up, then time ``iters`` iterations; returns this rank's times in seconds and
+    its process's CPU seconds per iteration (inside the timed calls only)."""
     for _ in range(warmup):
         case.reset()
         fd.barrier()
         case.run()
     times = np.empty(iters, dtype=np.float64)
     clock = time.perf_counter
+    cpu_clock = time.process_time
+    cpu = 0.0
     for i in range(iters):
         case.reset()
         fd.barrier()
+        c0 = cpu_clock()
         t0 = clock()
         case.run()
         times[i] = clock() - t0
-    return times
+        cpu += cpu_clock() - c0
+    return times, cpu / iters
 
 
 def run_bench(
@@ -382,13 +393,15 @@ def run_bench(
                     progress(f"{name} {count * np_dtype.itemsize} B ({count} x {np_dtype.name}), "
                              f"{warmup} warm-up + {n_iters} iterations")
                 case = _Case(name, count, np_dtype, rank, world)
-                times = _measure(case, n_iters, warmup)
+                times, cpu_s = _measure(case, n_iters, warmup)
                 wrong = np.array([case.wrong() if check else 0], dtype=np.int64)
                 del case
                 fd.all_reduce(times, op="max")  # slowest rank, once per size
                 fd.all_reduce(wrong, op="sum")
+                cpu = np.array([cpu_s])
+                fd.all_reduce(cpu, op="sum")
                 rows.append(_row(name, count, np_dtype, world, n_iters, warmup, times,
-                                 int(wrong[0])))
+                                 int(wrong[0]), float(cpu[0]) / world))
         return rows
     finally:
         if owns_group:
@@ -396,7 +409,7 @@ def run_bench(
 
 
 def _row(name: str, count: int, dtype: np.dtype, world: int, iters: int, warmup: int,
-         slowest: np.ndarray, wrong: int) -> Row:
+         slowest: np.ndarray, wrong: int, cpu_s: float = 0.0) -> Row:
     size = count * dtype.itemsize
     median = float(np.median(slowest))
     moved = moved_bytes(name, size, world)
@@ -405,7 +418,7 @@ def _row(name: str, count: int, dtype: np.dtype, world: int, iters: int, warmup:
         collective=name, size=size, count=count, dtype=dtype.name, world_size=world,
         iters=iters, warmup=warmup, time_us=median * 1e6, min_us=float(np.min(slowest)) * 1e6,
         p90_us=float(np.percentile(slowest, 90)) * 1e6, algbw=algbw,
-        busbw=algbw * bus_factor(name, world), wrong=wrong,
+        busbw=algbw * bus_factor(name, world), wrong=wrong, cpu_us=cpu_s * 1e6,
     )
 
 
@@ -418,10 +431,11 @@ ROW_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Row))
 def format_table(rows: Sequence[Row]) -> str:
     """An aligned human-readable table (nccl-tests style; ``#`` lines are comments)."""
     header = ("collective", "size(B)", "count", "dtype", "iters", "time(us)", "min(us)",
-              "p90(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong")
+              "p90(us)", "cpu(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong")
     body = [
         (r.collective, str(r.size), str(r.count), r.dtype, str(r.iters), f"{r.time_us:.1f}",
-         f"{r.min_us:.1f}", f"{r.p90_us:.1f}", f"{r.algbw:.3f}", f"{r.busbw:.3f}", str(r.wrong))
+         f"{r.min_us:.1f}", f"{r.p90_us:.1f}", f"{r.cpu_us:.1f}", f"{r.algbw:.3f}",
+         f"{r.busbw:.3f}", str(r.wrong))
         for r in rows
     ]
     widths = [max(len(h), *(len(line[i]) for line in body)) for i, h in enumerate(header)]

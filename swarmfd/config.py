@@ -84,12 +84,14 @@ __all__ = [
     "ENV_RESTART_COUNT",
     "ENV_SECRET_FILE",
     "ENV_SHM_DIR",
+    "ENV_SPIN",
     "ENV_TIMEOUT",
     "ENV_TRANSPORT",
     "ENV_WORLD_SIZE",
     "HIERARCHIES",
     "MAX_SECRET_BYTES",
     "MIN_SECRET_CHARS",
+    "SPIN_MODES",
     "TRANSPORTS",
     "Config",
     "auth_enabled",
@@ -106,6 +108,7 @@ __all__ = [
     "rendezvous_port",
     "require_secret",
     "shm_dir",
+    "spin_mode",
     "transport_mode",
 ]
 
@@ -137,6 +140,8 @@ ENV_TRANSPORT = "SWARMFD_TRANSPORT"
 ENV_NODE = "SWARMFD_NODE"
 ENV_SHM_DIR = "SWARMFD_SHM_DIR"
 ENV_HIERARCHY = "SWARMFD_HIERARCHY"
+#: Whether waits poll before they block (see swarmfd.comm.spin).
+ENV_SPIN = "SWARMFD_SPIN"
 #: Set by a Swarm service for each task (``{{.Task.Slot}}``, 1-based): see swarmfd.entrypoint.
 ENV_TASK_SLOT = "SWARMFD_TASK_SLOT"
 #: How long the container entrypoint waits for MASTER_ADDR to resolve.
@@ -145,6 +150,8 @@ ENV_RESOLVE_TIMEOUT = "SWARMFD_RESOLVE_TIMEOUT"
 TRANSPORTS = ("auto", "tcp")
 #: SWARMFD_HIERARCHY: two-level algorithms where they are faster, or the flat ones.
 HIERARCHIES = ("auto", "off")
+#: SWARMFD_SPIN: poll when every rank of the host has a core, always, or never.
+SPIN_MODES = ("auto", "on", "off")
 #: The data planes of the TCP path: plain sockets (the default, see swarmfd/lanes.py) or
 #: ZeroMQ (required for SWARMFD_ENCRYPT=1: CURVE).
 DATA_PLANES = ("socket", "zmq")
@@ -463,6 +470,23 @@ def hierarchy_mode(environ: Mapping[str, str] | None = None) -> str:
     """``SWARMFD_HIERARCHY``: 'auto' (two-level collectives where faster) or 'off'."""
     return _choice(os.environ if environ is None else environ, ENV_HIERARCHY, HIERARCHIES,
                    "'auto' (two-level collectives across hosts) or 'off' (flat ones)")
+
+
+def spin_mode(environ: Mapping[str, str] | None = None) -> str:
+    """``SWARMFD_SPIN``: 'auto' (poll before blocking when every rank of the host has its
+    own core; the default), 'on' (1/on/true/yes: always) or 'off' (0/off/false/no: never
+    poll, every wait blocks at once, the least CPU time)."""
+    env = os.environ if environ is None else environ
+    raw = (env.get(ENV_SPIN) or "").strip().lower()
+    if raw in ("", "auto"):
+        return "auto"
+    try:
+        return "on" if _parse_env_switch(env, ENV_SPIN, True, "") else "off"
+    except ConfigError:
+        raise ConfigError(f"environment variable {ENV_SPIN}={env.get(ENV_SPIN)!r} is invalid: "
+                          "expected 'auto' (poll before blocking when every rank of the host "
+                          "has a core, the default), 1 (always) or 0 (never: every wait "
+                          "blocks at once)") from None
 
 
 def node_name(environ: Mapping[str, str] | None = None) -> str:

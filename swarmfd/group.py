@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from .comm import spin as _spin
 from .comm import transport as _transport
 from .comm.plane import PeerInfo, Plane
 from .comm.planes import shm as _shm
@@ -59,6 +60,7 @@ from .config import (
     hierarchy_mode,
     node_name,
     require_secret,
+    spin_mode,
     transport_mode,
 )
 from .errors import (
@@ -392,6 +394,7 @@ def _start(config: Config, secret: str | bytes | None = None) -> Config:
         security = _security(config, secret)
         plane = data_plane()
         mode = transport_mode()
+        spinning = spin_mode()
         deadline = time.monotonic() + config.join_timeout
         master_ip = _transport.resolve(config.master_addr, deadline)
         bind_ip = _transport.local_address_toward(master_ip)
@@ -405,6 +408,7 @@ def _start(config: Config, secret: str | bytes | None = None) -> Config:
             peers = t.rendezvous(me, master_ip, config.rendezvous_port, deadline)
             t.connect(None, deadline)
             hosts = [p.host for p in peers]
+            _spin.configure(spinning, hosts.count(hosts[config.rank]))
             config = _with_local_ranks(config, hosts)
             state = _State(config, t, hosts, hierarchy=hierarchy_mode())
             _make_groups(state)

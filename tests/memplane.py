@@ -90,7 +90,7 @@ class MemoryPlane:
             if dst != self.rank:
                 self.send(dst, kind, sig, 0, 0, body, len(body), True, group)
 
-    def next_header(self, timeout: float) -> wire.Header | None:
+    def next_header(self, timeout: float, src: int = -1) -> wire.Header | None:
         if self.rank in self.fabric.dead:
             time.sleep(timeout)
             return None

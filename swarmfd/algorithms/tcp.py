@@ -62,6 +62,9 @@ __all__ = [
 #: rank shows its successor in them (message tags count up from 0).
 ACK = 0xFFFFFFFF
 SIG = 0xFFFFFFFE
+#: The pair exchange sends its buffer in pieces of at most this many bytes, and reduces
+#: each piece as it arrives (while the next are still on the way).
+PAIR_PIECE_BYTES = 1 << 20
 
 
 def _ring(op: Op, ring: Sequence[int] | None) -> tuple[list[int], int]:
@@ -79,12 +82,17 @@ def all_reduce_pair(op: Op, buf: np.ndarray, ufunc: np.ufunc) -> Algorithm:
     in rank order (rank 0's first), so both ranks compute the same bits.
     """
     peer = 1 - op.me
-    op.send(peer, 0, buf, copy=True)  # copied: buf is overwritten below
-    theirs = yield from op.recv_array(peer, 0, buf)
-    if op.me == 0:
-        ufunc(buf, theirs, out=buf)
-    else:
-        ufunc(theirs, buf, out=buf)
+    parts = split(buf.size, max(1, -(-buf.nbytes // PAIR_PIECE_BYTES)))
+    for j, (a, b) in enumerate(parts):
+        op.send(peer, j, buf[a:b], copy=True)  # copied: buf is overwritten below
+    for j, (a, b) in enumerate(parts):
+        # Each piece is reduced as it arrives, while the next ones are still on the way.
+        seg = buf[a:b]
+        theirs = yield from op.recv_array(peer, j, seg)
+        if op.me == 0:
+            ufunc(seg, theirs, out=seg)
+        else:
+            ufunc(theirs, seg, out=seg)
 
 
 def reduce_in_rank_order(op: Op, buf: np.ndarray, ufunc: np.ufunc) -> Algorithm:

@@ -303,7 +303,7 @@ class Channel:
             self._between_slices(plane, src, deadline, sig, seq)
 
         while True:
-            hdr = plane.next_header(WAIT_SLICE)
+            hdr = plane.next_header(WAIT_SLICE, src)
             if hdr is None:
                 between()
                 continue

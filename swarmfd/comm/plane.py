@@ -91,9 +91,11 @@ class Plane(Protocol):
     def send_all(self, kind: int, sig: Signature, body: bytes, group: int) -> None:
         """Best effort: ``body`` to every peer (aborts, timeout reports); never raises."""
 
-    def next_header(self, timeout: float) -> Header | None:
+    def next_header(self, timeout: float, src: int = -1) -> Header | None:
         """The next message's header, or None after ``timeout`` seconds (drives sends).
-        Its payload must be read with :meth:`read_payload` before the next call."""
+        Its payload must be read with :meth:`read_payload` before the next call.
+        ``src`` is the peer the caller waits for (-1: any): a plane that reads its peers
+        through separate sockets looks there first (a hint, never a filter)."""
 
     def read_payload(self, hdr: Header, into: Any, between: Callable[[], None],
                      keep: bool = False) -> Any:

@@ -39,6 +39,7 @@ import numpy as np
 
 from .. import wire
 from ..plane import PlaneOwner
+from ..spin import Spinner
 
 __all__ = ["AREAS", "SEGMENT_BYTES", "SEGMENT_SIZE", "SLOTS", "ShmPlane", "area_of"]
 
@@ -54,17 +55,6 @@ AREA_BYTES = SLOTS * SEGMENT_BYTES
 SEGMENT_SIZE = AREAS * AREA_BYTES
 #: Longest record written to an inbox (POSIX guarantees atomic writes up to PIPE_BUF).
 MAX_RECORD = 4096
-#: How long a wait polls before it sleeps (only when every rank can have its own core).
-#: A peer on another core usually answers within microseconds; catching its record
-#: without sleeping saves two wake-ups (tens of microseconds each).
-SPIN_SECONDS = 50e-6
-#: Consecutive fruitless spins after which waits sleep at once for a while (a busy
-#: machine, where the peer is not running: spinning would steal its CPU); spinning is
-#: tried again every SPIN_RETRY sleeps.
-SPIN_MAX_MISSES = 8
-SPIN_RETRY = 32
-
-
 def area_of(group: int) -> int:
     """Byte offset of the area a group uses in every member's segment."""
     return (group % AREAS) * AREA_BYTES
@@ -107,9 +97,10 @@ class ShmPlane:
         self.records: collections.deque[tuple[wire.Header, bytes]] = collections.deque()
         self.current = b""
         self.queued: dict[int, collections.deque[bytes]] = {}
-        self.spin = len(self.ranks) <= (os.cpu_count() or 1)
-        self.spin_misses = 0
-        self.sleeps = 0
+        # Polls the inbox before sleeping (swarmfd.comm.spin): a peer on another core
+        # usually answers within microseconds, and catching its record without sleeping
+        # saves two wake-ups (tens of microseconds each).
+        self.spinner = Spinner()
         self.closed = False
 
     # -- segments -----------------------------------------------------------------------
@@ -196,7 +187,7 @@ class ShmPlane:
             poller.poll(max(1, int(left * 1000)))
         return None
 
-    def next_header(self, timeout: float) -> wire.Header | None:
+    def next_header(self, timeout: float, src: int = -1) -> wire.Header | None:
         """The next record's header, or None after ``timeout`` seconds."""
         if self.records:
             return self._take()
@@ -206,26 +197,11 @@ class ShmPlane:
             return self._take()
         if timeout <= 0:
             return None
-        if self.spin and self.spin_misses < SPIN_MAX_MISSES and self._spin():
+        if self.spinner.spin(self._read):
             return self._take()
-        if self.spin and self.spin_misses >= SPIN_MAX_MISSES:
-            self.sleeps += 1
-            if self.sleeps % SPIN_RETRY == 0:
-                self.spin_misses = SPIN_MAX_MISSES // 2  # try spinning again now and then
         if self.poller.poll(max(0, int(timeout * 1000))) and self._read():
             return self._take()
         return None
-
-    def _spin(self) -> bool:
-        """Poll the inbox for SPIN_SECONDS before sleeping (see SPIN_SECONDS)."""
-        end = time.perf_counter() + SPIN_SECONDS
-        while True:
-            if self._read():
-                self.spin_misses = 0
-                return True
-            if time.perf_counter() > end:
-                self.spin_misses += 1
-                return False
 
     def _read(self) -> bool:
         """Read what the inbox holds and parse whole records; True when one is ready."""

@@ -68,6 +68,7 @@ from ...errors import AuthenticationError, ProtocolError, RendezvousTimeout
 from .. import wire
 from ..handshake import HELLO, MAC_SIZE, NO_RANK, mac, verify
 from ..plane import PeerInfo, PlaneOwner
+from ..spin import Spinner
 
 __all__ = ["SocketPlane"]
 
@@ -207,6 +208,8 @@ class SocketPlane:
         self.lanes: dict[int, _Lane] = {}
         self.ready: collections.deque[_Lane] = collections.deque()
         self.current: _Lane | None = None
+        #: Waits poll the sockets before they sleep in select (swarmfd.comm.spin).
+        self.spinner = Spinner()
         #: Accepted connections that did not authenticate and were closed (strangers, or
         #: a peer's attempt evicted under a flood, which that peer then retries).
         self.strangers = 0
@@ -602,7 +605,7 @@ class SocketPlane:
 
     # -- receiving ----------------------------------------------------------------------
 
-    def next_header(self, timeout: float) -> wire.Header | None:
+    def next_header(self, timeout: float, src: int = -1) -> wire.Header | None:
         """The next message's header (its payload must then be read with
         :meth:`read_payload`), or None after ``timeout`` seconds; drives sends."""
         if self.ready:
@@ -623,8 +626,20 @@ class SocketPlane:
             wait = end - _now()
             if wait <= 0:
                 return None
+            if not until_sent and self.spinner.spin(self._poll):
+                break
             self._select(wait)
         return self._take()
+
+    def _poll(self) -> bool:
+        """Push queued sends and read every idle lane once, without waiting; True when a
+        header is ready (a spinning wait's step)."""
+        for lane in self.lanes.values():
+            if lane.out:
+                self._push(lane)
+            if lane.hdr is None and not lane.busy and not lane.dead:
+                self._pump(lane)
+        return bool(self.ready)
 
     def _select(self, wait: float) -> bool:
         """One wait for readiness; pumps readable lanes and pushes writable ones."""
@@ -738,6 +753,20 @@ class SocketPlane:
                    between: Callable[[], None]) -> None:
         sock = lane.sock
         last = _now()
+        k = -1
+
+        def poll() -> bool:
+            # A spinning wait's step: push what is queued, read once.
+            nonlocal k
+            self._push_all()
+            try:
+                k = sock.recv_into(target[got:])
+            except (BlockingIOError, InterruptedError):
+                k = -1
+            except OSError:
+                k = 0
+            return k >= 0
+
         while got < n:
             if not lane.dead:
                 try:
@@ -746,6 +775,8 @@ class SocketPlane:
                     k = -1
                 except OSError:
                     k = 0
+                if k < 0:
+                    self.spinner.spin(poll)  # k: what the poll's last read gave
                 if k > 0:
                     got += k
                     continue

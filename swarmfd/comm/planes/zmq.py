@@ -37,6 +37,7 @@ from ..security import (
     keepalive,
     stranger_facing,
 )
+from ..spin import Spinner
 
 __all__ = ["ZmqPlane"]
 
@@ -128,6 +129,7 @@ class ZmqPlane:
         self.trackers: list[tuple[int, zmq.MessageTracker]] = []
         self.raw: bytes = b""  # the frame whose header next_header returned
         self.cur: zmq.Socket | None = None  # the socket it came from
+        self.spinner = Spinner()
 
     def idle(self) -> None:
         """Count the events of the bound socket while the rank waits in the rendezvous."""
@@ -278,38 +280,71 @@ class ZmqPlane:
                 self.trackers[0][1].wait(timeout)
         return None
 
-    def _recv_any(self, timeout: float) -> tuple[zmq.Socket, bytes] | None:
-        """The next frame from any peer (fair: round-robin), or None after ``timeout``."""
+    def _ready(self, src: int) -> zmq.Socket | None:
+        """A DEALER with a message waiting, without blocking: ``src``'s first (the peer
+        the caller waits for), else the next in round-robin order (fair to the others).
+
+        Readiness is read from ZMQ_EVENTS, which also takes in what libzmq's I/O thread
+        delivered meanwhile: a non-blocking recv would raise zmq.Again for every empty
+        socket, several microseconds each, on every socket but one at N=4."""
+        first = self.dealers.get(src)
+        if first is not None and first.get(zmq.EVENTS) & zmq.POLLIN:
+            return first
         order = self.order
-        if len(order) == 1:
-            sock = order[0]
-            try:
-                if timeout == WAIT_SLICE_MS / 1000:
-                    return sock, sock.recv()  # at most WAIT_SLICE (RCVTIMEO), GIL released
-                if timeout > 0 and not sock.poll(int(timeout * 1000)):
-                    return None
-                return sock, sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return None
-        for _ in range(2):
-            for i in range(len(order)):
-                sock = order[(self.next + i) % len(order)]
-                try:
-                    raw = sock.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    continue
-                self.next = (self.next + i + 1) % len(order)
-                return sock, raw
-            if timeout <= 0 or not self.poller.poll(int(timeout * 1000)):
-                return None
-            timeout = 0
+        n = len(order)
+        start = self.next
+        for i in range(n):
+            sock = order[(start + i) % n]
+            if sock is not first and sock.get(zmq.EVENTS) & zmq.POLLIN:
+                self.next = (start + i + 1) % n
+                return sock
         return None
 
-    def next_header(self, timeout: float) -> wire.Header | None:
+    def _recv_any(self, timeout: float, src: int = -1) -> tuple[zmq.Socket, bytes] | None:
+        """The next frame from any peer (``src``'s first, then round-robin), or None after
+        ``timeout``: polls for the spin budget (swarmfd.comm.spin), then blocks in one
+        zmq_poll over every DEALER, GIL released."""
+        sock = self._ready(src)
+        if sock is None:
+            if timeout <= 0:
+                return None
+            found: list[zmq.Socket] = []
+
+            def ready() -> bool:
+                got = self._ready(src)
+                if got is None:
+                    return False
+                found.append(got)
+                return True
+
+            if self.spinner.spin(ready):
+                sock = found[0]
+            elif len(self.order) == 1 and timeout == WAIT_SLICE_MS / 1000:
+                # One peer: a blocking receive (at most WAIT_SLICE, RCVTIMEO), one call.
+                sock = self.order[0]
+                try:
+                    return sock, sock.recv()
+                except zmq.Again:
+                    return None
+            else:
+                if not self.poller.poll(int(timeout * 1000)):
+                    return None
+                sock = self._ready(src)
+                if sock is None:
+                    return None
+        else:
+            self.spinner.caught()
+        try:
+            return sock, sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+
+    def next_header(self, timeout: float, src: int = -1) -> wire.Header | None:
         """The next valid header (its payload then read with read_payload) or None after
-        ``timeout`` s. A header from a peer that is not a swarmfd message, or claims
-        another source, is a protocol error: the peer does not follow the protocol."""
-        got = self._recv_any(timeout)
+        ``timeout`` s; ``src``: the peer the caller waits for, looked at first. A header
+        from a peer that is not a swarmfd message, or claims another source, is a
+        protocol error: the peer does not follow the protocol."""
+        got = self._recv_any(timeout, src)
         if got is None:
             return None
         sock, raw = got
