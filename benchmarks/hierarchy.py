@@ -237,15 +237,17 @@ def worker(plan: list[tuple[str, int, int]], warmup: int) -> int:
     if os.environ.get(ENV_RING, "") == "rank":
         world.ring = list(range(n))  # the flat ring in rank order (the benchmark's switch)
     for item in filter(None, os.environ.get(ENV_SET, "").split(";")):
-        # a constant under test: MODULE.NAME=INT, MODULE of swarmfd.algorithms
+        # a constant under test: MODULE.NAME=NUMBER, MODULE of swarmfd.algorithms (or
+        # a full path under swarmfd: comm.planes.shm.SPIN_SECONDS=0)
         import importlib
 
         key, _, value = item.partition("=")
         mod, _, name = key.rpartition(".")
-        module = importlib.import_module(f"swarmfd.algorithms.{mod}")
+        path = f"swarmfd.{mod}" if "." in mod else f"swarmfd.algorithms.{mod}"
+        module = importlib.import_module(path)
         if not hasattr(module, name):
-            raise SystemExit(f"{ENV_SET}: swarmfd.algorithms.{mod} has no {name}")
-        setattr(module, name, int(value))
+            raise SystemExit(f"{ENV_SET}: {path} has no {name}")
+        setattr(module, name, type(getattr(module, name))(float(value)))
     two = world.two_level() is not None
     try:
         for coll, size, iters in plan:
@@ -547,6 +549,60 @@ def targets(rows: list[Row], base: str = "flat", two: str = "two-level"
     return out
 
 
+#: TCP/IP over MTU 1500: the payload share of what tbf counts (1448 of 1514 bytes).
+PAYLOAD_SHARE = 1448 / 1514
+
+
+def _link_bytes(r: Row) -> float:
+    """Bytes the busiest link carries one way in one call of row ``r``'s variant."""
+    shape = parse_shape(r.shape)
+    if shape.rate is None:
+        return math.nan
+    return _bound_of(r) / 1e3 * shape.rate / 8
+
+
+def model_table(rows: list[Row], collective: str = "all_reduce") -> str:
+    """The alpha-beta(-gamma) model beside the measured medians (README, "cost model").
+
+    T(S) = alpha + max(B(S) * beta, N * gamma * S / CORES): alpha, the call's fixed
+    cost, is the measured time at the smallest size; beta is the link's time per byte
+    of payload at the nominal rate (PAYLOAD_SHARE of it); B(S) the bytes on the busiest
+    link (the bounds); gamma, the CPU time per byte per rank, is measured at the
+    largest size. The points in between are predictions.
+    """
+    med = _medians(rows)
+    sizes = sorted({k[3] for k in med})
+    small, big = sizes[0], sizes[-1]
+    shown = [s for s in sizes if s >= LARGE]
+    lines = ["| shape | placement | variant | link bytes / S | alpha ms | gamma ns/B/rank | "
+             + " | ".join(f"{_fmt_size(s)} model / measured ms" for s in shown) + " |",
+             "|---|---|---|---|---|---|" + "---|" * len(shown)]
+    for shape, placement, coll, variant in dict.fromkeys(
+            (k[0], k[1], k[2], k[4]) for k in med):
+        if coll != collective or (shape, placement, coll, small, variant) not in med \
+                or (shape, placement, coll, big, variant) not in med:
+            continue
+        rate = parse_shape(shape).rate
+        if rate is None:
+            continue
+        beta = 8 / (rate * PAYLOAD_SHARE)
+        alpha = med[(shape, placement, coll, small, variant)].median_ms / 1e3
+        gamma = med[(shape, placement, coll, big, variant)].cpu_ms_mean / 1e3 / big
+        cells = []
+        per_s = math.nan
+        for s in shown:
+            r = med.get((shape, placement, coll, s, variant))
+            if r is None:
+                cells.append("-")
+                continue
+            per_s = _link_bytes(r) / s
+            t = alpha + max(_link_bytes(r) * beta, r.world_size * gamma * s / CORES)
+            cells.append(f"{t * 1e3:.1f} / {r.median_ms:.1f}")
+        lines.append(f"| {shape} | {placement} | {variant} | {per_s:.2f} | {alpha * 1e3:.2f} | "
+                     f"{gamma * 1e9:.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def targets_text(rows: list[Row]) -> str:
     return "\n".join(f"- {'MET' if ok else 'NOT MET'}: {what} ({got})"
                       for what, got, ok in targets(rows))
@@ -605,7 +661,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.report:
         rows = load_rows(args.report)
         print(table(rows) + "\n\n" + busbw_table(rows) + "\n\nTargets (issue 17):\n"
-              + targets_text(rows))
+              + targets_text(rows) + "\n\nCost model (all_reduce):\n\n" + model_table(rows))
         return 1 if any(r.wrong for r in rows) else 0
 
     from swarmfd.bench import parse_sizes
@@ -642,6 +698,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table(rows))
     print("\n" + busbw_table(rows))
     print("\nTargets (issue 17):\n" + targets_text(rows))
+    print("\nCost model (all_reduce):\n\n" + model_table(rows))
     comparison = issue_comparison(rows)
     if comparison:
         print("\nAgainst issue 17's \"Measured today\" (all_reduce; > 1x: faster):\n"
