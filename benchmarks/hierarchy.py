@@ -237,15 +237,17 @@ def worker(plan: list[tuple[str, int, int]], warmup: int) -> int:
     if os.environ.get(ENV_RING, "") == "rank":
         world.ring = list(range(n))  # the flat ring in rank order (the benchmark's switch)
     for item in filter(None, os.environ.get(ENV_SET, "").split(";")):
-        # a constant under test: MODULE.NAME=INT, MODULE of swarmfd.algorithms
+        # a constant under test: MODULE.NAME=NUMBER, MODULE of swarmfd.algorithms (or
+        # a full path under swarmfd: comm.planes.shm.SPIN_SECONDS=0)
         import importlib
 
         key, _, value = item.partition("=")
         mod, _, name = key.rpartition(".")
-        module = importlib.import_module(f"swarmfd.algorithms.{mod}")
+        path = f"swarmfd.{mod}" if "." in mod else f"swarmfd.algorithms.{mod}"
+        module = importlib.import_module(path)
         if not hasattr(module, name):
-            raise SystemExit(f"{ENV_SET}: swarmfd.algorithms.{mod} has no {name}")
-        setattr(module, name, int(value))
+            raise SystemExit(f"{ENV_SET}: {path} has no {name}")
+        setattr(module, name, type(getattr(module, name))(float(value)))
     two = world.two_level() is not None
     try:
         for coll, size, iters in plan:
@@ -449,6 +451,172 @@ def issue_comparison(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+#: Issue 17's speed-up targets of the two-level all_reduce over the best flat ring, from
+#: 1 MiB (shape label -> factor); other shapes have no speed-up target.
+SPEEDUP_TARGETS = {"2x2@5gbit": 1.35, "2x4@2gbit": 1.5}
+#: Issue 17: from 1 MiB the two-level all_reduce reaches this fraction of its bound.
+OF_BOUND_TARGET = 0.85
+#: Where issue 17's targets start ("from 1 MiB up"; below it "nothing slower").
+LARGE = MIB
+
+
+def _medians(rows: list[Row]) -> dict[tuple[str, str, str, int, str], Row]:
+    """One row per (shape, placement, collective, size, variant): the run whose time is
+    the median (the lower middle of an even count)."""
+    groups: dict[tuple[str, str, str, int, str], list[Row]] = {}
+    for r in rows:
+        groups.setdefault((r.shape, r.placement, r.collective, r.size, r.variant), []).append(r)
+    return {k: sorted(g, key=lambda r: r.median_ms)[(len(g) - 1) // 2]
+            for k, g in groups.items()}
+
+
+def busbw_table(rows: list[Row], base: str = "flat", two: str = "two-level") -> str:
+    """busbw of every variant side by side, the two-level speed-up over ``base`` (time
+    ratio of the medians over runs) and the two-level's fraction of its bound, with the
+    CPU time per call per rank (mean over ranks) of ``base`` and of the two-level."""
+    med = _medians(rows)
+    variants = list(dict.fromkeys(r.variant for r in rows))
+    points = list(dict.fromkeys(k[:4] for k in med))
+    lines = ["| shape | placement | collective | size | "
+             + " | ".join(f"{v} GB/s" for v in variants)
+             + f" | {two} / {base} speed-up | {two} of bound | CPU ms/call/rank "
+             f"{base} / {two} |",
+             "|---|---|---|---|" + "---|" * (len(variants) + 3)]
+    for p in points:
+        cells = [f"{med[(*p, v)].busbw:.3f}" if (*p, v) in med else "-" for v in variants]
+        b, t = med.get((*p, base)), med.get((*p, two))
+        speed = f"{b.median_ms / t.median_ms:.2f}x" if b and t else "-"
+        frac = (f"{t.two_level_bound_ms / t.median_ms:.2f}"
+                if t and not math.isnan(t.two_level_bound_ms) else "-")
+        cpu = f"{b.cpu_ms_mean:.2f} / {t.cpu_ms_mean:.2f}" if b and t else "-"
+        lines.append(f"| {p[0]} | {p[1]} | {p[2]} | {_fmt_size(p[3])} | "
+                     + " | ".join(cells) + f" | {speed} | {frac} | {cpu} |")
+    return "\n".join(lines)
+
+
+def targets(rows: list[Row], base: str = "flat", two: str = "two-level"
+            ) -> list[tuple[str, str, bool]]:
+    """Issue 17's targets checked on the medians over runs: (target, measured, met).
+
+    * the all_reduce of 1 MiB and up at least SPEEDUP_TARGETS[shape] times as fast as
+      the best flat ring (``base``), per placement (its slowest size is shown);
+    * from 1 MiB the all_reduce at least OF_BOUND_TARGET of the two-level bound;
+    * from 1 MiB every other collective faster than flat;
+    * below 1 MiB no collective slower than flat;
+    * uneven hosts (shapes with ``+``): no collective, no size slower than flat.
+    """
+    med = _medians(rows)
+    pairs: dict[tuple[str, str, str], list[tuple[int, Row, Row]]] = {}
+    for (shape, placement, coll, size, variant), t in med.items():
+        b = med.get((shape, placement, coll, size, base))
+        if variant == two and b is not None:
+            pairs.setdefault((shape, placement, coll), []).append((size, b, t))
+    out: list[tuple[str, str, bool]] = []
+
+    def worst(items: list[tuple[int, Row, Row]]) -> tuple[float, int]:
+        return min((b.median_ms / t.median_ms, size) for size, b, t in items)
+
+    for (shape, placement, coll), items in sorted(pairs.items()):
+        items.sort(key=lambda i: i[0])
+        large = [i for i in items if i[0] >= LARGE]
+        small = [i for i in items if i[0] < LARGE]
+        where = f"{shape} {placement} {coll}"
+        if coll == "all_reduce" and large and shape in SPEEDUP_TARGETS:
+            goal = SPEEDUP_TARGETS[shape]
+            ratio, size = worst(large)
+            out.append((f"{where} >= 1 MiB: {two} >= {goal}x {base}",
+                        "; ".join(f"{_fmt_size(s)} {b.median_ms / t.median_ms:.2f}x"
+                                  for s, b, t in large), ratio >= goal))
+        if coll == "all_reduce" and large:
+            fracs = [(t.two_level_bound_ms / t.median_ms, s) for s, _, t in large]
+            out.append((f"{where} >= 1 MiB: {two} >= {OF_BOUND_TARGET} of its bound",
+                        "; ".join(f"{_fmt_size(s)} {f:.2f}" for f, s in fracs),
+                        min(fracs)[0] >= OF_BOUND_TARGET))
+        if coll != "all_reduce" and large:
+            ratio, size = worst(large)
+            out.append((f"{where} >= 1 MiB: {two} faster than {base}",
+                        "; ".join(f"{_fmt_size(s)} {b.median_ms / t.median_ms:.2f}x"
+                                  for s, b, t in large), ratio > 1.0))
+        if small:
+            ratio, size = worst(small)
+            out.append((f"{where} < 1 MiB: {two} not slower than {base}",
+                        "; ".join(f"{_fmt_size(s)} {b.median_ms / t.median_ms:.2f}x"
+                                  for s, b, t in small), ratio >= 1.0))
+        if "+" in shape:
+            ratio, size = worst(items)
+            out.append((f"{where} (uneven hosts): {two} never slower than {base}",
+                        f"slowest {ratio:.2f}x at {_fmt_size(size)}", ratio >= 1.0))
+    return out
+
+
+#: TCP/IP over MTU 1500: the payload share of what tbf counts (1448 of 1514 bytes).
+PAYLOAD_SHARE = 1448 / 1514
+
+
+def _link_bytes(r: Row) -> float:
+    """Bytes the busiest link carries one way in one call of row ``r``'s variant."""
+    shape = parse_shape(r.shape)
+    if shape.rate is None:
+        return math.nan
+    return _bound_of(r) / 1e3 * shape.rate / 8
+
+
+def model_table(rows: list[Row], collective: str = "all_reduce") -> str:
+    """The alpha-beta(-gamma) model beside the measured medians (README, "cost model").
+
+    T(S) = alpha + max(B(S) * beta, N * gamma * S / CORES): alpha, the call's fixed
+    cost, is the measured time at the smallest size; beta is the link's time per byte
+    of payload at the nominal rate (PAYLOAD_SHARE of it); B(S) the bytes on the busiest
+    link (the bounds); gamma, the CPU time per byte per rank, is measured at the
+    largest size. The points in between are predictions.
+    """
+    med = _medians(rows)
+    sizes = sorted({k[3] for k in med})
+    small, big = sizes[0], sizes[-1]
+    shown = [s for s in sizes if s >= LARGE]
+    lines = ["| shape | placement | variant | link bytes / S | alpha ms | gamma ns/B/rank | "
+             + " | ".join(f"{_fmt_size(s)} model / measured ms" for s in shown) + " |",
+             "|---|---|---|---|---|---|" + "---|" * len(shown)]
+    for shape, placement, coll, variant in dict.fromkeys(
+            (k[0], k[1], k[2], k[4]) for k in med):
+        if coll != collective or (shape, placement, coll, small, variant) not in med \
+                or (shape, placement, coll, big, variant) not in med:
+            continue
+        rate = parse_shape(shape).rate
+        if rate is None:
+            continue
+        beta = 8 / (rate * PAYLOAD_SHARE)
+        alpha = med[(shape, placement, coll, small, variant)].median_ms / 1e3
+        gamma = med[(shape, placement, coll, big, variant)].cpu_ms_mean / 1e3 / big
+        cells = []
+        per_s = math.nan
+        for s in shown:
+            r = med.get((shape, placement, coll, s, variant))
+            if r is None:
+                cells.append("-")
+                continue
+            per_s = _link_bytes(r) / s
+            t = alpha + max(_link_bytes(r) * beta, r.world_size * gamma * s / CORES)
+            cells.append(f"{t * 1e3:.1f} / {r.median_ms:.1f}")
+        lines.append(f"| {shape} | {placement} | {variant} | {per_s:.2f} | {alpha * 1e3:.2f} | "
+                     f"{gamma * 1e9:.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def targets_text(rows: list[Row]) -> str:
+    return "\n".join(f"- {'MET' if ok else 'NOT MET'}: {what} ({got})"
+                      for what, got, ok in targets(rows))
+
+
+def load_rows(paths: Sequence[str]) -> list[Row]:
+    """Every row of ``--json`` files of earlier runs."""
+    rows = []
+    for path in paths:
+        with open(path) as f:
+            rows += [Row(**r) for r in json.load(f)["rows"]]
+    return rows
+
+
 def _loadavg() -> str:
     try:
         with open("/proc/loadavg") as f:
@@ -480,6 +648,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=DEFAULT_WARMUP)
     parser.add_argument("--timeout", type=float, default=None, help="seconds per job")
     parser.add_argument("--json", default=None, help="write every run's rows to this file")
+    parser.add_argument("--report", nargs="+", default=None, metavar="JSON",
+                        help="print the tables and the targets of earlier --json files")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--plan", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -487,6 +657,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.worker:
         plan = [(c, int(s), int(i)) for c, s, i in (p.split(":") for p in args.plan.split(","))]
         return worker(plan, args.warmup)
+
+    if args.report:
+        rows = load_rows(args.report)
+        print(table(rows) + "\n\n" + busbw_table(rows) + "\n\nTargets (issue 17):\n"
+              + targets_text(rows) + "\n\nCost model (all_reduce):\n\n" + model_table(rows))
+        return 1 if any(r.wrong for r in rows) else 0
 
     from swarmfd.bench import parse_sizes
 
@@ -520,6 +696,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                               + f" ({time.monotonic() - t0:.0f} s, load {_loadavg()})",
                               file=sys.stderr, flush=True)
     print(table(rows))
+    print("\n" + busbw_table(rows))
+    print("\nTargets (issue 17):\n" + targets_text(rows))
+    print("\nCost model (all_reduce):\n\n" + model_table(rows))
     comparison = issue_comparison(rows)
     if comparison:
         print("\nAgainst issue 17's \"Measured today\" (all_reduce; > 1x: faster):\n"

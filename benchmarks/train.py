@@ -92,6 +92,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))
     variant = args.variant
+    trace: _Trace | None = None
     torch.manual_seed(0)
     model = _model()
     x, y = torch.randn(BATCH, IN), torch.randint(0, OUT, (BATCH,))
@@ -106,6 +107,8 @@ def worker(args: argparse.Namespace) -> None:
 
         fd.init_from_env()
         m = sft.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
+        if args.trace:
+            trace = _Trace(m)
     else:
         m = model
     cls, kw = ((torch.optim.Adam, {"lr": 1e-4}) if args.optim == "adam" else
@@ -123,16 +126,69 @@ def worker(args: argparse.Namespace) -> None:
         loss.backward()
         opt.step()
         t2 = time.perf_counter()
+        if trace is not None:
+            trace.step(t1, t2, keep=i >= args.warmup)
         if i >= args.warmup:
             steps.append(t2 - t0)
             fwd.append(t1 - t0)
-    print(json.dumps({"rank": rank, "variant": variant, "step_ms": 1e3 * statistics.median(steps),
-                      "fwd_ms": 1e3 * statistics.median(fwd), "state_bytes": _state_bytes(opt),
-                      "hwm_bytes": _vm_hwm()}), flush=True)
+    rec = {"rank": rank, "variant": variant, "step_ms": 1e3 * statistics.median(steps),
+           "fwd_ms": 1e3 * statistics.median(fwd), "state_bytes": _state_bytes(opt),
+           "hwm_bytes": _vm_hwm()}
+    if trace is not None:
+        rec["trace"] = trace.summary()
+    print(json.dumps(rec), flush=True)
     if variant == "torch-ddp":
         torch.distributed.destroy_process_group()
     elif variant.startswith("swarmfd"):
         fd.cleanup()
+
+
+class _Trace:
+    """Where a swarmfd DDP step's time goes (``--trace``): per step, from the start of
+    ``backward()``, when each bucket was issued and when its all-reduce completed
+    (``Work.completed_at``), when autograd finished (DDP's end-of-backward callback
+    starts) and when the step ended; the medians over the timed steps, in ms."""
+
+    def __init__(self, ddp: Any) -> None:
+        self.ddp, self.steps = ddp, []
+        self.issued: list[tuple[float, Any]] = []
+        self.autograd_end = 0.0
+        issue, finalize = ddp._issue, ddp._finalize
+
+        def traced_issue(b: Any) -> Any:
+            work = issue(b)
+            self.issued.append((time.monotonic(), work))
+            return work
+
+        def traced_finalize() -> None:
+            self.autograd_end = time.monotonic()
+            finalize()
+
+        ddp._issue, ddp._finalize = traced_issue, traced_finalize
+        self.sizes = [4 * b.padded for b in ddp._buckets]
+
+    def step(self, t_backward: float, t_end: float, keep: bool) -> None:
+        """Record the step whose backward started at ``t_backward`` (perf_counter)."""
+        issued, self.issued = self.issued, []
+        if not keep:
+            return
+        shift = time.monotonic() - time.perf_counter()  # rebase on Work's clock
+        t0 = t_backward + shift
+        self.steps.append({
+            "issued": [1e3 * (t - t0) for t, _ in issued],
+            "done": [1e3 * (w.completed_at - t0) for _, w in issued],
+            "autograd_end": 1e3 * (self.autograd_end - t0), "end": 1e3 * (t_end + shift - t0)})
+
+    def summary(self) -> dict[str, Any]:
+        def med(get: Any) -> float:
+            return round(statistics.median(get(s) for s in self.steps), 2)
+
+        n = len(self.steps[0]["issued"])
+        return {"bucket_bytes": self.sizes,
+                "issued_ms": [med(lambda s, i=i: s["issued"][i]) for i in range(n)],
+                "done_ms": [med(lambda s, i=i: s["done"][i]) for i in range(n)],
+                "autograd_end_ms": med(lambda s: s["autograd_end"]),
+                "step_end_ms": med(lambda s: s["end"])}
 
 
 # -- the driver ---------------------------------------------------------------------------
@@ -154,7 +210,8 @@ def _worker_argv(args: argparse.Namespace, variant: str, optim: str | None = Non
                  steps: int | None = None) -> list[str]:
     return [sys.executable, str(Path(__file__).resolve()), "worker", "--variant", variant,
             "--steps", str(steps or args.steps), "--warmup", str(args.warmup),
-            "--bucket-cap-mb", str(args.bucket_cap_mb), "--optim", optim or args.optim]
+            "--bucket-cap-mb", str(args.bucket_cap_mb), "--optim", optim or args.optim,
+            *(["--trace"] if args.trace and variant == "swarmfd-ddp" else [])]
 
 
 def _run_loopback(args: argparse.Namespace, n: int, plane: str, variant: str,
@@ -236,6 +293,11 @@ def measure(args: argparse.Namespace) -> tuple[dict[tuple[str, int, str], list[d
                 print(f"round {rnd + 1}/{args.rounds}  {plane:6s} N={n}  {v:13s} "
                       f"{fig['step_ms']:7.1f} ms/step  ({time.monotonic() - t0:.0f} s job, "
                       f"load {os.getloadavg()[0]:.1f})", flush=True)
+                for rec in recs:
+                    if "trace" in rec:
+                        print(f"  trace rank {rec['rank']}: forward {rec['fwd_ms']:.1f} ms, "
+                              f"then from backward's start (ms): {json.dumps(rec['trace'])}",
+                              flush=True)
     if "swarmfd-zero" in args.variants:  # memory, with Adam
         for n in args.sizes:
             for v in ("swarmfd-ddp", "swarmfd-zero"):
@@ -355,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--warmup", type=int, default=5)
         p.add_argument("--bucket-cap-mb", type=float, default=25.0)
         p.add_argument("--optim", choices=("sgd", "adam"), default="sgd")
+        p.add_argument("--trace", action="store_true")
         worker(p.parse_args(argv[1:]))
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -370,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--optim", choices=("sgd", "adam"), default="sgd",
                    help="optimizer of the timed steps (default SGD, momentum 0.9)")
     p.add_argument("--job-timeout", type=float, default=300.0)
+    p.add_argument("--trace", action="store_true",
+                   help="swarmfd-ddp ranks report when each bucket was issued and completed")
     p.add_argument("--quick", action="store_true", help="1 round, 8 steps, N=2 shm only")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)

@@ -96,6 +96,12 @@ ROUND_BYTES = SEGMENT_BYTES
 #: awaited this many rounds after they were sent, so the link is never idle while the
 #: host copies and reduces (at most SLOTS - 1: see _all_reduce_two_hosts).
 DEPTH = 2
+#: Hosts of at least this many ranks have each shard's all_reduce result computed by
+#: its owner and copied by the others (see _all_reduce_two_hosts); below, every rank
+#: computes it. (Memory traffic of the last phase per rank, S bytes, L ranks: owner
+#: computes, all copy: reads S(1 + 2/L), writes S(1 + 1/L); all compute: reads 2S,
+#: writes S. Equal at L = 2 in reads; measured below.)
+OWNER_FINAL_LOCALS = 99
 #: Rounds of an all_gather sent ahead of the one being received (more would sit in
 #: the send queue, which only moves while the rank waits on TCP).
 GATHER_AHEAD = 2
@@ -338,6 +344,11 @@ def _all_reduce_two_hosts(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout,
     # rewritten SLOTS rounds after: at most SLOTS - 1 rounds in flight.
     d = max(1, min(depth, R, SLOTS - 1))
     tmp = np.empty(per, buf.dtype) if local is None else None
+    # Who computes a shard's result: on a host of OWNER_FINAL_LOCALS ranks or more its
+    # owner (once, into the slot), and every local copies it; on smaller hosts every
+    # local computes every shard's (an add of two operands instead of a copy, but no
+    # add by the owner before the barrier).
+    owner_final = L >= OWNER_FINAL_LOCALS
     slots: dict[int, int] = {}
     dt = buf.dtype
     views: dict[int, list[np.ndarray]] = {}  # slot -> every local's region (reused)
@@ -367,8 +378,15 @@ def _all_reduce_two_hosts(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout,
                     continue
                 if into is not None:
                     at = (K + q // L) * per
-                    yield from _recv_split(op, partner[q], (fin * K + q) * J,
-                                           into[at:at + b - a], J)
+                    theirs = into[at:at + b - a]
+                    yield from _recv_split(op, partner[q], (fin * K + q) * J, theirs, J)
+                    if owner_final:
+                        # The result, once, where the partner's partial was.
+                        ours = into[q * per:q * per + b - a]
+                        if first:
+                            ufunc(ours, theirs, out=theirs)
+                        else:
+                            ufunc(theirs, ours, out=theirs)
                     continue
                 assert tmp is not None
                 theirs = tmp[:b - a]
@@ -387,9 +405,12 @@ def _all_reduce_two_hosts(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout,
                 for q in range(K):
                     a, b = pieces[q][fin]
                     reg = regions[q % L]
-                    ours = reg[q * per:q * per + b - a]
                     at = (K + q // L) * per
                     theirs = reg[at:at + b - a]
+                    if owner_final:
+                        buf[a:b] = theirs  # the owner's result
+                        continue
+                    ours = reg[q * per:q * per + b - a]
                     if first:
                         ufunc(ours, theirs, out=buf[a:b])
                     else:
