@@ -17,6 +17,13 @@ So:
 
 ``SWARMFD_SPIN=0`` turns polling off everywhere (every wait blocks at once),
 ``SWARMFD_SPIN=1`` forces it on (still adaptive), ``auto`` (or unset) decides per job.
+
+Measured (ab.py, spin against ENABLED=0 interleaved in one job, SWARMFD_SPIN=1, 100
+calls per size, 2026-12-01 17:10, load average 4-5 from other work): time ratios
+nospin/spin 0.92-1.06 on every plane at N=2 and 4 from 4 KiB to 16 MiB, CPU time per
+call equal within 3%. On a machine this busy the peers are rarely running when a wait
+polls, so the misses turn polling off; a quiet machine is where it should pay (not
+measured yet).
 """
 
 from __future__ import annotations
