@@ -100,7 +100,12 @@ DEPTH = 2
 #: its owner and copied by the others (see _all_reduce_two_hosts); below, every rank
 #: computes it. (Memory traffic of the last phase per rank, S bytes, L ranks: owner
 #: computes, all copy: reads S(1 + 2/L), writes S(1 + 1/L); all compute: reads 2S,
-#: writes S. Equal at L = 2 in reads; measured below.)
+#: writes S. Equal at L = 2 in reads.) Off (99: no host is that large) because an
+#: interleaved A/B did not show it faster (benchmarks/results/
+#: hierarchy-20261201-1714-owner-final-ab.json, 3 runs, load 5.6-9): at 2x4@2gbit,
+#: 16 / 64 MiB, owner-computes took 162 / 594 ms against 142 / 504 ms (27.9 / 104 ms
+#: of CPU per call per rank against 24.7 / 93.6), at 3+1@5gbit 59 / 214 ms against
+#: 58 / 246 ms.
 OWNER_FINAL_LOCALS = 99
 #: Rounds of an all_gather sent ahead of the one being received (more would sit in
 #: the send queue, which only moves while the rank waits on TCP).
