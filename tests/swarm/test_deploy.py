@@ -360,6 +360,14 @@ def test_bad_input_is_rejected_before_anything_is_created(
 # --- Ctrl-C -------------------------------------------------------------------------------
 
 
+def _default_sigint() -> None:
+    """In the CLI's child, before exec: SIGINT as a terminal gives it. A test session
+    started in the background by a shell without job control inherits SIGINT ignored,
+    and a Python started with SIGINT ignored keeps ignoring it (no KeyboardInterrupt):
+    the deploy then never saw this test's Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_stops_following_and_leaves_the_job(
         swarm: Any, swarmfd_image: str, job_name: Callable[[str], str]) -> None:
     """SIGINT while following: exit 130, the hint names `swarmfd rm`, the job still runs."""
@@ -368,7 +376,7 @@ def test_ctrl_c_stops_following_and_leaves_the_job(
         [sys.executable, "-m", "swarmfd", "deploy", swarmfd_image, "-n", "2", "--name", name,
          "--", "sleep", "120"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=_default_sigint)
     lines: queue.Queue[str] = queue.Queue()
 
     def pump() -> None:
