@@ -755,26 +755,25 @@ class SocketPlane:
         last = _now()
         k = -1
 
+        def read_once() -> int:
+            """Bytes read (> 0), none yet (-1), or the connection lost (0)."""
+            try:
+                return sock.recv_into(target[got:])
+            except (BlockingIOError, InterruptedError):
+                return -1
+            except OSError:
+                return 0
+
         def poll() -> bool:
             # A spinning wait's step: push what is queued, read once.
             nonlocal k
             self._push_all()
-            try:
-                k = sock.recv_into(target[got:])
-            except (BlockingIOError, InterruptedError):
-                k = -1
-            except OSError:
-                k = 0
+            k = read_once()
             return k >= 0
 
         while got < n:
             if not lane.dead:
-                try:
-                    k = sock.recv_into(target[got:])
-                except (BlockingIOError, InterruptedError):
-                    k = -1
-                except OSError:
-                    k = 0
+                k = read_once()
                 if k < 0:
                     self.spinner.spin(poll)  # k: what the poll's last read gave
                 if k > 0:
