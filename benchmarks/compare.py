@@ -57,7 +57,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -350,10 +350,12 @@ def human_time(seconds: float) -> str:
     return f"{seconds * 1e6:.0f} us" if seconds >= 1e-5 else f"{seconds * 1e6:.1f} us"
 
 
-def markdown_tables(summary: Sequence[dict], systems: Sequence[str], ns: Sequence[int],
-                    sizes: Sequence[int], collectives: Sequence[str] = ("all_reduce",)) -> str:
-    """PERFORMANCE.md-style tables, one per collective and N: latency below 1 MiB,
-    'latency / busbw' from 1 MiB (every size for the collectives other than all_reduce)."""
+def _grids(summary: Sequence[dict], systems: Sequence[str], ns: Sequence[int],
+           sizes: Sequence[int], collectives: Sequence[str], title: str,
+           cell: Callable[[dict, str, int], str | None]) -> list[str]:
+    """The lines of one markdown table per collective and N (``title`` formatted with
+    ``coll`` and ``n``): a row per system, a column per size, ``cell(row, coll, size)``
+    or "-" where there is no figure."""
     index = {(r["system"], r["n"], r["collective"], r["size"]): r for r in summary}
     out = []
     for coll in collectives:
@@ -361,23 +363,34 @@ def markdown_tables(summary: Sequence[dict], systems: Sequence[str], ns: Sequenc
             rows = [sy for sy in systems if any((sy, n, coll, s) in index for s in sizes)]
             if not rows:
                 continue
-            out.append(f"\n### {coll}, world_size {n}: median latency / busbw (GB/s)\n")
+            out.append(title.format(coll=coll, n=n))
             out.append("| system | " + " | ".join(human_size(s) for s in sizes) + " |")
             out.append("|---" * (len(sizes) + 1) + "|")
             for system in rows:
                 cells = []
                 for s in sizes:
                     r = index.get((system, n, coll, s))
-                    if r is None:
-                        cells.append("-")
-                        continue
-                    cell = human_time(r["median_s"])
-                    if s >= 1 << 20 or coll != "all_reduce":
-                        cell += f" / {r['busbw_gbps']:.2f}"
-                    if r["wrong"]:
-                        cell += " WRONG"
-                    cells.append(cell)
+                    text = None if r is None else cell(r, coll, s)
+                    cells.append("-" if text is None else text)
                 out.append(f"| {system} | " + " | ".join(cells) + " |")
+    return out
+
+
+def markdown_tables(summary: Sequence[dict], systems: Sequence[str], ns: Sequence[int],
+                    sizes: Sequence[int], collectives: Sequence[str] = ("all_reduce",)) -> str:
+    """PERFORMANCE.md-style tables, one per collective and N: latency below 1 MiB,
+    'latency / busbw' from 1 MiB (every size for the collectives other than all_reduce)."""
+
+    def cell(r: dict, coll: str, s: int) -> str:
+        text = human_time(r["median_s"])
+        if s >= 1 << 20 or coll != "all_reduce":
+            text += f" / {r['busbw_gbps']:.2f}"
+        if r["wrong"]:
+            text += " WRONG"
+        return text
+
+    out = _grids(summary, systems, ns, sizes, collectives,
+                 "\n### {coll}, world_size {n}: median latency / busbw (GB/s)\n", cell)
     return "\n".join(out) + "\n"
 
 
@@ -386,27 +399,15 @@ def cpu_tables(summary: Sequence[dict], systems: Sequence[str], ns: Sequence[int
     """Next to latency: CPU time per call of one rank (its process, every thread: progress
     and I/O threads count), median of the runs; and its share of the latency (1.0 = a
     core busy for the whole call: polling waits, or work)."""
-    index = {(r["system"], r["n"], r["collective"], r["size"]): r for r in summary}
-    out = []
-    for coll in collectives:
-        for n in ns:
-            rows = [sy for sy in systems if any((sy, n, coll, s) in index for s in sizes)]
-            if not rows:
-                continue
-            out.append(f"\n### {coll}, world_size {n}: CPU time per call per rank "
-                       "(x latency)\n")
-            out.append("| system | " + " | ".join(human_size(s) for s in sizes) + " |")
-            out.append("|---" * (len(sizes) + 1) + "|")
-            for system in rows:
-                cells = []
-                for s in sizes:
-                    r = index.get((system, n, coll, s))
-                    if r is None or not r.get("cpu_us"):
-                        cells.append("-")
-                        continue
-                    cells.append(f"{human_time(r['cpu_us'] / 1e6)} "
-                                 f"({r['cpu_us'] / 1e6 / r['median_s']:.2f})")
-                out.append(f"| {system} | " + " | ".join(cells) + " |")
+
+    def cell(r: dict, coll: str, s: int) -> str | None:
+        if not r.get("cpu_us"):
+            return None
+        return f"{human_time(r['cpu_us'] / 1e6)} ({r['cpu_us'] / 1e6 / r['median_s']:.2f})"
+
+    out = _grids(summary, systems, ns, sizes, collectives,
+                 "\n### {coll}, world_size {n}: CPU time per call per rank (x latency)\n",
+                 cell)
     return "\n".join(out) + "\n" if out else ""
 
 
