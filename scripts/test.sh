@@ -11,7 +11,8 @@
 # test asks for the engine, so a selection without Swarm tests never installs, starts
 # or builds anything.
 #
-# SWARMFD_TEST_LANES=2: two lanes side by side (pytest-xdist), see below.
+# The tests run in four lanes side by side (pytest-xdist), see below;
+# SWARMFD_TEST_LANES=1 runs them in one.
 #
 # Environment: VENV (default .venv in the checkout), SWARMFD_SKIP_DOCKER=1 to leave
 # Docker alone even then (Swarm tests then skip when no engine answers, or fail under
@@ -25,7 +26,6 @@ PY="${PYTHON:-python3}"
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
-"$VENV/bin/python" -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
 # The examples extra (scikit-learn: examples/train_torch.py's data) lets its test run.
 "$VENV/bin/python" -m pip install --quiet -e ".[test,examples]"
 # torch is optional for swarmfd; its CPU build (pinned: an unpinned torch pulls a
@@ -39,17 +39,22 @@ if [ "${SWARMFD_SKIP_DOCKER:-0}" != 1 ]; then
   export SWARMFD_SETUP_DOCKER=1  # the Swarm fixtures may run scripts/setup-docker.sh
 fi
 
-# SWARMFD_TEST_LANES=2: two lanes side by side (pytest-xdist; see
-# pytest_xdist_make_scheduler in tests/conftest.py): the Docker tests and the waiting
-# ones (timeouts, a fresh venv), which leave the CPU mostly idle; and the rest, at a
-# lower CPU priority. About 13-15 minutes instead of about 20 here, but not yet the
-# default: in the last laned run a timing bound of the front-door tests was missed in
-# the lower-priority lane (other work loaded the machine too). Today's other laned
-# failures are fixed (a Docker cleanup race, a lossy sniffer, a Ctrl-C test that
-# inherited SIGINT ignored).
-LANES=()
-if [ -n "${SWARMFD_TEST_LANES:-}" ] && [ "${SWARMFD_TEST_LANES}" != 1 ]; then
-  LANES=(-n "$SWARMFD_TEST_LANES")
+# Bytecode: this machine's environment sets PYTHONDONTWRITEBYTECODE=1, so every process
+# compiled every module it imported from source, every time: pytest rewrote the asserts
+# of all 122 test modules in each lane (6.4 of the 15 CPU-seconds of a collection), and
+# each rank and CLI process compiled swarmfd's modules again (0.1 CPU-s a process that
+# imports the CLI). The suite's processes write and reuse it (in __pycache__, ignored by
+# git and by image builds); swarmfd and the tests are compiled once up front.
+export PYTHONDONTWRITEBYTECODE=
+"$VENV/bin/python" -m compileall -q swarmfd tests benchmarks examples >/dev/null
+
+# Lanes (tests/conftest.py, pytest_xdist_make_scheduler): the Docker tests; the tests
+# that wait for a timeout or a detection; and two lanes of all the others, at a lower
+# CPU priority. Run in one lane the suite left the 2 cores half idle (about 1170
+# CPU-seconds in 1190 s).
+LANES=(-n "${SWARMFD_TEST_LANES:-4}")
+if [ "${SWARMFD_TEST_LANES:-4}" = 1 ]; then
+  LANES=()
 fi
 
 export PATH="$VENV/bin:$PATH"

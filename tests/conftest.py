@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -54,20 +55,46 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 #: The tests marked ``waits``, by node id (the scheduler of xdist's controller sees node
-#: ids, not markers); pytest_collection_modifyitems checks that the two agree.
+#: ids, not markers); pytest_collection_modifyitems checks that the two agree. They mostly
+#: wait (a stopped rank, a timeout, a fresh venv installing), and most of them bound how
+#: long a detection takes: they run in the ``timed`` lane, beside no other timing test,
+#: at normal priority.
 WAITS = (
     "tests/test_readme.py::test_fresh_clone_commands_run",
     "tests/test_robustness.py::test_sigstop_times_out_after_the_configured_timeout",
     "tests/test_robustness.py::test_sigstop_during_a_loop_of_large_all_reduces",
     "tests/test_robustness.py::test_init_timeout_lets_a_late_rank_join",
+    "tests/test_robustness.py::test_sigkill_while_peers_wait_is_detected_fast",
+    "tests/test_robustness.py::test_sigkill_of_a_rank_blocked_inside_a_collective",
+    "tests/test_robustness.py::test_sigkill_of_the_root_is_detected_fast",
+    "tests/test_robustness.py::test_a_rank_that_leaves_is_gone_before_its_peers_raise",
+    "tests/test_robustness.py::test_a_stashed_message_is_checked_against_the_signature",
     "tests/test_auth.py::test_a_vanished_peer_is_lost_within_seconds",
+    "tests/test_auth.py::test_rank0_timeout_mentions_refused_handshakes",
     "tests/test_collectives.py::test_a_silent_rank_times_out_naming_the_peer",
+    "tests/test_fuzz.py::test_a_garbage_flood_does_not_hide_a_timeout_or_a_lost_peer",
+    "tests/test_fuzz.py::test_random_traffic_at_the_rendezvous_port_does_not_stop_rendezvous",
+    "tests/test_wire.py::test_a_header_of_another_protocol_version_is_refused_naming_both",
+    "tests/test_channel.py::test_a_timeout_names_the_stuck_rank_not_the_one_waited_for",
+    "tests/test_lanes.py::test_a_peer_that_refuses_the_handshake_is_an_authentication_error",
+    "tests/test_lanes.py::test_a_closed_peer_is_a_lost_peer_after_its_data",
+    "tests/test_front_door.py::test_silent_strangers_and_a_flood_do_not_stop_or_slow_init",
 )
 #: The Docker tests (marked ``swarm``), by node id.
 DOCKER = ("tests/swarm/", "tests/multinode/", "tests/test_readme.py::test_swarm_")
+#: The lanes of a laned run (``SWARMFD_TEST_LANES``, scripts/test.sh): see
+#: :func:`pytest_xdist_make_scheduler`.
+LANES = ("docker", "timed", "working-a", "working-b")
+
+
 def lane_of(nodeid: str) -> str:
-    """``waiting`` or ``working`` (see :func:`pytest_xdist_make_scheduler`)."""
-    return "waiting" if nodeid.startswith(DOCKER + WAITS) else "working"
+    """The lane of a test: ``docker``, ``timed``, or one of the two working lanes (by a
+    hash of the node id: the parameters of one heavy test spread over both)."""
+    if nodeid.startswith(DOCKER):
+        return "docker"
+    if nodeid.startswith(WAITS):
+        return "timed"
+    return LANES[2 + zlib.crc32(nodeid.encode()) % 2]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -81,11 +108,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             f"{wrong[:5]}: mark them, or list them (or both, the other way)")
 
 
-#: The working lane's CPU priority below the waiting lane's (nice), under xdist: the
-#: waiting lane's timing bounds (a stopped peer reported within timeout + grace + 1 s)
-#: then hold beside a busy working lane, which still gets whatever CPU the mostly idle
-#: waiting lane leaves. At equal priority, a stopped zmq peer was once reported 4.47 s
-#: after the stop against a bound of 4.1 s.
+#: The working lanes' CPU priority below the other two's (nice), under xdist: the timed
+#: lane's bounds (a stopped peer reported within timeout + grace + 1 s, a stranger's
+#: flood delaying init by at most 1 s) then hold beside the busy working lanes, which
+#: still get whatever CPU the mostly idle timed lane leaves. At equal priority, a stopped
+#: zmq peer was once reported 4.47 s after the stop against a bound of 4.1 s.
 WORKING_LANE_NICE = 5
 _lane_priority_set = False
 
@@ -93,31 +120,35 @@ _lane_priority_set = False
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """In an xdist worker, before its first test (and so before it forks any rank):
-    lower the working lane's priority (see :data:`WORKING_LANE_NICE`). A worker runs
-    the tests of one lane only (:func:`pytest_xdist_make_scheduler`)."""
+    lower a working lane's priority (see :data:`WORKING_LANE_NICE`). A worker runs the
+    tests of one lane only (:func:`pytest_xdist_make_scheduler`)."""
     global _lane_priority_set
     if _lane_priority_set or not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     _lane_priority_set = True
-    if lane_of(item.nodeid) == "working":
+    if lane_of(item.nodeid).startswith("working"):
         os.nice(WORKING_LANE_NICE)
 
 
 @pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown without xdist
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Two lanes under pytest-xdist (``SWARMFD_TEST_LANES=2 scripts/test.sh``), each in collection
+    """Four lanes under pytest-xdist (``scripts/test.sh``: ``-n 4``), each in collection
     order on a worker of its own:
 
-    * ``waiting``: the Docker tests (engine, images, a one-node and a multi-node Swarm)
-      and the tests marked ``waits`` (a rank stopped until a timeout fires, a fresh venv
-      being installed). They mostly wait: the machine was 85-93 % idle during the
-      multi-node tests;
-    * ``working``: every other test, in-process logic and the rank processes.
+    * ``docker``: the Docker tests (engine, images, a one-node and a multi-node Swarm).
+      They wait on the engine most of the time, but the multi-node Swarm (three engines
+      in containers, an overlay network) keeps about one core busy for its 4 minutes;
+    * ``timed``: the tests marked ``waits`` (a rank stopped until a timeout fires, a
+      fresh venv installing), the detection-time and init-delay bounds among them;
+    * ``working-a`` and ``working-b``: every other test (in-process logic and the rank
+      processes), at a lower priority, split in two so that both cores stay busy once
+      the Docker tests are done.
 
-    Run in one lane, the suite left the 2 cores 46 % idle. A third lane (the unit tests
-    beside these two) was no faster (757-760 s wall either way: the working lane is the
-    longest) and put the timing bounds of the waiting tests beside two busy lanes: a
-    stopped zmq peer was reported 4.47 s after the stop against a bound of 4.1 s."""
+    Measured in one lane, the suite needed about 1170 CPU-seconds in 1190 s of wall
+    time (the 2 cores 51 % busy): the docker lane 396 s of wall time for 368 CPU-s, the
+    waiting tests 147 s for 49 CPU-s, all the others 644 s for 750 CPU-s. Two lanes
+    (Docker and waiting tests beside the rest) took 861-884 s: the working lane was the
+    longest. Without xdist the hook is never called and the suite runs in one lane."""
     from xdist.scheduler import LoadScopeScheduling
 
     class Lanes(LoadScopeScheduling):

@@ -79,10 +79,14 @@ __all__ = [
 #: What a spawned rank got from the test process at its start, a forked one gets from
 #: the harness: the environment (every rank's os.environ is the test's at the time the
 #: ranks were made, plus ``env``) and the test's stdout and stderr (see _child).
+#: torch is preloaded too where it is installed (the server skips a module it cannot
+#: import): a torch rank imported it itself, about 3 s of CPU each, for 16 ranks of
+#: tests/test_torch_ranks.py; the server pays it once. Importing torch starts no thread
+#: and initialises no thread pool, so forking after it is safe (as DataLoader workers do).
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["numpy", "zmq", "psutil", "pytest", "hypothesis", "swarmfd",
                              "swarmfd.comm.transport", "swarmfd.comm.shm_setup",
-                             "swarmfd.engine", "tests.harness"])
+                             "swarmfd.engine", "tests.harness", "torch"])
 _STACK_FILES: list[Any] = []  # in a rank: the open file faulthandler writes to
 
 #: How long a spawned rank waits at the start line for the others to have started.

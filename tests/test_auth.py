@@ -207,6 +207,7 @@ def _rank0_alone(ctx: RankCtx) -> Any:
     return None
 
 
+@pytest.mark.waits  # rank 0 waits for its init timeout
 def test_rank0_timeout_mentions_refused_handshakes(tmp_path: Path) -> None:
     """Rank 0 waiting in vain for a rank with another secret says so in its timeout."""
     wrong = write_secret_file(str(tmp_path), "wrong")

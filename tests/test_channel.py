@@ -106,6 +106,7 @@ def test_a_message_too_far_ahead_is_a_protocol_error_not_a_growing_stash() -> No
     assert run_threads(fn, 2)[0] == 0
 
 
+@pytest.mark.waits  # a rank waits for its timeout
 @pytest.mark.parametrize("plane", PLANES)
 def test_a_timeout_names_the_stuck_rank_not_the_one_waited_for(plane: str) -> None:
     """Rank 0 waits for 1, which waits for 2, which never sends (stuck): both waiting

@@ -125,6 +125,7 @@ def _job_with_flood(transport_name: str, flood: bool) -> tuple[dict[int, Any], d
         return out, attacker.result
 
 
+@pytest.mark.waits  # init under a flood, bounded to 1 s more than without
 @pytest.mark.parametrize("transport_name", ["tcp", "zmq"])
 def test_silent_strangers_and_a_flood_do_not_stop_or_slow_init(transport_name: str) -> None:
     """100 silent connections to every data listener the moment it appears, then 300 new

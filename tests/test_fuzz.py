@@ -349,6 +349,7 @@ def _wait_listening(port: int, timeout: float = 30.0) -> None:
     raise AssertionError(f"nothing listens on the rendezvous port {port} after {timeout} s")
 
 
+@pytest.mark.waits  # ranks wait at the rendezvous under fuzz
 def test_random_traffic_at_the_rendezvous_port_does_not_stop_rendezvous() -> None:
     """Rank 0 waits for the others while its rendezvous port (the one it binds: checked
     listening first) gets thousands of random payloads."""
@@ -533,6 +534,7 @@ def _waits_under_flood(ctx: RankCtx, what: str) -> Any:
     return {"type": None}
 
 
+@pytest.mark.waits  # a timeout or a loss under a flood (a time bound)
 @pytest.mark.usefixtures("no_auth")
 @pytest.mark.parametrize("what", ["timeout", "loss"])
 def test_a_garbage_flood_does_not_hide_a_timeout_or_a_lost_peer(what: str) -> None:

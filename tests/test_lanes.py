@@ -296,6 +296,7 @@ def _swallow(t: Endpoint) -> None:
         t.connect(peers, time.monotonic() + 3)
 
 
+@pytest.mark.waits  # a rank waits for its handshake timeout
 def test_a_peer_that_refuses_the_handshake_is_an_authentication_error() -> None:
     """Rank 1 holds a table with another token for rank 0: rank 0 refuses it."""
     sec = security.Security.from_secret(SECRET, False)
@@ -468,6 +469,7 @@ def test_messages_are_matched_by_source_call_and_tag(pair: list[Endpoint]) -> No
             assert bytes(into) == blobs[tag]
 
 
+@pytest.mark.waits  # a rank waits for the loss
 def test_a_closed_peer_is_a_lost_peer_after_its_data(pair: list[Endpoint]) -> None:
     """Data sent before the connection closed is still delivered, then the loss shows."""
     t0, t1 = pair

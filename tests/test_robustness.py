@@ -145,6 +145,7 @@ KILL_CASES = [
 ]
 
 
+@pytest.mark.waits  # a killed rank: its peers wait for the loss (a time bound)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("name", KILL_CASES)
@@ -157,6 +158,7 @@ def test_sigkill_while_peers_wait_is_detected_fast(name: str, world: int, transp
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("name", ["broadcast_small", "broadcast_large", "reduce_small",
                                   "reduce_large"])
+@pytest.mark.waits  # a killed root: its peers wait for the loss (a time bound)
 def test_sigkill_of_the_root_is_detected_fast(name: str, transport: str) -> None:
     """Same, when the killed rank is the root of the broadcast / reduce (N=3)."""
     _kill_and_check(name, 3, 2, 2, transport)
@@ -237,6 +239,7 @@ def _blocked_victim(ctx: RankCtx, name: str, victim: int, laggard: int) -> Any:
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("name", ["all_reduce_large", "all_reduce_small", "all_gather_large",
                                   "broadcast_large", "barrier"])
+@pytest.mark.waits  # a killed rank: its peers wait for the loss (a time bound)
 def test_sigkill_of_a_rank_blocked_inside_a_collective(name: str, transport: str) -> None:
     """N=3: rank 1 is killed while blocked inside (rank 2 is late); ranks 0 and 2 fail fast."""
     victim, laggard = 1, 2
@@ -633,6 +636,7 @@ def _stash_rounds(ctx: RankCtx, ports: list[int]) -> list[str]:
     return outcomes
 
 
+@pytest.mark.waits  # a mismatch found while a rank waits
 def test_a_stashed_message_is_checked_against_the_signature() -> None:
     """N=3 over TCP, 8 rounds: rank 0's mismatched broadcast never returns (garbage)."""
     ports = [free_port() for _ in range(8)]
@@ -719,6 +723,7 @@ def _leave_mid_job(ctx: RankCtx) -> dict[str, Any]:
     return {"type": None}
 
 
+@pytest.mark.waits  # a rank leaves: its peers wait for the loss
 @pytest.mark.parametrize("transport", WITH_ZMQ)
 def test_a_rank_that_leaves_is_gone_before_its_peers_raise(transport: str) -> None:
     """A rank that leaves mid-job finishes its cleanup before the rank waiting for it

@@ -89,6 +89,7 @@ def test_other_dtypes_are_refused_naming_the_supported_ones(dtype: object) -> No
         wire.dtype_code(np.dtype(dtype))
 
 
+@pytest.mark.waits  # a peer waits for its timeout
 def test_a_header_of_another_protocol_version_is_refused_naming_both() -> None:
     raw = bytearray(wire.pack_header(wire.Kind.DATA, _sig(), 0, 1, 0, 0))
     raw[4] = wire.PROTOCOL_VERSION + 1
