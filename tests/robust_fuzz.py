@@ -151,13 +151,20 @@ class Fuzzer:
             raise AssertionError(kind)
         self.sent[kind] += 1
 
-    def run(self, seconds: float, pause: float = 0.002) -> Counter[str]:
-        """Fuzz for ``seconds`` (pausing ``pause`` between payloads); returns counts by kind."""
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
+    def run(self, seconds: float, pause: float = 0.002, at_least: int = 0,
+            limit: float | None = None) -> Counter[str]:
+        """Fuzz for ``seconds`` (pausing ``pause`` between payloads), and on until
+        ``at_least`` payloads were sent, but not beyond ``limit`` seconds in all: a
+        fuzzer slowed by a busy machine still sends its share. Returns counts by kind."""
+        start = time.monotonic()
+        end = start + seconds
+        stop = start + max(seconds, limit if limit is not None else seconds)
+        while True:
+            now = time.monotonic()
+            if now >= stop or (now >= end and sum(self.sent.values()) >= at_least):
+                return self.sent
             self.step()
             time.sleep(pause)
-        return self.sent
 
     def close(self) -> None:
         for sock in self.pushers:
