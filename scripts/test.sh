@@ -27,12 +27,13 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 # The examples extra (scikit-learn: examples/train_torch.py's data) lets its test run.
-"$VENV/bin/python" -m pip install --quiet -e ".[test,examples]"
 # torch is optional for swarmfd; its CPU build (pinned: an unpinned torch pulls a
-# multi-GB CUDA build) lets the tensor tests run instead of skipping.
-if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
-  "$VENV/bin/python" -m pip install --quiet "torch==2.13.0" >/dev/null 2>&1 \
-    || echo "test.sh: torch 2.13.0 not installable here; torch tests will skip"
+# multi-GB CUDA build) lets the tensor tests run instead of skipping. One pip run for
+# both; --no-compile: see "Bytecode" below.
+if ! "$VENV/bin/python" -m pip install --quiet --no-compile -e ".[test,examples]" \
+    "torch==2.13.0"; then
+  echo "test.sh: torch 2.13.0 not installable here; torch tests will skip"
+  "$VENV/bin/python" -m pip install --quiet --no-compile -e ".[test,examples]"
 fi
 
 if [ "${SWARMFD_SKIP_DOCKER:-0}" != 1 ]; then
@@ -44,9 +45,19 @@ fi
 # of all 122 test modules in each lane (6.4 of the 15 CPU-seconds of a collection), and
 # each rank and CLI process compiled swarmfd's modules again (0.1 CPU-s a process that
 # imports the CLI). The suite's processes write and reuse it (in __pycache__, ignored by
-# git and by image builds); swarmfd and the tests are compiled once up front.
+# git and by image builds). pip compiles nothing (it compiled every file of torch,
+# scipy and scikit-learn, most of which nothing imports: venv and install took 60 s
+# that way against 106 s, 2026-12-01); what the suite imports is compiled once here,
+# before the lanes start (else each of them compiles the same modules at once).
 export PYTHONDONTWRITEBYTECODE=
 "$VENV/bin/python" -m compileall -q swarmfd tests benchmarks examples >/dev/null
+"$VENV/bin/python" - <<'PY'
+import importlib, importlib.util
+for name in ("numpy", "zmq", "click", "docker", "pytest", "xdist", "hypothesis", "psutil",
+             "torch", "sklearn.datasets"):
+    if importlib.util.find_spec(name.split(".")[0]) is not None:
+        importlib.import_module(name)
+PY
 
 # Lanes (tests/conftest.py, pytest_xdist_make_scheduler): the Docker tests; the tests
 # that wait for a timeout or a detection; and two lanes of all the others, at a lower

@@ -128,6 +128,7 @@ def test_a_timeout_names_the_stuck_rank_not_the_one_waited_for(plane: str) -> No
         assert took < 0.5 + 1.5, f"rank {r} took {took:.2f} s"
 
 
+@pytest.mark.waits  # bounds the lost-peer grace
 @pytest.mark.parametrize("plane", PLANES)
 def test_a_vanished_peer_is_lost_after_the_grace(plane: str) -> None:
     fabric = Fabric(2)

@@ -714,9 +714,10 @@ def test_nchw_and_highly_composite_4d_shapes_are_recovered(shape: tuple[int, ...
 ])
 def test_shape_recovery_stays_bounded(shape: tuple[int, ...], found: str) -> None:
     """Past the search budget a shape is not named (the error shows its count), and even the
-    most composite counts below the limit are answered in well under a second."""
+    most composite counts below the limit are answered in well under a second of CPU (this
+    thread's CPU time: a busy machine stretches the wall time, once to 1.1 s)."""
     count = int(np.prod(shape))
-    start = time.perf_counter()
+    start = time.thread_time()
     assert wire.recover_shape(count, wire.shape_hash(shape)) == found
     assert wire.recover_shape(count, wire.shape_hash(shape) ^ 1) == ""
-    assert time.perf_counter() - start < 0.5
+    assert time.thread_time() - start < 0.5

@@ -176,6 +176,7 @@ def test_setup_gives_every_rank_every_segment_and_inbox() -> None:
     assert _open_fds() == before
 
 
+@pytest.mark.waits  # bounds how long the loss takes to show
 def test_a_write_to_an_inbox_breaks_when_its_owner_is_gone() -> None:
     """The owner holds the only read end of its inbox: once it closed, a peer's write
     fails (EPIPE), the plane reports that peer lost, and a wait on it raises
@@ -196,6 +197,7 @@ def test_a_write_to_an_inbox_breaks_when_its_owner_is_gone() -> None:
             p.close()
 
 
+@pytest.mark.waits  # bounds how long a read waits
 def test_an_inbox_never_reads_end_of_file() -> None:
     """The owner keeps a write end of its own inbox: when every peer has closed its
     outboxes, a wait for a record is a timeout after the group timeout (the inbox is
@@ -252,6 +254,7 @@ def _closed_without_fds(s: socket.socket, timeout: float = 5.0) -> bool:
             return True
 
 
+@pytest.mark.waits  # bounds an eviction time
 def test_hub_refuses_bad_proofs_and_strangers_then_admits_the_rank(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A wrong key, a replayed proof, a reflected (hub-role) proof, an unknown rank and
@@ -303,6 +306,7 @@ def test_hub_refuses_bad_proofs_and_strangers_then_admits_the_rank(
         hub.close()
 
 
+@pytest.mark.waits  # bounds a handshake time
 def test_hub_bounds_connections_in_a_handshake(monkeypatch: pytest.MonkeyPatch) -> None:
     """More silent same-user connections than MAX_PENDING: the oldest are evicted at
     once (not after the silence limit), but not a rank that already proved itself: it

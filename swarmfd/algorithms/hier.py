@@ -96,17 +96,6 @@ ROUND_BYTES = SEGMENT_BYTES
 #: awaited this many rounds after they were sent, so the link is never idle while the
 #: host copies and reduces (at most SLOTS - 1: see _all_reduce_two_hosts).
 DEPTH = 2
-#: Hosts of at least this many ranks have each shard's all_reduce result computed by
-#: its owner and copied by the others (see _all_reduce_two_hosts); below, every rank
-#: computes it. (Memory traffic of the last phase per rank, S bytes, L ranks: owner
-#: computes, all copy: reads S(1 + 2/L), writes S(1 + 1/L); all compute: reads 2S,
-#: writes S. Equal at L = 2 in reads.) Off (99: no host is that large) because an
-#: interleaved A/B did not show it faster (benchmarks/results/
-#: hierarchy-20261201-1714-owner-final-ab.json, 3 runs, load 5.6-9): at 2x4@2gbit,
-#: 16 / 64 MiB, owner-computes took 162 / 594 ms against 142 / 504 ms (27.9 / 104 ms
-#: of CPU per call per rank against 24.7 / 93.6), at 3+1@5gbit 59 / 214 ms against
-#: 58 / 246 ms.
-OWNER_FINAL_LOCALS = 99
 #: Rounds of an all_gather sent ahead of the one being received (more would sit in
 #: the send queue, which only moves while the rank waits on TCP).
 GATHER_AHEAD = 2
@@ -349,11 +338,11 @@ def _all_reduce_two_hosts(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout,
     # rewritten SLOTS rounds after: at most SLOTS - 1 rounds in flight.
     d = max(1, min(depth, R, SLOTS - 1))
     tmp = np.empty(per, buf.dtype) if local is None else None
-    # Who computes a shard's result: on a host of OWNER_FINAL_LOCALS ranks or more its
-    # owner (once, into the slot), and every local copies it; on smaller hosts every
-    # local computes every shard's (an add of two operands instead of a copy, but no
-    # add by the owner before the barrier).
-    owner_final = L >= OWNER_FINAL_LOCALS
+    # Every local computes every shard's result (an add of two operands where a copy of
+    # the owner's result would do, but no add by the owner before the barrier). The
+    # owner computing it once and every local copying it was no faster in an
+    # interleaved A/B (benchmarks/results/hierarchy-20261201-1714-owner-final-ab.json:
+    # at 2x4@2gbit, 16 / 64 MiB, 162 / 594 ms against 142 / 504 ms), and was removed.
     slots: dict[int, int] = {}
     dt = buf.dtype
     views: dict[int, list[np.ndarray]] = {}  # slot -> every local's region (reused)
@@ -385,13 +374,6 @@ def _all_reduce_two_hosts(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout,
                     at = (K + q // L) * per
                     theirs = into[at:at + b - a]
                     yield from _recv_split(op, partner[q], (fin * K + q) * J, theirs, J)
-                    if owner_final:
-                        # The result, once, where the partner's partial was.
-                        ours = into[q * per:q * per + b - a]
-                        if first:
-                            ufunc(ours, theirs, out=theirs)
-                        else:
-                            ufunc(theirs, ours, out=theirs)
                     continue
                 assert tmp is not None
                 theirs = tmp[:b - a]
@@ -412,9 +394,6 @@ def _all_reduce_two_hosts(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout,
                     reg = regions[q % L]
                     at = (K + q // L) * per
                     theirs = reg[at:at + b - a]
-                    if owner_final:
-                        buf[a:b] = theirs  # the owner's result
-                        continue
                     ours = reg[q * per:q * per + b - a]
                     if first:
                         ufunc(ours, theirs, out=buf[a:b])

@@ -62,12 +62,6 @@ __all__ = [
 #: rank shows its successor in them (message tags count up from 0).
 ACK = 0xFFFFFFFF
 SIG = 0xFFFFFFFE
-#: The pair exchange sends its buffer in pieces of at most this many bytes, and reduces
-#: each piece as it arrives (while the next are still on the way). Interleaved A/B
-#: (ab.py, N=2, socket plane, 200 calls, 2026-12-01 17:11, load 4-5): 256 KiB pieces
-#: took 1.00x one piece's time at 256 KiB and 1.14x at 1 MiB, 128 KiB pieces 1.23x and
-#: 1.43x (more messages, more Python steps): one piece stays.
-PAIR_PIECE_BYTES = 1 << 20
 
 
 def _ring(op: Op, ring: Sequence[int] | None) -> tuple[list[int], int]:
@@ -82,20 +76,18 @@ def all_reduce_pair(op: Op, buf: np.ndarray, ufunc: np.ufunc) -> Algorithm:
     """Two ranks, one message each way: send the whole buffer, reduce the peer's into it.
 
     One hop instead of the ring's two, and no copy of the result. Operands are taken
-    in rank order (rank 0's first), so both ranks compute the same bits.
+    in rank order (rank 0's first), so both ranks compute the same bits. (Sent in
+    pieces, each reduced as it arrived, it was slower in an interleaved A/B: ab.py, N=2,
+    socket plane, 2026-12-01: 256 KiB pieces 1.14x one message's time at 1 MiB, 128 KiB
+    pieces 1.43x: more messages, more Python steps.)
     """
     peer = 1 - op.me
-    parts = split(buf.size, max(1, -(-buf.nbytes // PAIR_PIECE_BYTES)))
-    for j, (a, b) in enumerate(parts):
-        op.send(peer, j, buf[a:b], copy=True)  # copied: buf is overwritten below
-    for j, (a, b) in enumerate(parts):
-        # Each piece is reduced as it arrives, while the next ones are still on the way.
-        seg = buf[a:b]
-        theirs = yield from op.recv_array(peer, j, seg)
-        if op.me == 0:
-            ufunc(seg, theirs, out=seg)
-        else:
-            ufunc(theirs, seg, out=seg)
+    op.send(peer, 0, buf, copy=True)  # copied: buf is overwritten below
+    theirs = yield from op.recv_array(peer, 0, buf)
+    if op.me == 0:
+        ufunc(buf, theirs, out=buf)
+    else:
+        ufunc(theirs, buf, out=buf)
 
 
 def reduce_in_rank_order(op: Op, buf: np.ndarray, ufunc: np.ufunc) -> Algorithm:

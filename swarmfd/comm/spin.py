@@ -18,12 +18,15 @@ So:
 ``SWARMFD_SPIN=0`` turns polling off everywhere (every wait blocks at once),
 ``SWARMFD_SPIN=1`` forces it on (still adaptive), ``auto`` (or unset) decides per job.
 
-Measured (ab.py, spin against ENABLED=0 interleaved in one job, SWARMFD_SPIN=1, 100
-calls per size, 2026-12-01 17:10, load average 4-5 from other work): time ratios
-nospin/spin 0.92-1.06 on every plane at N=2 and 4 from 4 KiB to 16 MiB, CPU time per
-call equal within 3%. On a machine this busy the peers are rarely running when a wait
-polls, so the misses turn polling off; a quiet machine is where it should pay (not
-measured yet).
+Measured: on a quieter machine (benchmarks/compare.py, 5 interleaved runs, load
+average 1-2, 2026-12-01 20:18, benchmarks/results/compare-20261201-201758.*), at N=2
+(polling on under ``auto``) every wait blocking at once (``SWARMFD_SPIN=0``) took
+1.11-1.16x the time of the 4 KiB and 64 KiB all_reduce on shared memory and on the
+socket plane (medians; 0.99-1.14x for broadcast); at N=4 (polling off under ``auto``
+on 2 cores) the two are the same code, and measured 0.90-1.16x, which is the noise.
+Under a load average of 4-5 from other work (ab.py, 100 calls a size, 17:10) the ratios
+were 0.92-1.06 on every plane, CPU time per call equal within 3%: the peers are rarely
+running when a wait polls there, so the misses turn polling off.
 """
 
 from __future__ import annotations
