@@ -308,9 +308,9 @@ def test_sigstop_times_out_after_the_configured_timeout(name: str, world: int,
             f"rank {rank}'s timeout does not name the stopped rank {victim}: {info['message']}")
         waited = info["t"] - first
         assert STOP_TIMEOUT <= waited < _stop_limit(transport), (
-            f"rank {rank} timed out {waited:.3f} s after the first rank entered the call; the "
-            f"timeout is {STOP_TIMEOUT} s (limit {_stop_limit(transport):.1f} s): "
-            f"{info['message']}")
+            f"rank {rank} timed out {waited:.3f} s after the first rank entered the call "
+            f"({info['elapsed']:.3f} s after it entered itself); the timeout is "
+            f"{STOP_TIMEOUT} s (limit {_stop_limit(transport):.1f} s): {info['message']}")
     assert resumed["type"] is not None and "CollectiveError" in resumed["mro"], resumed
     assert resumed["elapsed"] < KILL_DETECTION_LIMIT, (
         f"the resumed rank took {resumed['elapsed']:.2f} s to fail: {resumed['message']}")
