@@ -63,9 +63,9 @@ PY
 # that wait for a timeout or a detection; and two lanes of all the others, at a lower
 # CPU priority. Run in one lane the suite left the 2 cores half idle (about 1170
 # CPU-seconds in 1190 s).
-LANES=(-n "${SWARMFD_TEST_LANES:-4}")
-if [ "${SWARMFD_TEST_LANES:-4}" = 1 ]; then
-  LANES=()
+LANES=()
+if [ "${SWARMFD_TEST_LANES:-4}" != 1 ]; then
+  LANES=(-n "${SWARMFD_TEST_LANES:-4}")
 fi
 
 export PATH="$VENV/bin:$PATH"

@@ -59,7 +59,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 #: ids, not markers); pytest_collection_modifyitems checks that the two agree. They mostly
 #: wait (a stopped rank, a timeout, a fresh venv installing), and most of them bound how
 #: long a detection takes: they run in the ``timed`` lane, beside no other timing test,
-#: at normal priority.
+#: at the highest priority of the four (:data:`LANE_NICE`).
 WAITS = (
     "tests/test_readme.py::test_fresh_clone_commands_run",
     "tests/test_robustness.py::test_sigstop_times_out_after_the_configured_timeout",
@@ -143,8 +143,8 @@ _lane_priority_set = False
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """In an xdist worker, before its first test (and so before it forks any rank): set
-    the lane's priority (see :data:`LANE_NICE`; a priority above 0 is skipped where it is
-    not permitted). A worker runs the tests of one lane only
+    the lane's priority (see :data:`LANE_NICE`; a negative nice, which needs CAP_SYS_NICE,
+    is skipped where it is not permitted). A worker runs the tests of one lane only
     (:func:`pytest_xdist_make_scheduler`)."""
     global _lane_priority_set
     if _lane_priority_set or not os.environ.get("PYTEST_XDIST_WORKER"):

@@ -82,7 +82,8 @@ __all__ = [
 #: torch is preloaded too where it is installed (the server skips a module it cannot
 #: import): a torch rank imported it itself, about 3 s of CPU each, for 16 ranks of
 #: tests/test_torch_ranks.py; the server pays it once. Importing torch starts no thread
-#: and initialises no thread pool, so forking after it is safe (as DataLoader workers do).
+#: beyond numpy's OpenBLAS one (2 tasks in /proc/self/task with numpy alone or with
+#: torch too) and runs no op, so forking after it is safe (as DataLoader workers do).
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["numpy", "zmq", "psutil", "pytest", "hypothesis", "swarmfd",
                              "swarmfd.comm.transport", "swarmfd.comm.shm_setup",
