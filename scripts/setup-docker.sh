@@ -3,7 +3,8 @@
 # registries. Idempotent and fast when everything already exists. Run as root.
 #
 # Usage: scripts/setup-docker.sh [STEP...]
-#   engine      install Debian's docker.io if no dockerd exists, start dockerd if it
+#   engine      install Debian's docker.io (and mmdebstrap, in the same apt run, when a
+#               base or node step follows) if no dockerd exists, start dockerd if it
 #               is not running, `docker swarm init` if the swarm is inactive
 #   base        build the base image ($SWARMFD_BASE_IMAGE) with mmdebstrap from the
 #               host's own apt sources file, unless it exists (FORCE_BASE=1 rebuilds)
@@ -20,7 +21,8 @@
 #               unless it exists (FORCE_NODE=1 rebuilds); only tests/multinode/ needs it
 #   deploy      engine base wheelhouse image: what `swarmfd deploy` and `swarmfd build`
 #               need (the default)
-#   all         deploy, then node (what the whole test suite needs)
+#   all         deploy and node (what the whole test suite needs); node is built
+#               alongside base, wheelhouse and image
 #   status      print engine, swarm and image state; change nothing
 # `image` prints a line `SWARMFD_IMAGE_ID=sha256:...`, `node` one `SWARMFD_NODE_IMAGE=<tag>`.
 #
@@ -36,6 +38,8 @@
 #   DOCKER_WAIT          seconds to wait for the engine to answer (default 60)
 #   FORCE_BASE=1         rebuild the base image even if it exists
 #   FORCE_NODE=1         rebuild the node image even if it exists
+#   SWARMFD_SETUP_LOCK   prefix of the per-step lock files (default
+#                        /run/lock/swarmfd-setup-docker: <prefix>.<step>.lock)
 #
 # The mirror is never written in this file: mmdebstrap reads the host's sources file.
 set -euo pipefail
@@ -80,11 +84,13 @@ need_root() { [ "$(id -u)" = 0 ] || die "$1 needs root (run: sudo $0 $1)"; }
 apt_install() {
   need_root "installing $*"
   export DEBIAN_FRONTEND=noninteractive
-  if [ -z "${_APT_UPDATED:-}" ]; then
+  # One apt run at a time: `all` builds the node image while the image chain runs, and
+  # each may have a package to install.
+  (
+    with_lock apt
     apt-get update -qq || die "apt-get update failed"
-    _APT_UPDATED=1
-  fi
-  apt-get install -y -qq --no-install-recommends "$@" >/dev/null || die "apt-get install $* failed"
+    apt-get install -y -qq --no-install-recommends "$@" >/dev/null || die "apt-get install $* failed"
+  )
 }
 
 engine_running() { [ -n "$DOCKER" ] && "$DOCKER" info >/dev/null 2>&1; }
@@ -107,7 +113,7 @@ start_dockerd() {
   log "starting $dockerd (log: $DOCKERD_LOG)"
   mkdir -p "$(dirname "$DOCKERD_LOG")"
   # setsid + nohup: the daemon outlives this script and its terminal; 9>&-: it must not
-  # inherit the set-up lock (see take_lock), or it would hold it as long as it runs.
+  # inherit a set-up lock (see with_lock), or it would hold it as long as it runs.
   setsid nohup "$dockerd" >>"$DOCKERD_LOG" 2>&1 </dev/null 9>&- &
 }
 
@@ -115,8 +121,13 @@ step_engine() {
   local t0; t0=$(now)
   pick_client
   if ! command -v dockerd >/dev/null 2>&1 && [ ! -x /usr/sbin/dockerd ] && [ ! -x /usr/bin/dockerd ]; then
-    log "no dockerd found: installing Debian's docker.io"
-    apt_install docker.io
+    # mmdebstrap too, in the same apt run, when a base or node image will need it.
+    local pkgs=(docker.io)
+    if [ "${NEED_MMDEBSTRAP:-0}" = 1 ] && ! command -v mmdebstrap >/dev/null 2>&1; then
+      pkgs+=(mmdebstrap)
+    fi
+    log "no dockerd found: installing Debian's ${pkgs[*]}"
+    apt_install "${pkgs[@]}"
     DOCKER=""; pick_client
     log "installed docker.io in $(since "$t0")"
   fi
@@ -345,10 +356,14 @@ step_status() {
   fi
 }
 
-# One set-up at a time: .ci/run starts `all` in the background while the test venv is
-# installed, and the test fixtures' own calls then wait here for it and find it done.
-take_lock() {
-  local lock="${SWARMFD_SETUP_LOCK:-/run/lock/swarmfd-setup-docker.lock}"
+# One run of a step at a time, each step under its own lock: .ci/run starts `all` in
+# the background while the test venv is installed, and the test fixtures' own calls
+# then wait for the steps they need, and find them done. Separate locks let the Swarm
+# tests start while `all` still builds the node image, which only tests/multinode/
+# needs. with_lock holds the lock on fd 9 until the (sub)shell that took it ends.
+LOCK_PREFIX="${SWARMFD_SETUP_LOCK:-/run/lock/swarmfd-setup-docker}"
+with_lock() {
+  local lock="$LOCK_PREFIX.$1.lock"
   mkdir -p "$(dirname "$lock")" 2>/dev/null || true
   exec 9>>"$lock" || die "cannot open the set-up lock file $lock (set SWARMFD_SETUP_LOCK)"
   if ! flock -n 9; then
@@ -357,21 +372,46 @@ take_lock() {
   fi
 }
 
+# run_step STEP: the step in a subshell holding its lock.
+run_step() {
+  ( with_lock "$1"; "step_$1" )
+}
+
+# `all`: the node image (mmdebstrap, about 100 s cold) is built alongside the chain
+# base, wheelhouse, image, which the one-node Swarm tests wait for.
+step_all() {
+  run_step engine
+  NODE_LOG="$(mktemp /tmp/swarmfd-setup-node.XXXXXX)"
+  run_step node >"$NODE_LOG" 2>&1 &
+  NODE_PID=$!
+  trap 'wait_node || true' EXIT  # a failed image chain still waits for (and shows) it
+  run_step base
+  run_step wheelhouse
+  run_step image
+  trap - EXIT
+  wait_node || die "step node failed (its output is above)"
+}
+
+# Wait for the node image build that step_all started; show its output; its status.
+wait_node() {
+  local status=0
+  wait "$NODE_PID" || status=$?
+  cat "$NODE_LOG"
+  rm -f "$NODE_LOG"
+  return "$status"
+}
+
 main() {
   local steps=("$@")
   [ ${#steps[@]} -gt 0 ] || steps=(deploy)
-  case "${steps[0]}" in status|-h|--help) ;; *) take_lock ;; esac
+  case " ${steps[*]} " in *" base "*|*" node "*|*" deploy "*|*" all "*) export NEED_MMDEBSTRAP=1 ;; esac
   local t0; t0=$(now)
   local s
   for s in "${steps[@]}"; do
     case "$s" in
-      engine) step_engine ;;
-      base) step_base ;;
-      wheelhouse) step_wheelhouse ;;
-      image) step_image ;;
-      node) step_node ;;
-      deploy) step_engine; step_base; step_wheelhouse; step_image ;;
-      all) step_engine; step_base; step_wheelhouse; step_image; step_node ;;
+      engine|base|wheelhouse|image|node) run_step "$s" ;;
+      deploy) run_step engine; run_step base; run_step wheelhouse; run_step image ;;
+      all) step_all ;;
       status) step_status ;;
       -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; return 0 ;;
       *) die "unknown step '$s' (expected engine, base, wheelhouse, image, node, deploy, all or status)" ;;
