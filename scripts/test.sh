@@ -11,7 +11,7 @@
 # test asks for the engine, so a selection without Swarm tests never installs, starts
 # or builds anything.
 #
-# The tests run in four lanes side by side (pytest-xdist), see below;
+# The tests run in five lanes side by side (pytest-xdist), see below;
 # SWARMFD_TEST_LANES=1 runs them in one.
 #
 # Environment: VENV (default .venv in the checkout), SWARMFD_SKIP_DOCKER=1 to leave
@@ -23,17 +23,73 @@ cd "$ROOT"
 VENV="${VENV:-$ROOT/.venv}"
 PY="${PYTHON:-python3}"
 
-if [ ! -x "$VENV/bin/python" ]; then
-  "$PY" -m venv "$VENV"
-fi
 # The examples extra (scikit-learn: examples/train_torch.py's data) lets its test run.
 # torch is optional for swarmfd; its CPU build (pinned: an unpinned torch pulls a
-# multi-GB CUDA build) lets the tensor tests run instead of skipping. One pip run for
-# both; --no-compile: see "Bytecode" below.
-if ! "$VENV/bin/python" -m pip install --quiet --no-compile -e ".[test,examples]" \
-    "torch==2.13.0"; then
-  echo "test.sh: torch 2.13.0 not installable here; torch tests will skip"
-  "$VENV/bin/python" -m pip install --quiet --no-compile -e ".[test,examples]"
+# multi-GB CUDA build) lets the tensor tests run instead of skipping. --no-compile: see
+# "Bytecode" below.
+REQS=(-e ".[test,examples]")
+TORCH=("torch==2.13.0")
+
+# The installer is uv (astral-sh/uv, from the package index into the venv) where it
+# can be had, else pip. On this 2-core machine a fresh venv with these requirements
+# took pip 46 s wall (31 CPU-s, most of it unpacking torch, one file at a time) and uv
+# 11 s, uv's own install included (2026-12-01); the suite waits for it, so it is the
+# start of every CI run. The same versions either way: uv is told pip's configuration
+# of this machine (below) and to pick, like pip, the best version of every index.
+# SWARMFD_NO_UV=1 uses pip.
+uv_args() {
+  # uv does not read pip's configuration files or PIP_* variables: pass on the index,
+  # link and constraint settings `pip config list` shows (files and environment).
+  UV_ARGS=(--index-strategy unsafe-best-match)
+  local line key value item
+  while IFS= read -r line; do
+    key="${line%%=*}"; key="${key##*.}"
+    value="${line#*=}"; value="${value#\'}"; value="${value%\'}"
+    for item in $value; do
+      case "$key" in
+        index-url) UV_ARGS+=(--index-url "$item") ;;
+        extra-index-url) UV_ARGS+=(--extra-index-url "$item") ;;
+        find-links) UV_ARGS+=(--find-links "$item") ;;
+        constraint) UV_ARGS+=(--constraint "$item") ;;
+        cert) export SSL_CERT_FILE="$item" ;;
+      esac
+    done
+  done < <("$PY" -m pip config list 2>/dev/null || true)
+}
+
+install_with_uv() {
+  [ "${SWARMFD_NO_UV:-0}" != 1 ] || return 1
+  if [ ! -x "$VENV/bin/python" ]; then
+    "$PY" -m venv --without-pip "$VENV" || return 1
+  fi
+  if [ ! -x "$VENV/bin/uv" ]; then
+    "$PY" -m pip --python "$VENV/bin/python" install --quiet --no-compile uv 2>/dev/null \
+      || return 1
+  fi
+  uv_args
+  # pip too: `swarmfd deploy --build` runs `python -m pip download` for an image's wheels.
+  local uv=("$VENV/bin/uv" pip install --quiet --python "$VENV/bin/python" "${UV_ARGS[@]}")
+  if ! "${uv[@]}" pip "${REQS[@]}" "${TORCH[@]}"; then
+    echo "test.sh: torch 2.13.0 not installable here; torch tests will skip"
+    "${uv[@]}" pip "${REQS[@]}" || return 1
+  fi
+}
+
+install_with_pip() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    "$PY" -m venv "$VENV"
+  elif ! "$VENV/bin/python" -m pip --version >/dev/null 2>&1; then
+    "$VENV/bin/python" -m ensurepip --default-pip >/dev/null
+  fi
+  if ! "$VENV/bin/python" -m pip install --quiet --no-compile "${REQS[@]}" "${TORCH[@]}"; then
+    echo "test.sh: torch 2.13.0 not installable here; torch tests will skip"
+    "$VENV/bin/python" -m pip install --quiet --no-compile "${REQS[@]}"
+  fi
+}
+
+if ! install_with_uv; then
+  [ "${SWARMFD_NO_UV:-0}" = 1 ] || echo "test.sh: uv is not available here; installing with pip"
+  install_with_pip
 fi
 
 if [ "${SWARMFD_SKIP_DOCKER:-0}" != 1 ]; then
@@ -59,13 +115,13 @@ for name in ("numpy", "zmq", "click", "docker", "pytest", "xdist", "hypothesis",
         importlib.import_module(name)
 PY
 
-# Lanes (tests/conftest.py, pytest_xdist_make_scheduler): the Docker tests; the tests
-# that wait for a timeout or a detection; and two lanes of all the others, at a lower
+# Lanes (tests/conftest.py, pytest_xdist_make_scheduler): the one-node Swarm tests; the
+# multi-node ones; the tests that wait for a timeout or a detection; and two lanes of all the others, at a lower
 # CPU priority. Run in one lane the suite left the 2 cores half idle (about 1170
 # CPU-seconds in 1190 s).
 LANES=()
-if [ "${SWARMFD_TEST_LANES:-4}" != 1 ]; then
-  LANES=(-n "${SWARMFD_TEST_LANES:-4}")
+if [ "${SWARMFD_TEST_LANES:-5}" != 1 ]; then
+  LANES=(-n "${SWARMFD_TEST_LANES:-5}")
 fi
 
 export PATH="$VENV/bin:$PATH"
