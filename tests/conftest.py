@@ -90,27 +90,28 @@ WAITS = (
 DOCKER = ("tests/swarm/", "tests/multinode/", "tests/test_readme.py::test_swarm_")
 #: The lanes of a laned run (``SWARMFD_TEST_LANES``, scripts/test.sh): see
 #: :func:`pytest_xdist_make_scheduler`.
-LANES = ("docker", "timed", "working-a", "working-b")
+LANES = ("swarm", "multinode", "timed", "working-a", "working-b")
 
 
 def lane_of(nodeid: str) -> str:
-    """The lane of a test: ``docker``, ``timed``, or one of the two working lanes (by a
-    hash of the node id: the parameters of one heavy test spread over both)."""
+    """The lane of a test: ``multinode`` (tests/multinode/), ``swarm`` (the other Docker
+    tests), ``timed``, or one of the two working lanes (by a hash of the node id: the
+    parameters of one heavy test spread over both)."""
+    if nodeid.startswith("tests/multinode/"):
+        return "multinode"
     if nodeid.startswith(DOCKER):
-        return "docker"
+        return "swarm"
     if nodeid.startswith(WAITS):
         return "timed"
-    return LANES[2 + zlib.crc32(nodeid.encode()) % 2]
+    return LANES[3 + zlib.crc32(nodeid.encode()) % 2]
 
 
 #: Tests run first in their lane (a lane runs in collection order): the timed lane's
-#: stop and kill tests, while the Docker lane runs the one-node Swarm tests; the
-#: multi-node Swarm comes after those. In collection order the multi-node tests came
-#: first, and three stopped-peer bounds of the timed lane were missed (3.54-3.94 s
-#: against 3.5 s) while the multi-node registry test built, pushed and pulled images on
-#: both cores.
-FIRST = ("tests/test_robustness.py::test_sigstop", "tests/test_robustness.py::test_sigkill",
-         "tests/swarm/", "tests/test_readme.py::test_swarm_")
+#: stop and kill tests. When the multi-node tests ran in collection order in the same
+#: lane as the one-node ones, three stopped-peer bounds of the timed lane were missed
+#: (3.54-3.94 s against 3.5 s) while the multi-node registry test built, pushed and
+#: pulled images on both cores; its image work now comes a few minutes into its lane.
+FIRST = ("tests/test_robustness.py::test_sigstop", "tests/test_robustness.py::test_sigkill")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -136,7 +137,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 #: builds, pushes and pulls (the engine's work, at the engine's priority, 0). So the
 #: timed lane runs above the engine where it may (root: raising a priority needs
 #: CAP_SYS_NICE), the working lanes below it.
-LANE_NICE = {"timed": -5, "docker": 0, "working-a": 5, "working-b": 5}
+LANE_NICE = {"timed": -5, "swarm": 0, "multinode": 0, "working-a": 5, "working-b": 5}
 _lane_priority_set = False
 
 
@@ -156,23 +157,25 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 @pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown without xdist
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Four lanes under pytest-xdist (``scripts/test.sh``: ``-n 4``), each in collection
+    """Five lanes under pytest-xdist (``scripts/test.sh``: ``-n 5``), each in collection
     order on a worker of its own:
 
-    * ``docker``: the Docker tests (engine, images, a one-node and a multi-node Swarm).
-      They wait on the engine most of the time, but the multi-node Swarm (three engines
-      in containers, an overlay network) keeps about one core busy for its 4 minutes;
+    * ``swarm``: the one-node Docker Swarm tests (the engine, images, the README's Swarm
+      commands). They wait on the engine most of the time;
+    * ``multinode``: tests/multinode/ (three engines in containers, an overlay network,
+      a registry). Its Swarm needs about 240 CPU-s in its 4-5 minutes, most of it the
+      engines' own work (about 4 CPU-s to start and remove a 3-rank job);
     * ``timed``: the tests marked ``waits`` (a rank stopped until a timeout fires, a
       fresh venv installing), the detection-time and init-delay bounds among them;
     * ``working-a`` and ``working-b``: every other test (in-process logic and the rank
       processes), at a lower priority, split in two so that both cores stay busy once
       the Docker tests are done.
 
-    Measured in one lane, the suite needed about 1170 CPU-seconds in 1190 s of wall
-    time (the 2 cores 51 % busy): the docker lane 396 s of wall time for 368 CPU-s, the
-    waiting tests 147 s for 49 CPU-s, all the others 644 s for 750 CPU-s. Two lanes
-    (Docker and waiting tests beside the rest) took 861-884 s: the working lane was the
-    longest. Without xdist the hook is never called and the suite runs in one lane."""
+    The two Docker lanes were one until 2026-12-01: then it was the longest lane, 596-724 s
+    of one-after-the-other waits for the engines (a fresh machine's set-up among them),
+    while the working lanes ended 40-100 s earlier. Measured in one lane, the suite
+    needed about 1170 CPU-seconds in 1190 s of wall time (the 2 cores 51 % busy). Without
+    xdist the hook is never called and the suite runs in one lane."""
     from xdist.scheduler import LoadScopeScheduling
 
     class Lanes(LoadScopeScheduling):
