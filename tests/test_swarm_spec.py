@@ -20,9 +20,11 @@ from swarmfd.swarm.tasks import (
     job_state,
     latest_per_rank,
     lost_message,
+    lost_peer,
     lost_ranks,
     parse_timestamp,
     phase_of,
+    root_failure,
     summarize,
 )
 
@@ -501,6 +503,49 @@ def test_first_failure_is_the_earliest_failed_task():
     assert failure is not None and failure.rank == 1
     assert exit_code_for(failure) == 3
     assert failure_message(failure, "node-a").startswith("rank 1 exited with code 3 on node node-a")
+
+
+#: The last lines of a rank that failed because its peer did (swarmfd's PeerLostError).
+LOST_RANK_1 = [
+    "[rank 0]   File \"/opt/venv/lib/python3.11/site-packages/swarmfd/comm/channel.py\", line 482",
+    "swarmfd.errors.PeerLostError: all_reduce (call #46 on rank 0) (all_reduce, op=mean, "
+    "dtype=float32, shape=6 arrays, 4547 elements): lost rank 1 (host vm, pid 8, "
+    "tcp://10.0.11.3:35665; task slot 2): its connection closed (the process died or "
+    "exited, or its host stopped answering TCP keepalive probes) before it sent its data",
+]
+
+
+def test_lost_peer_is_read_from_a_peer_lost_traceback():
+    """The rank a PeerLostError names; None for output without one (a rank's own
+    message that mentions a lost rank is not swarmfd's error)."""
+    assert lost_peer(LOST_RANK_1) == 1
+    assert lost_peer(["rank 1: simulated failure after epoch 2"]) is None
+    assert lost_peer(["we lost rank 3 (said the user)", "ValueError: bad"]) is None
+    assert lost_peer([LOST_RANK_1[1].replace("rank 1 (", "rank 2 ("), LOST_RANK_1[1]]) == 1
+
+
+def test_root_failure_follows_the_lost_peer_that_failed_too():
+    """Swarm reported rank 0 (exit 1, it lost rank 1) before rank 1 (exit 3): rank 1 is
+    the cause. Followed along a chain, never round a loop, and only to a peer that
+    failed: one that ended well or still runs is not the cause."""
+    views = latest_per_rank([
+        task(1, "failed", exit_code=1, ts="2024-01-01T00:00:05.1Z"),
+        task(2, "failed", exit_code=3, ts="2024-01-01T00:00:05.2Z"),
+        task(3, "failed", exit_code=143, ts="2024-01-01T00:00:05.3Z"),
+    ])
+    first = first_failure(views.values())
+    assert first is not None and first.rank == 0
+    root = root_failure(first, views, {0: LOST_RANK_1, 1: ["rank 1: simulated failure"]})
+    assert root.rank == 1 and exit_code_for(root) == 3
+    lost = {0: LOST_RANK_1, 1: [LOST_RANK_1[1].replace("rank 1 (", "rank 2 (")]}
+    assert root_failure(first, views, lost).rank == 2  # 0 lost 1, which lost 2
+    loop = {0: LOST_RANK_1, 1: [LOST_RANK_1[1].replace("rank 1 (", "rank 0 (")]}
+    assert root_failure(first, views, loop).rank == 1
+    assert root_failure(first, views, {}) is first  # no logs: Swarm's order
+    done = latest_per_rank([task(1, "failed", exit_code=1), task(2, "complete")])
+    assert root_failure(done[0], done, {0: LOST_RANK_1}) is done[0]
+    running = latest_per_rank([task(1, "failed", exit_code=1), task(2, "running")])
+    assert root_failure(running[0], running, {0: LOST_RANK_1}) is running[0]
 
 
 def test_no_failure_while_running_or_done():

@@ -40,6 +40,7 @@ from .tasks import (
     lost_message,
     lost_ranks,
     parse_timestamp,
+    root_failure,
     summarize,
 )
 
@@ -48,6 +49,9 @@ __all__ = ["FollowResult", "LogPump", "RankOutput", "follow_job", "print_logs"]
 DEFAULT_POLL = 0.3
 STOP_TIMEOUT = 30.0
 DRAIN_TIMEOUT = 10.0
+#: Lines of each rank's output kept while following, to find in a failed rank's
+#: traceback the peer it lost (:func:`.tasks.root_failure`).
+TAIL_LINES = 50
 SERVICE_LOG_GRACE = 1.0
 MAX_LINE = 64 * 1024
 
@@ -314,7 +318,9 @@ def follow_job(
     (``KeyboardInterrupt``) stops following and leaves the job as it is.
     """
     t0 = time.monotonic() if started is None else started
-    pump = LogPump(client, service_id, node_id, output) if output is not None else None
+    tails = _Tails()
+    pump = (LogPump(client, service_id, node_id, tails.wrap(output))
+            if output is not None else None)
     last_summary = ""
     reasons: dict[int, str] = {}
     all_running: float | None = None
@@ -346,7 +352,7 @@ def follow_job(
             if failure is not None or lost:
                 return _stop_after_failure(client, name, service_id, world_size, node_id,
                                            failure, lost, nodes, pump, progress, t0,
-                                           all_running, stop_timeout, drain_timeout)
+                                           all_running, stop_timeout, drain_timeout, tails)
             if len(views) >= world_size and all(v.phase == "done" for v in views.values()):
                 if pump is not None:
                     pump.wait(drain_timeout)
@@ -369,6 +375,29 @@ def follow_job(
     finally:
         if pump is not None:
             pump.close()
+
+
+class _Tails:
+    """The last :data:`TAIL_LINES` lines of each rank's output, kept by a wrapped sink
+    (the log readers are threads)."""
+
+    def __init__(self) -> None:
+        self._lines: dict[int, list[str]] = {}
+        self._lock = threading.Lock()
+
+    def wrap(self, sink: Sink) -> Sink:
+        def keep(rank: int, which: str, line: bytes, when: _dt.datetime | None) -> None:
+            text = line.decode("utf-8", errors="replace")
+            with self._lock:
+                kept = self._lines.setdefault(rank, [])
+                kept.append(text)
+                del kept[:-TAIL_LINES]
+            sink(rank, which, line, when)
+        return keep
+
+    def snapshot(self) -> dict[int, list[str]]:
+        with self._lock:
+            return {rank: list(lines) for rank, lines in self._lines.items()}
 
 
 def _lost(views: dict[int, TaskView], nodes: dict[str, NodeState]) -> list[TaskView]:
@@ -415,6 +444,7 @@ def _stop_after_failure(
     all_running: float | None,
     stop_timeout: float,
     drain_timeout: float,
+    tails: _Tails | None = None,
 ) -> FollowResult:
     cause, node, message = _describe_failure(failure, lost, nodes)
     progress(f"{name}: {message}; stopping the other ranks")
@@ -462,6 +492,19 @@ def _stop_after_failure(
     if pump is not None:
         pump.update(views)
         pump.wait(drain_timeout)
+    if failure is not None and not lost and tails is not None:
+        # The rank Swarm reported first may have failed of another's failure: its
+        # traceback (all logs are drained by now) names the peer it lost.
+        root = root_failure(failure, views, tails.snapshot())
+        if root is not failure:
+            first = failure
+            failure = cause = root
+            node = nodes.get(root.node_id, NodeState(root.node_id[:12], "unknown")).name
+            message = (f"{failure_message(root, node)}; rank {first.rank} failed after it "
+                       f"(it lost rank {root.rank})")
+            progress(f"{name}: {message}")
+            with contextlib.suppress(docker.errors.APIError):
+                set_labels(client, service_id, {LABEL_FAILURE: message[:1000]})
     code = exit_code_for(failure) if failure is not None else 1
     return FollowResult("failed", code, message, failure=cause, failure_node=node,
                         all_running_after=all_running, elapsed=time.monotonic() - t0,

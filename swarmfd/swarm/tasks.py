@@ -36,9 +36,11 @@ __all__ = [
     "job_state",
     "latest_per_rank",
     "lost_message",
+    "lost_peer",
     "lost_ranks",
     "parse_timestamp",
     "phase_of",
+    "root_failure",
     "summarize",
 ]
 
@@ -169,6 +171,41 @@ def first_failure(views: Iterable[TaskView]) -> TaskView | None:
         if bad:
             return min(bad, key=lambda v: (v.updated, v.rank))
     return None
+
+
+#: How swarmfd's PeerLostError names the peer a rank lost (swarmfd/comm/channel.py):
+#: "... lost rank K (host H, pid P, ADDRESS; task slot K+1): ...".
+_LOST_PEER = re.compile(r"PeerLostError: .*?\blost rank (\d+) \(")
+
+
+def lost_peer(lines: Iterable[str]) -> int | None:
+    """The rank a rank's output says it lost: the last swarmfd ``PeerLostError`` in
+    ``lines`` (its uncaught traceback ends with it), or ``None``."""
+    found = None
+    for line in lines:
+        match = _LOST_PEER.search(line)
+        if match:
+            found = int(match.group(1))
+    return found
+
+
+def root_failure(failure: TaskView, views: Mapping[int, TaskView],
+                 outputs: Mapping[int, Iterable[str]]) -> TaskView:
+    """The failed rank that ended the job, starting from ``failure`` (the first one Swarm
+    reported): while the cause's output says it lost rank K (``PeerLostError``) and
+    rank K failed too, K is the cause. So when rank 1 exits with code 3 and rank 0,
+    which was waiting for its data, fails at once with the PeerLostError that follows
+    from it, rank 1 is named, even if Swarm reported rank 0's exit first: the two
+    containers end within milliseconds and their task states reach the manager in
+    either order. A lost peer that ended well, or is still running, is not a cause."""
+    cause, seen = failure, {failure.rank}
+    while True:
+        peer = lost_peer(outputs.get(cause.rank, ()))
+        view = views.get(peer) if peer is not None else None
+        if view is None or view.phase != "failed" or peer in seen:
+            return cause
+        cause = view
+        seen.add(view.rank)
 
 
 #: Node states (``GET /nodes`` ``Status.State``) whose tasks can no longer report.
