@@ -64,6 +64,7 @@ __all__ = [
     "free_port",
     "record",
     "require",
+    "require_installed",
     "run_ranks",
     "run_ranks_raw",
     "start_line",
@@ -572,6 +573,17 @@ def require(module: str, install: str) -> Any:
         return importlib.import_module(module)
     except ImportError:  # pragma: no cover - depends on the machine
         unavailable(f"{module} is not importable", what="the tests that need it",
+                    fix=install, module_level=True)
+
+
+def require_installed(module: str, install: str) -> None:
+    """Like :func:`require` for a dependency that only the test's child processes import:
+    found, not imported (scikit-learn pulls in scipy: about 1.5 CPU-s in every lane's
+    collection)."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:  # pragma: no cover - depends on the machine
+        unavailable(f"{module} is not installed", what="the tests that need it",
                     fix=install, module_level=True)
 
 

@@ -13,10 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .harness import require
+from .harness import require_installed
 
-torch = require("torch", "pip install torch==2.13.0, the CPU wheel")
-require("sklearn", "the example's data: pip install -e '.[examples]'")
+# Both are imported by the example's processes only.
+require_installed("torch", "pip install torch==2.13.0, the CPU wheel")
+require_installed("sklearn", "the example's data: pip install -e '.[examples]'")
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_torch.py"
