@@ -53,7 +53,7 @@ import docker
 import docker.errors
 
 LABEL = "org.swarmfd.multinode"
-DEFAULT_NODE_IMAGE = "swarmfd-node:bookworm-2"
+DEFAULT_NODE_IMAGE = "swarmfd-node:bookworm-3"
 DEFAULT_RUN_DIR = Path("/run/swarmfd-multinode")
 DEFAULT_SUBNET_PREFIX = "172.30.76"  # the nodes' bridge: <prefix>.0/24, node i at .10+i
 DEFAULT_INNER_POOL = "10.201.0.0/16"  # the inner Swarm's overlay networks
