@@ -213,7 +213,8 @@ class RankCtx:
     """What a rank's function gets: its rank, the world size and the shared channels."""
 
     def __init__(self, rank: int, world: int, port: int, events: Any, go: Any, mark: Any,
-                 group_timeout: float, transport: str | None) -> None:
+                 group_timeout: float, transport: str | None,
+                 init_timeout: float | None = None) -> None:
         self.rank = rank
         self.transport = transport
         self.world = world
@@ -222,6 +223,7 @@ class RankCtx:
         self.go = go
         self.mark = mark
         self.group_timeout = group_timeout
+        self.init_timeout = init_timeout
 
     def wait_go(self, timeout: float) -> bool:
         """Wait until the test calls :meth:`Ranks.release`; False on timeout."""
@@ -245,7 +247,7 @@ class RankCtx:
         wanted = port or self.port
         config = fd.init(self.world, self.rank, master_addr="127.0.0.1", master_port=wanted,
                          timeout=self.group_timeout if timeout is None else timeout,
-                         init_timeout=init_timeout)
+                         init_timeout=self.init_timeout if init_timeout is None else init_timeout)
         if config.rendezvous_port != wanted:  # (what the tests aim at must be what binds)
             raise AssertionError(f"rank {self.rank}: the rendezvous used port "
                                  f"{config.rendezvous_port}, not the harness's {wanted}")
@@ -282,14 +284,14 @@ def _adopt(test_pid: int, env: dict[str, str]) -> None:
 def _child(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...],
            init: bool, group_timeout: float, transport: str | None, env: dict[str, str],
            plain: bool, test_pid: int, events: Any, go: Any, mark: Any, stack_dir: str,
-           start: Any) -> None:
+           start: Any, init_timeout: float | None = None) -> None:
     _adopt(test_pid, env)
     arm_stack_dump(stack_dir, rank)
     if transport is not None:
         os.environ["SWARMFD_TRANSPORT"] = _TRANSPORT_MODES[transport]
         if transport == "zmq":
             os.environ["SWARMFD_DATA_PLANE"] = "zmq"
-    ctx = RankCtx(rank, world, port, events, go, mark, group_timeout, transport)
+    ctx = RankCtx(rank, world, port, events, go, mark, group_timeout, transport, init_timeout)
     try:
         import swarmfd  # noqa: F401  (imported before the start line: see start_line)
 
@@ -318,12 +320,14 @@ class RankResults(dict[int, tuple[bool, Any]]):
 class Ranks:
     """N spawned ranks running ``fn(ctx, *args)`` (``plain``: ``fn(rank, world, *args)``);
     see the module docstring. ``transport=None`` leaves the transport to ``env`` and the
-    test's environment; ``env`` is added to each rank's environment (the test's)."""
+    test's environment; ``env`` is added to each rank's environment (the test's).
+    ``group_timeout`` is each rank's ``timeout``, and its init's unless ``init_timeout``
+    is given."""
 
     def __init__(self, fn: Callable[..., Any], world: int, *args: Any,
                  group_timeout: float = 60.0, init: bool = True,
                  transport: str | None = "tcp", env: dict[str, str] | None = None,
-                 plain: bool = False) -> None:
+                 plain: bool = False, init_timeout: float | None = None) -> None:
         assert transport is None or transport in _TRANSPORT_MODES, transport
         self.world = world
         self.port = free_port()
@@ -340,7 +344,7 @@ class Ranks:
             _CTX.Process(target=_child, daemon=True, args=(
                 fn, r, world, self.port, args, init, group_timeout, transport,
                 {**os.environ, **(env or {})}, plain, os.getpid(), self.queues[r], self.go,
-                self.mark, self.stack_dir, self.start_barrier))
+                self.mark, self.stack_dir, self.start_barrier, init_timeout))
             for r in range(world)
         ]
         self._seen: list[tuple[int, str, Any]] = []

@@ -42,6 +42,10 @@ LONG_TIMEOUT = 60.0
 KILL_DETECTION_LIMIT = 2.0
 #: The group timeout of the stop tests.
 STOP_TIMEOUT = 2.5
+#: Their init's timeout: what they time is the collective, and at the start of a CI run
+#: (five lanes collecting, the Docker set-up building images) a rank's start once took
+#: longer than 2.5 s, and init failed before the test began.
+STOP_INIT_TIMEOUT = 30.0
 #: Both data paths: TCP (ranks on several hosts) and shared memory (ranks on one host).
 TRANSPORTS = ["tcp", "shm"]  # tcp: the default (socket) data plane
 #: Also on the ZeroMQ data plane (SWARMFD_DATA_PLANE=zmq): a representative subset.
@@ -283,7 +287,7 @@ def test_sigstop_times_out_after_the_configured_timeout(name: str, world: int,
     victim = world - 1
     survivors = [r for r in range(world) if r != victim]
     with Ranks(_stopped, world, name, victim, 0, group_timeout=STOP_TIMEOUT,
-               transport=transport) as ranks:
+               init_timeout=STOP_INIT_TIMEOUT, transport=transport) as ranks:
         ranks.wait("ready")
         ranks.signal(victim, signal.SIGSTOP)
         time.sleep(0.2)
@@ -343,7 +347,8 @@ def _stop_loop(ctx: RankCtx) -> Any:
 def test_sigstop_during_a_loop_of_large_all_reduces(transport: str) -> None:
     """N=3, rank 2 stopped mid-loop: ranks 0 and 1 time out ~timeout after the stop."""
     victim = 2
-    with Ranks(_stop_loop, 3, group_timeout=STOP_TIMEOUT, transport=transport) as ranks:
+    with Ranks(_stop_loop, 3, group_timeout=STOP_TIMEOUT, init_timeout=STOP_INIT_TIMEOUT,
+               transport=transport) as ranks:
         ranks.wait("looping", [0, 1, 2])
         time.sleep(0.1)
         ranks.mark.value = time.monotonic()
