@@ -67,6 +67,16 @@ def pytest_configure(config: pytest.Config) -> None:
         print(f"cpuprof: no cgroup of its own ({exc}): cpu and sys are not recorded")
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Leave the cgroup and remove it (it stays while a child still runs in it)."""
+    try:
+        with open(f"{CGROUP_ROOT}/cgroup.procs", "w") as f:
+            f.write(str(os.getpid()))
+        os.rmdir(_cgroup())
+    except OSError:
+        pass
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: Any) -> Generator[None, None, None]:
     """Measure one test, its set-up and tear-down included."""
