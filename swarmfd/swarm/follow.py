@@ -22,6 +22,7 @@ import contextlib
 import datetime as _dt
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -379,25 +380,23 @@ def follow_job(
 
 class _Tails:
     """The last :data:`TAIL_LINES` lines of each rank's output, kept by a wrapped sink
-    (the log readers are threads)."""
+    (the log readers are threads); decoded only when asked for."""
 
     def __init__(self) -> None:
-        self._lines: dict[int, list[str]] = {}
+        self._lines: dict[int, deque[bytes]] = {}
         self._lock = threading.Lock()
 
     def wrap(self, sink: Sink) -> Sink:
         def keep(rank: int, which: str, line: bytes, when: _dt.datetime | None) -> None:
-            text = line.decode("utf-8", errors="replace")
             with self._lock:
-                kept = self._lines.setdefault(rank, [])
-                kept.append(text)
-                del kept[:-TAIL_LINES]
+                self._lines.setdefault(rank, deque(maxlen=TAIL_LINES)).append(line)
             sink(rank, which, line, when)
         return keep
 
     def snapshot(self) -> dict[int, list[str]]:
         with self._lock:
-            return {rank: list(lines) for rank, lines in self._lines.items()}
+            return {rank: [line.decode("utf-8", errors="replace") for line in lines]
+                    for rank, lines in self._lines.items()}
 
 
 def _lost(views: dict[int, TaskView], nodes: dict[str, NodeState]) -> list[TaskView]:
@@ -429,6 +428,12 @@ def _describe_failure(failure: TaskView | None, lost: list[TaskView],
     return failure, node, failure_message(failure, node)
 
 
+def _relabel_failure(client: docker.DockerClient, service_id: str, message: str) -> None:
+    """Replace the failure label stop_job set (``swarmfd ls`` shows it) by a truer one."""
+    with contextlib.suppress(docker.errors.APIError):
+        set_labels(client, service_id, {LABEL_FAILURE: message[:1000]})
+
+
 def _stop_after_failure(
     client: docker.DockerClient,
     name: str,
@@ -444,7 +449,7 @@ def _stop_after_failure(
     all_running: float | None,
     stop_timeout: float,
     drain_timeout: float,
-    tails: _Tails | None = None,
+    tails: _Tails,
 ) -> FollowResult:
     cause, node, message = _describe_failure(failure, lost, nodes)
     progress(f"{name}: {message}; stopping the other ranks")
@@ -469,8 +474,7 @@ def _stop_after_failure(
             lost = now_lost
             cause, node, message = _describe_failure(failure, lost, nodes)
             progress(f"{name}: {message}")
-            with contextlib.suppress(docker.errors.APIError):
-                set_labels(client, service_id, {LABEL_FAILURE: message[:1000]})
+            _relabel_failure(client, service_id, message)
         lost_ids = {v.task_id for v in now_lost}
         if all(v.terminal or v.task_id in lost_ids for v in views.values()):
             break
@@ -492,19 +496,16 @@ def _stop_after_failure(
     if pump is not None:
         pump.update(views)
         pump.wait(drain_timeout)
-    if failure is not None and not lost and tails is not None:
+    if failure is not None and not lost:
         # The rank Swarm reported first may have failed of another's failure: its
         # traceback (all logs are drained by now) names the peer it lost.
         root = root_failure(failure, views, tails.snapshot())
         if root is not failure:
-            first = failure
-            failure = cause = root
-            node = nodes.get(root.node_id, NodeState(root.node_id[:12], "unknown")).name
-            message = (f"{failure_message(root, node)}; rank {first.rank} failed after it "
-                       f"(it lost rank {root.rank})")
+            first, failure = failure, root
+            cause, node, message = _describe_failure(root, [], nodes)
+            message += f"; rank {first.rank} failed after it (it lost rank {root.rank})"
             progress(f"{name}: {message}")
-            with contextlib.suppress(docker.errors.APIError):
-                set_labels(client, service_id, {LABEL_FAILURE: message[:1000]})
+            _relabel_failure(client, service_id, message)
     code = exit_code_for(failure) if failure is not None else 1
     return FollowResult("failed", code, message, failure=cause, failure_node=node,
                         all_running_after=all_running, elapsed=time.monotonic() - t0,
