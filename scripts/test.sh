@@ -57,6 +57,14 @@ uv_args() {
   done < <("$PY" -m pip config list 2>/dev/null || true)
 }
 
+# install_reqs INSTALLER...: the requirements with torch, else (torch not installable
+# here) without it.
+install_reqs() {
+  "$@" "${REQS[@]}" "${TORCH[@]}" && return
+  echo "test.sh: torch 2.13.0 not installable here; torch tests will skip"
+  "$@" "${REQS[@]}"
+}
+
 install_with_uv() {
   [ "${SWARMFD_NO_UV:-0}" != 1 ] || return 1
   if [ ! -x "$VENV/bin/python" ]; then
@@ -68,11 +76,8 @@ install_with_uv() {
   fi
   uv_args
   # pip too: `swarmfd deploy --build` runs `python -m pip download` for an image's wheels.
-  local uv=("$VENV/bin/uv" pip install --quiet --python "$VENV/bin/python" "${UV_ARGS[@]}")
-  if ! "${uv[@]}" pip "${REQS[@]}" "${TORCH[@]}"; then
-    echo "test.sh: torch 2.13.0 not installable here; torch tests will skip"
-    "${uv[@]}" pip "${REQS[@]}" || return 1
-  fi
+  install_reqs "$VENV/bin/uv" pip install --quiet --python "$VENV/bin/python" \
+    "${UV_ARGS[@]}" pip || return 1
 }
 
 install_with_pip() {
@@ -81,14 +86,11 @@ install_with_pip() {
   elif ! "$VENV/bin/python" -m pip --version >/dev/null 2>&1; then
     "$VENV/bin/python" -m ensurepip --default-pip >/dev/null
   fi
-  if ! "$VENV/bin/python" -m pip install --quiet --no-compile "${REQS[@]}" "${TORCH[@]}"; then
-    echo "test.sh: torch 2.13.0 not installable here; torch tests will skip"
-    "$VENV/bin/python" -m pip install --quiet --no-compile "${REQS[@]}"
-  fi
+  install_reqs "$VENV/bin/python" -m pip install --quiet --no-compile
 }
 
 if ! install_with_uv; then
-  [ "${SWARMFD_NO_UV:-0}" = 1 ] || echo "test.sh: uv is not available here; installing with pip"
+  [ "${SWARMFD_NO_UV:-0}" = 1 ] || echo "test.sh: uv is not available here, or failed; installing with pip"
   install_with_pip
 fi
 
