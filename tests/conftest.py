@@ -59,7 +59,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 #: ids, not markers); pytest_collection_modifyitems checks that the two agree. They mostly
 #: wait (a stopped rank, a timeout, a fresh venv installing), and most of them bound how
 #: long a detection takes: they run in the ``timed`` lane, beside no other timing test,
-#: at the highest priority of the four (:data:`LANE_NICE`).
+#: at the highest priority of the lanes (:data:`LANE_NICE`).
 WAITS = (
     "tests/test_readme.py::test_fresh_clone_commands_run",
     "tests/test_robustness.py::test_sigstop_times_out_after_the_configured_timeout",
@@ -87,23 +87,25 @@ WAITS = (
     "tests/test_front_door.py::test_silent_strangers_and_a_flood_do_not_stop_or_slow_init",
 )
 #: The Docker tests (marked ``swarm``), by node id.
-DOCKER = ("tests/swarm/", "tests/multinode/", "tests/test_readme.py::test_swarm_")
-#: The lanes of a laned run (``SWARMFD_TEST_LANES``, scripts/test.sh): see
+MULTINODE = "tests/multinode/"
+DOCKER = ("tests/swarm/", MULTINODE, "tests/test_readme.py::test_swarm_")
+#: The two lanes of the tests no other lane takes. The lanes of a laned run
+#: (``SWARMFD_TEST_LANES``, scripts/test.sh): :func:`lane_of`, :data:`LANE_NICE` and
 #: :func:`pytest_xdist_make_scheduler`.
-LANES = ("swarm", "multinode", "timed", "working-a", "working-b")
+WORKING = ("working-a", "working-b")
 
 
 def lane_of(nodeid: str) -> str:
     """The lane of a test: ``multinode`` (tests/multinode/), ``swarm`` (the other Docker
     tests), ``timed``, or one of the two working lanes (by a hash of the node id: the
     parameters of one heavy test spread over both)."""
-    if nodeid.startswith("tests/multinode/"):
+    if nodeid.startswith(MULTINODE):
         return "multinode"
     if nodeid.startswith(DOCKER):
         return "swarm"
     if nodeid.startswith(WAITS):
         return "timed"
-    return LANES[3 + zlib.crc32(nodeid.encode()) % 2]
+    return WORKING[zlib.crc32(nodeid.encode()) % len(WORKING)]
 
 
 #: Tests run first in their lane (a lane runs in collection order): the timed lane's
