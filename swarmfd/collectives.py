@@ -413,7 +413,10 @@ def broadcast(x: T, src: int = 0, *, group: Any = None, group_src: int | None = 
         hier = two and select.broadcast_two_level(flat.nbytes, two[0])
         if hier:
             return hier(o, flat, root, *two)
-        return select.broadcast(o.plane.kind, flat.nbytes, o.size)(o, flat, root)
+        algo = select.broadcast(o.plane.kind, flat.nbytes, o.size)
+        if algo is select.tcp.broadcast_chain:
+            return algo(o, flat, root, g.ring)
+        return algo(o, flat, root)
 
     items = _items(x)
     if items is not None:
@@ -448,8 +451,11 @@ def reduce(x: T, dst: int = 0, op: str = "sum", *, group: Any = None,
         if hier:
             yield from hier(o, flat, root, _UFUNCS[rop], *two)
         else:
-            yield from select.reduce(o.plane.kind, flat.nbytes, o.size)(o, flat, root,
-                                                                        _UFUNCS[rop])
+            algo = select.reduce(o.plane.kind, flat.nbytes, o.size)
+            if algo is select.tcp.reduce_chain:
+                yield from algo(o, flat, root, _UFUNCS[rop], g.ring)
+            else:
+                yield from algo(o, flat, root, _UFUNCS[rop])
         if mean and o.me == root:
             yield o.flush()
             np.divide(flat, o.size, out=flat)

@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fcntl
 import mmap
@@ -50,6 +51,8 @@ class Fabric:
                                                                      for _ in range(n)]
         self.dead: set[int] = set()
         self.sent = 0
+        #: Payload bytes sent over each link, by (source rank, destination rank).
+        self.link_bytes: collections.Counter[tuple[int, int]] = collections.Counter()
 
     def kill(self, rank: int) -> None:
         """``rank`` vanishes: its messages stop, peers see its connection close."""
@@ -83,6 +86,7 @@ class MemoryPlane:
         body = payload if isinstance(payload, bytes) else memoryview(payload).tobytes()
         assert len(body) == size
         self.fabric.sent += 1
+        self.fabric.link_bytes[(self.rank, dst)] += size
         self.fabric.queues[dst].put((wire.unpack_header(raw), body))
 
     def send_all(self, kind: int, sig: wire.Signature, body: bytes, group: int = 0) -> None:

@@ -96,6 +96,40 @@ def test_broadcast_and_reduce(plane: str, n: int, count: int) -> None:
                 assert np.array_equal(got[r], inputs[r]), "a non-root's array changed"
 
 
+def _rings(n: int) -> list[list[int]]:
+    """Ring orders of n ranks: rank order, reversed, and evens then odds (two hosts under
+    Swarm's spread placement, ordered by host)."""
+    return [list(range(n)), list(reversed(range(n))),
+            list(range(0, n, 2)) + list(range(1, n, 2))]
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("count", [0, 1, 131072 * 2 + 5])
+def test_chains_follow_the_ring_order(n: int, count: int) -> None:
+    """The pipelined broadcast and reduce chains along any ring order, from every root:
+    the root's array everywhere, the sum at the root, the others' arrays untouched."""
+    inputs = [sample_data(r, count, np.int64) for r in range(n)]
+    for ring in _rings(n):
+        for root in range(n):
+            def make_b(op: Op, root: int = root, ring: list[int] = ring) -> Any:
+                buf = inputs[op.me].copy()
+                return tcp.broadcast_chain(op, buf, root, ring), lambda: buf
+
+            for got in run_algorithm(n, make_b):
+                assert np.array_equal(got, inputs[root]), (ring, root)
+
+            def make_r(op: Op, root: int = root, ring: list[int] = ring) -> Any:
+                buf = inputs[op.me].copy()
+                return tcp.reduce_chain(op, buf, root, np.add, ring), lambda: buf
+
+            got = run_algorithm(n, make_r)
+            assert np.array_equal(got[root], sum(inputs[1:], start=inputs[0].copy())), (
+                ring, root)
+            for r in range(n):
+                if r != root:
+                    assert np.array_equal(got[r], inputs[r]), (ring, root, r)
+
+
 @pytest.mark.parametrize("algo", ["direct", "ring", "ring-by-host", "shm"])
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("count", COUNTS)

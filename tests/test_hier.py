@@ -495,3 +495,42 @@ def test_reading_another_plane_never_abandons_a_payload_half_read() -> None:
     assert np.array_equal(np.frombuffer(payload, np.int64), [0, 0, 0, 0])
     channels[1].service()
     assert (0, 0, 1, 1) in channels[1].stash
+
+
+# -- flat algorithms across hosts: the ring and the chains ordered by host -------------------
+
+
+def test_flat_collectives_cross_each_host_link_as_few_times_as_their_order_allows() -> None:
+    """Four thread-ranks spread over two hosts (a, b, a, b: Swarm's default placement),
+    without shared memory, so the flat algorithms run: the broadcast and reduce chains
+    cross between the hosts once (S bytes, not the 3 S of a chain in rank order), the
+    all_reduce ring twice (3 S, not 6 S)."""
+    from .memplane import Fabric
+    from .threadranks import run_api
+
+    hosts = ["a", "b", "a", "b"]
+    S = 4 << 20
+    calls = {}
+    for name, coll in (("broadcast", "b"), ("reduce", "r"), ("all_reduce", "a")):
+        fabric = Fabric(4)
+
+        def one(rank: int, world: int, coll: str = coll) -> bool:
+            import swarmfd as fd
+
+            n = S // 8
+            x = np.full(n, float(rank + 1))
+            if coll == "b":
+                fd.broadcast(x, src=1)
+                return bool((x == 2.0).all())
+            if coll == "r":
+                fd.reduce(x, dst=3)
+                return bool((x == (10.0 if rank == 3 else rank + 1)).all())
+            fd.all_reduce(x)
+            return bool((x == 10.0).all())
+
+        assert all(run_api(one, 4, plane="memory", fabric=fabric, hosts=hosts))
+        calls[name] = sum(b for (src, dst), b in fabric.link_bytes.items()
+                          if hosts[src] != hosts[dst]) / S
+    assert calls["broadcast"] < 1.05, calls
+    assert calls["reduce"] < 1.05, calls
+    assert calls["all_reduce"] < 3.05, calls

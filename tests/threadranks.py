@@ -118,13 +118,15 @@ class _MemoryTransport:
         self.channel.close(0)
 
 
-def _states(world: int, plane: str, group_timeout: float) -> list[Any]:
+def _states(world: int, plane: str, group_timeout: float,
+            fabric: Fabric | None = None, hosts: list[str] | None = None) -> list[Any]:
     """One process state per rank, as ``fd.init`` builds it (see the module docstring)."""
     assert plane in PLANES, plane
     if plane == "memory":
-        fabric = Fabric(world)
+        fabric = fabric or Fabric(world)
         return [_state(r, world, _MemoryTransport(r, world, group_timeout, fabric),
-                       group_timeout) for r in range(world)]
+                       group_timeout, hosts) for r in range(world)]
+    assert hosts is None, "simulated hosts are for the memory plane"
     sec = _job_security()
     ts: list[_transport.Transport] = []
     try:
@@ -142,11 +144,15 @@ def _states(world: int, plane: str, group_timeout: float) -> list[Any]:
         raise
 
 
-def _state(rank: int, world: int, t: Any, group_timeout: float) -> Any:
-    """Rank ``rank``'s process state over transport ``t``: its groups and engine."""
-    cfg = _config.Config(world, rank, local_rank=rank, local_world_size=world,
+def _state(rank: int, world: int, t: Any, group_timeout: float,
+           hosts: list[str] | None = None) -> Any:
+    """Rank ``rank``'s process state over transport ``t``: its groups and engine.
+    ``hosts``: the host each rank reports (default: all on one)."""
+    hosts = hosts or ["localhost"] * world
+    cfg = _config.Config(world, rank, local_rank=hosts[:rank].count(hosts[rank]),
+                         local_world_size=hosts.count(hosts[rank]),
                          master_addr="127.0.0.1", timeout=group_timeout)
-    state = _group._State(cfg, t, ["localhost"] * world)
+    state = _group._State(cfg, t, hosts)
     _group._make_groups(state)
     state.engine = _group._engine(state)
     return state
@@ -160,10 +166,15 @@ def _close(state: Any, linger: int | None) -> None:
 
 
 def run_api(fn: Callable[..., Any], world: int, *args: Any, plane: str = "socket",
-            timeout: float = 120.0, group_timeout: float = 30.0) -> list[Any]:
+            timeout: float = 120.0, group_timeout: float = 30.0,
+            fabric: Fabric | None = None, hosts: list[str] | None = None) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` thread-ranks of one group over ``plane``
-    ("socket", "zmq" or "shm"); the results in rank order (see the module docstring)."""
-    states = _states(world, plane, group_timeout)
+    ("memory", "socket", "zmq" or "shm"); the results in rank order (see the module
+    docstring). On the memory plane, ``fabric`` is the one to use (to read its traffic
+    afterwards) and ``hosts`` the host each rank reports: ranks on different "hosts"
+    share no memory there (every plane is the memory one), but the group orders its
+    ring by them, as on real hosts."""
+    states = _states(world, plane, group_timeout, fabric, hosts)
     results: dict[int, tuple[bool, Any]] = {}
 
     def body(r: int) -> None:

@@ -14,8 +14,9 @@ every rank (a contract: float sums depend on their order).
   reduced, so the reduction of one overlaps the transfer of the next. Each rank sends
   2(N-1)/N * S bytes: bandwidth-optimal. Every chunk is reduced once, on one rank.
 * **broadcast**: small, the root sends to everyone; large, a pipelined chain from the
-  root (every link carries S once).
-* **reduce**: small, everyone sends to the root; large, a pipelined chain ending there.
+  root along the ring order (every link carries S once).
+* **reduce**: small, everyone sends to the root; large, a pipelined chain along the ring
+  order, ending there.
 * **all_gather**: small, direct; large, a pipelined ring ((N-1)/N of the result each).
 * **barrier**: dissemination, ceil(log2 N) rounds of empty messages.
 
@@ -24,8 +25,8 @@ Broadcast and reduce have ranks that only send, so they end with an acknowledgem
 SIG): a rank that called something else, or a root mismatch that leaves every rank
 waiting to receive, is then caught in this call, on every rank.
 
-The ring follows ``ring`` (group ranks in ring order, default 0..N-1): ordered by
-host, it crosses each host's link as few times as possible.
+The rings and the chains follow ``ring`` (group ranks in ring order, default 0..N-1):
+ordered by host, they cross each host's link as few times as possible.
 """
 
 from __future__ import annotations
@@ -176,13 +177,27 @@ def broadcast_direct(op: Op, buf: np.ndarray, root: int) -> Algorithm:
     yield from signature_ring_end(op)
 
 
-def broadcast_chain(op: Op, buf: np.ndarray, root: int) -> Algorithm:
-    """Pipelined chain root -> root+1 -> ... -> root-1 (at N=2: the direct send, in
-    pieces); the last rank acknowledges to the root."""
+def _chain(op: Op, ring: Sequence[int] | None, first: int) -> tuple[int, int, int]:
+    """(position, previous, next) of this rank in the chain that follows ``ring`` (group
+    ranks in ring order; None: rank order) from group rank ``first``."""
+    order, _ = _ring(op, ring)
+    at = order.index(first)
+    chain = order[at:] + order[:at]
+    pos = chain.index(op.me)
+    N = op.size
+    return pos, chain[(pos - 1) % N], chain[(pos + 1) % N]
+
+
+def broadcast_chain(op: Op, buf: np.ndarray, root: int,
+                    ring: Sequence[int] | None = None) -> Algorithm:
+    """Pipelined chain from the root along ``ring`` (rank order by default: root ->
+    root+1 -> ... -> root-1; at N=2, the direct send in pieces); the last rank
+    acknowledges to the root. Ordered by host, the chain crosses each host's link once,
+    whatever the placement (in rank order, ranks spread over hosts cross it at every
+    hop)."""
     signature_ring(op)
     N = op.size
-    pos = (op.me - root) % N
-    nxt, prv = (op.me + 1) % N, (op.me - 1) % N
+    pos, prv, nxt = _chain(op, ring, root)
     for j, (a, b) in enumerate(split(buf.size, num_pieces(buf.size, buf.itemsize))):
         seg = buf[a:b]
         if pos > 0:
@@ -214,13 +229,16 @@ def reduce_direct(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc) -> Algori
     yield from signature_ring_end(op)
 
 
-def reduce_chain(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc) -> Algorithm:
-    """Pipelined chain root+1 -> root+2 -> ... -> root; only the root's buffer is
-    written. The root acknowledges to the chain's first rank."""
+def reduce_chain(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc,
+                 ring: Sequence[int] | None = None) -> Algorithm:
+    """Pipelined chain along ``ring`` (rank order by default: root+1 -> root+2 -> ... ->
+    root), ending at the root; only the root's buffer is written. The root acknowledges
+    to the chain's first rank. Operands combine in chain order, the same on every run of
+    one group (only the root holds the result)."""
     signature_ring(op)
-    N = op.size
-    pos = (op.me - root - 1) % N
-    nxt, prv = (op.me + 1) % N, (op.me - 1) % N
+    order, _ = _ring(op, ring)
+    first = order[(order.index(root) + 1) % op.size]
+    pos, prv, nxt = _chain(op, ring, first)
     for j, (a, b) in enumerate(split(buf.size, num_pieces(buf.size, buf.itemsize))):
         seg = buf[a:b]
         if pos == 0:
@@ -231,7 +249,6 @@ def reduce_chain(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc) -> Algorit
             ufunc(incoming, seg, out=seg)
         else:
             op.send(nxt, j, ufunc(incoming, seg))
-    first = (root + 1) % N
     if op.me == root:
         op.send(first, ACK, b"")
     elif op.me == first:
