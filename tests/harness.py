@@ -61,6 +61,7 @@ __all__ = [
     "RankResults",
     "Ranks",
     "StallMeter",
+    "allowed",
     "arm_stack_dump",
     "collect_stacks",
     "error_info",
@@ -645,6 +646,17 @@ def stall_meter() -> StallMeter:
     if _STALL_METER is None:
         _STALL_METER = StallMeter()
     return _STALL_METER
+
+
+def allowed(limit: float, since: float, until: float) -> tuple[float, str]:
+    """A time bound over the window [since, until], plus the time in it in which this
+    machine did not run the test process's :class:`StallMeter` (which must have been
+    started before the window: :func:`stall_meter`); with a note for the assertion's
+    message. The bound is then on swarmfd's time, not on a machine that stopped running
+    the ranks."""
+    stall = stall_meter().stalled(since, until)
+    return limit + stall, (f"; the machine stalled {stall:.2f} s of it (allowed on top)"
+                           if stall else "")
 
 
 def record(test: str, **values: Any) -> None:

@@ -33,7 +33,7 @@ import swarmfd as fd
 from swarmfd.comm.channel import TIMEOUT_GRACE
 from swarmfd.group import ABORT_LINGER
 
-from .harness import RankCtx, Ranks, error_info, free_port, record, stall_meter
+from .harness import RankCtx, Ranks, allowed, error_info, free_port, record, stall_meter
 
 #: Elements of a "small" array (direct exchange) and of a "large" one (ring / chains;
 #: 16 MiB of float32, several pieces and several shared-memory rounds).
@@ -71,18 +71,8 @@ STOP_LIMIT = STOP_TIMEOUT + TIMEOUT_GRACE + STOP_SLACK
 
 @pytest.fixture(autouse=True)
 def _meter() -> None:
-    """The stall meter runs before a test's window opens (see _allowed)."""
+    """The stall meter runs before a test's window opens (see harness.allowed)."""
     stall_meter()
-
-
-def _allowed(limit: float, since: float, until: float) -> tuple[float, str]:
-    """``limit`` plus the time in [since, until] in which this machine did not run the
-    test process's stall meter (tests/harness.py StallMeter): the bound is on
-    swarmfd's time, not on a machine that stopped running the ranks. With a note
-    for the assertion's message."""
-    stall = stall_meter().stalled(since, until)
-    return limit + stall, (f"; the machine stalled {stall:.2f} s of it (allowed on top)"
-                           if stall else "")
 
 
 def test_the_stall_meter_counts_a_stall_and_only_inside_the_window() -> None:
@@ -151,7 +141,7 @@ def _assert_lost(infos: dict[int, dict[str, Any]], victim: int, test: str) -> No
             f"rank {rank} raised {info['type']}, expected a PeerLostError: {info['message']}")
         assert re.search(rf"\brank {victim}\b", info["message"]), (
             f"rank {rank}'s error does not name the lost rank {victim}: {info['message']}")
-        limit, stalled = _allowed(KILL_DETECTION_LIMIT, info["t"] - info["elapsed"], info["t"])
+        limit, stalled = allowed(KILL_DETECTION_LIMIT, info["t"] - info["elapsed"], info["t"])
         assert 0.0 <= info["elapsed"] < limit, (
             f"rank {rank} took {info['elapsed']:.2f} s to notice the loss of rank {victim} "
             f"(limit {KILL_DETECTION_LIMIT} s{stalled}, group timeout {LONG_TIMEOUT} s): "
@@ -344,13 +334,13 @@ def test_sigstop_times_out_after_the_configured_timeout(name: str, world: int,
         assert re.search(rf"\brank {victim}\b", info["message"]), (
             f"rank {rank}'s timeout does not name the stopped rank {victim}: {info['message']}")
         waited = info["t"] - first
-        limit, stalled = _allowed(STOP_LIMIT, first, info["t"])
+        limit, stalled = allowed(STOP_LIMIT, first, info["t"])
         assert STOP_TIMEOUT <= waited < limit, (
             f"rank {rank} timed out {waited:.3f} s after the first rank entered the call "
             f"({info['elapsed']:.3f} s after it entered itself); the timeout is "
             f"{STOP_TIMEOUT} s (limit {STOP_LIMIT:.1f} s{stalled}): {info['message']}")
     assert resumed["type"] is not None and "CollectiveError" in resumed["mro"], resumed
-    limit, stalled = _allowed(KILL_DETECTION_LIMIT, resumed["t"] - resumed["elapsed"],
+    limit, stalled = allowed(KILL_DETECTION_LIMIT, resumed["t"] - resumed["elapsed"],
                               resumed["t"])
     assert resumed["elapsed"] < limit, (
         f"the resumed rank took {resumed['elapsed']:.2f} s to fail{stalled}: "
@@ -396,7 +386,7 @@ def test_sigstop_during_a_loop_of_large_all_reduces(transport: str) -> None:
         assert info["type"] is not None and "CollectiveTimeout" in info["mro"], info
         assert re.search(rf"\brank {victim}\b", info["message"]), info["message"]
         # The wait that times out began at most one message before the stop.
-        limit, _ = _allowed(STOP_LIMIT, info["t"] - info["elapsed"], info["t"])
+        limit, _ = allowed(STOP_LIMIT, info["t"] - info["elapsed"], info["t"])
         assert STOP_TIMEOUT - 0.5 <= info["elapsed"] < limit, info
     record(f"sigstop-loop[{transport},N=3]", timeout=STOP_TIMEOUT,
            elapsed={r: round(i["elapsed"], 3) for r, i in infos.items()})
