@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from . import group as _group
+from .algorithms import p2p as _p2p_algo
 from .algorithms import select
 from .algorithms.base import Op, run
 from .comm import wire
@@ -876,8 +877,6 @@ def scatter(out: Any, chunks: Any = None, src: int = 0, *, group: Any = None,
 
 def _p2p(g: _group.Group, x: Any, peer: int, tag: Any, sending: bool,
          async_op: bool) -> Any:
-    from .algorithms import p2p
-
     name = "send" if sending else "recv"
     if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or not (
             0 <= int(tag) < 1 << 32):
@@ -889,8 +888,7 @@ def _p2p(g: _group.Group, x: Any, peer: int, tag: Any, sending: bool,
     arr = _to_numpy(x, name)
     code = _check_array(arr, name, writable=not sending)
     flat, write_back = (np.ascontiguousarray(arr).reshape(-1), None) if sending else _flat(arr)
-    sig = Signature(Collective.P2P, ReduceOp.NONE, code, wire.NO_ROOT, arr.size,
-                    wire.shape_hash(tuple(arr.shape)), str(tuple(arr.shape)))
+    sig = _signature(Collective.P2P, [arr], code, ReduceOp.NONE)
     label = f"{name} (tag {tag} {'to' if sending else 'from'} rank {peer} on rank " \
             f"{g.world_rank})"
     if g.broken is not None:
@@ -903,7 +901,7 @@ def _p2p(g: _group.Group, x: Any, peer: int, tag: Any, sending: bool,
     t = g._state.transport
     assert t is not None
     op = Op(t.channel, t.tcp, list(g.ranks), g.rank, g.gid, -1, sig)
-    gen = (p2p.send if sending else p2p.recv)(op, flat, peer, seq, tag)
+    gen = (_p2p_algo.send if sending else _p2p_algo.recv)(op, flat, peer, seq, tag)
     finish = _returns(None if sending else x, write_back)
     engine = g._state.engine
     if not async_op and engine.idle():
