@@ -8,11 +8,15 @@ that is, after everyone finished reading it.
 
 * **all_reduce**, small (S <= SMALL_BYTES): one barrier; every rank reduces all of it
   in rank order (identical everywhere).
-* **all_reduce**, large: pipelined rounds, one barrier each: copy in round r, barrier,
-  copy out the reduced round r-1, reduce this rank's 1/N chunk of round r in place in
-  its own segment. The barrier after copy-in r also tells that everyone finished
-  reducing r-1. Each chunk is reduced once (its owner's operand first, then the
-  others in rank order), so every rank copies out the same bits.
+* **all_reduce**, large: pipelined rounds, one barrier each: copy in round r (all of
+  it but this rank's own 1/N chunk, which only it reduces), barrier, copy out the
+  others' reduced chunks of round r-1, reduce this rank's chunk of round r from its
+  own buffer and the others' slots into its slot, and copy it back to its buffer. The
+  barrier after copy-in r also tells that everyone finished reducing r-1. Each chunk
+  is reduced once (its owner's operand first, then the others in rank order), so
+  every rank has the same bits. (Copying the whole round in and reducing in the slot
+  moved about 5.5 round sizes of memory per rank at N=2, this 4.5: interleaved A/B,
+  benchmarks/ab.py, 2026-12-02, N=2 0.82-0.96x the time at 1-64 MiB, N=4 0.88-1.0x.)
 * **broadcast**: the root copies in, barrier, everyone copies out.
 * **reduce**: everyone copies in, barrier, the root reduces in rank order.
 * **all_gather**: everyone copies in, barrier, everyone copies the others' out (also
@@ -64,30 +68,41 @@ def all_reduce(op: Op, buf: np.ndarray, ufunc: np.ufunc) -> Algorithm:
         for p in range(1, N):
             ufunc(buf, regions[p], out=buf)
         return
-    pending: tuple[np.ndarray, list[np.ndarray], list[tuple[int, int]]] | None = None
+    pending: tuple[np.ndarray, list[np.ndarray], list[tuple[int, int]], int] | None = None
     parts = rounds(buf.nbytes, buf.itemsize)
     for r, (a, b) in enumerate(parts):
         slot = op.next_slot()
         regions = _regions(op, slot, buf.dtype, b - a)
-        regions[me][...] = buf[a:b]
+        chunks = split(b - a, N)
+        ca, cb = chunks[me]
+        seg = buf[a:b]
+        # The others need every chunk of this rank's but its own (which only it reduces).
+        regions[me][:ca] = seg[:ca]
+        regions[me][cb:] = seg[cb:]
         yield from barrier(op, r)
         if pending is not None:
             _copy_out(*pending)
-        chunks = split(b - a, N)
-        ca, cb = chunks[me]
+        # Its own chunk: the owner's operand (from buf) first, then the others in rank
+        # order, into its slot (where the others copy it from), then into buf.
         mine = regions[me][ca:cb]
+        first = True
         for p in range(N):
             if p != me:
-                ufunc(mine, regions[p][ca:cb], out=mine)
-        pending = (buf[a:b], regions, chunks)
+                ufunc(seg[ca:cb] if first else mine, regions[p][ca:cb], out=mine)
+                first = False
+        seg[ca:cb] = mine
+        pending = (seg, regions, chunks, me)
     yield from barrier(op, len(parts))
     assert pending is not None
     _copy_out(*pending)
 
 
-def _copy_out(seg: np.ndarray, regions: list[np.ndarray], chunks: list[tuple[int, int]]) -> None:
+def _copy_out(seg: np.ndarray, regions: list[np.ndarray], chunks: list[tuple[int, int]],
+              mine: int) -> None:
+    """The others' reduced chunks of a round into ``seg`` (its own is there already)."""
     for p, (pa, pb) in enumerate(chunks):
-        seg[pa:pb] = regions[p][pa:pb]
+        if p != mine:
+            seg[pa:pb] = regions[p][pa:pb]
 
 
 def broadcast(op: Op, buf: np.ndarray, root: int) -> Algorithm:
@@ -136,20 +151,27 @@ def _window(t: int, per: int, lo: int, hi: int) -> tuple[int, int]:
 
 def reduce_scatter(op: Op, buf: np.ndarray, parts: list[tuple[int, int]], out: np.ndarray,
                    ufunc: np.ufunc) -> Algorithm:
-    """Every rank copies its buffer in, round by round; each reduces its own part of the
-    round from every member's slot, in rank order, into ``out`` (flat)."""
+    """Every rank copies its buffer in, round by round (but its own part, which only it
+    reads); each reduces its own part of the round from every member's slot (its own
+    operand from its buffer), in rank order, into ``out`` (flat)."""
     pa, pb = parts[op.me]
+    me = op.me
     for r, (a, b) in enumerate(rounds(buf.nbytes, buf.itemsize)):
         slot = op.next_slot()
         regions = _regions(op, slot, buf.dtype, b - a)
-        regions[op.me][...] = buf[a:b]
-        yield from barrier(op, r)
         x, y = max(pa, a), min(pb, b)
+        if x < y:  # this rank's own part is read from buf, never copied in
+            regions[me][:x - a] = buf[a:x]
+            regions[me][y - a:] = buf[y:b]
+        else:
+            regions[me][...] = buf[a:b]
+        yield from barrier(op, r)
         if x < y:
             dst = out[x - pa:y - pa]
-            np.copyto(dst, regions[0][x - a:y - a])
+            operands = [buf[x:y] if p == me else regions[p][x - a:y - a] for p in range(op.size)]
+            np.copyto(dst, operands[0])
             for p in range(1, op.size):
-                ufunc(dst, regions[p][x - a:y - a], out=dst)
+                ufunc(dst, operands[p], out=dst)
 
 
 def all_to_all(op: Op, buf: np.ndarray, totals: list[int], mine_in: list[tuple[int, int]],
