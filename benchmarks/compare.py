@@ -133,8 +133,15 @@ def _kill_group(proc: subprocess.Popen) -> None:
         proc.wait(timeout=5)
 
 
+#: Where swarmfd's jobs run: not the repository root, whose ``swarmfd`` package
+#: ``python -m`` would import from the working directory ahead of PYTHONPATH. Until
+#: 2026-12-02 they ran there, so a variant's PYTHONPATH (another tree's swarmfd) was
+#: silently ignored and "before/after" compares ran the same code twice.
+NEUTRAL_CWD = tempfile.gettempdir()
+
+
 def run_procs(cmds: Sequence[Sequence[str]], envs: Sequence[dict[str, str]],
-              timeout: float) -> list[tuple[int, str, str]]:
+              timeout: float, cwd: str | None = None) -> list[tuple[int, str, str]]:
     """Run commands concurrently (each in its own session); kill all on timeout or failure.
 
     Returns (exit code, stdout, stderr) per command. Raises RuntimeError when
@@ -149,7 +156,8 @@ def run_procs(cmds: Sequence[Sequence[str]], envs: Sequence[dict[str, str]],
                 err = stack.enter_context(tempfile.TemporaryFile(mode="w+"))
                 files.append((out, err))
                 procs.append(subprocess.Popen(list(cmd), env=env, stdout=out, stderr=err,
-                                              stdin=subprocess.DEVNULL, start_new_session=True))
+                                              stdin=subprocess.DEVNULL, start_new_session=True,
+                                              cwd=cwd))
             failed = _wait_all(procs, timeout)
             if failed is not None and failed.startswith("timed out"):
                 failed += "\n" + stack_dumps(procs)
@@ -274,7 +282,7 @@ def run_swarmfd(variant: Variant, n: int, plan: Sequence[tuple[int, int]], warmu
             cmd += ["--op", name]
         if not default:
             cmd += ["--iters", str(counts.pop())]
-        run_procs([cmd], [dict(os.environ, **variant.env)], timeout)
+        run_procs([cmd], [dict(os.environ, **variant.env)], timeout, cwd=NEUTRAL_CWD)
         with open(out, encoding="utf-8") as f:
             doc = json.load(f)
     return [{"system": variant.name, "n": n, "collective": r["collective"], "size": r["size"],
@@ -283,10 +291,19 @@ def run_swarmfd(variant: Variant, n: int, plan: Sequence[tuple[int, int]], warmu
              "cpu_s": r.get("cpu_us", 0.0) / 1e6} for r in doc["rows"]]
 
 
+def swarmfd_origin(variant: Variant) -> str:
+    """The directory of the swarmfd package a variant's jobs import (its environment, the
+    jobs' working directory): printed with the results, so that a compare of two trees
+    shows it ran two trees."""
+    cmd = [PY, "-c", "import os, swarmfd; print(os.path.dirname(swarmfd.__file__))"]
+    return run_procs([cmd], [dict(os.environ, **variant.env)], 60,
+                     cwd=NEUTRAL_CWD)[0][1].strip()
+
+
 def swarmfd_memory(variant: Variant, n: int, size: int, timeout: float) -> list[dict]:
     cmd = [PY, "-m", "swarmfd", "run", "-n", str(n), "--timeout", str(collective_timeout(timeout)),
            "--", PY, str(HERE / "memory.py"), "--size", str(size), "--system", variant.name]
-    results = run_procs([cmd], [dict(os.environ, **variant.env)], timeout)
+    results = run_procs([cmd], [dict(os.environ, **variant.env)], timeout, cwd=NEUTRAL_CWD)
     return json_lines(results[0][1])
 
 
@@ -600,6 +617,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "all_reduce" not in collectives:
         systems = [s for s in systems if s != "gloo"]
 
+    origins = {v.name: swarmfd_origin(v) for v in variants if v.name in systems}
+    for name, origin in origins.items():
+        print(f"note: {name} imports swarmfd from {origin}", file=sys.stderr)
+        tree = by_name[name].env.get("PYTHONPATH", "").split(os.pathsep)[0]
+        if tree and not origin.startswith(os.path.abspath(tree)):
+            sys.exit(f"compare.py: variant {name} sets PYTHONPATH={tree} but its jobs import "
+                     f"swarmfd from {origin}")
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -679,7 +703,8 @@ def main(argv: Sequence[str] | None = None) -> int:
              f"start, {os.getloadavg()[0]:.1f} at the end (other work on the machine inflates "
              "absolute figures; compare systems within one run).",
              "swarmfd variants: " + "; ".join(
-                 f"{v.name} ({' '.join(f'{k}={x}' for k, x in v.env.items()) or 'default'})"
+                 f"{v.name} ({' '.join(f'{k}={x}' for k, x in v.env.items()) or 'default'}; "
+                 f"swarmfd from {origins.get(v.name, '?')})"
                  for v in variants) + "."]
     text = "\n".join(lines) + "\n" + markdown_tables(summary, systems, ns, sizes, collectives)
     text += cpu_tables(summary, systems, ns, sizes, collectives)

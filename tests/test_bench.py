@@ -326,3 +326,24 @@ def test_compare_reports_the_median_and_the_best_of_the_runs() -> None:
     assert "| swarmfd | gloo | 2 | 1.57x |" in median_table  # 1.1 / 0.7
     assert "best run of each system" in best_table
     assert "| swarmfd | gloo | 2 | 2.50x |" in best_table  # 1.0 / 0.4
+
+
+def test_a_compare_variant_with_another_tree_imports_that_tree(tmp_path: os.PathLike) -> None:
+    """A variant's PYTHONPATH (another checkout's swarmfd, for before/after compares) is
+    what its jobs import, from the repository root too: ``python -m`` puts the working
+    directory first, so jobs that ran in the repository imported its swarmfd whatever
+    PYTHONPATH said (until 2026-12-02)."""
+    cmp = _compare_module()
+    tree = os.path.join(tmp_path, "tree")
+    os.makedirs(os.path.join(tree, "swarmfd"))
+    with open(os.path.join(tree, "swarmfd", "__init__.py"), "w", encoding="utf-8") as f:
+        f.write("")
+    here = os.getcwd()
+    os.chdir(os.path.join(os.path.dirname(__file__), os.pardir))  # the repository root
+    try:
+        other = cmp.swarmfd_origin(cmp.Variant("other", {"PYTHONPATH": tree}))
+        default = cmp.swarmfd_origin(cmp.Variant("default", {}))
+    finally:
+        os.chdir(here)
+    assert other == os.path.join(tree, "swarmfd")
+    assert os.path.samefile(default, os.path.dirname(cmp.__file__) + "/../swarmfd")
