@@ -411,7 +411,7 @@ def broadcast(x: T, src: int = 0, *, group: Any = None, group_src: int | None = 
 
     def body(o: Op, flat: np.ndarray) -> Any:
         two = g.two_level()
-        hier = two and select.broadcast_two_level(flat.nbytes, two[0])
+        hier = two and select.broadcast_two_level(flat.nbytes, two[0], root)
         if hier:
             return hier(o, flat, root, *two)
         algo = select.broadcast(o.plane.kind, flat.nbytes, o.size)

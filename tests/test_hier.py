@@ -250,6 +250,23 @@ def test_two_level_selection_by_size() -> None:
         hier.all_reduce_large
 
 
+def test_a_small_broadcast_is_two_level_only_where_the_direct_send_crosses_a_link_twice() -> None:
+    """Plain data: up to the direct send's size, two-level only when a host other than the
+    root's holds several ranks; above it, always."""
+    from swarmfd.algorithms import select
+
+    small, large = select.SMALL_BYTES, select.SMALL_BYTES + 4
+    uneven = hier.layout_of(["a", "a", "a", "b"], 0)  # hosts (0, 1, 2) and (3,)
+    assert select.broadcast_two_level(small, uneven, 0) is None  # one copy crosses anyway
+    assert select.broadcast_two_level(small, uneven, 3) is hier.broadcast  # 3 would cross
+    assert select.broadcast_two_level(large, uneven, 0) is hier.broadcast
+    even = hier.layout_of(["a", "b", "a", "b"], 1)
+    assert select.broadcast_two_level(4096, even, 0) is hier.broadcast
+    assert select.broadcast_two_level(large, even, 2) is hier.broadcast
+    nine = hier.layout_of(["a"] * 8 + ["b"], 0)  # 9 ranks: the flat one is the chain
+    assert select.broadcast_two_level(4096, nine, 0) is hier.broadcast
+
+
 # -- the public calls, in-process ------------------------------------------------------------
 
 

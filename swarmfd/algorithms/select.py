@@ -128,7 +128,22 @@ def all_reduce_two_level(nbytes: int, lay: hier.Layout) -> Algo | None:
     return hier.all_reduce_large
 
 
-def broadcast_two_level(nbytes: int, lay: hier.Layout) -> Algo | None:
+def broadcast_two_level(nbytes: int, lay: hier.Layout, root: int) -> Algo | None:
+    """The two-level broadcast of ``nbytes`` from group rank ``root``, or None for the
+    flat one.
+
+    A small broadcast (the flat one is then the direct send: one hop from the root to
+    every rank) stays flat when no other host than the root's holds several of the
+    group's ranks: the direct send then puts one copy on each other host's link anyway,
+    and the two-level one only adds its shared-memory stage. Measured with
+    benchmarks/hierarchy.py (2026-12-02, 3 interleaved runs, 5 Gbit/s, root on the
+    larger host), two-level against flat at 4 KiB / 64 KiB / 256 KiB: 3+1 0.89 / 0.83 /
+    0.97x by host and 0.91 / 0.89 / 1.11x spread; 2x2, where the direct send crosses the
+    link twice, 1.06 / 1.22 / 1.31x by host and 0.97 / 1.01 / 1.16x spread.
+    """
+    if _direct(nbytes, sum(len(h) for h in lay.hosts)) and not any(
+            len(h) > 1 for h in lay.hosts if root not in h):
+        return None
     return hier.broadcast
 
 
