@@ -206,7 +206,7 @@ def _run(g: _group.Group, sig: Signature, make: Callable[[Op], Any] | None,
         return completed(result, _label(g, sig)) if async_op else result
     ch = g.channel
     op = Op(ch, plane, g.ranks, g.rank, g.gid, g.seq, sig,
-            plane if plane.kind == "shm" else None, g.next_slot)
+            plane if plane.kind == "shm" else None, g.next_slot, ring=g.ring)
     engine = g._state.engine
     if not async_op and engine.idle():
         with engine.lock:  # the progress thread may be finishing its last step
@@ -334,7 +334,7 @@ def _items(x: Any) -> Sequence[Any] | None:
 # -- all_reduce -------------------------------------------------------------------------
 
 
-def _all_reduce_algo(o: Op, flat: np.ndarray, rop: ReduceOp, mean: bool, ring: list[int],
+def _all_reduce_algo(o: Op, flat: np.ndarray, rop: ReduceOp, mean: bool,
                      two: Any = None) -> Any:
     ufunc = _UFUNCS[rop]
     hier = two and select.all_reduce_two_level(flat.nbytes, two[0])
@@ -344,11 +344,7 @@ def _all_reduce_algo(o: Op, flat: np.ndarray, rop: ReduceOp, mean: bool, ring: l
             yield o.flush()  # pieces of flat may still be on their way to a peer
             np.divide(flat, o.size, out=flat)
         return
-    algo = select.all_reduce(o.plane.kind, flat.nbytes, o.size, flat.size)
-    if algo is select.tcp.all_reduce_ring:
-        yield from algo(o, flat, ufunc, ring)
-    else:
-        yield from algo(o, flat, ufunc)
+    yield from select.all_reduce(o.plane.kind, flat.nbytes, o.size, flat.size)(o, flat, ufunc)
     if mean:
         yield o.flush()  # pieces of flat may still be on their way to a peer
         np.divide(flat, o.size, out=flat)
@@ -367,7 +363,7 @@ def all_reduce(x: T, op: str = "sum", *, group: Any = None, async_op: bool = Fal
     wire_op = ReduceOp.MEAN if mean else rop
 
     def body(o: Op, flat: np.ndarray) -> Any:
-        return _all_reduce_algo(o, flat, rop, mean, g.ring, g.two_level())
+        return _all_reduce_algo(o, flat, rop, mean, g.two_level())
 
     items = _items(x)
     if items is not None:
@@ -414,10 +410,7 @@ def broadcast(x: T, src: int = 0, *, group: Any = None, group_src: int | None = 
         hier = two and select.broadcast_two_level(flat.nbytes, two[0], root)
         if hier:
             return hier(o, flat, root, *two)
-        algo = select.broadcast(o.plane.kind, flat.nbytes, o.size)
-        if algo is select.tcp.broadcast_chain:
-            return algo(o, flat, root, g.ring)
-        return algo(o, flat, root)
+        return select.broadcast(o.plane.kind, flat.nbytes, o.size)(o, flat, root)
 
     items = _items(x)
     if items is not None:
@@ -452,11 +445,8 @@ def reduce(x: T, dst: int = 0, op: str = "sum", *, group: Any = None,
         if hier:
             yield from hier(o, flat, root, _UFUNCS[rop], *two)
         else:
-            algo = select.reduce(o.plane.kind, flat.nbytes, o.size)
-            if algo is select.tcp.reduce_chain:
-                yield from algo(o, flat, root, _UFUNCS[rop], g.ring)
-            else:
-                yield from algo(o, flat, root, _UFUNCS[rop])
+            yield from select.reduce(o.plane.kind, flat.nbytes, o.size)(o, flat, root,
+                                                                        _UFUNCS[rop])
         if mean and o.me == root:
             yield o.flush()
             np.divide(flat, o.size, out=flat)
@@ -501,10 +491,7 @@ def all_gather(x: Any, out: Any = None, *, group: Any = None,
         hier = two and select.all_gather_two_level(flat.nbytes, two[0])
         if hier:
             return hier(o, rows, *two)
-        algo = select.all_gather(o.plane.kind, flat.nbytes, o.size)
-        if algo is select.tcp.all_gather_ring:
-            return algo(o, rows, g.ring)
-        return algo(o, rows)
+        return select.all_gather(o.plane.kind, flat.nbytes, o.size)(o, rows)
 
     return _run(g, _signature(Collective.ALL_GATHER, [arr], code, ReduceOp.NONE), body,
                 lambda _: [rows[r].reshape(arr.shape) for r in range(n)], async_op)
@@ -542,7 +529,7 @@ def _all_gather_v(g: _group.Group, arr: np.ndarray, flat: np.ndarray, code: int,
             largest = max(b - a for a, b in bounds) * arr.itemsize
             direct = select.all_gather("tcp", largest, n) is select.tcp.all_gather_direct \
                 and largest <= wire.PIECE_BYTES
-            yield from select.tcp.all_gather_v(o, flat, res, bounds, g.ring, direct)
+            yield from select.tcp.all_gather_v(o, flat, res, bounds, direct=direct)
 
     def finish(_: Any) -> Any:
         if "res" not in state:  # a group of one
@@ -643,7 +630,7 @@ def reduce_scatter(x: Any, out: Any = None, *, op: str = "sum", group: Any = Non
     def body(o: Op) -> Any:
         algo = select.reduce_scatter(o.plane.kind, flat.nbytes, o.size)
         if algo is select.tcp.reduce_scatter_ring:
-            yield from algo(o, flat.copy(), parts, res_flat, ufunc, g.ring)  # scratch copy
+            yield from algo(o, flat.copy(), parts, res_flat, ufunc)  # scratch copy
         else:
             yield from algo(o, flat, parts, res_flat, ufunc)
         if mean:

@@ -528,18 +528,17 @@ def test_flat_collectives_cross_each_host_link_as_few_times_as_their_order_allow
     hosts = ["a", "b", "a", "b"]
     S = 4 << 20
     calls = {}
-    for name, coll in (("broadcast", "b"), ("reduce", "r"), ("all_reduce", "a")):
+    for name in ("broadcast", "reduce", "all_reduce"):
         fabric = Fabric(4)
 
-        def one(rank: int, world: int, coll: str = coll) -> bool:
+        def one(rank: int, world: int, name: str = name) -> bool:
             import swarmfd as fd
 
-            n = S // 8
-            x = np.full(n, float(rank + 1))
-            if coll == "b":
+            x = np.full(S // 8, float(rank + 1))
+            if name == "broadcast":
                 fd.broadcast(x, src=1)
                 return bool((x == 2.0).all())
-            if coll == "r":
+            if name == "reduce":
                 fd.reduce(x, dst=3)
                 return bool((x == (10.0 if rank == 3 else rank + 1)).all())
             fd.all_reduce(x)

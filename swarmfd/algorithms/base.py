@@ -45,12 +45,13 @@ PIECE_BYTES = wire.PIECE_BYTES
 class Op:
     """One collective call of one group, on one plane (see module docstring)."""
 
-    __slots__ = ("channel", "gid", "me", "next_slot", "plane", "ranks", "seq", "shm", "sig",
-                 "size", "tag_base")
+    __slots__ = ("channel", "gid", "me", "next_slot", "plane", "ranks", "ring", "seq", "shm",
+                 "sig", "size", "tag_base")
 
     def __init__(self, channel: Channel, plane: Plane, ranks: list[int], me: int, gid: int,
                  seq: int, sig: wire.Signature, shm: Any = None,
-                 next_slot: Callable[[], int] | None = None, tag_base: int = 0) -> None:
+                 next_slot: Callable[[], int] | None = None, tag_base: int = 0,
+                 ring: list[int] | None = None) -> None:
         self.channel = channel
         self.plane = plane
         self.ranks = ranks  # world rank of each group rank
@@ -62,11 +63,15 @@ class Op:
         self.shm = shm
         self.next_slot = next_slot
         self.tag_base = tag_base
+        #: The group ranks in the order rings and chains follow (the group's, by host);
+        #: None: rank order.
+        self.ring = ring
 
     def sub(self, plane: Plane, members: list[int], tag_base: int, shm: Any = None,
             next_slot: Callable[[], int] | None = None) -> Op:
         """The same call among some of its members (group ranks ``members``), on
-        ``plane``, with tags from ``tag_base`` (hierarchical algorithms' phases)."""
+        ``plane``, with tags from ``tag_base`` (hierarchical algorithms' phases), its rings
+        in rank order among them."""
         ranks = [self.ranks[m] for m in members]
         return Op(self.channel, plane, ranks, members.index(self.me), self.gid, self.seq,
                   self.sig, shm, next_slot, tag_base)

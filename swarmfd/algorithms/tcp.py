@@ -25,8 +25,9 @@ Broadcast and reduce have ranks that only send, so they end with an acknowledgem
 SIG): a rank that called something else, or a root mismatch that leaves every rank
 waiting to receive, is then caught in this call, on every rank.
 
-The rings and the chains follow ``ring`` (group ranks in ring order, default 0..N-1):
-ordered by host, they cross each host's link as few times as possible.
+The rings and the chains follow the op's ring order (``Op.ring``, the group's: by
+host; or a ``ring`` given to the algorithm; rank order without either): ordered by
+host, they cross each host's link as few times as possible.
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ SIG = 0xFFFFFFFE
 
 
 def _ring(op: Op, ring: Sequence[int] | None) -> tuple[list[int], int]:
+    """The ring order (``ring``, else the op's, else rank order) and this rank's place."""
+    ring = ring if ring is not None else op.ring
     order = list(range(op.size)) if ring is None else list(ring)
     return order, order.index(op.me)
 
@@ -177,15 +180,13 @@ def broadcast_direct(op: Op, buf: np.ndarray, root: int) -> Algorithm:
     yield from signature_ring_end(op)
 
 
-def _chain(op: Op, ring: Sequence[int] | None, first: int) -> tuple[int, int, int]:
-    """(position, previous, next) of this rank in the chain that follows ``ring`` (group
-    ranks in ring order; None: rank order) from group rank ``first``."""
-    order, _ = _ring(op, ring)
+def _chain(order: list[int], me: int, first: int) -> tuple[int, int, int]:
+    """(position, previous, next) of group rank ``me`` in the chain that follows
+    ``order`` (group ranks in ring order) from group rank ``first``."""
     at = order.index(first)
     chain = order[at:] + order[:at]
-    pos = chain.index(op.me)
-    N = op.size
-    return pos, chain[(pos - 1) % N], chain[(pos + 1) % N]
+    pos = chain.index(me)
+    return pos, chain[pos - 1], chain[(pos + 1) % len(chain)]
 
 
 def broadcast_chain(op: Op, buf: np.ndarray, root: int,
@@ -197,7 +198,7 @@ def broadcast_chain(op: Op, buf: np.ndarray, root: int,
     hop)."""
     signature_ring(op)
     N = op.size
-    pos, prv, nxt = _chain(op, ring, root)
+    pos, prv, nxt = _chain(_ring(op, ring)[0], op.me, root)
     for j, (a, b) in enumerate(split(buf.size, num_pieces(buf.size, buf.itemsize))):
         seg = buf[a:b]
         if pos > 0:
@@ -238,7 +239,7 @@ def reduce_chain(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc,
     signature_ring(op)
     order, _ = _ring(op, ring)
     first = order[(order.index(root) + 1) % op.size]
-    pos, prv, nxt = _chain(op, ring, first)
+    pos, prv, nxt = _chain(order, op.me, first)
     for j, (a, b) in enumerate(split(buf.size, num_pieces(buf.size, buf.itemsize))):
         seg = buf[a:b]
         if pos == 0:
