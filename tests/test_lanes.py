@@ -503,3 +503,67 @@ def test_a_refused_message_is_read_off_the_stream(pair: list[Endpoint], wrong: s
     with pytest.raises((MismatchError, ProtocolError)):
         t0.recv(1, SIG, 1, 0, 4)
     assert bytes(t0.t.channel.recv(t0.t.tcp, 1, SIG, 3, 1, 0, 4)) == b"next"
+
+
+# -- the zmq plane: one receiving socket, the source from the connection -------------------
+
+
+@pytest.fixture(params=["plain", "curve", "no-auth"])
+def zmq_trio(request: pytest.FixtureRequest) -> Iterator[list[Endpoint]]:
+    """Three ranks on the zmq plane, in-process: rank 0's one DEALER receives from two
+    peers, so a message's source must come from its connection."""
+    sec = (None if request.param == "no-auth"
+           else security.Security.from_secret(SECRET, request.param == "curve"))
+    ts = [Endpoint(transport.Transport(r, 3, 10.0, "127.0.0.1", sec, "zmq")) for r in range(3)]
+    try:
+        _connect_all(ts)
+        yield ts
+    finally:
+        for t in ts:
+            t.close(linger=0)
+
+
+def _forge_from(t: Endpoint, dst: int, claimed_src: int, seq: int, tag: int,
+                body: bytes) -> None:
+    """Send a DATA message from ``t``'s plane whose header claims ``claimed_src``."""
+    router = t.tcp.router
+    router.send_multipart([b"%d" % dst, wire.pack_header(
+        wire.Kind.DATA, SIG, claimed_src, seq, tag, len(body), wire.FLAG_INLINE) + body])
+
+
+def test_zmq_messages_from_two_peers_are_told_apart_by_their_connection(
+        zmq_trio: list[Endpoint]) -> None:
+    t0, t1, t2 = zmq_trio
+    assert t0.tcp.peers == [1, 2]  # both feed the one DEALER, t0.tcp.rx
+    t2.send(0, SIG, 1, 0, b"from-2")
+    t1.send(0, SIG, 1, 0, b"from-1")
+    t2.flush()
+    t1.flush()
+    assert bytes(t0.recv(1, SIG, 1, 0, 6)) == b"from-1"
+    assert bytes(t0.recv(2, SIG, 1, 0, 6)) == b"from-2"
+
+
+def test_a_zmq_header_that_claims_another_peer_is_refused_naming_its_connection(
+        zmq_trio: list[Endpoint]) -> None:
+    """Rank 2 writes src=1 into a header: rank 0 takes its source from the connection
+    (rank 2's announced rank), never from the header, and refuses the message."""
+    t0, _, t2 = zmq_trio
+    _forge_from(t2, 0, 1, 1, 0, b"forged")
+    start = time.monotonic()
+    with pytest.raises(ProtocolError, match=r"rank 2 sent bytes that are not a swarmfd "
+                                            r"message.*claims source rank 1"):
+        t0.recv(1, SIG, 1, 0, 6)
+    assert time.monotonic() - start < 5
+
+
+def test_a_closed_zmq_peer_is_reported_lost_by_its_endpoint(
+        zmq_trio: list[Endpoint]) -> None:
+    """The one DEALER's monitor names a closed connection by endpoint: the lost rank is
+    the one that closed, not another peer."""
+    t0, _, t2 = zmq_trio
+    t2.close(linger=0)
+    deadline = time.monotonic() + 5
+    while 2 not in t0.channel.lost and time.monotonic() < deadline:
+        t0.tcp.check_lost()
+        time.sleep(0.01)
+    assert set(t0.channel.lost) == {2}, t0.channel.lost

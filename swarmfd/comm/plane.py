@@ -5,8 +5,8 @@ A *plane* connects this rank to some of its peers and moves whole messages: a
 
 * :class:`swarmfd.comm.planes.socket.SocketPlane`: plain TCP connections and a
   single-threaded progress engine (the default between hosts);
-* :class:`swarmfd.comm.planes.zmq.ZmqPlane`: ZeroMQ ROUTER/DEALER sockets (required
-  for an encrypted data plane);
+* :class:`swarmfd.comm.planes.zmq.ZmqPlane`: a ZeroMQ ROUTER that sends and one DEALER
+  that receives (required for an encrypted data plane);
 * :class:`swarmfd.comm.planes.shm.ShmPlane`: the ranks of one host, through shared
   memory; its messages are small records (the data itself moves through shared
   segments the shm algorithms address directly).

@@ -11,8 +11,9 @@
     hand-offs and receive copy were the floor of the TCP path: measured on loopback
     at N=2, a bare exchange of 16 MiB / 64 MiB took 9.5-10.2 ms / 35-46 ms through
     pyzmq PUSH/PULL and 6.2 ms / 20.5 ms through non-blocking sockets;
-  * ``zmq``: ROUTER/DEALER sockets (:mod:`swarmfd.comm.planes.zmq`); required for an
-    encrypted data plane (``SWARMFD_ENCRYPT=1``: CURVE), selectable otherwise;
+  * ``zmq``: a ROUTER that sends, one DEALER that receives
+    (:mod:`swarmfd.comm.planes.zmq`); required for an encrypted data plane
+    (``SWARMFD_ENCRYPT=1``: CURVE), selectable otherwise;
 
 * the shared-memory plane (:mod:`swarmfd.comm.planes.shm`) to the peers on this host,
   when there are any and ``SWARMFD_TRANSPORT`` is ``auto``.

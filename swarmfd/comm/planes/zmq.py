@@ -1,15 +1,24 @@
-"""The ZeroMQ plane: a bound ROUTER that only sends, a DEALER per peer that only receives.
+"""The ZeroMQ plane: a bound ROUTER that only sends, one DEALER that only receives.
 
-Each rank binds one ROUTER socket and sends to peer j through it, by j's routing id;
-it connects one DEALER socket to each peer's ROUTER and only ever receives on it, so
-a message's source is the socket it arrived on, never a header's claim (a header
-whose ``src`` differs is a protocol error). ZAP admits each peer's DEALER once
-(:class:`swarmfd.comm.security.Authenticator`: a one-time PLAIN token, or CURVE with
-the job key when the plane is encrypted). The bound socket is what a stranger can
-reach for as long as the job runs (libzmq's unbind would drop its connections too),
-so it refuses frames over MAX_HANDSHAKE_FRAME and drops a connection that has not
-authenticated within HANDSHAKE_IVL_MS; socket monitors on the DEALERs report a
-peer whose connection closed.
+Each rank binds one ROUTER socket and sends to peer j through it, by j's routing id.
+It connects one DEALER socket to every peer's ROUTER and only ever receives on it:
+libzmq fair-queues the peers' messages into that one socket. A message's source is
+the connection it arrived on, never a header's claim: each ROUTER announces its rank
+in its handshake (ZMQ_METADATA ``X-Rank``), which libzmq attaches to every message of
+that connection (``Frame.get``), and the DEALER's connections go only to the
+endpoints the encrypted rendezvous gave. A header whose ``src`` differs is a protocol
+error. ZAP admits the DEALER's connection to each peer once
+(:class:`swarmfd.comm.security.Authenticator`: a one-time PLAIN token, set per
+connection, or CURVE with the job key when the plane is encrypted). The bound socket
+is what a stranger can reach for as long as the job runs (libzmq's unbind would drop
+its connections too), so it refuses frames over MAX_HANDSHAKE_FRAME and drops a
+connection that has not authenticated within HANDSHAKE_IVL_MS; a socket monitor on
+the DEALER reports a peer whose connection closed (by its endpoint).
+
+One receiving socket, not one per peer: at N=4, plain pyzmq exchanging 4 KiB with
+every peer took 182-213 us a round with a DEALER per peer (polled) against 155-165 us
+with one DEALER and 153-185 us with 8ec62ae's PUSH/PULL (4 interleaved runs,
+benchmarks/zmq_patterns.py); reading the metadata per message costs 165-168 us.
 
 Messages: a :mod:`swarmfd.comm.wire` header with its payload inline (one frame) up
 to INLINE_MAX_BYTES, else a header frame and a payload frame (copied up to
@@ -81,12 +90,12 @@ class ZmqPlane:
     """The ZeroMQ data plane (see the module docstring).
 
     Each rank binds one ROUTER socket that only *sends*: to peer j by its routing id.
-    It connects one DEALER socket to each peer's ROUTER that only *receives*, so a
-    message's source is the socket it arrived on, never a header's claim (a header
-    whose ``src`` differs is a protocol error). ZAP admits each peer's DEALER once
-    (:class:`_Authenticator`); the bound socket, which is what a stranger can reach
-    for as long as the job runs, refuses frames over MAX_HANDSHAKE_FRAME and drops a
-    connection that has not authenticated within HANDSHAKE_IVL.
+    It connects one DEALER socket to every peer's ROUTER that only *receives*; a
+    message's source is its connection's ``X-Rank`` (set by the peer's ROUTER in the
+    handshake), never a header's claim. ZAP admits the DEALER's connection to each
+    peer once; the bound socket, which is what a stranger can reach for as long as the
+    job runs, refuses frames over MAX_HANDSHAKE_FRAME and drops a connection that has
+    not authenticated within HANDSHAKE_IVL.
     """
 
     name = "zmq"
@@ -117,6 +126,9 @@ class ZmqPlane:
         self.router.setsockopt(zmq.RCVHWM, 1)
         self.router.setsockopt(zmq.LINGER, int(min(timeout, 5.0) * 1000))
         keepalive(self.router)
+        # Every message this ROUTER sends carries its rank to the receiver (see the module
+        # docstring): set before bind, since a listener copies the options it has then.
+        self.router.setsockopt(zmq.METADATA, b"X-Rank:%d" % rank)
         port = self.router.bind_to_random_port(f"tcp://{bind_host}")
         self.endpoint = f"tcp://{bind_host}:{port}"
         # Counts the peers whose DEALER authenticated (setup waits for all of them).
@@ -126,16 +138,24 @@ class ZmqPlane:
         self.accept_failed = 0
         self.dropped = 0  # stranger frames read off the bound socket (_drop_strangers)
         self.ids = {j: b"%d" % j for j in range(world_size)}
-        self.dealers: dict[int, zmq.Socket] = {}
-        self.sources: dict[zmq.Socket, int] = {}
-        self.monitors: dict[zmq.Socket, int] = {}
+        #: The one receiving socket, connected to every peer's ROUTER in connect().
+        self.rx = ctx.socket(zmq.DEALER)
+        self.rx.setsockopt(zmq.ROUTING_ID, self.ids[rank])
+        self.rx.setsockopt(zmq.RCVHWM, 0)
+        self.rx.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
+        self.rx.setsockopt(zmq.RCVTIMEO, WAIT_SLICE_MS)
+        self.rx.setsockopt(zmq.LINGER, 0)
+        keepalive(self.rx)
+        self.rx_monitor: zmq.Socket | None = None
+        self.peers: list[int] = []
+        #: A connection's X-Rank (as Frame.get returns it) -> the peer's rank.
+        self.rank_of: dict[str, int] = {}
+        #: A peer's endpoint (as the DEALER's monitor reports it) -> the peer's rank.
+        self.at: dict[bytes, int] = {}
         self.connected: set[int] = set()
-        self.poller = zmq.Poller()
-        self.order: list[zmq.Socket] = []
-        self.next = 0
         self.trackers: list[tuple[int, zmq.MessageTracker]] = []
-        self.raw: bytes = b""  # the frame whose header next_header returned
-        self.cur: zmq.Socket | None = None  # the socket it came from
+        #: The frame whose header next_header returned (a view that keeps its Frame alive).
+        self.raw: memoryview | bytes = b""
         self.spinner = Spinner()
 
     def idle(self) -> None:
@@ -158,25 +178,17 @@ class ZmqPlane:
         DEALER authenticated, and every peer's DEALER authenticated with ours (so no
         message is sent before its receiver listens, and no token is left unused)."""
         t = self.t
+        rx = self.rx
+        self.rx_monitor = rx.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED
+                                                | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         for peer in peers:
             if peer.rank == self.rank:
                 continue
-            sock = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.ROUTING_ID, self.ids[self.rank])
-            sock.setsockopt(zmq.RCVHWM, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
-            sock.setsockopt(zmq.RCVTIMEO, WAIT_SLICE_MS)
-            sock.setsockopt(zmq.LINGER, 0)
-            keepalive(sock)
-            self._client(sock, peer)
-            mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED
-                                          | zmq.EVENT_HANDSHAKE_SUCCEEDED)
-            sock.connect(peer.endpoint)
-            self.dealers[peer.rank] = sock
-            self.sources[sock] = peer.rank
-            self.monitors[mon] = peer.rank
-            self.poller.register(sock, zmq.POLLIN)
-            self.order.append(sock)
+            self._client(rx, peer)  # read by connect(): each connection has its own
+            rx.connect(peer.endpoint)
+            self.peers.append(peer.rank)
+            self.rank_of[str(peer.rank)] = peer.rank
+            self.at[peer.endpoint.encode()] = peer.rank
         want = self.world_size - 1
         while len(self.connected) < want or self.inbound < want:
             self.check_lost()
@@ -192,7 +204,7 @@ class ZmqPlane:
                 )
             lost = sorted(set(t.lost) - self.connected)
             if lost or _now() > deadline:
-                missing = sorted(set(self.dealers) - self.connected)
+                missing = sorted(set(self.peers) - self.connected)
                 raise RendezvousTimeout(
                     f"rank {self.rank} could not set up its data connections within the timeout "
                     f"(zmq data plane at {self.endpoint}): "
@@ -224,17 +236,17 @@ class ZmqPlane:
         # order, or a full monitor pipe, can block in disable_monitor (libzmq#3575).
         self.check_lost()
         self._stop_router_monitor()
-        for sock in self.dealers.values():
+        mon, self.rx_monitor = self.rx_monitor, None
+        if mon is not None:
             with contextlib.suppress(zmq.ZMQError):
-                sock.disable_monitor()
-        for mon in self.monitors:
+                self.rx.disable_monitor()
             mon.close(linger=0)
-        for sock in self.dealers.values():
-            sock.close(linger=0)
+        self.rx.close(linger=0)
         self.router.close(linger=int(linger * 1000))
 
     def _client(self, sock: zmq.Socket, peer: PeerInfo) -> None:
-        """Credentials of this rank's connection to ``peer``'s ROUTER."""
+        """Credentials of this rank's connection to ``peer``'s ROUTER (libzmq copies a
+        socket's options into each connection when connect() is called)."""
         sec = self.security
         if sec is None:
             return
@@ -273,7 +285,7 @@ class ZmqPlane:
         """Best effort: ``body`` as one inline frame to every peer (aborts, reports)."""
         header = wire.pack_header(kind, sig, self.rank, 0, 0, len(body), wire.FLAG_INLINE,
                                   group)
-        for dst in self.dealers:
+        for dst in self.peers:
             with contextlib.suppress(zmq.ZMQError):
                 self.router.send_multipart([self.ids[dst], header + body], zmq.NOBLOCK)
 
@@ -287,89 +299,58 @@ class ZmqPlane:
                 self.trackers[0][1].wait(timeout)
         return None
 
-    def _ready(self, src: int) -> zmq.Socket | None:
-        """A DEALER with a message waiting, without blocking: ``src``'s first (the peer
-        the caller waits for), else the next in round-robin order (fair to the others).
-
-        Readiness is read from ZMQ_EVENTS, which also takes in what libzmq's I/O thread
-        delivered meanwhile: a non-blocking recv would raise zmq.Again for every empty
-        socket, several microseconds each, on every socket but one at N=4."""
-        first = self.dealers.get(src)
-        if first is not None and first.get(_EVENTS) & _POLLIN:
-            return first
-        order = self.order
-        n = len(order)
-        start = self.next
-        for i in range(n):
-            sock = order[(start + i) % n]
-            if sock is not first and sock.get(_EVENTS) & _POLLIN:
-                self.next = (start + i + 1) % n
-                return sock
-        return None
-
-    def _recv_any(self, timeout: float, src: int = -1) -> tuple[zmq.Socket, bytes] | None:
-        """The next frame from any peer (``src``'s first, then round-robin), or None after
-        ``timeout``: polls for the spin budget (swarmfd.comm.spin), then blocks in one
-        zmq_poll over every DEALER, GIL released."""
-        sock = self._ready(src)
-        if sock is None:
+    def _recv(self, timeout: float) -> zmq.Frame | None:
+        """The next frame from any peer, or None after ``timeout``: polls for the spin
+        budget (swarmfd.comm.spin), then blocks in the DEALER (GIL released). Readiness
+        is read from ZMQ_EVENTS: a non-blocking recv on an empty socket raises zmq.Again,
+        several microseconds each."""
+        rx = self.rx
+        if not rx.get(_EVENTS) & _POLLIN:
             if timeout <= 0:
                 return None
-            found: list[zmq.Socket] = []
-
-            def ready() -> bool:
-                got = self._ready(src)
-                if got is None:
-                    return False
-                found.append(got)
-                return True
-
-            if self.spinner.spin(ready):
-                sock = found[0]
-            elif len(self.order) == 1 and timeout == WAIT_SLICE_MS / 1000:
-                # One peer: a blocking receive (at most WAIT_SLICE, RCVTIMEO), one call.
-                sock = self.order[0]
-                try:
-                    return sock, sock.recv()
-                except zmq.Again:
-                    return None
-            else:
-                if not self.poller.poll(int(timeout * 1000)):
-                    return None
-                sock = self._ready(src)
-                if sock is None:
+            if not self.spinner.spin(lambda: bool(rx.get(_EVENTS) & _POLLIN)):
+                if timeout == WAIT_SLICE_MS / 1000:
+                    try:  # one call, at most WAIT_SLICE (RCVTIMEO)
+                        return rx.recv(copy=False)
+                    except zmq.Again:
+                        return None
+                if not rx.poll(int(timeout * 1000)):
                     return None
         else:
             self.spinner.caught()
         try:
-            return sock, sock.recv(zmq.NOBLOCK)
+            return rx.recv(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return None
 
     def next_header(self, timeout: float, src: int = -1) -> wire.Header | None:
         """The next valid header (its payload then read with read_payload) or None after
-        ``timeout`` s; ``src``: the peer the caller waits for, looked at first. A header
-        from a peer that is not a swarmfd message, or claims another source, is a
-        protocol error: the peer does not follow the protocol."""
-        got = self._recv_any(timeout, src)
-        if got is None:
+        ``timeout`` s. Messages come in the order libzmq fair-queues the peers' (``src``,
+        the peer the caller waits for, is not looked at first: there is one queue). A
+        header that is not a swarmfd message, or claims another source than its
+        connection's, is a protocol error: the peer does not follow the protocol."""
+        frame = self._recv(timeout)
+        if frame is None:
             return None
-        sock, raw = got
-        src = self.sources[sock]
+        peer = self.rank_of.get(frame.get("X-Rank"))
+        if peer is None:  # cannot happen: the DEALER connects to peers' ROUTERs only
+            self._drain()
+            raise ProtocolError(f"a message on rank {self.rank}'s data connections came "
+                                f"without a peer's rank (X-Rank {frame.get('X-Rank')!r})")
+        raw = frame.buffer
         try:
             hdr = wire.unpack_header(raw)
-            if hdr.src != src:
+            if hdr.src != peer:
                 raise ProtocolError(f"a header claims source rank {hdr.src}")
-            if hdr.inline and sock.get(_RCVMORE):
+            if hdr.inline and self.rx.get(_RCVMORE):
                 raise ProtocolError("an inline message with a second frame")
         except ProtocolError as exc:
-            self._drain(sock)
+            self._drain()
             raise ProtocolError(
-                f"rank {src} sent bytes that are not a swarmfd message on its data connection "
-                f"({exc})"
+                f"rank {peer} sent bytes that are not a swarmfd message on its data "
+                f"connection ({exc})"
             ) from None
         self.raw = raw
-        self.cur = sock
         return hdr
 
     def read_payload(self, hdr: wire.Header, into: Any, between: Callable[[], None],
@@ -377,30 +358,30 @@ class ZmqPlane:
         """The payload of the header next_header returned: into ``into`` (None returned)
         or as a buffer (``bytes`` when the caller ``keep``s it, e.g. in the stash: a zmq
         Frame must not outlive the receive that returned it)."""
-        sock, raw = self.cur, self.raw
-        assert sock is not None
+        raw = self.raw
         self.raw = b""
+        rx = self.rx
         if hdr.inline:
-            inline = memoryview(raw)[wire.HEADER_SIZE:]
+            inline = raw[wire.HEADER_SIZE:]
             if into is None:
                 return bytes(inline) if keep else inline
             memoryview(into).cast("B")[:] = inline
             return None
-        if not sock.get(_RCVMORE):
+        if not rx.get(_RCVMORE):
             if into is None and hdr.nbytes == 0:
                 return b""
             raise ProtocolError(f"{self.t.activity}: rank {hdr.src} sent a header without "
                                 "payload")
         if into is not None:
-            got = sock.recv_into(into)
-            self._drain(sock)
+            got = rx.recv_into(into)
+            self._drain()
             if got != hdr.nbytes:
                 raise ProtocolError(f"{self.t.activity}: rank {hdr.src} sent {got} bytes, "
                                     f"expected {hdr.nbytes}")
             return None
-        data = sock.recv(copy=False) if hdr.nbytes > INLINE_MAX_BYTES and not keep else (
-            sock.recv())
-        self._drain(sock)
+        data = rx.recv(copy=False) if hdr.nbytes > INLINE_MAX_BYTES and not keep else (
+            rx.recv())
+        self._drain()
         return data
 
     def _drop_strangers(self) -> None:
@@ -418,28 +399,35 @@ class ZmqPlane:
                 return
             self.dropped += 1
 
-    @staticmethod
-    def _drain(sock: zmq.Socket) -> None:
-        while sock.get(_RCVMORE):
-            sock.recv()
+    def _drain(self) -> None:
+        """Read and drop the rest of the current message."""
+        rx = self.rx
+        while rx.get(_RCVMORE):
+            rx.recv()
 
     def check_lost(self) -> None:
-        """Record peers whose connection closed or refused us (the DEALERs' monitors),
-        and drop what strangers left on the bound socket."""
+        """Record peers whose connection closed or refused us (the DEALER's monitor names
+        the endpoint), and drop what strangers left on the bound socket."""
         self._drop_strangers()
-        for mon, peer in self.monitors.items():
-            while True:
-                try:
-                    msg = mon.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                event = parse_monitor_message(msg)["event"]
-                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    self.connected.add(peer)
-                elif event == zmq.EVENT_DISCONNECTED:
-                    self.t.lost.setdefault(peer, _now())
-                elif event & HANDSHAKE_FAILED:
-                    # A peer that refuses this rank's credentials: no data will ever flow.
-                    self.t.lost.setdefault(peer, _now())
-                    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                        self.t.refused.add(peer)
+        mon = self.rx_monitor
+        if mon is None:
+            return
+        while True:
+            try:
+                msg = mon.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            got = parse_monitor_message(msg)
+            peer = self.at.get(got["endpoint"])
+            if peer is None:
+                continue  # not a peer's endpoint: cannot happen, the DEALER dials only them
+            event = got["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.connected.add(peer)
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.t.lost.setdefault(peer, _now())
+            elif event & HANDSHAKE_FAILED:
+                # A peer that refuses this rank's credentials: no data will ever flow.
+                self.t.lost.setdefault(peer, _now())
+                if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                    self.t.refused.add(peer)

@@ -1,0 +1,174 @@
+"""Plain pyzmq socket patterns for a data plane, side by side, without any swarmfd code.
+
+Each round every one of N processes sends SIZE bytes to every peer and receives one
+message from each (on loopback); a pattern's figure is the slowest rank's median time
+per round. The patterns are the designs the zmq data plane had or could have:
+
+* ``pushpull``: a PULL bound per rank, a PUSH per peer (swarmfd 8ec62ae; the source is
+  only the header's claim);
+* ``dealer-each``: a bound ROUTER that only sends (routing-id frame), a DEALER per peer
+  that only receives, readiness read from ZMQ_EVENTS and zmq_poll over them (swarmfd
+  from the front door, issue 12, to 2026-12-02);
+* ``dealer-one``: the same ROUTER, one DEALER connected to every peer (libzmq fair-queues
+  them), no source;
+* ``dealer-meta``: ``dealer-one``, the source read from each message's connection
+  metadata (``X-Rank``, set by the sender's ROUTER, ``Frame.get``): swarmfd's plane now.
+
+The patterns alternate run by run (``--runs`` rounds of every pattern), so they see the
+same machine load; compare them as ratios within one run::
+
+    python benchmarks/zmq_patterns.py --n 2 --n 4 --size 4096 --runs 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import statistics
+import time
+from collections.abc import Callable
+
+import zmq
+
+PATTERNS = ("pushpull", "dealer-each", "dealer-one", "dealer-meta")
+
+
+def _sockets(ctx: zmq.Context, pattern: str, rank: int, n: int, ports: list[int],
+             payload: bytes) -> tuple[Callable[[int], None], Callable[[], bytes]]:
+    """The pattern's send(peer) and receive-any functions for ``rank``."""
+    peers = [j for j in range(n) if j != rank]
+    url = "tcp://127.0.0.1:{}".format
+    if pattern == "pushpull":
+        rx = ctx.socket(zmq.PULL)
+        rx.bind(url(ports[rank]))
+        tx = {}
+        for j in peers:
+            tx[j] = ctx.socket(zmq.PUSH)
+            tx[j].connect(url(ports[j]))
+        return (lambda j: tx[j].send(payload)), rx.recv
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    router.setsockopt(zmq.METADATA, b"X-Rank:%d" % rank)
+    router.bind(url(ports[rank]))
+    ids = {j: b"%d" % j for j in range(n)}
+
+    def send(j: int) -> None:
+        router.send(ids[j], zmq.SNDMORE)
+        router.send(payload)
+
+    if pattern == "dealer-each":
+        dealers = []
+        poller = zmq.Poller()
+        for j in peers:
+            d = ctx.socket(zmq.DEALER)
+            d.setsockopt(zmq.ROUTING_ID, ids[rank])
+            d.connect(url(ports[j]))
+            dealers.append(d)
+            poller.register(d, zmq.POLLIN)
+        events, pollin = int(zmq.EVENTS), int(zmq.POLLIN)
+
+        def recv_each() -> bytes:
+            while True:
+                for d in dealers:
+                    if d.get(events) & pollin:
+                        return d.recv(zmq.NOBLOCK)
+                poller.poll(50)
+
+        return send, recv_each
+    rx = ctx.socket(zmq.DEALER)
+    rx.setsockopt(zmq.ROUTING_ID, ids[rank])
+    for j in peers:
+        rx.connect(url(ports[j]))
+    if pattern == "dealer-one":
+        return send, rx.recv
+    ranks: dict[str, int] = {str(j): j for j in peers}
+
+    def recv_meta() -> bytes:
+        frame = rx.recv(copy=False)
+        if ranks[frame.get("X-Rank")] < 0:
+            raise AssertionError("unreachable")
+        return frame.bytes
+
+    return send, recv_meta
+
+
+def _rank(pattern: str, rank: int, n: int, size: int, rounds: int, ports: list[int],
+          out: mp.Queue, barrier: mp.Barrier) -> None:
+    ctx = zmq.Context()
+    try:
+        send, recv = _sockets(ctx, pattern, rank, n, ports, b"x" * size)
+        peers = [j for j in range(n) if j != rank]
+        barrier.wait()
+        for j in peers:  # until every route exists (ROUTER_MANDATORY raises before)
+            while True:
+                try:
+                    send(j)
+                    break
+                except zmq.ZMQError:
+                    time.sleep(0.01)
+        for _ in peers:
+            recv()
+        barrier.wait()
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for j in peers:
+                send(j)
+            for _ in peers:
+                recv()
+            times.append(time.perf_counter() - t0)
+        barrier.wait()
+        times.sort()
+        out.put((rank, statistics.median(times), times[len(times) // 10]))
+    finally:
+        ctx.destroy(linger=0)
+
+
+def run_pattern(pattern: str, n: int, size: int, rounds: int, port: int) -> tuple[float, float]:
+    """(median, p10) seconds per round of the slowest rank."""
+    ports = [port + i for i in range(n)]
+    out: mp.Queue = mp.Queue()
+    barrier = mp.Barrier(n)
+    procs = [mp.Process(target=_rank, args=(pattern, r, n, size, rounds, ports, out, barrier))
+             for r in range(n)]
+    for p in procs:
+        p.start()
+    try:
+        got = [out.get(timeout=120) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    return max(g[1] for g in got), max(g[2] for g in got)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--n", type=int, action="append", help="ranks (repeatable; 2 and 4)")
+    ap.add_argument("--size", type=int, default=4096, help="bytes per message")
+    ap.add_argument("--rounds", type=int, default=3000)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--pattern", action="append", choices=PATTERNS)
+    ap.add_argument("--port", type=int, default=43100, help="first loopback port used")
+    args = ap.parse_args()
+    port = args.port
+    for n in args.n or [2, 4]:
+        medians: dict[str, list[float]] = {}
+        for run in range(args.runs):
+            for pattern in args.pattern or PATTERNS:
+                port += n
+                med, p10 = run_pattern(pattern, n, args.size, args.rounds, port)
+                medians.setdefault(pattern, []).append(med)
+                print(f"N={n} run={run} {pattern:12s} median {med * 1e6:7.1f} us  "
+                      f"p10 {p10 * 1e6:7.1f} us", flush=True)
+        base = medians.get("pushpull")
+        for pattern, meds in medians.items():
+            ratios = "" if base is None else " ".join(
+                f"{m / b:.2f}" for m, b in zip(meds, base, strict=True))
+            print(f"N={n} {pattern:12s} medians {' '.join(f'{m * 1e6:.0f}' for m in meds)} us"
+                  + (f"; per run / pushpull: {ratios}" if ratios else ""), flush=True)
+
+
+if __name__ == "__main__":
+    main()
