@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import zmq
 
 from swarmfd.comm import handshake, security, transport, wire
 from swarmfd.comm.plane import PeerInfo
@@ -567,3 +568,32 @@ def test_a_closed_zmq_peer_is_reported_lost_by_its_endpoint(
         t0.tcp.check_lost()
         time.sleep(0.01)
     assert set(t0.channel.lost) == {2}, t0.channel.lost
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "[::1]"])
+def test_a_zmq_monitor_event_names_the_endpoint_the_plane_dialed(host: str) -> None:
+    """The zmq plane's one DEALER finds a lost peer by the endpoint its monitor event
+    names (ZmqPlane.at): libzmq names a dialed connection by the very string passed to
+    connect(), whatever the host's form (not resolved, not reformatted)."""
+    from zmq.utils.monitor import parse_monitor_message
+
+    ctx = zmq.Context()
+    try:
+        server = ctx.socket(zmq.ROUTER)
+        client = ctx.socket(zmq.DEALER)
+        for s in (server, client):
+            s.setsockopt(zmq.IPV6, 1)
+            s.setsockopt(zmq.LINGER, 0)
+        port = server.bind_to_random_port("tcp://[::1]" if host == "[::1]" else "tcp://127.0.0.1")
+        mon = client.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        dialed = f"tcp://{host}:{port}"
+        client.connect(dialed)
+        assert mon.poll(5000), "no handshake"
+        reported = parse_monitor_message(mon.recv_multipart())["endpoint"]
+        assert reported == dialed.encode(), (reported, dialed)
+        client.disable_monitor()
+        mon.close(linger=0)
+        client.close()
+        server.close()
+    finally:
+        ctx.term()
