@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 from click.testing import CliRunner
@@ -625,6 +626,54 @@ def test_line_splitter_cuts_very_long_lines():
 
     pieces = list(_Lines().feed(b"x" * (2 * MAX_LINE + 5)))
     assert [len(p) for p in pieces] == [MAX_LINE, MAX_LINE]
+
+
+def test_log_drain_says_which_ranks_output_it_could_not_read():
+    """A rank's log stream that has not ended when the drain's time is up, and a stream
+    that failed, are named on the progress line: deploy never drops output silently (a
+    restart removes the failed attempt's service, and its logs with it)."""
+    import threading
+
+    from swarmfd.swarm.follow import LogPump
+
+    release = threading.Event()
+    pump = LogPump(None, "service", "node", lambda *a: None)  # type: ignore[arg-type]
+    pump._start(release.wait, 30, local=True, rank=3)  # a stream still open
+    pump._start(lambda: None, local=True, rank=1)  # one that ended
+    pump.errors.append("rank 2: its container is gone (no logs)")
+    said: list[str] = []
+    try:
+        pump.drain(0.2, said.append, "job-x")
+    finally:
+        release.set()
+    assert len(said) == 2, said
+    assert said[0].startswith("job-x: warning: the output of rank(s) [3] was not read"), said
+    assert said[1] == "job-x: warning: rank 2: its container is gone (no logs)"
+    said.clear()
+    pump.errors.clear()
+    pump.drain(5, said.append, "job-x")
+    assert said == []
+
+
+def test_log_pump_waits_for_the_named_ranks_readers_only():
+    """At a failure deploy first reads the ended ranks' logs (wait_for), bounded, and
+    does not wait for ranks that still run."""
+    import threading
+
+    from swarmfd.swarm.follow import LogPump
+
+    running, ended = threading.Event(), threading.Event()
+    pump = LogPump(None, "service", "node", lambda *a: None)  # type: ignore[arg-type]
+    pump._start(running.wait, 30, local=True, rank=0)  # a rank that still runs
+    pump._start(lambda: (time.sleep(0.2), ended.set()), local=True, rank=1)  # being read
+    t0 = time.monotonic()
+    pump.wait_for([1], 5)
+    assert ended.is_set() and time.monotonic() - t0 < 2
+    t0 = time.monotonic()
+    pump.wait_for([0], 0.2)  # bounded: the stream of a running rank does not end
+    assert 0.15 < time.monotonic() - t0 < 2
+    assert pump.unread() == [0]
+    running.set()
 
 
 def test_service_log_details_name_the_task():

@@ -54,6 +54,10 @@ DRAIN_TIMEOUT = 10.0
 #: traceback the peer it lost (:func:`.tasks.root_failure`).
 TAIL_LINES = 50
 SERVICE_LOG_GRACE = 1.0
+#: At a failure, how long the ended ranks' logs may take to be read before the others
+#: are stopped (reading an ended container's log takes milliseconds; this bounds a slow
+#: engine).
+ENDED_READ_TIMEOUT = 5.0
 MAX_LINE = 64 * 1024
 
 Sink = Callable[[int, str, bytes, "_dt.datetime | None"], None]
@@ -148,7 +152,8 @@ class LogPump:
         self._started: set[str] = set()
         self._remote: dict[str, int] = {}  # task ID -> rank, read via the service log
         self._local: set[str] = set()
-        self._threads: list[tuple[threading.Thread, bool]] = []  # (reader, reads a local task)
+        #: (reader, reads a local task, rank or None for the service log reader)
+        self._threads: list[tuple[threading.Thread, bool, int | None]] = []
         self._streams: list[Any] = []
         self._service_reader = False
         self._lock = threading.Lock()
@@ -169,7 +174,7 @@ class LogPump:
                 self._local.add(view.task_id)
                 for which in ("out", "err"):
                     self._start(self._read_container, rank, view.container_id, which,
-                                local=True)
+                                local=True, rank=rank)
             else:
                 with self._lock:
                     self._remote[view.task_id] = rank
@@ -178,10 +183,11 @@ class LogPump:
                     for which in ("out", "err"):
                         self._start(self._read_service, which, local=False)
 
-    def _start(self, target: Callable[..., None], *args: Any, local: bool) -> None:
+    def _start(self, target: Callable[..., None], *args: Any, local: bool,
+               rank: int | None = None) -> None:
         thread = threading.Thread(target=target, args=args, daemon=True,
                                   name=f"swarmfd-logs-{len(self._threads)}")
-        self._threads.append((thread, local))
+        self._threads.append((thread, local, rank))
         thread.start()
 
     def _emit(self, rank: int, which: str, line: bytes) -> None:
@@ -265,13 +271,40 @@ class LogPump:
         (remote tasks) never ends while following, so it is not waited for then.
         """
         deadline = time.monotonic() + timeout
-        waited = [t for t, local in self._threads if local or not self.follow]
+        waited = [t for t, local, _rank in self._threads if local or not self.follow]
         for thread in waited:
             thread.join(max(0.0, deadline - time.monotonic()))
         if self.follow and self._service_reader:
             # Give the service log a moment to deliver the ended tasks' last lines.
             time.sleep(max(0.0, min(SERVICE_LOG_GRACE, deadline - time.monotonic())))
         return not any(t.is_alive() for t in waited)
+
+    def wait_for(self, ranks: Iterable[int], timeout: float) -> None:
+        """Join the local readers of ``ranks`` (tasks that ended: their streams end once
+        read), at most ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        wanted = set(ranks)
+        for thread, local, rank in self._threads:
+            if local and rank in wanted:
+                thread.join(max(0.0, deadline - time.monotonic()))
+
+    def unread(self) -> list[int]:
+        """Ranks whose local log stream has not reached its end (after :meth:`wait`)."""
+        return sorted({rank for t, local, rank in self._threads
+                       if local and rank is not None and t.is_alive()})
+
+    def drain(self, timeout: float, progress: Callable[[str], None], name: str) -> None:
+        """:meth:`wait` for the ended ranks' last lines, and say on ``progress`` what could
+        not be read (a rank's output is never dropped silently: a job's logs go with its
+        service, which a restart removes)."""
+        self.wait(timeout)
+        unread = self.unread()
+        if unread:
+            progress(f"{name}: warning: the output of rank(s) {unread} was not read to its "
+                     f"end within {timeout:.0f} s (the Docker engine is slow to answer); "
+                     "lines may be missing above")
+        for error in self.errors:
+            progress(f"{name}: warning: {error}")
 
     def close(self) -> None:
         """Cancel the open log streams (their threads then end); nothing is written after."""
@@ -356,7 +389,7 @@ def follow_job(
                                            all_running, stop_timeout, drain_timeout, tails)
             if len(views) >= world_size and all(v.phase == "done" for v in views.values()):
                 if pump is not None:
-                    pump.wait(drain_timeout)
+                    pump.drain(drain_timeout, progress, name)
                 elapsed = time.monotonic() - t0
                 return FollowResult("done", 0, f"all {world_size} ranks exited 0 "
                                     f"({elapsed:.1f} s)", all_running_after=all_running,
@@ -454,6 +487,15 @@ def _stop_after_failure(
     cause, node, message = _describe_failure(failure, lost, nodes)
     progress(f"{name}: {message}; stopping the other ranks")
     noticed = time.monotonic()
+    if pump is not None:
+        # Read the ranks that already ended before anything is stopped: stop_job scales
+        # the service to 0 when a rank is not running here yet (starting, or on another
+        # node), and Swarm then drops every task, the ended ones' containers and logs
+        # (the failed rank's traceback) with them.
+        views = job_tasks(client, service_id)
+        pump.update(views)
+        pump.wait_for([r for r, v in views.items() if v.terminal],
+                      min(drain_timeout, ENDED_READ_TIMEOUT))
     try:
         report = stop_job(client, service_id, node_id, world_size, reason=message)
     except docker.errors.NotFound:
@@ -495,7 +537,7 @@ def _stop_after_failure(
         progress(f"{name}: {shown}; the other ranks stopped in {stopped_after:.1f} s")
     if pump is not None:
         pump.update(views)
-        pump.wait(drain_timeout)
+        pump.drain(drain_timeout, progress, name)
     if failure is not None and not lost:
         # The rank Swarm reported first may have failed of another's failure: its
         # traceback (all logs are drained by now) names the peer it lost.

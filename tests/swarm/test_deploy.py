@@ -559,6 +559,8 @@ def test_max_restarts_gives_up_after_the_last_failure(
     assert "restart 1/2 of job" in proc.stderr and "restart 2/2 of job" in proc.stderr
     assert re.search(r"job \S+ failed after 2 restart\(s\) \(--max-restarts 2\): rank 1 "
                      r"exited with code 4", proc.stderr), proc.stderr
-    assert rank_lines(proc.stdout)[1] == ["attempt 0", "attempt 1", "attempt 2"], proc.stdout
+    assert rank_lines(proc.stdout)[1] == ["attempt 0", "attempt 1", "attempt 2"], (
+        proc.stdout + proc.stderr)
     objects = job_objects(swarm, name)
     assert len(objects["services"]) == 1 and len(objects["secrets"]) == 1
+
