@@ -6,7 +6,7 @@ libzmq fair-queues the peers' messages into that one socket. A message's source 
 the connection it arrived on, never a header's claim: each ROUTER announces its rank
 in its handshake (ZMQ_METADATA ``X-Rank``), which libzmq attaches to every message of
 that connection (``Frame.get``), and the DEALER's connections go only to the
-endpoints the encrypted rendezvous gave. A header whose ``src`` differs is a protocol
+endpoints the rendezvous gave. A header whose ``src`` differs is a protocol
 error. ZAP admits the DEALER's connection to each peer once
 (:class:`swarmfd.comm.security.Authenticator`: a one-time PLAIN token, set per
 connection, or CURVE with the job key when the plane is encrypted). The bound socket
@@ -18,7 +18,8 @@ the DEALER reports a peer whose connection closed (by its endpoint).
 One receiving socket, not one per peer: at N=4, plain pyzmq exchanging 4 KiB with
 every peer took 182-213 us a round with a DEALER per peer (polled) against 155-165 us
 with one DEALER and 153-185 us with 8ec62ae's PUSH/PULL (4 interleaved runs,
-benchmarks/zmq_patterns.py); reading the metadata per message costs 165-168 us.
+benchmarks/zmq_patterns.py), and 165-168 us with one DEALER whose receiver reads each
+message's metadata, as this plane does.
 
 Messages: a :mod:`swarmfd.comm.wire` header with its payload inline (one frame) up
 to INLINE_MAX_BYTES, else a header frame and a payload frame (copied up to
