@@ -283,7 +283,8 @@ def test_failing_rank_stops_the_others_quickly(runs: Runs) -> None:
 
 
 def test_the_first_rank_to_fail_is_blamed_not_the_lowest(runs: Runs) -> None:
-    """Rank 2 exits 3, rank 0 exits 1 milliseconds later: the run reports rank 2 and exits 3."""
+    """Rank 2 exits 3, rank 0 exits 1 0.1 s later (a third of swarmfd's lost-peer grace):
+    the run reports rank 2 and exits 3."""
     code, _, err = runs.run("-n", "3", WORKER, "follow", str(runs.piddir))
     assert code == 3, err
     assert b"swarmfd run: rank 2 exited with code 3; stopping the other ranks" in err
