@@ -151,16 +151,22 @@ def _connect_all(ts: list[Endpoint], timeout: float = 10.0) -> None:
         raise errors[0]
 
 
-@pytest.fixture(params=["secret", "no-auth"])
-def pair(request: pytest.FixtureRequest) -> Iterator[list[Endpoint]]:
-    sec = security.Security.from_secret(SECRET, False) if request.param == "secret" else None
-    ts = [_make(0, sec), _make(1, sec)]
+@contextlib.contextmanager
+def _meshed(ts: list[Endpoint]) -> Iterator[list[Endpoint]]:
+    """``ts`` connected to each other, closed at the end."""
     try:
         _connect_all(ts)
         yield ts
     finally:
         for t in ts:
             t.close(linger=0)
+
+
+@pytest.fixture(params=["secret", "no-auth"])
+def pair(request: pytest.FixtureRequest) -> Iterator[list[Endpoint]]:
+    sec = security.Security.from_secret(SECRET, False) if request.param == "secret" else None
+    with _meshed([_make(0, sec), _make(1, sec)]) as ts:
+        yield ts
 
 
 def _port(t: Endpoint) -> int:
@@ -515,13 +521,9 @@ def zmq_trio(request: pytest.FixtureRequest) -> Iterator[list[Endpoint]]:
     peers, so a message's source must come from its connection."""
     sec = (None if request.param == "no-auth"
            else security.Security.from_secret(SECRET, request.param == "curve"))
-    ts = [Endpoint(transport.Transport(r, 3, 10.0, "127.0.0.1", sec, "zmq")) for r in range(3)]
-    try:
-        _connect_all(ts)
+    with _meshed([Endpoint(transport.Transport(r, 3, 10.0, "127.0.0.1", sec, "zmq"))
+                  for r in range(3)]) as ts:
         yield ts
-    finally:
-        for t in ts:
-            t.close(linger=0)
 
 
 def _forge_from(t: Endpoint, dst: int, claimed_src: int, seq: int, tag: int,
