@@ -44,6 +44,7 @@ __all__ = [
     "Security",
     "connection_token",
     "keepalive",
+    "server_proof",
     "stranger_facing",
 ]
 
@@ -103,6 +104,19 @@ def connection_token(session_token: str, client: int, server: int) -> str:
     """
     msg = b"swarmfd zmq data connection v2\0" + struct.pack("<II", client, server)
     return hmac.new(session_token.encode(), msg, hashlib.sha256).hexdigest()
+
+
+def server_proof(session_token: str, rank: int) -> str:
+    """What ``rank``'s zmq data socket announces in every handshake, next to its rank
+    (ZMQ_METADATA ``X-Rank``), when the plane is PLAIN: its peers, who got its session
+    token through the encrypted rendezvous, check it on every message, so a process
+    that binds a lost rank's freed port cannot pass for it (PLAIN does not authenticate
+    the server; CURVE does). A reader of the network sees it in clear: only CURVE
+    answers a reader who also takes over the port."""
+    if not session_token:
+        return str(rank)
+    msg = b"swarmfd zmq server proof v1\0" + struct.pack("<I", rank)
+    return f"{rank}.{hmac.new(session_token.encode(), msg, hashlib.sha256).hexdigest()[:32]}"
 
 
 class Authenticator(ThreadAuthenticator):

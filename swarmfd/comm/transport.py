@@ -110,7 +110,7 @@ class Transport:
                     self.token = ""
             if plane == "zmq":
                 self.tcp = ZmqPlane(self.channel, self.ctx, rank, world_size, timeout,
-                                    bind_host, security, self.auth)
+                                    bind_host, security, self.auth, self.token)
             else:
                 self.tcp = SocketPlane(self.channel, rank, world_size, bind_host, self.token,
                                        KEEPALIVE, WAIT_SLICE)

@@ -4,16 +4,19 @@ Each rank binds one ROUTER socket and sends to peer j through it, by j's routing
 It connects one DEALER socket to every peer's ROUTER and only ever receives on it:
 libzmq fair-queues the peers' messages into that one socket. A message's source is
 the connection it arrived on, never a header's claim: each ROUTER announces its rank
-in its handshake (ZMQ_METADATA ``X-Rank``), which libzmq attaches to every message of
-that connection (``Frame.get``), and the DEALER's connections go only to the
-endpoints the rendezvous gave. A header whose ``src`` differs is a protocol
-error. ZAP admits the DEALER's connection to each peer once
-(:class:`swarmfd.comm.security.Authenticator`: a one-time PLAIN token, set per
-connection, or CURVE with the job key when the plane is encrypted). The bound socket
-is what a stranger can reach for as long as the job runs (libzmq's unbind would drop
-its connections too), so it refuses frames over MAX_HANDSHAKE_FRAME and drops a
-connection that has not authenticated within HANDSHAKE_IVL_MS; a socket monitor on
-the DEALER reports a peer whose connection closed (by its endpoint).
+in its handshake (ZMQ_METADATA ``X-Rank``, with a proof from its session token on the
+PLAIN plane: :func:`swarmfd.comm.security.server_proof`), which libzmq attaches to
+every message of that connection (``Frame.get``), and the DEALER's connections go only
+to the endpoints the rendezvous gave. A message whose connection announced no peer
+(libzmq dials a lost peer's endpoint again, whoever binds it next) is dropped. A
+header whose ``src`` differs is a protocol error. ZAP admits the DEALER's connection
+to each peer once (:class:`swarmfd.comm.security.Authenticator`: a one-time PLAIN
+token, set per connection, or CURVE with the job key when the plane is encrypted).
+The bound socket is what a stranger can reach for as long as the job runs (libzmq's
+unbind would drop its connections too), so it refuses frames over
+MAX_HANDSHAKE_FRAME and drops a connection that has not authenticated within
+HANDSHAKE_IVL_MS; a socket monitor on the DEALER reports a peer whose connection
+closed (by its endpoint).
 
 One receiving socket, not one per peer: at N=4, plain pyzmq exchanging 4 KiB with
 every peer took 182-213 us a round with a DEALER per peer (polled) against 155-165 us
@@ -45,6 +48,7 @@ from ..security import (
     Security,
     connection_token,
     keepalive,
+    server_proof,
     stranger_facing,
 )
 from ..spin import Spinner
@@ -104,7 +108,7 @@ class ZmqPlane:
 
     def __init__(self, t: PlaneOwner, ctx: zmq.Context, rank: int, world_size: int,
                  timeout: float, bind_host: str, security: Security | None,
-                 auth: Authenticator | None) -> None:
+                 auth: Authenticator | None, token: str = "") -> None:
         self.t = t
         self.rank = rank
         self.world_size = world_size
@@ -128,8 +132,9 @@ class ZmqPlane:
         self.router.setsockopt(zmq.LINGER, int(min(timeout, 5.0) * 1000))
         keepalive(self.router)
         # Every message this ROUTER sends carries its rank to the receiver (see the module
-        # docstring): set before bind, since a listener copies the options it has then.
-        self.router.setsockopt(zmq.METADATA, b"X-Rank:%d" % rank)
+        # docstring), with a proof from its session token on the PLAIN plane: set before
+        # bind, since a listener copies the options it has then.
+        self.router.setsockopt(zmq.METADATA, f"X-Rank:{server_proof(token, rank)}".encode())
         port = self.router.bind_to_random_port(f"tcp://{bind_host}")
         self.endpoint = f"tcp://{bind_host}:{port}"
         # Counts the peers whose DEALER authenticated (setup waits for all of them).
@@ -151,6 +156,9 @@ class ZmqPlane:
         self.peers: list[int] = []
         #: A connection's X-Rank (as Frame.get returns it) -> the peer's rank.
         self.rank_of: dict[str, int] = {}
+        #: Messages dropped because their connection announced no peer's rank (a process
+        #: on a lost peer's port, which libzmq dials again).
+        self.unknown = 0
         #: A peer's endpoint (as the DEALER's monitor reports it) -> the peer's rank.
         self.at: dict[bytes, int] = {}
         self.connected: set[int] = set()
@@ -188,7 +196,7 @@ class ZmqPlane:
             self._client(rx, peer)  # read by connect(): each connection has its own
             rx.connect(peer.endpoint)
             self.peers.append(peer.rank)
-            self.rank_of[str(peer.rank)] = peer.rank
+            self.rank_of[server_proof(peer.token, peer.rank)] = peer.rank
             self.at[peer.endpoint.encode()] = peer.rank
         want = self.world_size - 1
         while len(self.connected) < want or self.inbound < want:
@@ -344,10 +352,13 @@ class ZmqPlane:
         if frame is None:
             return None
         peer = self.rank_of.get(frame.get("X-Rank"))
-        if peer is None:  # cannot happen: the DEALER connects to peers' ROUTERs only
+        if peer is None:
+            # Not a peer: the DEALER dials only peers' endpoints, but libzmq dials a lost
+            # peer's again, and whoever binds its port next is connected to (see
+            # server_proof). Read and drop, never parsed.
             self._drain()
-            raise ProtocolError(f"a message on rank {self.rank}'s data connections came "
-                                f"without a peer's rank (X-Rank {frame.get('X-Rank')!r})")
+            self.unknown += 1
+            return None
         raw = frame.buffer
         try:
             hdr = wire.unpack_header(raw)
