@@ -237,6 +237,30 @@ class Cluster:
         logs = self.host.api.logs(node.container_id, tail=20).decode(errors="replace")
         raise RuntimeError(f"node {node.name}: its dockerd did not answer ({last}):\n{logs}")
 
+    def health(self, tail: int = 30) -> str:
+        """Each node: its container's state and whether its engine answers; for a node
+        whose engine does not, the last ``tail`` lines of its container's log (dockerd's
+        own). For a failed test's report: a node that went away says why."""
+        lines = []
+        for node in self.nodes:
+            try:
+                state = self.host.api.inspect_container(node.container_id)["State"]
+                status = (f"{state.get('Status')} (exit {state.get('ExitCode')}, "
+                          f"OOM-killed {state.get('OOMKilled')}, "
+                          f"started {state.get('StartedAt')}, finished {state.get('FinishedAt')})")
+            except docker.errors.DockerException as exc:
+                lines.append(f"{node.name}: container not found ({exc})")
+                continue
+            try:
+                with node.client(timeout=5) as client:
+                    client.ping()
+                lines.append(f"{node.name}: {status}; engine answers")
+            except docker.errors.DockerException as exc:
+                log = self.host.api.logs(node.container_id, tail=tail).decode(errors="replace")
+                lines.append(f"{node.name}: {status}; engine does not answer ({exc}); "
+                             f"last {tail} log lines:\n{log}")
+        return "\n".join(lines)
+
     def _form_swarm(self) -> None:
         with self.manager.client() as mgr:
             mgr.swarm.init(advertise_addr=self.manager.ip,

@@ -30,6 +30,24 @@ SETUP_SCRIPT = ROOT / "scripts" / "setup-docker.sh"
 BUILD_TIMEOUT = 900.0
 
 
+#: The cluster while the session's fixture holds it (for failure reports).
+_CLUSTERS: list[Any] = []
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """A failed or erroring multi-node test's report gets the nodes' health: which node's
+    engine stopped answering, and the end of its log (a CI run once found the manager's
+    engine gone mid-lane, with nothing to say why)."""
+    report = yield
+    if report.failed and _CLUSTERS:
+        try:
+            report.sections.append(("multinode nodes", _CLUSTERS[0].health()))
+        except Exception as exc:  # a report must not fail for want of a health check
+            report.sections.append(("multinode nodes", f"health check failed: {exc!r}"))
+    return report
+
+
 def _unavailable(reason: str) -> None:
     unavailable(reason, what="the multi-node tests", fix="run `sudo scripts/setup-docker.sh`")
 
@@ -88,8 +106,10 @@ def multinode() -> Iterator[Any]:
     try:
         cluster.up()
         cluster.load_image(image)
+        _CLUSTERS.append(cluster)
         yield cluster
     finally:
+        _CLUSTERS.clear()
         cluster.down()
         left = leftovers(host)
         host.close()
