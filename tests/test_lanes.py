@@ -679,3 +679,25 @@ def test_the_zmq_server_proof_names_the_rank_and_needs_its_token() -> None:
     a = proof("token-a", 3)
     assert a.startswith("3.") and len(a) == 2 + 32 and a == proof("token-a", 3)
     assert len({a, proof("token-b", 3), proof("token-a", 4)}) == 3
+
+
+def test_a_peer_lost_in_the_middle_of_a_stashed_message_fails_the_flush_at_once() -> None:
+    """Rank 0 flushes a large send to rank 1 (which does not read) while rank 2 starts a
+    message to it (1 MiB announced, 1000 bytes sent) and dies: the stash's read of that
+    payload can never end. It raises PeerLostError naming rank 2 after the lost-peer
+    grace, not after the whole timeout (10 s here; a CI run whose link to a host was cut
+    waited out 60 s) and not as the internal cutoff."""
+    sec = security.Security.from_secret(SECRET, False)
+    with _meshed([Endpoint(transport.Transport(r, 3, 10.0, "127.0.0.1", sec, "socket"))
+                  for r in range(3)]) as (t0, _t1, t2):
+        big = np.ones(8 << 20, dtype=np.float32)  # 32 MiB: more than the kernel buffers
+        piece = 1 << 18  # 1 MiB of float32, the largest message
+        for k in range(big.size // piece):
+            t0.send(1, SIG, 1, k, big[k * piece:(k + 1) * piece])
+        header = wire.pack_header(wire.Kind.DATA, SIG, 2, 1, 5, 1 << 20)
+        _lane_sock(t2, 0).sendall(header + b"\0" * 1000)
+        t2.close(linger=0)
+        start = time.monotonic()
+        with pytest.raises(PeerLostError, match=r"lost rank 2 .* in the middle of a message"):
+            t0.flush()
+        assert time.monotonic() - start < 3

@@ -241,7 +241,14 @@ class Channel:
                     )
                 hdr = plane.wait(0.01)
                 if hdr is not None:
-                    self._keep(plane, hdr, keep_data=True, between=_cutoff(self.timeout))
+                    try:
+                        self._keep(plane, hdr, keep_data=True,
+                                   between=self._stash_between(hdr.src))
+                    except _Cutoff:
+                        raise CollectiveTimeout(
+                            f"{self.activity}: a message from rank {hdr.src} did not arrive "
+                            f"completely within {self.timeout:g} s ({self.where(hdr.src)})"
+                        ) from None
                 pending = plane.unsent()
 
     def abort(self, error: BaseException, group: int) -> None:
@@ -562,7 +569,6 @@ class Channel:
         header), within the timeout like any read.
         """
         end = _now() + LOST_PEER_GRACE
-        between = _cutoff(self.timeout)
         with contextlib.suppress(_Cutoff):
             for _ in range(limit):
                 if _now() > end:
@@ -570,7 +576,27 @@ class Channel:
                 hdr = plane.next_header(0)
                 if hdr is None:
                     return
-                self._keep(plane, hdr, keep_data=keep_data, between=between)
+                self._keep(plane, hdr, keep_data=keep_data,
+                           between=self._stash_between(hdr.src))
+
+    def _stash_between(self, src: int) -> Callable[[], None]:
+        """The ``between`` of a payload read outside a receive (a message stashed while
+        flushing or reading another plane): ``src`` lost for LOST_PEER_GRACE raises
+        PeerLostError (its connection ended in the middle of the message: the rest will
+        never come), else the read ends at the timeout. Without the first check such a
+        read waited out the whole timeout (60 s in a CI run whose link to a host was
+        cut)."""
+        cutoff = _cutoff(self.timeout)
+
+        def between() -> None:
+            if src in self.lost and _now() - self.lost[src] > LOST_PEER_GRACE:
+                self._raise_pending_abort()
+                raise PeerLostError(
+                    f"{self.activity}: lost rank {src} ({self.where(src)}): "
+                    f"{self._why_lost(src)} in the middle of a message to this rank"
+                )
+            cutoff()
+        return between
 
     def _keep(self, plane: Plane, hdr: wire.Header, *, keep_data: bool,
               between: Callable[[], None]) -> None:
