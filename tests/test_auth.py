@@ -124,8 +124,13 @@ def test_keys_derive_from_the_secret_and_stay_out_of_reprs() -> None:
 # -- joining ----------------------------------------------------------------------------
 
 
+# An intruder still running after 45 s (its init timeout is 20) prints every thread's
+# stack and exits, so a hang says where it hangs (a CI run's "auth off" intruder outlived
+# the test's 60 s wait once, and SIGKILL left nothing to read).
 _INTRUDER = textwrap.dedent("""
-    import sys, time, swarmfd as fd
+    import faulthandler, sys, time
+    faulthandler.dump_traceback_later(45, exit=True)
+    import swarmfd as fd
     t0 = time.monotonic()
     try:
         fd.init(2, 1, master_addr="127.0.0.1", master_port=int(sys.argv[1]), timeout=20)
