@@ -701,3 +701,29 @@ def test_a_peer_lost_in_the_middle_of_a_stashed_message_fails_the_flush_at_once(
         with pytest.raises(PeerLostError, match=r"lost rank 2 .* in the middle of a message"):
             t0.flush()
         assert time.monotonic() - start < 3
+
+
+def test_a_peer_lost_in_the_middle_of_a_posted_message_fails_its_group_at_once() -> None:
+    """The progress engine's receive (Channel.deliver, async calls): rank 2 dies 1000 bytes
+    into a 1 MiB message that a posted receive awaits. The read raises GroupFailure for
+    that message's group, carrying PeerLostError, after the lost-peer grace: not after
+    the 10 s timeout, and not the internal cutoff escaping the engine."""
+    from swarmfd.comm.channel import GroupFailure
+
+    sec = security.Security.from_secret(SECRET, False)
+    with _meshed([Endpoint(transport.Transport(r, 3, 10.0, "127.0.0.1", sec, "socket"))
+                  for r in range(3)]) as (t0, _t1, t2):
+        n = 1 << 20
+        header = wire.pack_header(wire.Kind.DATA, SIG, 2, 1, 5, n)
+        key = (0, 2, 1, 5)
+        into = bytearray(n)
+        _lane_sock(t2, 0).sendall(header + b"\0" * 1000)
+        t2.close(linger=0)
+        start = time.monotonic()
+        with pytest.raises(GroupFailure) as failure:
+            while t0.channel.deliver(t0.tcp, {key: (SIG, n, into)}, 0.05) is None:
+                assert time.monotonic() - start < 5, "the message never came"
+        assert failure.value.group == 0
+        assert isinstance(failure.value.error, PeerLostError), failure.value.error
+        assert "lost rank 2" in str(failure.value.error)
+        assert time.monotonic() - start < 3

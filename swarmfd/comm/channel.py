@@ -363,20 +363,29 @@ class Channel:
             return None
         key = wire.message_key(hdr)
         posting = posted.get(key) if hdr.kind != wire.Kind.ABORT else None
-        if posting is None:
-            between = _cutoff(self.timeout)
-            with contextlib.suppress(_Cutoff):
-                self._other(plane, hdr, _NONE, 0, between)
-            return None
-        sig, nbytes, into = posting
+        # A sender lost in the middle of its message fails that message's group (its
+        # connection carries nothing more), not every call of the engine.
+        between = self._stash_between(hdr.src, aborts=False)
         try:
-            if not hdr.matches(sig):
-                raise wire.mismatch_error(self.rank, sig, hdr)
-            self._check_size(hdr, nbytes)
-        except (MismatchError, ProtocolError) as exc:
-            plane.read_payload(hdr, None, _cutoff(self.timeout), keep=True)  # drop it
+            if posting is None:
+                with contextlib.suppress(_Cutoff):
+                    self._other(plane, hdr, _NONE, 0, between)
+                return None
+            sig, nbytes, into = posting
+            try:
+                if not hdr.matches(sig):
+                    raise wire.mismatch_error(self.rank, sig, hdr)
+                self._check_size(hdr, nbytes)
+            except (MismatchError, ProtocolError) as exc:
+                plane.read_payload(hdr, None, between, keep=True)  # drop it
+                raise GroupFailure(hdr.group, exc) from None
+            return key, plane.read_payload(hdr, into, between)
+        except PeerLostError as exc:
             raise GroupFailure(hdr.group, exc) from None
-        return key, plane.read_payload(hdr, into, _cutoff(self.timeout))
+        except _Cutoff:
+            raise GroupFailure(hdr.group, CollectiveTimeout(
+                f"{self.activity}: a message from rank {hdr.src} did not arrive completely "
+                f"within {self.timeout:g} s ({self.where(hdr.src)})")) from None
 
     def _other(self, plane: Plane, hdr: wire.Header, sig: wire.Signature, seq: int,
                between: Callable[[], None]) -> None:
@@ -579,18 +588,20 @@ class Channel:
                 self._keep(plane, hdr, keep_data=keep_data,
                            between=self._stash_between(hdr.src))
 
-    def _stash_between(self, src: int) -> Callable[[], None]:
-        """The ``between`` of a payload read outside a receive (a message stashed while
-        flushing or reading another plane): ``src`` lost for LOST_PEER_GRACE raises
-        PeerLostError (its connection ended in the middle of the message: the rest will
-        never come), else the read ends at the timeout. Without the first check such a
-        read waited out the whole timeout (60 s in a CI run whose link to a host was
-        cut)."""
+    def _stash_between(self, src: int, aborts: bool = True) -> Callable[[], None]:
+        """The ``between`` of a payload read outside a blocking receive (a message stashed
+        while flushing or reading another plane, or read by the progress engine):
+        ``src`` lost for LOST_PEER_GRACE raises PeerLostError (its connection ended in the
+        middle of the message: the rest will never come), after a pending abort of the
+        call when ``aborts``; else the read ends at the timeout. Without the first check
+        such a read waited out the whole timeout (60 s in a CI run whose link to a host
+        was cut)."""
         cutoff = _cutoff(self.timeout)
 
         def between() -> None:
             if src in self.lost and _now() - self.lost[src] > LOST_PEER_GRACE:
-                self._raise_pending_abort()
+                if aborts:  # an abort explains the loss better (the engine reads its own)
+                    self._raise_pending_abort()
                 raise PeerLostError(
                     f"{self.activity}: lost rank {src} ({self.where(src)}): "
                     f"{self._why_lost(src)} in the middle of a message to this rank"
