@@ -41,7 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .algorithms.base import FLUSH, Op, request
-from .comm.channel import LOST_PEER_GRACE, GroupFailure, Key, Posting
+from .comm.channel import GroupFailure, Key, Posting
 from .errors import PeerLostError, SwarmfdError
 
 __all__ = ["Engine", "Work"]
@@ -89,9 +89,6 @@ class Work:
         self.completed_at = _now()
         self._done = True  # last: a reader that sees it set sees the result
 
-    def _is_done(self) -> bool:
-        return self._done
-
     def is_completed(self) -> bool:
         """True once the operation ended (successfully or not)."""
         return self._done
@@ -110,7 +107,7 @@ class Work:
             engine = self._engine
             if engine is None:
                 raise RuntimeError("swarmfd: this Work has no engine to run it (a bug)")
-            engine.drive_until(self._is_done, timeout)
+            engine.drive_until(self.is_completed, timeout)
             if not self._done:
                 raise TimeoutError(f"swarmfd: {self.name} did not complete within {timeout:g} s "
                                    "(it goes on; wait again, or the group's timeout decides)")
@@ -467,7 +464,7 @@ class Engine:
                     ch.activity = "idle"
                 self._fail(task, err)
                 continue
-            if src in ch.lost and now - ch.lost[src] > LOST_PEER_GRACE:
+            if ch.gone(src, now):
                 self._fail(task, PeerLostError(
                     f"{task.work.name}: lost rank {src} ({ch.where(src)}): its connection "
                     "closed (the process died or exited, or its host stopped answering TCP "

@@ -181,6 +181,19 @@ class Channel:
             return f"host {p.host}, pid {p.pid}, {p.endpoint}{slot}"
         return "unknown address"
 
+    def gone(self, rank: int, now: float | None = None) -> bool:
+        """``rank``'s connection was found closed more than LOST_PEER_GRACE ago (what it
+        had sent has been delivered by now)."""
+        since = self.lost.get(rank)
+        return since is not None and (_now() if now is None else now) - since > LOST_PEER_GRACE
+
+    def _incomplete(self, src: int) -> CollectiveTimeout:
+        """The error of a message from ``src`` whose payload did not arrive completely
+        within the timeout (a read outside a blocking receive)."""
+        return CollectiveTimeout(
+            f"{self.activity}: a message from rank {src} did not arrive completely within "
+            f"{self.timeout:g} s ({self.where(src)})")
+
     def _why_lost(self, rank: int) -> str:
         if rank in self.refused:
             return ("its data socket refused this rank's authentication handshake (does it "
@@ -233,7 +246,7 @@ class Channel:
                         f"{self.timeout:g} s"
                     )
                 plane.check_lost()
-                if dst in self.lost and _now() - self.lost[dst] > LOST_PEER_GRACE:
+                if self.gone(dst):
                     self._raise_pending_abort()
                     raise PeerLostError(
                         f"{self.activity}: rank {dst} disconnected before receiving this "
@@ -245,10 +258,7 @@ class Channel:
                         self._keep(plane, hdr, keep_data=True,
                                    between=self._stash_between(hdr.src))
                     except _Cutoff:
-                        raise CollectiveTimeout(
-                            f"{self.activity}: a message from rank {hdr.src} did not arrive "
-                            f"completely within {self.timeout:g} s ({self.where(hdr.src)})"
-                        ) from None
+                        raise self._incomplete(hdr.src) from None
                 pending = plane.unsent()
 
     def abort(self, error: BaseException, group: int) -> None:
@@ -383,9 +393,7 @@ class Channel:
         except PeerLostError as exc:
             raise GroupFailure(hdr.group, exc) from None
         except _Cutoff:
-            raise GroupFailure(hdr.group, CollectiveTimeout(
-                f"{self.activity}: a message from rank {hdr.src} did not arrive completely "
-                f"within {self.timeout:g} s ({self.where(hdr.src)})")) from None
+            raise GroupFailure(hdr.group, self._incomplete(hdr.src)) from None
 
     def _other(self, plane: Plane, hdr: wire.Header, sig: wire.Signature, seq: int,
                between: Callable[[], None]) -> None:
@@ -493,7 +501,7 @@ class Channel:
             if other is not plane:
                 self._read_available(other, keep_data=True)
         now = _now()
-        if src in self.lost and now - self.lost[src] > LOST_PEER_GRACE:
+        if self.gone(src, now):
             self._raise_pending_abort()
             raise PeerLostError(
                 f"{self.activity} {sig.describe()}: lost rank {src} ({self.where(src)}): "
@@ -599,7 +607,7 @@ class Channel:
         cutoff = _cutoff(self.timeout)
 
         def between() -> None:
-            if src in self.lost and _now() - self.lost[src] > LOST_PEER_GRACE:
+            if self.gone(src):
                 if aborts:  # an abort explains the loss better (the engine reads its own)
                     self._raise_pending_abort()
                 raise PeerLostError(
@@ -627,7 +635,7 @@ class Channel:
         """Raise :class:`PeerLostError` when ``src`` disconnected (waits outside recv)."""
         for plane in self.planes:
             plane.check_lost()
-        if src is not None and src in self.lost and _now() - self.lost[src] > LOST_PEER_GRACE:
+        if src is not None and self.gone(src):
             self._raise_pending_abort()
             raise PeerLostError(
                 f"{self.activity}: lost rank {src} ({self.where(src)}): "
