@@ -57,6 +57,8 @@ __all__ = ["ZmqPlane"]
 
 #: A blocking receive returns at least this often (ms) to check deadlines and lost peers.
 WAIT_SLICE_MS = 50
+#: The same in seconds: a wait of exactly one slice is one blocking recv (_recv).
+WAIT_SLICE = WAIT_SLICE_MS / 1000
 #: Payloads up to this size travel inline (one frame with the header, copied).
 INLINE_MAX_BYTES = 64 << 10
 #: Larger payloads up to this size are copied into their own frame (one memcpy, done
@@ -83,6 +85,7 @@ STRANGER_READS = 256
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 _RCVMORE = int(zmq.RCVMORE)
+_NOBLOCK = int(zmq.NOBLOCK)
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
@@ -319,26 +322,25 @@ class ZmqPlane:
         poll() system call (libzmq processes its command mailbox). At N=4 on 2 cores that
         was 1.5 of the 6.8 poll() calls a rank made per 4 KiB broadcast (strace)."""
         rx = self.rx
-        if not spin.ENABLED and timeout == WAIT_SLICE_MS / 1000:
-            try:  # one call, at most WAIT_SLICE (RCVTIMEO)
-                return rx.recv(copy=False)
-            except zmq.Again:
-                return None
+        if not spin.ENABLED and timeout == WAIT_SLICE:
+            return self._recv_frame(0)
         if not rx.get(_EVENTS) & _POLLIN:
             if timeout <= 0:
                 return None
             if not self.spinner.spin(lambda: bool(rx.get(_EVENTS) & _POLLIN)):
-                if timeout == WAIT_SLICE_MS / 1000:
-                    try:  # one call, at most WAIT_SLICE (RCVTIMEO)
-                        return rx.recv(copy=False)
-                    except zmq.Again:
-                        return None
+                if timeout == WAIT_SLICE:
+                    return self._recv_frame(0)
                 if not rx.poll(int(timeout * 1000)):
                     return None
         else:
             self.spinner.caught()
+        return self._recv_frame(_NOBLOCK)
+
+    def _recv_frame(self, flags: int) -> zmq.Frame | None:
+        """One recv on the DEALER: blocking for at most WAIT_SLICE (RCVTIMEO), or with
+        NOBLOCK not at all; None when nothing came."""
         try:
-            return rx.recv(zmq.NOBLOCK, copy=False)
+            return self.rx.recv(flags, copy=False)
         except zmq.Again:
             return None
 
