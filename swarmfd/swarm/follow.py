@@ -385,7 +385,7 @@ def follow_job(
             lost = _lost(views, nodes)
             if failure is not None or lost:
                 return _stop_after_failure(client, name, service_id, world_size, node_id,
-                                           failure, lost, nodes, pump, progress, t0,
+                                           failure, lost, nodes, views, pump, progress, t0,
                                            all_running, stop_timeout, drain_timeout, tails)
             if len(views) >= world_size and all(v.phase == "done" for v in views.values()):
                 if pump is not None:
@@ -476,6 +476,7 @@ def _stop_after_failure(
     failure: TaskView | None,
     lost: list[TaskView],
     nodes: dict[str, NodeState],
+    views: dict[int, TaskView],
     pump: LogPump | None,
     progress: Callable[[str], None],
     t0: float,
@@ -488,12 +489,11 @@ def _stop_after_failure(
     progress(f"{name}: {message}; stopping the other ranks")
     noticed = time.monotonic()
     if pump is not None:
-        # Read the ranks that already ended before anything is stopped: stop_job scales
-        # the service to 0 when a rank is not running here yet (starting, or on another
-        # node), and Swarm then drops every task, the ended ones' containers and logs
-        # (the failed rank's traceback) with them.
-        views = job_tasks(client, service_id)
-        pump.update(views)
+        # Read the ranks that already ended (in ``views``, the poll that found the
+        # failure; their readers started with it) before anything is stopped: stop_job
+        # scales the service to 0 when a rank is not running here yet (starting, or on
+        # another node), and Swarm then drops every task, the ended ones' containers and
+        # logs (the failed rank's traceback) with them.
         pump.wait_for([r for r, v in views.items() if v.terminal],
                       min(drain_timeout, ENDED_READ_TIMEOUT))
     try:
