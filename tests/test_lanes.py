@@ -522,9 +522,24 @@ def zmq_trio(request: pytest.FixtureRequest) -> Iterator[list[Endpoint]]:
     peers, so a message's source must come from its connection."""
     sec = (None if request.param == "no-auth"
            else security.Security.from_secret(SECRET, request.param == "curve"))
-    with _meshed([Endpoint(transport.Transport(r, 3, 10.0, "127.0.0.1", sec, "zmq"))
-                  for r in range(3)]) as ts:
+    with _trio(sec, "zmq") as ts:
         yield ts
+
+
+def _trio(sec: security.Security | None, plane: str) -> contextlib.AbstractContextManager[
+        list[Endpoint]]:
+    """Three ranks on ``plane``, in-process, meshed (closed at the end)."""
+    return _meshed([Endpoint(transport.Transport(r, 3, 10.0, "127.0.0.1", sec, plane))
+                    for r in range(3)])
+
+
+def _lose(t: Endpoint, peer: Endpoint) -> None:
+    """Close ``peer`` and wait (at most 5 s) until ``t``'s zmq plane records it lost."""
+    peer.close(linger=0)
+    deadline = time.monotonic() + 5
+    while peer.rank not in t.channel.lost and time.monotonic() < deadline:
+        t.tcp.check_lost()
+        time.sleep(0.01)
 
 
 def _forge_from(t: Endpoint, dst: int, claimed_src: int, seq: int, tag: int,
@@ -565,11 +580,7 @@ def test_a_closed_zmq_peer_is_reported_lost_by_its_endpoint(
     """The one DEALER's monitor names a closed connection by endpoint: the lost rank is
     the one that closed, not another peer."""
     t0, _, t2 = zmq_trio
-    t2.close(linger=0)
-    deadline = time.monotonic() + 5
-    while 2 not in t0.channel.lost and time.monotonic() < deadline:
-        t0.tcp.check_lost()
-        time.sleep(0.01)
+    _lose(t0, t2)
     assert set(t0.channel.lost) == {2}, t0.channel.lost
 
 
@@ -602,7 +613,6 @@ def test_a_zmq_monitor_event_names_the_endpoint_the_plane_dialed(host: str) -> N
         ctx.term()
 
 
-
 class _Permissive(zmq.auth.thread.ThreadAuthenticator):
     """A stranger's ZAP handler: every PLAIN client is welcome."""
 
@@ -626,11 +636,7 @@ def test_a_process_on_a_lost_zmq_peers_port_cannot_pass_for_it(
         request.applymarker(pytest.mark.xfail(strict=True, reason=(
             "without the job secret a connection's announced rank is not proven")))
     port = int(t2.endpoint.rsplit(":", 1)[1])
-    t2.close(linger=0)
-    deadline = time.monotonic() + 5
-    while 2 not in t0.channel.lost and time.monotonic() < deadline:
-        t0.tcp.check_lost()
-        time.sleep(0.01)
+    _lose(t0, t2)
     assert 2 in t0.channel.lost
     ctx = zmq.Context()
     auth = _Permissive(ctx) if mode == "plain" else None
@@ -687,9 +693,7 @@ def test_a_peer_lost_in_the_middle_of_a_stashed_message_fails_the_flush_at_once(
     payload can never end. It raises PeerLostError naming rank 2 after the lost-peer
     grace, not after the whole timeout (10 s here; a CI run whose link to a host was cut
     waited out 60 s) and not as the internal cutoff."""
-    sec = security.Security.from_secret(SECRET, False)
-    with _meshed([Endpoint(transport.Transport(r, 3, 10.0, "127.0.0.1", sec, "socket"))
-                  for r in range(3)]) as (t0, _t1, t2):
+    with _trio(security.Security.from_secret(SECRET, False), "socket") as (t0, _t1, t2):
         big = np.ones(8 << 20, dtype=np.float32)  # 32 MiB: more than the kernel buffers
         piece = 1 << 18  # 1 MiB of float32, the largest message
         for k in range(big.size // piece):
@@ -710,9 +714,7 @@ def test_a_peer_lost_in_the_middle_of_a_posted_message_fails_its_group_at_once()
     the 10 s timeout, and not the internal cutoff escaping the engine."""
     from swarmfd.comm.channel import GroupFailure
 
-    sec = security.Security.from_secret(SECRET, False)
-    with _meshed([Endpoint(transport.Transport(r, 3, 10.0, "127.0.0.1", sec, "socket"))
-                  for r in range(3)]) as (t0, _t1, t2):
+    with _trio(security.Security.from_secret(SECRET, False), "socket") as (t0, _t1, t2):
         n = 1 << 20
         header = wire.pack_header(wire.Kind.DATA, SIG, 2, 1, 5, n)
         key = (0, 2, 1, 5)
