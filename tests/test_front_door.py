@@ -42,7 +42,7 @@ from swarmfd.comm.plane import PeerInfo
 from swarmfd.comm.planes import socket as lanes
 
 from .attacker import listening_ports
-from .harness import RankCtx, Ranks, record, run_ranks
+from .harness import RankCtx, Ranks, allowed, record, run_ranks, stall_meter
 
 ROOT = Path(__file__).resolve().parent.parent
 IS_ROOT = os.geteuid() == 0
@@ -105,7 +105,7 @@ def _timed_init(ctx: RankCtx, late: float) -> dict[str, Any]:
 
     t = group.current().transport
     ch = t.tcp if t is not None else None
-    return {"init": took, "ok": bool((x == ctx.world * (ctx.world + 1) // 2).all()),
+    return {"init": took, "start": t0, "ok": bool((x == ctx.world * (ctx.world + 1) // 2).all()),
             "strangers": getattr(ch, "strangers", 0) + getattr(ch, "strangers_pending", 0),
             "refused": getattr(t.auth, "refused", 0) if t is not None else 0}
 
@@ -131,6 +131,7 @@ def test_silent_strangers_and_a_flood_do_not_stop_or_slow_init(transport_name: s
     """100 silent connections to every data listener the moment it appears, then 300 new
     ones a second at each: every rank's init completes, at most 1 s slower than without
     the attack (run first, in the same test), and the result is exact."""
+    stall_meter()  # before the windows it measures (see harness.allowed)
     calm, _ = _job_with_flood(transport_name, flood=False)
     stormy, attack = _job_with_flood(transport_name, flood=True)
     record(f"flood[{transport_name}]", calm=calm, stormy=stormy, attack=attack)
@@ -140,7 +141,12 @@ def test_silent_strangers_and_a_flood_do_not_stop_or_slow_init(transport_name: s
     assert attack.get("silent", 0) >= 200 and attack.get("churn", 0) > 0, attack
     for r in range(3):
         assert stormy[r]["ok"] and calm[r]["ok"], (calm, stormy)
-        assert stormy[r]["init"] <= calm[r]["init"] + 1.0, (r, calm, stormy, attack)
+        # Plus the time of the stormy init in which this machine did not run the test
+        # process (harness.allowed): a CI run's rank 0 took 2.20 s against 1.09 s calm,
+        # where the flood costs 0.01-0.03 s alone.
+        limit, stalled = allowed(calm[r]["init"] + 1.0, stormy[r]["start"],
+                                 stormy[r]["start"] + stormy[r]["init"])
+        assert stormy[r]["init"] <= limit, (r, stalled, calm, stormy, attack)
     # The strangers were there, and were counted (the listener closed after init on the
     # socket plane; the zmq data socket refused them at ZAP or dropped them unauthenticated).
     if transport_name == "tcp":
