@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from .comm import malloc as _malloc
 from .comm import spin as _spin
 from .comm import transport as _transport
 from .comm.plane import PeerInfo, Plane
@@ -58,6 +59,7 @@ from .config import (
     data_plane,
     encrypt_enabled,
     hierarchy_mode,
+    malloc_mode,
     node_name,
     require_secret,
     spin_mode,
@@ -395,6 +397,7 @@ def _start(config: Config, secret: str | bytes | None = None) -> Config:
         plane = data_plane()
         mode = transport_mode()
         spinning = spin_mode()
+        _malloc.tune(malloc_mode())
         deadline = time.monotonic() + config.join_timeout
         master_ip = _transport.resolve(config.master_addr, deadline)
         bind_ip = _transport.local_address_toward(master_ip)
@@ -408,7 +411,11 @@ def _start(config: Config, secret: str | bytes | None = None) -> Config:
             peers = t.rendezvous(me, master_ip, config.rendezvous_port, deadline)
             t.connect(None, deadline)
             hosts = [p.host for p in peers]
-            _spin.configure(spinning, hosts.count(hosts[config.rank]))
+            # On the zmq plane libzmq's I/O thread moves the bytes of every peer over TCP
+            # (all of them with SWARMFD_TRANSPORT=tcp, those of other hosts otherwise).
+            zmq_io = plane == "zmq" and (mode == "tcp" or len(set(hosts)) > 1)
+            _spin.configure(spinning, hosts.count(hosts[config.rank]),
+                            threads_per_rank=2 if zmq_io else 1)
             config = _with_local_ranks(config, hosts)
             state = _State(config, t, hosts, hierarchy=hierarchy_mode())
             _make_groups(state)

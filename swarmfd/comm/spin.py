@@ -10,7 +10,10 @@ So:
 
 * waits poll for at most :data:`SPIN_SECONDS` before they block;
 * only when every rank of the host can have its own core (``auto``, the default:
-  :func:`configure` is told how many ranks share the host) or when forced on;
+  :func:`configure` is told how many ranks share the host) or when forced on. A rank
+  whose data goes through ZeroMQ has a second busy thread, libzmq's I/O thread, which
+  moves every byte: it needs a core too (``threads_per_rank=2``), or the polling waits
+  take the very CPU that brings their messages;
 * and adaptively: after :data:`MAX_MISSES` consecutive polls that caught nothing a
   :class:`Spinner` blocks at once, trying a poll again every :data:`RETRY` waits (a
   busy machine, or a peer that is slow anyway: large messages, compute between calls).
@@ -50,16 +53,18 @@ RETRY = 32
 ENABLED = 0
 
 
-def configure(mode: str, local_ranks: int, cores: int | None = None) -> bool:
+def configure(mode: str, local_ranks: int, cores: int | None = None,
+              threads_per_rank: int = 1) -> bool:
     """Decide whether this process's waits poll: ``mode`` 'on', 'off' or 'auto' (poll when
-    the ``local_ranks`` ranks of this host each have a core). Returns the decision."""
+    each busy thread of the ``local_ranks`` ranks of this host, ``threads_per_rank`` of
+    them per rank, has a core). Returns the decision."""
     global ENABLED
     if cores is None:
         try:
             cores = len(os.sched_getaffinity(0))
         except (AttributeError, OSError):
             cores = os.cpu_count() or 1
-    on = mode == "on" or (mode == "auto" and local_ranks <= cores)
+    on = mode == "on" or (mode == "auto" and local_ranks * threads_per_rank <= cores)
     ENABLED = int(on)
     return on
 
