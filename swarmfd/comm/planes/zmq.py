@@ -166,8 +166,10 @@ class ZmqPlane:
         self.at: dict[bytes, int] = {}
         self.connected: set[int] = set()
         self.trackers: list[tuple[int, zmq.MessageTracker]] = []
-        #: The frame whose header next_header returned (a view that keeps its Frame alive).
+        #: The frame whose header next_header returned (a view that keeps its Frame alive),
+        #: and whether its payload follows in a frame of its own.
         self.raw: memoryview | bytes = b""
+        self.more = False
         self.spinner = Spinner()
 
     def idle(self) -> None:
@@ -362,11 +364,13 @@ class ZmqPlane:
             self.unknown += 1
             return None
         raw = frame.buffer
+        # Whether a frame follows, as libzmq reported it with this one (no getsockopt).
+        self.more = more = frame.more
         try:
             hdr = wire.unpack_header(raw)
             if hdr.src != peer:
                 raise ProtocolError(f"a header claims source rank {hdr.src}")
-            if hdr.inline and self.rx.get(_RCVMORE):
+            if hdr.inline and more:
                 raise ProtocolError("an inline message with a second frame")
         except ProtocolError as exc:
             self._drain()
@@ -391,7 +395,7 @@ class ZmqPlane:
                 return bytes(inline) if keep else inline
             memoryview(into).cast("B")[:] = inline
             return None
-        if not rx.get(_RCVMORE):
+        if not self.more:
             if into is None and hdr.nbytes == 0:
                 return b""
             raise ProtocolError(f"{self.t.activity}: rank {hdr.src} sent a header without "
