@@ -76,6 +76,7 @@ __all__ = [
     "ENV_INIT_TIMEOUT",
     "ENV_LOCAL_RANK",
     "ENV_LOCAL_WORLD_SIZE",
+    "ENV_MALLOC",
     "ENV_MASTER_ADDR",
     "ENV_MASTER_PORT",
     "ENV_NODE",
@@ -89,6 +90,7 @@ __all__ = [
     "ENV_TRANSPORT",
     "ENV_WORLD_SIZE",
     "HIERARCHIES",
+    "MALLOCS",
     "MAX_SECRET_BYTES",
     "MIN_SECRET_CHARS",
     "SPIN_MODES",
@@ -101,6 +103,7 @@ __all__ = [
     "encrypt_enabled",
     "hierarchy_mode",
     "load_secret",
+    "malloc_mode",
     "node_name",
     "parse_env_float",
     "parse_env_int",
@@ -142,6 +145,8 @@ ENV_SHM_DIR = "SWARMFD_SHM_DIR"
 ENV_HIERARCHY = "SWARMFD_HIERARCHY"
 #: Whether waits poll before they block (see swarmfd.comm.spin).
 ENV_SPIN = "SWARMFD_SPIN"
+#: Whether init tunes glibc's malloc for message buffers (see swarmfd.comm.malloc).
+ENV_MALLOC = "SWARMFD_MALLOC"
 #: Set by a Swarm service for each task (``{{.Task.Slot}}``, 1-based): see swarmfd.entrypoint.
 ENV_TASK_SLOT = "SWARMFD_TASK_SLOT"
 #: How long the container entrypoint waits for MASTER_ADDR to resolve.
@@ -150,6 +155,8 @@ ENV_RESOLVE_TIMEOUT = "SWARMFD_RESOLVE_TIMEOUT"
 TRANSPORTS = ("auto", "tcp")
 #: SWARMFD_HIERARCHY: two-level algorithms where they are faster, or the flat ones.
 HIERARCHIES = ("auto", "off")
+#: SWARMFD_MALLOC: init tunes glibc's malloc thresholds, or leaves them to the system.
+MALLOCS = ("tuned", "system")
 #: SWARMFD_SPIN: poll when every rank of the host has a core, always, or never.
 SPIN_MODES = ("auto", "on", "off")
 #: The data planes of the TCP path: plain sockets (the default, see swarmfd/lanes.py) or
@@ -470,6 +477,14 @@ def hierarchy_mode(environ: Mapping[str, str] | None = None) -> str:
     """``SWARMFD_HIERARCHY``: 'auto' (two-level collectives where faster) or 'off'."""
     return _choice(os.environ if environ is None else environ, ENV_HIERARCHY, HIERARCHIES,
                    "'auto' (two-level collectives across hosts) or 'off' (flat ones)")
+
+
+def malloc_mode(environ: Mapping[str, str] | None = None) -> str:
+    """``SWARMFD_MALLOC``: 'tuned' (the default: init sets glibc's trim and mmap
+    thresholds, see swarmfd.comm.malloc) or 'system' (glibc's own, adaptive ones)."""
+    return _choice(os.environ if environ is None else environ, ENV_MALLOC, MALLOCS,
+                   "'tuned' (init fixes glibc's malloc thresholds for message buffers, the "
+                   "default) or 'system' (glibc's own)")
 
 
 def spin_mode(environ: Mapping[str, str] | None = None) -> str:

@@ -1,0 +1,61 @@
+"""glibc malloc thresholds for message buffers (swarmfd.comm.malloc), in fresh processes:
+the thresholds are per process and glibc adapts them as it sees frees."""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from swarmfd.comm import malloc
+
+pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc")
+
+#: Allocates 1 MiB (a message piece) and then 2 MiB with libc's malloc, after tune(MODE),
+#: and reports whether the first was mmapped and how much free space the top of the heap
+#: kept after the second was freed (mallinfo2: hblks, keepcost).
+PROBE = r"""
+import ctypes, json, sys
+from swarmfd.comm import malloc
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks",
+        "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+libc.mallinfo2.restype = Info
+tuned = malloc.tune(sys.argv[1])
+before = libc.mallinfo2().hblks
+p = libc.malloc(1 << 20)
+mapped = libc.mallinfo2().hblks - before
+libc.free(p)
+q = libc.malloc(2 << 20)
+libc.free(q)
+print(json.dumps({"tuned": tuned, "mapped": mapped, "keep": libc.mallinfo2().keepcost}))
+"""
+
+
+def _probe(mode: str, **env: str) -> dict[str, int]:
+    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True,
+                         timeout=60, env={"PATH": "/usr/bin:/bin", **env}, check=True)
+    return json.loads(out.stdout)
+
+
+def test_tuned_buffers_come_from_the_heap_and_its_top_is_kept() -> None:
+    got = _probe("tuned")
+    assert got["tuned"] and got["mapped"] == 0, got
+    assert got["keep"] >= 2 << 20, got  # not trimmed: the next buffer reuses those pages
+
+
+def test_system_leaves_glibc_alone() -> None:
+    got = _probe("system")
+    assert not got["tuned"] and got["mapped"] == 1, got  # 1 MiB > glibc's 128 KiB threshold
+
+
+@pytest.mark.parametrize("name", malloc.GLIBC_SETTINGS)
+def test_the_user_s_own_glibc_settings_win(name: str) -> None:
+    value = "glibc.malloc.trim_threshold=131072" if name == "GLIBC_TUNABLES" else "131072"
+    assert not _probe("tuned", **{name: value})["tuned"]
