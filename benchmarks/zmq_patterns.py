@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import zmq
 
-PATTERNS = ("pushpull", "dealer-each", "dealer-one", "dealer-meta")
+PATTERNS = ("pushpull", "pushpull-meta", "dealer-each", "dealer-one", "dealer-meta")
 
 
 def _sockets(ctx: zmq.Context, pattern: str, rank: int, n: int, ports: list[int],
@@ -38,14 +38,25 @@ def _sockets(ctx: zmq.Context, pattern: str, rank: int, n: int, ports: list[int]
     """The pattern's send(peer) and receive-any functions for ``rank``."""
     peers = [j for j in range(n) if j != rank]
     url = "tcp://127.0.0.1:{}".format
-    if pattern == "pushpull":
+    if pattern.startswith("pushpull"):
         rx = ctx.socket(zmq.PULL)
         rx.bind(url(ports[rank]))
         tx = {}
         for j in peers:
             tx[j] = ctx.socket(zmq.PUSH)
+            tx[j].setsockopt(zmq.METADATA, b"X-Rank:%d" % rank)
             tx[j].connect(url(ports[j]))
-        return (lambda j: tx[j].send(payload)), rx.recv
+        if pattern == "pushpull":
+            return (lambda j: tx[j].send(payload)), rx.recv
+        senders: dict[str, int] = {str(j): j for j in peers}
+
+        def recv_pull_meta() -> bytes:
+            frame = rx.recv(copy=False)
+            if senders[frame.get("X-Rank")] < 0:
+                raise AssertionError("unreachable")
+            return frame.bytes
+
+        return (lambda j: tx[j].send(payload)), recv_pull_meta
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.ROUTER_MANDATORY, 1)
     router.setsockopt(zmq.METADATA, b"X-Rank:%d" % rank)
