@@ -6,6 +6,8 @@ per round. The patterns are the designs the zmq data plane had or could have:
 
 * ``pushpull``: a PULL bound per rank, a PUSH per peer (swarmfd 8ec62ae; the source is
   only the header's claim);
+* ``pushpull-meta``: the same, the source read from each message's connection metadata
+  (``X-Rank``, set by the sending PUSH; a bound PULL takes any stranger's connection);
 * ``dealer-each``: a bound ROUTER that only sends (routing-id frame), a DEALER per peer
   that only receives, readiness read from ZMQ_EVENTS and zmq_poll over them (swarmfd
   from the front door, issue 12, to 2026-12-02);
