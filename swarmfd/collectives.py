@@ -344,7 +344,8 @@ def _all_reduce_algo(o: Op, flat: np.ndarray, rop: ReduceOp, mean: bool,
             yield o.flush()  # pieces of flat may still be on their way to a peer
             np.divide(flat, o.size, out=flat)
         return
-    yield from select.all_reduce(o.plane.kind, flat.nbytes, o.size, flat.size)(o, flat, ufunc)
+    yield from select.all_reduce(o.plane.kind, flat.nbytes, o.size, flat.size,
+                                 o.plane.name)(o, flat, ufunc)
     if mean:
         yield o.flush()  # pieces of flat may still be on their way to a peer
         np.divide(flat, o.size, out=flat)

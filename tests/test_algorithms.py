@@ -40,6 +40,10 @@ def _tcp_all_reduce(op: Op, buf: np.ndarray) -> Any:
 ALL_REDUCE = {
     "pair": lambda op, buf: tcp.all_reduce_pair(op, buf, np.add),
     "direct": lambda op, buf: tcp.all_reduce_direct(op, buf, np.add),
+    "doubling": lambda op, buf: tcp.all_reduce_doubling(op, buf, np.add),
+    "doubling-by-host": lambda op, buf: tcp.all_reduce_doubling(op, buf, np.add,
+                                                                [1, 3, 0, 2][:op.size]
+                                                                if op.size == 4 else None),
     "ring": lambda op, buf: tcp.all_reduce_ring(op, buf, np.add),
     "ring-by-host": lambda op, buf: tcp.all_reduce_ring(op, buf, np.add,
                                                         list(reversed(range(op.size)))),
@@ -49,11 +53,15 @@ ALL_REDUCE = {
 
 
 @pytest.mark.parametrize(("algo", "n"), [(a, n) for a in ALL_REDUCE for n in SIZES
-                                         if a != "pair" or n == 2])  # pair: two ranks only
+                                         if (a != "pair" or n == 2)  # pair: two ranks only
+                                         and (not a.startswith("doubling")
+                                              or n & (n - 1) == 0)])  # powers of two
 @pytest.mark.parametrize("count", COUNTS)
 def test_all_reduce(algo: str, n: int, count: int) -> None:
     for dtype in DTYPES if count < 1000 else [np.int64, np.float32]:
-        if algo in ("pair", "direct") and count * np.dtype(dtype).itemsize > wire.MAX_PAYLOAD:
+        biggest = count * np.dtype(dtype).itemsize * (n // 2 if "doubling" in algo else 1)
+        if algo in ("pair", "direct", "doubling", "doubling-by-host") and \
+                biggest > wire.MAX_PAYLOAD:
             continue  # one message each way: the selection table never picks them here
         inputs = [sample_data(r, count, dtype) for r in range(n)]
         want = sum(inputs[1:], start=inputs[0].copy()) if n else None
@@ -97,6 +105,23 @@ def test_broadcast_and_reduce(plane: str, n: int, count: int) -> None:
         for r in range(n):
             if r != root:
                 assert np.array_equal(got[r], inputs[r]), "a non-root's array changed"
+
+
+@pytest.mark.parametrize("count", [1000, 65536])
+def test_doubling_adds_in_rank_order_like_every_plane(count: int) -> None:
+    """The recursive doubling all_reduce gives the bits of the direct exchange and of
+    shared memory (float sums depend on their order: the planes must agree, so a job's
+    results do not depend on where it runs)."""
+    inputs = [sample_data(r, count, np.float32, seed=7) * np.float32(1 + r / 3) for r in range(4)]
+    got = {}
+    for algo in ("direct", "doubling", "doubling-by-host", "shm"):
+        def make(op: Op, algo: str = algo) -> Any:
+            buf = inputs[op.me].copy()
+            return ALL_REDUCE[algo](op, buf), lambda: buf
+
+        got[algo] = run_algorithm(4, make, plane="shm" if algo == "shm" else "memory")[0]
+    for algo, arr in got.items():
+        assert arr.tobytes() == got["direct"].tobytes(), algo
 
 
 def _direct_with_views(algo: str, roots: tuple[int, ...]) -> tuple[list[str], int]:

@@ -287,7 +287,8 @@ def all_reduce_large(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout, shm:
             members = [hosts[x][q % len(hosts[x])] for x in range(H)]
             sub = op.sub(op.plane, members, RING_TAGS + q * SHARD_TAGS)
             seg = buf[a:b]
-            yield from select.all_reduce("tcp", seg.nbytes, H, seg.size)(sub, seg, ufunc)
+            yield from select.all_reduce("tcp", seg.nbytes, H, seg.size,
+                                         sub.plane.name)(sub, seg, ufunc)
         if local is not None:
             # (The rings may still be sending pieces of the owned shards: the
             # all-gather only reads them.)

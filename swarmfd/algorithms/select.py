@@ -40,14 +40,28 @@ def _direct(nbytes: int, size: int) -> bool:
     return nbytes <= SMALL_BYTES and size <= SMALL_MAX_WORLD
 
 
-def all_reduce(kind: str, nbytes: int, size: int, count: int) -> Algo:
-    """The all_reduce of ``count`` items (``nbytes``) among ``size`` ranks."""
+def all_reduce(kind: str, nbytes: int, size: int, count: int, plane: str = "") -> Algo:
+    """The all_reduce of ``count`` items (``nbytes``) among ``size`` ranks, on the plane
+    named ``plane`` of kind ``kind``.
+
+    Small buffers: recursive doubling where the group size is a power of two, except on
+    the zmq plane; else the direct exchange. Doubling sends fewer messages (2 against 3
+    a rank at N=4) in two hops instead of one. Measured at N=4, 5 interleaved runs
+    (compare.py, 2026-12-02): on the socket plane 0.72, 0.82 and 0.84x the direct
+    exchange's time at 4 KiB, 64 KiB and 256 KiB; on the zmq plane, whose hop costs
+    four thread hand-offs, 1.14, 1.09 and 1.05x.
+    """
     if kind == "shm":
         return shm.all_reduce
     if size == 2 and nbytes <= PAIR_MAX_BYTES:
         return tcp.all_reduce_pair
-    if _direct(nbytes, size) or count < size:
+    if count < size:
         return tcp.all_reduce_direct
+    if _direct(nbytes, size):
+        # Doubling's last round carries N/2 buffers in one message.
+        doubling = (plane != "zmq" and size & (size - 1) == 0
+                    and size // 2 * nbytes <= wire.MAX_PAYLOAD)
+        return tcp.all_reduce_doubling if doubling else tcp.all_reduce_direct
     return tcp.all_reduce_ring
 
 
