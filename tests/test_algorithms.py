@@ -41,9 +41,9 @@ ALL_REDUCE = {
     "pair": lambda op, buf: tcp.all_reduce_pair(op, buf, np.add),
     "direct": lambda op, buf: tcp.all_reduce_direct(op, buf, np.add),
     "doubling": lambda op, buf: tcp.all_reduce_doubling(op, buf, np.add),
-    "doubling-by-host": lambda op, buf: tcp.all_reduce_doubling(op, buf, np.add,
-                                                                [1, 3, 0, 2][:op.size]
-                                                                if op.size == 4 else None),
+    "doubling-by-host": lambda op, buf: tcp.all_reduce_doubling(
+        op, buf, np.add, [(2 * i + 1) % op.size for i in range(op.size // 2)]
+        + [(2 * i) % op.size for i in range(op.size // 2)] if op.size > 2 else None),
     "ring": lambda op, buf: tcp.all_reduce_ring(op, buf, np.add),
     "ring-by-host": lambda op, buf: tcp.all_reduce_ring(op, buf, np.add,
                                                         list(reversed(range(op.size)))),
@@ -107,19 +107,20 @@ def test_broadcast_and_reduce(plane: str, n: int, count: int) -> None:
                 assert np.array_equal(got[r], inputs[r]), "a non-root's array changed"
 
 
+@pytest.mark.parametrize("n", [4, 8])
 @pytest.mark.parametrize("count", [1000, 65536])
-def test_doubling_adds_in_rank_order_like_every_plane(count: int) -> None:
+def test_doubling_adds_in_rank_order_like_every_plane(count: int, n: int) -> None:
     """The recursive doubling all_reduce gives the bits of the direct exchange and of
     shared memory (float sums depend on their order: the planes must agree, so a job's
     results do not depend on where it runs)."""
-    inputs = [sample_data(r, count, np.float32, seed=7) * np.float32(1 + r / 3) for r in range(4)]
+    inputs = [sample_data(r, count, np.float32, seed=7) * np.float32(1 + r / 3) for r in range(n)]
     got = {}
     for algo in ("direct", "doubling", "doubling-by-host", "shm"):
         def make(op: Op, algo: str = algo) -> Any:
             buf = inputs[op.me].copy()
             return ALL_REDUCE[algo](op, buf), lambda: buf
 
-        got[algo] = run_algorithm(4, make, plane="shm" if algo == "shm" else "memory")[0]
+        got[algo] = run_algorithm(n, make, plane="shm" if algo == "shm" else "memory")[0]
     for algo, arr in got.items():
         assert arr.tobytes() == got["direct"].tobytes(), algo
 
