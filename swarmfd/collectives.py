@@ -492,7 +492,7 @@ def all_gather(x: Any, out: Any = None, *, group: Any = None,
         hier = two and select.all_gather_two_level(flat.nbytes, two[0])
         if hier:
             return hier(o, rows, *two)
-        return select.all_gather(o.plane.kind, flat.nbytes, o.size)(o, rows)
+        return select.all_gather(o.plane.kind, flat.nbytes, o.size, o.plane.name)(o, rows)
 
     return _run(g, _signature(Collective.ALL_GATHER, [arr], code, ReduceOp.NONE), body,
                 lambda _: [rows[r].reshape(arr.shape) for r in range(n)], async_op)
@@ -528,7 +528,9 @@ def _all_gather_v(g: _group.Group, arr: np.ndarray, flat: np.ndarray, code: int,
             yield from select.shm.all_gather_v(o, flat, res, bounds)
         else:
             largest = max(b - a for a, b in bounds) * arr.itemsize
-            direct = select.all_gather("tcp", largest, n) is select.tcp.all_gather_direct \
+            # (Parts of different sizes: the direct exchange where the table picks a
+            # small all_gather, whichever small one it picks.)
+            direct = select.all_gather("tcp", largest, n) is not select.tcp.all_gather_ring \
                 and largest <= wire.PIECE_BYTES
             yield from select.tcp.all_gather_v(o, flat, res, bounds, direct=direct)
 

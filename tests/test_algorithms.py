@@ -208,10 +208,14 @@ def test_chains_follow_the_ring_order(n: int, count: int) -> None:
                     assert np.array_equal(got[r], inputs[r]), (ring, root, r)
 
 
-@pytest.mark.parametrize("algo", ["direct", "ring", "ring-by-host", "shm"])
-@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize(("algo", "n"), [(a, n) for a in ["direct", "doubling", "ring",
+                                                              "ring-by-host", "shm"]
+                                         for n in [*SIZES, 8]
+                                         if a != "doubling" or n & (n - 1) == 0])
 @pytest.mark.parametrize("count", COUNTS)
 def test_all_gather(algo: str, n: int, count: int) -> None:
+    if algo == "doubling":  # its last round is one message of N/2 rows: at most this
+        count = min(count, wire.MAX_PAYLOAD // (4 * (n // 2)))
     inputs = [sample_data(r, count, np.float32) for r in range(n)]
 
     def make(op: Op) -> Any:
@@ -221,6 +225,8 @@ def test_all_gather(algo: str, n: int, count: int) -> None:
             gen = shm.all_gather(op, out)
         elif algo == "direct":
             gen = tcp.all_gather_direct(op, out)
+        elif algo == "doubling":
+            gen = tcp.all_gather_doubling(op, out)
         else:
             gen = tcp.all_gather_ring(op, out, None if algo == "ring" else [1, 0, *range(2, n)])
         return gen, lambda: out

@@ -21,7 +21,8 @@ every rank (a contract: float sums depend on their order).
   root along the ring order (every link carries S once).
 * **reduce**: small, everyone sends to the root; large, a pipelined chain along the ring
   order, ending there.
-* **all_gather**: small, direct; large, a pipelined ring ((N-1)/N of the result each).
+* **all_gather**: small, direct (or recursive doubling, as for all_reduce); large, a
+  pipelined ring ((N-1)/N of the result each).
 * **barrier**: dissemination, ceil(log2 N) rounds of empty messages.
 
 Broadcast and reduce have ranks that only send, so they end with an acknowledgement
@@ -53,6 +54,7 @@ __all__ = [
     "ACK",
     "SIG",
     "all_gather_direct",
+    "all_gather_doubling",
     "all_gather_ring",
     "all_gather_v",
     "all_reduce_direct",
@@ -134,20 +136,29 @@ def all_reduce_doubling(op: Op, buf: np.ndarray, ufunc: np.ufunc,
     N = op.size
     held = np.empty((N, buf.size), dtype=buf.dtype)  # row i: the buffer of order[i]
     held[pos] = buf
-    bit = 0
-    while (1 << bit) < N:
-        width = 1 << bit
-        mine = pos & ~(width - 1)  # the rows this rank holds: [mine, mine + width)
-        theirs = mine ^ width
-        op.send(order[pos ^ width], bit, held[mine:mine + width])
-        yield op.recv_into(order[pos ^ width], bit, held[theirs:theirs + width])
-        bit += 1
+    yield from _gather_doubling(op, held, order, pos)
     row = {g: i for i, g in enumerate(order)}
     acc = held[row[0]].copy()
     for g in range(1, N):
         ufunc(acc, held[row[g]], out=acc)
     yield op.flush()  # rows of held may still be on their way out (zero-copy)
     buf[...] = acc
+
+
+def _gather_doubling(op: Op, rows: np.ndarray, order: Sequence[int], pos: int) -> Algorithm:
+    """Recursive doubling over ``rows`` (row i: the part of group rank ``order[i]``; this
+    rank's, at ``pos``, filled), N a power of two: in round k this rank and the one 2^k
+    places away swap the 2^k rows each holds (one message each way), so after log2 N
+    rounds every rank holds every row."""
+    bit = 0
+    while (1 << bit) < op.size:
+        width = 1 << bit
+        mine = pos & ~(width - 1)  # the rows this rank holds: [mine, mine + width)
+        theirs = mine ^ width
+        peer = order[pos ^ width]
+        op.send(peer, bit, rows[mine:mine + width])
+        yield op.recv_into(peer, bit, rows[theirs:theirs + width])
+        bit += 1
 
 
 def all_reduce_direct(op: Op, buf: np.ndarray, ufunc: np.ufunc) -> Algorithm:
@@ -315,6 +326,14 @@ def all_gather_direct(op: Op, out: np.ndarray) -> Algorithm:
     for p in range(op.size):
         if p != op.me:
             yield op.recv_into(p, 0, out[p])
+
+
+def all_gather_doubling(op: Op, out: np.ndarray) -> Algorithm:
+    """Recursive doubling (N a power of two): log2 N messages a rank instead of the
+    direct exchange's N-1, the same bytes, in rank order (the rows a rank swaps are
+    contiguous in ``out``)."""
+    yield from _gather_doubling(op, out, range(op.size), op.me)
+    yield op.flush()  # rows of out may still be on their way out (zero-copy)
 
 
 def all_gather_ring(op: Op, out: np.ndarray, ring: Sequence[int] | None = None) -> Algorithm:
