@@ -480,8 +480,9 @@ def hierarchy_mode(environ: Mapping[str, str] | None = None) -> str:
 
 
 def malloc_mode(environ: Mapping[str, str] | None = None) -> str:
-    """``SWARMFD_MALLOC``: 'tuned' (the default: init sets glibc's trim and mmap
-    thresholds, see swarmfd.comm.malloc) or 'system' (glibc's own, adaptive ones)."""
+    """``SWARMFD_MALLOC``: 'tuned' (the default: on the zmq data plane init sets glibc's
+    trim and mmap thresholds, see swarmfd.comm.malloc) or 'system' (glibc's own,
+    adaptive ones)."""
     return _choice(os.environ if environ is None else environ, ENV_MALLOC, MALLOCS,
                    "'tuned' (init fixes glibc's malloc thresholds for message buffers, the "
                    "default) or 'system' (glibc's own)")

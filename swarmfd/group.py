@@ -397,7 +397,8 @@ def _start(config: Config, secret: str | bytes | None = None) -> Config:
         plane = data_plane()
         mode = transport_mode()
         spinning = spin_mode()
-        _malloc.tune(malloc_mode())
+        if plane == "zmq":  # buffers allocated and freed on two threads (swarmfd.comm.malloc)
+            _malloc.tune(malloc_mode())
         deadline = time.monotonic() + config.join_timeout
         master_ip = _transport.resolve(config.master_addr, deadline)
         bind_ip = _transport.local_address_toward(master_ip)

@@ -12,6 +12,8 @@ import pytest
 
 from swarmfd.comm import malloc
 
+from .harness import run_ranks_raw
+
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc")
 
 #: Allocates 1 MiB (a message piece) and then 2 MiB with libc's malloc, after tune(MODE),
@@ -59,3 +61,16 @@ def test_system_leaves_glibc_alone() -> None:
 def test_the_user_s_own_glibc_settings_win(name: str) -> None:
     value = "glibc.malloc.trim_threshold=131072" if name == "GLIBC_TUNABLES" else "131072"
     assert not _probe("tuned", **{name: value})["tuned"]
+
+
+def _tuned(rank: int, world: int) -> bool:
+    return malloc._tuned
+
+
+@pytest.mark.parametrize("plane", ["socket", "zmq"])
+def test_init_tunes_only_the_zmq_plane_s_processes(plane: str) -> None:
+    """Only on the zmq plane are buffers allocated on one thread and freed on another."""
+    out = run_ranks_raw(_tuned, 2, env={"SWARMFD_TRANSPORT": "tcp", "SWARMFD_DATA_PLANE": plane},
+                        timeout=60)
+    want = plane == "zmq"
+    assert out == {0: (True, want), 1: (True, want)}, out

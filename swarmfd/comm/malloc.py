@@ -1,4 +1,4 @@
-"""Fixed glibc malloc thresholds for the message buffers of the data planes.
+"""Fixed glibc malloc thresholds for the message buffers of the zmq data plane.
 
 Every message buffer is allocated on one thread and freed on another: pyzmq copies a
 sent payload into a buffer the rank's thread allocates and libzmq's I/O thread frees
@@ -11,18 +11,21 @@ the freeing thread returns it to the kernel (brk, or madvise in a thread's arena
 the allocating thread grows the heap again, and every page of a new buffer is faulted
 in and zeroed anew. Measured at N=4 on 2 cores (zmq plane, 1 MiB all_reduce, a ring of
 256 KiB pieces): a rank's thread spent 167-333 us of system time a call against
-67-133 us with fixed thresholds, and the call took 3.67-3.75 ms against 2.93-3.15 ms;
-8ec62ae, whose thresholds happened to settle higher, took 3.31-3.33 ms (2.93-3.15 ms
-fixed).
+67-133 us with fixed thresholds (set through glibc's environment variables), and the
+call took 3.67-3.75 ms against 2.93-3.15 ms; 8ec62ae took 3.31-3.33 ms, and
+3.00-3.12 ms with the same fixed thresholds (two alternated runs of each).
 
-So init fixes both thresholds, which also stops glibc's adapting (mallopt): buffers
-up to MMAP_THRESHOLD come from the heap and are reused, and the heap keeps up to
-TRIM_THRESHOLD of free space at its top. The cost is memory the process keeps
-mapped: at most TRIM_THRESHOLD at the top of each heap beyond what it uses. glibc
-itself moves the mmap threshold up to 32 MiB as it sees large frees, so 4 MiB is
-within what a process gets anyway. ``SWARMFD_MALLOC=system`` leaves glibc alone, and
-so do glibc's own settings (``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``,
-``GLIBC_TUNABLES``) when present, and a C library other than glibc.
+So on the zmq plane init fixes both thresholds, which also stops glibc's adapting
+(mallopt): buffers up to MMAP_THRESHOLD come from the heap and are reused, and the
+heap keeps up to TRIM_THRESHOLD of free space at its top. (The socket plane allocates
+and frees on the rank's own thread; there fixed thresholds measured 1.06x glibc's own
+time at N=4 and 1 MiB, runs 0.99-1.11, and 1.01x at 16 MiB, so they are not set.)
+The cost is memory the process keeps mapped: at most TRIM_THRESHOLD at the top of
+each heap beyond what it uses. glibc itself moves the mmap threshold up to 32 MiB as
+it sees large frees, so 4 MiB is within what a process gets anyway.
+``SWARMFD_MALLOC=system`` leaves glibc alone, and so do glibc's own settings
+(``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``, ``GLIBC_TUNABLES``) when
+present, and a C library other than glibc.
 """
 
 from __future__ import annotations
