@@ -104,6 +104,7 @@ __all__ = [
     "hierarchy_mode",
     "load_secret",
     "malloc_mode",
+    "master_port",
     "node_name",
     "parse_env_float",
     "parse_env_int",
@@ -310,6 +311,17 @@ def parse_env_port(environ: Mapping[str, str], name: str) -> int | None:
         raise ConfigError(f"environment variable {name}={environ[name]!r} is invalid: "
                           "expected a TCP port, 1..65535")
     return value
+
+
+def master_port(environ: Mapping[str, str] | None = None) -> int | None:
+    """``MASTER_PORT`` (torch.distributed's), or None when unset or not a port (swarmfd
+    only keeps its data planes off it: see :func:`rendezvous_port` for where it is
+    checked strictly)."""
+    env = os.environ if environ is None else environ
+    try:
+        return parse_env_port(env, ENV_MASTER_PORT)
+    except ConfigError:
+        return None
 
 
 def rendezvous_port(environ: Mapping[str, str] | None = None) -> int:

@@ -60,6 +60,7 @@ from .config import (
     encrypt_enabled,
     hierarchy_mode,
     malloc_mode,
+    master_port,
     node_name,
     require_secret,
     spin_mode,
@@ -373,6 +374,14 @@ def _security(config: Config, secret: str | bytes | None) -> Security | None:
     return Security.from_secret(job_secret, encrypt_enabled())
 
 
+def _reserved_ports(config: Config) -> set[int]:
+    """Ports this rank's data plane must not listen on (see ``avoid`` of
+    :class:`swarmfd.comm.transport.Transport`): the rendezvous port, and MASTER_PORT when
+    the environment has a valid one (torch.distributed's, beside swarmfd)."""
+    torch_port = master_port()
+    return {config.rendezvous_port} | ({torch_port} if torch_port is not None else set())
+
+
 def _start(config: Config, secret: str | bytes | None = None) -> Config:
     global _state
     with _lock:
@@ -403,7 +412,8 @@ def _start(config: Config, secret: str | bytes | None = None) -> Config:
         master_ip = _transport.resolve(config.master_addr, deadline)
         bind_ip = _transport.local_address_toward(master_ip)
         t = _transport.Transport(config.rank, config.world_size, config.timeout, bind_ip,
-                                 security, plane, config.join_timeout)
+                                 security, plane, config.join_timeout,
+                                 avoid=_reserved_ports(config))
         try:
             from .comm import shm_setup
 

@@ -149,3 +149,13 @@ def test_a_bad_port_in_the_environment_fails_init_before_any_rendezvous(
 def test_config_rejects_a_bad_rendezvous_port(value: object) -> None:
     with pytest.raises(ConfigError, match="rendezvous_port"):
         Config(world_size=1, rank=0, rendezvous_port=value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("value", "want"), [("29500", 29500), ("", None), ("torch", None),
+                                             ("70000", None)])
+def test_master_port_is_torch_s_port_or_none(value: str, want: int | None) -> None:
+    """Only kept free of swarmfd's data planes: a bad value is torch's to report."""
+    from swarmfd.config import master_port
+
+    assert master_port({"MASTER_PORT": value}) == want
+    assert master_port({}) is None

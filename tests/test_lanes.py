@@ -729,3 +729,44 @@ def test_a_peer_lost_in_the_middle_of_a_posted_message_fails_its_group_at_once()
         assert isinstance(failure.value.error, PeerLostError), failure.value.error
         assert "lost rank 2" in str(failure.value.error)
         assert time.monotonic() - start < 3
+
+
+# -- ports a listener must not take ---------------------------------------------------------
+
+
+class _FirstSeen:
+    """An ``avoid`` set that holds whichever port it is first asked about: the port the
+    system picks first is one the launcher reserved."""
+
+    def __init__(self) -> None:
+        self.first: int | None = None
+
+    def __contains__(self, port: object) -> bool:
+        if self.first is None:
+            self.first = int(port)  # type: ignore[call-overload]
+        return port == self.first
+
+
+def _free_now(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("plane", ["socket", "zmq"])
+def test_a_plane_never_listens_on_a_port_the_launcher_reserved(plane: str) -> None:
+    """The rendezvous port and MASTER_PORT are picked free by the launcher and bound by
+    rank 0 only later: a data plane's listener that the system gives one of them must
+    take another, and leave that one free (for rank 0 to bind at once)."""
+    avoid = _FirstSeen()
+    t = transport.Transport(0, 2, 10.0, "127.0.0.1", None, plane, avoid=avoid)
+    try:
+        assert avoid.first is not None
+        assert _port(Endpoint(t)) != avoid.first
+        assert _free_now(avoid.first), "the avoided port is still bound"
+    finally:
+        t.close(linger=0)

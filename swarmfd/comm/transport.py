@@ -32,7 +32,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import zmq
 
@@ -80,7 +80,13 @@ class Transport:
 
     def __init__(self, rank: int, world_size: int, timeout: float, bind_host: str,
                  security: Security | None = None, plane: str = "socket",
-                 join_timeout: float | None = None) -> None:
+                 join_timeout: float | None = None, avoid: Collection[int] = ()) -> None:
+        """``avoid``: ports the TCP plane's listener must not take, though the system may
+        pick them: the rendezvous port and MASTER_PORT. A launcher picks those free,
+        releases them and starts the ranks, and rank 0 binds them only later; a data
+        plane's listener of any rank of that host could get one in between, and rank 0
+        then could not serve the rendezvous ("Address already in use": once in about 300
+        jobs here), or torch.distributed beside swarmfd its store."""
         if plane not in DATA_PLANES:
             raise ValueError(f"unknown data plane {plane!r}: expected one of {DATA_PLANES}")
         if plane == "socket" and security is not None and security.encrypt:
@@ -110,10 +116,10 @@ class Transport:
                     self.token = ""
             if plane == "zmq":
                 self.tcp = ZmqPlane(self.channel, self.ctx, rank, world_size, timeout,
-                                    bind_host, security, self.auth, self.token)
+                                    bind_host, security, self.auth, self.token, avoid)
             else:
                 self.tcp = SocketPlane(self.channel, rank, world_size, bind_host, self.token,
-                                       KEEPALIVE, WAIT_SLICE)
+                                       KEEPALIVE, WAIT_SLICE, avoid)
         except BaseException:
             self._stop_auth()
             self.ctx.destroy(linger=0)

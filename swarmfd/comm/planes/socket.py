@@ -59,7 +59,7 @@ import os
 import selectors
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -186,6 +186,22 @@ class _Impostor(Exception):
     """The listener failed to prove it is the rank we dialled (a MAC that fails)."""
 
 
+def listen(host: str, avoid: Collection[int] = ()) -> socket.socket:
+    """A listening socket on ``host``, on a port the system picks but none of ``avoid``
+    (see ``avoid`` of :class:`swarmfd.comm.transport.Transport`). A port to avoid stays bound
+    until another is found, so that the system does not pick it again."""
+    held: list[socket.socket] = []
+    try:
+        while True:
+            sock = socket.create_server((host, 0), backlog=LISTEN_BACKLOG)
+            if sock.getsockname()[1] not in avoid:
+                return sock
+            held.append(sock)
+    finally:
+        for sock in held:
+            sock.close()
+
+
 class SocketPlane:
     """The full mesh of one rank and its progress engine (see module docstring)."""
 
@@ -193,15 +209,15 @@ class SocketPlane:
     kind = "tcp"
 
     def __init__(self, owner: PlaneOwner, rank: int, world_size: int, bind_host: str,
-                 token: str, keepalive: tuple[int, int, int], wait_slice: float) -> None:
+                 token: str, keepalive: tuple[int, int, int], wait_slice: float,
+                 avoid: Collection[int] = ()) -> None:
         self.owner = owner
         self.wait_slice = wait_slice
         self.rank = rank
         self.world_size = world_size
         self.token = token
         self.keepalive = keepalive
-        self.listener: socket.socket | None = socket.create_server((bind_host, 0),
-                                                                   backlog=LISTEN_BACKLOG)
+        self.listener: socket.socket | None = listen(bind_host, avoid)
         self.listener.setblocking(False)
         self.endpoint = f"tcp://{bind_host}:{self.listener.getsockname()[1]}"
         self.sel = selectors.DefaultSelector()

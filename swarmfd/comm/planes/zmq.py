@@ -32,8 +32,9 @@ COPY_MAX_BYTES, zero-copy and tracked above).
 from __future__ import annotations
 
 import contextlib
+import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import zmq
@@ -94,6 +95,42 @@ def _now() -> float:
     return time.monotonic()
 
 
+#: How long a port this plane unbound (an avoided one) may take to be free again:
+#: libzmq closes a listener in its I/O thread, after zmq_unbind returns.
+UNBIND_WAIT = 1.0
+
+
+def _bind_avoiding(sock: zmq.Socket, host: str, avoid: Collection[int]) -> int:
+    """Bind ``sock`` on ``host`` to a port the system picks but none of ``avoid`` (see
+    ``avoid`` of :class:`swarmfd.comm.transport.Transport`); its port. An avoided port stays
+    bound until another is, then is unbound, and this waits (at most UNBIND_WAIT) until
+    it can be bound again: rank 0 binds its rendezvous next."""
+    held: list[tuple[str, int]] = []
+    while True:
+        port = sock.bind_to_random_port(f"tcp://{host}")
+        if port not in avoid:
+            break
+        held.append((sock.last_endpoint.decode(), port))
+    end = _now() + UNBIND_WAIT
+    for endpoint, gone in held:
+        sock.unbind(endpoint)
+        while not _bindable(host, gone) and _now() < end:
+            time.sleep(0.002)
+    return port
+
+
+def _bindable(host: str, port: int) -> bool:
+    """Whether a listener could bind ``port`` on ``host`` now (as libzmq's do: with
+    SO_REUSEADDR)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 class ZmqPlane:
     """The ZeroMQ data plane (see the module docstring).
 
@@ -111,7 +148,8 @@ class ZmqPlane:
 
     def __init__(self, t: PlaneOwner, ctx: zmq.Context, rank: int, world_size: int,
                  timeout: float, bind_host: str, security: Security | None,
-                 auth: Authenticator | None, token: str = "") -> None:
+                 auth: Authenticator | None, token: str = "",
+                 avoid: Collection[int] = ()) -> None:
         self.t = t
         self.rank = rank
         self.world_size = world_size
@@ -138,7 +176,7 @@ class ZmqPlane:
         # docstring), with a proof from its session token on the PLAIN plane: set before
         # bind, since a listener copies the options it has then.
         self.router.setsockopt(zmq.METADATA, f"X-Rank:{server_proof(token, rank)}".encode())
-        port = self.router.bind_to_random_port(f"tcp://{bind_host}")
+        port = _bind_avoiding(self.router, bind_host, avoid)
         self.endpoint = f"tcp://{bind_host}:{port}"
         # Counts the peers whose DEALER authenticated (setup waits for all of them).
         self.router_monitor: zmq.Socket | None = self.router.get_monitor_socket(
