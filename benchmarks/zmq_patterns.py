@@ -25,7 +25,10 @@ same machine load; compare them as ratios within one run::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
+import queue
+import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -137,17 +140,38 @@ def _rank(pattern: str, rank: int, n: int, size: int, rounds: int, ports: list[i
         ctx.destroy(linger=0)
 
 
-def run_pattern(pattern: str, n: int, size: int, rounds: int, port: int) -> tuple[float, float]:
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct loopback ports free now (each held until all are picked). Fixed
+    ports collided now and then with the ephemeral ports of earlier runs' connections."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+
+
+def run_pattern(pattern: str, n: int, size: int, rounds: int) -> tuple[float, float]:
     """(median, p10) seconds per round of the slowest rank."""
-    ports = [port + i for i in range(n)]
+    ports = _free_ports(n)
     out: mp.Queue = mp.Queue()
     barrier = mp.Barrier(n)
     procs = [mp.Process(target=_rank, args=(pattern, r, n, size, rounds, ports, out, barrier))
              for r in range(n)]
     for p in procs:
         p.start()
+    got = []
     try:
-        got = [out.get(timeout=120) for _ in procs]
+        end = time.monotonic() + 120
+        while len(got) < n:
+            try:
+                got.append(out.get(timeout=1))
+            except queue.Empty:
+                failed = [(r, p.exitcode) for r, p in enumerate(procs)
+                          if p.exitcode not in (None, 0)]
+                if failed or time.monotonic() > end:
+                    raise RuntimeError(f"{pattern} N={n}: rank(s) failed or hung "
+                                       f"(rank, exit code): {failed or 'timeout'}; see their "
+                                       "tracebacks above") from None
     finally:
         for p in procs:
             p.join(10)
@@ -163,15 +187,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3000)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--pattern", action="append", choices=PATTERNS)
-    ap.add_argument("--port", type=int, default=43100, help="first loopback port used")
     args = ap.parse_args()
-    port = args.port
     for n in args.n or [2, 4]:
         medians: dict[str, list[float]] = {}
         for run in range(args.runs):
             for pattern in args.pattern or PATTERNS:
-                port += n
-                med, p10 = run_pattern(pattern, n, args.size, args.rounds, port)
+                med, p10 = run_pattern(pattern, n, args.size, args.rounds)
                 medians.setdefault(pattern, []).append(med)
                 print(f"N={n} run={run} {pattern:12s} median {med * 1e6:7.1f} us  "
                       f"p10 {p10 * 1e6:7.1f} us", flush=True)
