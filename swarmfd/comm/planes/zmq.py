@@ -122,7 +122,8 @@ def _bind_avoiding(sock: zmq.Socket, host: str, avoid: Collection[int]) -> int:
 def _bindable(host: str, port: int) -> bool:
     """Whether a listener could bind ``port`` on ``host`` now (as libzmq's do: with
     SO_REUSEADDR)."""
-    with socket.socket() as probe:
+    host = host.strip("[]")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
