@@ -38,6 +38,20 @@ import zmq
 PATTERNS = ("pushpull", "pushpull-meta", "dealer-each", "dealer-one", "dealer-meta")
 
 
+def _by_metadata(rx: zmq.Socket, peers: list[int]) -> Callable[[], bytes]:
+    """A receive-any on ``rx`` that also reads each message's source from its
+    connection's metadata (``X-Rank``), as the zmq plane does."""
+    ranks: dict[str, int] = {str(j): j for j in peers}
+
+    def recv() -> bytes:
+        frame = rx.recv(copy=False)
+        if ranks[frame.get("X-Rank")] < 0:
+            raise AssertionError("unreachable")
+        return frame.bytes
+
+    return recv
+
+
 def _sockets(ctx: zmq.Context, pattern: str, rank: int, n: int, ports: list[int],
              payload: bytes) -> tuple[Callable[[int], None], Callable[[], bytes]]:
     """The pattern's send(peer) and receive-any functions for ``rank``."""
@@ -49,19 +63,11 @@ def _sockets(ctx: zmq.Context, pattern: str, rank: int, n: int, ports: list[int]
         tx = {}
         for j in peers:
             tx[j] = ctx.socket(zmq.PUSH)
-            tx[j].setsockopt(zmq.METADATA, b"X-Rank:%d" % rank)
+            if pattern == "pushpull-meta":
+                tx[j].setsockopt(zmq.METADATA, b"X-Rank:%d" % rank)
             tx[j].connect(url(ports[j]))
-        if pattern == "pushpull":
-            return (lambda j: tx[j].send(payload)), rx.recv
-        senders: dict[str, int] = {str(j): j for j in peers}
-
-        def recv_pull_meta() -> bytes:
-            frame = rx.recv(copy=False)
-            if senders[frame.get("X-Rank")] < 0:
-                raise AssertionError("unreachable")
-            return frame.bytes
-
-        return (lambda j: tx[j].send(payload)), recv_pull_meta
+        return ((lambda j: tx[j].send(payload)),
+                rx.recv if pattern == "pushpull" else _by_metadata(rx, peers))
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.ROUTER_MANDATORY, 1)
     router.setsockopt(zmq.METADATA, b"X-Rank:%d" % rank)
@@ -95,17 +101,7 @@ def _sockets(ctx: zmq.Context, pattern: str, rank: int, n: int, ports: list[int]
     rx.setsockopt(zmq.ROUTING_ID, ids[rank])
     for j in peers:
         rx.connect(url(ports[j]))
-    if pattern == "dealer-one":
-        return send, rx.recv
-    ranks: dict[str, int] = {str(j): j for j in peers}
-
-    def recv_meta() -> bytes:
-        frame = rx.recv(copy=False)
-        if ranks[frame.get("X-Rank")] < 0:
-            raise AssertionError("unreachable")
-        return frame.bytes
-
-    return send, recv_meta
+    return send, (rx.recv if pattern == "dealer-one" else _by_metadata(rx, peers))
 
 
 def _rank(pattern: str, rank: int, n: int, size: int, rounds: int, ports: list[int],
