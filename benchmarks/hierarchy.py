@@ -44,7 +44,7 @@ variant with the first. ``HIER_BENCH_RING=rank`` (with ``SWARMFD_HIERARCHY=off``
 the flat ring follow the rank order instead of the hosts (the ring as it was before
 issue 17: under spread placement it crosses the link on every hop);
 ``HIER_BENCH_SET=MODULE.NAME=INT;...`` sets constants of ``swarmfd.algorithms`` in the
-ranks (``select.HIER_SMALL_BYTES=0``, ``hier.DEPTH=1``) for measuring them (in a
+ranks (``select.HIER_SMALL_BYTES=0``, ``hier.GATHER_AHEAD=1``) for measuring them (in a
 variant's environment: separate the items with ``;``, since ``,`` separates variables).
 Default variants:
 ``flat:SWARMFD_HIERARCHY=off`` and ``two-level:``.
@@ -96,7 +96,7 @@ ISSUE_17_TODAY = {"host": {16 * MIB: 44.9, 64 * MIB: 177.0},
                   "spread": {16 * MIB: 87.5, 64 * MIB: 343.0}}
 #: The worker's switch to the rank-order flat ring (see the module docstring).
 ENV_RING = "HIER_BENCH_RING"
-#: Constants under test in the workers: ``hier.DEPTH=1;select.HIER_SMALL_BYTES=0``.
+#: Constants under test in the workers: ``hier.GATHER_AHEAD=1;select.HIER_SMALL_BYTES=0``.
 ENV_SET = "HIER_BENCH_SET"
 
 

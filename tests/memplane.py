@@ -308,11 +308,12 @@ def run_algorithm(n: int, make: Callable[[Op], Any], *, plane: str = "memory",
 
 def run_hier_algorithm(hosts: list[int], make: Callable[..., Any], *,
                        sig: wire.Signature | None = None, timeout: float = 30.0,
-                       calls: int = 1) -> list[Any]:
+                       calls: int = 1, fabric: Fabric | None = None) -> list[Any]:
     """``calls`` calls of a group of every rank on simulated ``hosts`` (see
     :func:`run_hosts`): ``make(op, layout, shm, call)`` returns (algorithm generator,
-    result getter); the root op is on the memory plane, as a real call's is on TCP.
-    Returns each rank's list of results (one per call)."""
+    result getter); the root op is on the memory plane, as a real call's is on TCP
+    (``fabric``: its queues, to look at the traffic afterwards). Returns each rank's
+    list of results (one per call)."""
     from swarmfd.algorithms.hier import layout_of
 
     sig = sig or wire.Signature(wire.Collective.ALL_REDUCE)
@@ -338,4 +339,4 @@ def run_hier_algorithm(hosts: list[int], make: Callable[..., Any], *,
             out.append(result())
         return out
 
-    return run_hosts(fn, hosts, timeout=timeout)
+    return run_hosts(fn, hosts, timeout=timeout, fabric=fabric)

@@ -19,7 +19,7 @@ from swarmfd.algorithms import hier
 from swarmfd.algorithms.base import Op
 from swarmfd.comm import wire
 
-from .memplane import run_hier_algorithm, sample_data
+from .memplane import Fabric, run_hier_algorithm, sample_data
 
 #: Simulated hosts of each rank: even, spread (hosts interleaved in rank order), uneven
 #: (3 + 1, 1 + 3, 4 + 2 where K=4 does not divide evenly), three hosts, 2 x 4.
@@ -88,16 +88,51 @@ def test_all_reduce_small(shape: str, count: int) -> None:
         _check_reduced(_all_reduce("small", inputs, hosts), inputs, dtype)
 
 
-@pytest.mark.parametrize("depth", [1, 2, 5])
-@pytest.mark.parametrize("round_bytes", [4096, 1 << 20])
-def test_all_reduce_large_depth_and_rounds(depth: int, round_bytes: int) -> None:
-    """The pipeline holds for any depth and round size (many small rounds: slots are
-    reused while earlier rounds' results are still being copied out)."""
-    for shape in ("2x2-spread", "3+1", "4+2-spread"):
+@pytest.mark.parametrize("round_bytes", [4096, 65536, 1 << 20])
+def test_all_reduce_large_rounds(round_bytes: int) -> None:
+    """The pipeline holds for any round size (many small rounds: slots are reused while
+    earlier rounds' partials are still on their way between the hosts' leaders, and
+    still being combined), on hosts of one, two and four ranks."""
+    for shape in ("2x2-spread", "3+1", "1+3", "4+2-spread", "2x4"):
         hosts = HOSTS[shape]
-        inputs = [sample_data(r, 50_001, np.float32, seed=depth) for r in range(len(hosts))]
-        got = _all_reduce("large", inputs, hosts, depth=depth, round_bytes=round_bytes)
+        inputs = [sample_data(r, 50_001, np.float32, seed=round_bytes % 7)
+                  for r in range(len(hosts))]
+        got = _all_reduce("large", inputs, hosts, round_bytes=round_bytes)
         _check_reduced(got, inputs, np.float32)
+
+
+@pytest.mark.parametrize("streams", [1, 2, 4])
+@pytest.mark.parametrize("shape", ["2x4", "2x2-spread", "3+1", "1+3"])
+def test_all_reduce_large_streams_between_two_hosts(shape: str, streams: int) -> None:
+    """Between two hosts the large all_reduce moves S bytes each way (the two-level
+    bound) over at most ``streams`` TCP streams, stream c carried by local index c mod L
+    of each host, however many ranks a host holds. (A stream per shard owner made K
+    streams share a shaped link; their losses stalled calls on TCP retransmission
+    timeouts.)"""
+    hosts = HOSTS[shape]
+    count = 300_001
+    inputs = [sample_data(r, count, np.float32) for r in range(len(hosts))]
+    fabric = Fabric(len(hosts))
+
+    def make(op: Op, lay: hier.Layout, shm: Any, call: int) -> Any:
+        buf = inputs[op.me].copy()
+        local = hier._local_op(op, lay, shm)
+        return hier._all_reduce_two_hosts(op, buf, np.add, lay, local, 65536,
+                                          streams=streams), lambda: buf
+
+    got = [r[0] for r in run_hier_algorithm(hosts, make, fabric=fabric)]
+    _check_reduced(got, inputs, np.float32)
+    on = [[r for r in range(len(hosts)) if hosts[r] == x] for x in (0, 1)]
+    K = max(len(rs) for rs in on)
+    C = min(streams, K)
+    want = {(on[x][c % len(on[x])], on[1 - x][c % len(on[1 - x])])
+            for c in range(C) for x in (0, 1)}
+    crossing = {pair: b for pair, b in fabric.link_bytes.items()
+                if hosts[pair[0]] != hosts[pair[1]]}
+    assert set(crossing) == want, crossing
+    for x in (0, 1):
+        sent = sum(b for (src, _), b in crossing.items() if hosts[src] == x)
+        assert sent == count * 4, (x, crossing)
 
 
 def test_all_reduce_calls_in_a_row() -> None:
@@ -173,6 +208,39 @@ def test_all_gather(shape: str, count: int) -> None:
 
     for got in run_hier_algorithm(hosts, make, sig=wire.Signature(wire.Collective.ALL_GATHER)):
         assert np.array_equal(got[0], np.stack(inputs)), "rows out of place"
+
+
+@pytest.mark.parametrize("streams", [1, 2, 4])
+@pytest.mark.parametrize("shape", ["2x4", "3+1", "1+3", "3x2", "4+2-spread"])
+def test_all_gather_streams(shape: str, streams: int) -> None:
+    """Each host's rows cross to every other host once, over at most ``streams`` TCP
+    streams each way: stream c (the rows of locals j = c mod C) leaves from local c and
+    ends at local c mod L of the other host."""
+    hosts = HOSTS[shape]
+    n, count = len(hosts), 70_001  # several rounds, a short last one
+    inputs = [sample_data(r, count, np.float32) for r in range(n)]
+    fabric = Fabric(n)
+
+    def make(op: Op, lay: hier.Layout, shm: Any, call: int) -> Any:
+        out = np.full((n, count), np.nan, np.float32)
+        out[op.me] = inputs[op.me]
+        return hier.all_gather(op, out, lay, shm, streams=streams), lambda: out
+
+    for got in run_hier_algorithm(hosts, make, sig=wire.Signature(wire.Collective.ALL_GATHER),
+                                  fabric=fabric):
+        assert np.array_equal(got[0], np.stack(inputs)), "rows out of place"
+    on = {x: [r for r in range(n) if hosts[r] == x] for x in set(hosts)}
+    want = {(on[x][j % streams], on[g][(j % streams) % len(on[g])])
+            for x in on for g in on if g != x for j in range(len(on[x]))}
+    crossing = {pair: b for pair, b in fabric.link_bytes.items()
+                if hosts[pair[0]] != hosts[pair[1]]}
+    assert set(crossing) == want, crossing
+    for x in on:
+        for g in on:
+            if g != x:
+                sent = sum(b for (src, dst), b in crossing.items()
+                           if hosts[src] == x and hosts[dst] == g)
+                assert sent == len(on[x]) * count * 4, (x, g, crossing)
 
 
 def test_progress_engine_drives_the_phases() -> None:
@@ -416,7 +484,7 @@ def test_host_lost_mid_call_is_named_by_every_survivor(algo: str) -> None:
     from swarmfd.comm.plane import PeerInfo
     from swarmfd.errors import PeerLostError
 
-    from .memplane import Fabric, run_hosts
+    from .memplane import run_hosts
 
     hosts = [0, 1, 0, 0, 1]
     n = len(hosts)
@@ -482,7 +550,7 @@ def test_reading_another_plane_never_abandons_a_payload_half_read() -> None:
 
     from swarmfd.comm.channel import LOST_PEER_GRACE, Channel
 
-    from .memplane import Fabric, MemoryPlane
+    from .memplane import MemoryPlane
 
     class SlowPlane(MemoryPlane):
         """A payload that trickles in: read_payload waits in slices, calling between."""
@@ -522,7 +590,6 @@ def test_flat_collectives_cross_each_host_link_as_few_times_as_their_order_allow
     without shared memory, so the flat algorithms run: the broadcast and reduce chains
     cross between the hosts once (S bytes, not the 3 S of a chain in rank order), the
     all_reduce ring twice (3 S, not 6 S)."""
-    from .memplane import Fabric
     from .threadranks import run_api
 
     hosts = ["a", "b", "a", "b"]

@@ -24,17 +24,19 @@ cut into K *shards*; on a host of L ranks shard q belongs to local index q mod L
   t holds piece t of every shard. In each round every local copies the pieces of
   the shards it does not own into its slot (a reduce-scatter inside the host), a
   barrier, and each owner reduces its pieces from the others' slots into its own
-  buffer (its own operand first, then local order): the host partial of that
-  piece, computed once. Between two hosts the owners of a shard exchange partials
-  and both compute ``ufunc(first host's, second's)``: the same bits on both. The
-  owner publishes the result in its slot, where its locals copy it from after a
-  later barrier (the all-gather inside the host). Partials of round t leave as soon
-  as they are reduced and are awaited DEPTH rounds later, so the link carries round
-  t while the host works on the next ones. Each host's link carries S each way:
-  the two-level bound 2(H-1)/H S for H = 2, against 2(N-1)/N S for the best flat
-  ring. With more than two hosts the phases run one after the other: the
-  reduce-scatter of every round, then a flat all-reduce (ring, in host order) of
-  each shard among its H owners, then the all-gather.
+  slot (its own operand first, then local order): the host partial of that piece,
+  computed once. Between two hosts, each host's *leader* (local index 0) sends the
+  host's partials of the round to the other host's leader, from the owners' slots,
+  and receives the other host's into its own slot: one TCP stream each way, whatever
+  the number of ranks. After a later barrier every local computes every shard's
+  result, ``ufunc(first host's, second's)``, into its own array: the same bits
+  everywhere. The partials of round t leave one round later and are combined two
+  rounds later, so the link carries them while the hosts work on the next rounds.
+  Each host's link carries S each way: the two-level bound 2(H-1)/H S for H = 2,
+  against 2(N-1)/N S for the best flat ring. With more than two hosts the phases
+  run one after the other: the reduce-scatter of every round, then a flat
+  all-reduce (ring, in host order) of each shard among its H owners, then the
+  all-gather.
 
 Every element is reduced once inside its host and once between hosts (a ring
 reduces it once as well), then copied: float results are bitwise identical on
@@ -51,16 +53,19 @@ signature around the ring of leaders and end with an acknowledgement to the root
 (broadcast) or from it (reduce), as the flat chains do; inside a host every rank
 both sends and receives barrier records, which carry the signature.
 
-**all_gather** (:func:`all_gather`): every rank sends its row to one rank of each
-other host (local index i mod L_g), all at once; each rank publishes its own row
-and those it received in its slot, round by round, and copies the rest from its
-locals' slots. Each link carries what the other hosts need once: as much as the
-flat ring in host order, without the TCP hops inside the hosts.
+**all_gather** (:func:`all_gather`): each host's rows go to every other host over
+at most STREAMS TCP streams each way, round by round; every rank publishes its own
+row in its slot, a stream's receiver the rows it received, and everyone copies the
+rest from its locals' slots. Each link carries what the other hosts need once: as
+much as the flat ring in host order, without the TCP hops inside the hosts.
 
-**reduce_scatter** (not a collective yet) takes the same road as the large
-all_reduce with the last phase cut short: the rounds reduce-scatter inside the
-host, the owners exchange partials of the shards, and each rank then keeps only its
-own block (copied from its owner's slot), so a link carries (H-1)/H S.
+**Streams.** Between two hosts the large all_reduce and the all_gather use at most
+STREAMS TCP connections each way, whatever the number of ranks a host holds: more
+streams spread the kernel's TCP work over more ranks, but K streams sharing a shaped
+link with a shallow queue lost packets together and stalled on retransmission
+timeouts (see STREAMS).
+
+The other collectives (reduce_scatter, all_to_all, gather, scatter) run flat.
 
 Tags: the phases between hosts use the call's own tags (round-major, < 2^30, plus
 ACK and SIG of :mod:`.tcp`); those inside a host a sub-op's from LOCAL_TAGS.
@@ -79,9 +84,9 @@ from .base import Algorithm, Op, num_pieces, split
 from .tcp import ACK, SIG, barrier
 
 __all__ = [
-    "DEPTH",
     "LOCAL_TAGS",
     "ROUND_BYTES",
+    "STREAMS",
     "Layout",
     "all_gather",
     "all_reduce_large",
@@ -92,10 +97,9 @@ __all__ = [
 
 #: Bytes one rank moves through its slot per round of a large call (at most a slot).
 ROUND_BYTES = SEGMENT_BYTES
-#: Rounds of a large all_reduce in flight between two hosts: a round's partials are
-#: awaited this many rounds after they were sent, so the link is never idle while the
-#: host copies and reduces (at most SLOTS - 1: see _all_reduce_two_hosts).
-DEPTH = 2
+#: TCP streams each way between two hosts that a large all_reduce spreads its shards
+#: over (at most one per shard; see _all_reduce_two_hosts). TODO measurements.
+STREAMS = 2
 #: Rounds of an all_gather sent ahead of the one being received (more would sit in
 #: the send queue, which only moves while the rank waits on TCP).
 GATHER_AHEAD = 2
@@ -208,7 +212,7 @@ def all_reduce_small(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout,
 
 
 def all_reduce_large(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout, shm: Any,
-                     depth: int = DEPTH, round_bytes: int = ROUND_BYTES) -> Algorithm:
+                     round_bytes: int = ROUND_BYTES) -> Algorithm:
     """Reduce-scatter inside each host, partials of each shard between its owners,
     all-gather inside each host, in rounds (see the module docstring)."""
     hosts, h, i = lay.hosts, lay.host, lay.local
@@ -225,9 +229,7 @@ def all_reduce_large(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout, shm:
     def offsets(t: int) -> tuple[list[int], int]:
         """Where each shard's piece sits in a slot, and the slot's length in items.
 
-        Fixed places (shard q at q * per, whatever the round): an owner's results of
-        round t stay in its slot for DEPTH rounds, next to the pieces it copies in for
-        the rounds after, and must never overlap them."""
+        Fixed places: shard q at q * per, whatever the round."""
         return [q * per for q in range(K)], K * per
 
     def scatter_in(t: int) -> tuple[int, list[int], int]:
@@ -298,35 +300,62 @@ def all_reduce_large(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout, shm:
                 yield from barrier(local, R + t)
                 gather_out(t, *slot_t)
         return
-    yield from _all_reduce_two_hosts(op, buf, ufunc, lay, local, depth, round_bytes)
+    yield from _all_reduce_two_hosts(op, buf, ufunc, lay, local, round_bytes)
 
 
 def _all_reduce_two_hosts(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout,
-                          local: Op | None, depth: int, round_bytes: int) -> Algorithm:
-    """Two hosts, pipelined (see the module docstring). Round t, this rank, in its slot:
+                          local: Op | None, round_bytes: int,
+                          streams: int | None = None) -> Algorithm:
+    """Two hosts, pipelined (see the module docstring), over at most ``streams`` TCP
+    streams each way (default STREAMS).
 
-    * position q (fixed, q * per) of a shard q it does not own: its piece, for the
-      owner to reduce; of a shard it owns: the host partial, reduced straight there
-      from its own array and the locals' pieces, and sent to the partner from there
-      (no copy);
-    * position K + q // L of an owned shard: the partner's partial, received there.
+    Shard q travels on stream c = q mod C (C = min(streams, K)). On each host the
+    stream's *carrier* is local index c mod L: it sends the host's partials of its
+    shards to the other host's carrier of the stream, and receives that host's
+    partials of them.
 
-    After the barrier DEPTH rounds later every local computes every shard's result
-    from the owner's two positions, ``ufunc(first host's, second's)``, into its own
-    array: the same bits everywhere, the partner's host included.
+    Round t, in each rank's slot (positions fixed, ``per`` items each, whatever the
+    round):
 
-    A slot's positions are rewritten SLOTS rounds later; the barriers in between tell
-    that the locals read them, and before a partial is reduced into a position that
-    held one sent SLOTS rounds ago, any bytes still queued to the partner are flushed
-    (there normally are none: the kernel took them long before).
+    * position q of a shard q this rank does not own: its piece, for the owner to
+      reduce; of a shard it owns: the host partial, reduced straight there from its
+      own array and the locals' pieces;
+    * a carrier's positions K, K + 1, ...: the other host's partials of the shards it
+      carries, received there.
+
+    A carrier sends a partial from its owner's slot (no copy) as soon as it knows it
+    is reduced: its own at once, the others' one round later, after the barrier that
+    tells it. It receives the other host's partials of round t two rounds later; after
+    that round's barrier every local computes every shard's result of round t,
+    ``ufunc(first host's, second's)``, from the owner's and the carrier's positions
+    into its own array: the same bits everywhere, the other host included.
+
+    Slots rotate (SLOTS = 3): a position is rewritten three rounds after it was
+    written, and the barriers in between tell that everyone read it. Before a partial
+    it sent three rounds earlier is overwritten (by another owner after the next
+    barrier, or by itself), a carrier waits until the kernel took it (normally long
+    done). A host of one
+    rank has no slot: it carries every stream, owns every shard and sends from its
+    array.
     """
     hosts, h, i = lay.hosts, lay.host, lay.local
     L, K = len(hosts[h]), lay.shards
+    C = max(1, min(STREAMS if streams is None else streams, K))
     other = hosts[1 - h]
-    partner = [other[q % len(other)] for q in range(K)]
     first = h == 0
-    # The same rounds on both hosts: as many positions as the fullest slot needs.
-    M = max(-(-K // len(rs)) for rs in hosts if len(rs) > 1)
+    # The carrier of each shard on this host (local index) and on the other (group rank).
+    carrier = [(q % C) % L for q in range(K)]
+    partner = [other[(q % C) % len(other)] for q in range(K)]
+    carried = [q for q in range(K) if carrier[q] == i]
+    # Where a carrier receives the other host's partial of each shard it carries.
+    at_pos = {}
+    for j in range(L):
+        for k, q in enumerate(q for q in range(K) if carrier[q] == j):
+            at_pos[q] = K + k
+    # The same rounds on both hosts: K positions of pieces and partials, and as many
+    # positions of received partials as the busiest carrier of either host needs.
+    M = max(max(sum(1 for q in range(K) if (q % C) % len(rs) == j) for j in range(len(rs)))
+            for rs in hosts if len(rs) > 1)
     per = max(1, min(round_bytes, SEGMENT_BYTES) // buf.itemsize // (K + M))
     n = (K + M) * per
     shards = split(buf.size, K)
@@ -335,15 +364,10 @@ def _all_reduce_two_hosts(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout,
     mine = [q for q in range(K) if q % L == i]
     # Each piece crosses in J messages of at most PIECE_BYTES (wire.MAX_PAYLOAD).
     J = num_pieces(per, buf.itemsize)
-    # A partial is read by the locals d rounds after it was reduced, and its position
-    # rewritten SLOTS rounds after: at most SLOTS - 1 rounds in flight.
-    d = max(1, min(depth, R, SLOTS - 1))
+    # Round t's partials are received, and combined, in round t + LAG: they stay in
+    # their positions until then, and are rewritten in round t + SLOTS.
+    LAG = SLOTS - 1
     tmp = np.empty(per, buf.dtype) if local is None else None
-    # Every local computes every shard's result (an add of two operands where a copy of
-    # the owner's result would do, but no add by the owner before the barrier). The
-    # owner computing it once and every local copying it was no faster in an
-    # interleaved A/B (benchmarks/results/hierarchy-20261201-1714-owner-final-ab.json:
-    # at 2x4@2gbit, 16 / 64 MiB, 162 / 594 ms against 142 / 504 ms), and was removed.
     slots: dict[int, int] = {}
     dt = buf.dtype
     views: dict[int, list[np.ndarray]] = {}  # slot -> every local's region (reused)
@@ -355,62 +379,84 @@ def _all_reduce_two_hosts(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout,
             got = views[slot] = [local.region(p, slot, dt, n) for p in range(L)]
         return got
 
-    for t in range(R + d):
-        fin = t - d
-        if t < R and local is not None:
+    def send_partial(t: int, q: int, regions: list[np.ndarray]) -> None:
+        a, b = pieces[q][t]
+        if b > a:
+            _send_split(op, partner[q], (t * K + q) * J,
+                        regions[q % L][q * per:q * per + b - a], J)
+
+    for t in range(R + LAG):
+        fin = t - LAG
+        if local is None:
+            # A host of one rank: its array is the host partial of every shard.
+            if t < R:
+                for q in range(K):
+                    a, b = pieces[q][t]
+                    if b > a:
+                        _send_split(op, partner[q], (t * K + q) * J, buf[a:b], J)
+            if fin >= 0:
+                assert tmp is not None
+                for q in range(K):
+                    a, b = pieces[q][fin]
+                    if b == a:
+                        continue
+                    theirs = tmp[:b - a]
+                    yield from _recv_split(op, partner[q], (fin * K + q) * J, theirs, J)
+                    yield from _drained(op, partner[q])  # buf[a:b] went out without a copy
+                    seg = buf[a:b]
+                    if first:
+                        ufunc(seg, theirs, out=seg)
+                    else:
+                        ufunc(theirs, seg, out=seg)
+            continue
+        if t < R:
             slots[t] = slot = op.next_slot()
             region = regions_at(slot)[i]
             for q in range(K):
                 if q % L != i:
                     a, b = pieces[q][t]
                     region[q * per:q * per + b - a] = buf[a:b]
-        if fin >= 0:
-            # The partner's partials of round fin, sent d rounds ago.
-            into = None if local is None else regions_at(slots[fin])[i]
-            for q in mine:
-                a, b = pieces[q][fin]
-                if b == a:
-                    continue
-                if into is not None:
-                    at = (K + q // L) * per
-                    theirs = into[at:at + b - a]
-                    yield from _recv_split(op, partner[q], (fin * K + q) * J, theirs, J)
-                    continue
-                assert tmp is not None
-                theirs = tmp[:b - a]
-                yield from _recv_split(op, partner[q], (fin * K + q) * J, theirs, J)
-                yield from _drained(op, partner[q])  # buf[a:b] went out without a copy
-                seg = buf[a:b]
-                if first:
-                    ufunc(seg, theirs, out=seg)
-                else:
-                    ufunc(theirs, seg, out=seg)
-        if local is not None:
-            # Everyone copied round t in and received its partials of round fin.
-            yield from barrier(local, t)
+        if carried:
             if fin >= 0:
-                regions = regions_at(slots.pop(fin))
-                for q in range(K):
+                # The other host's partials of round fin, into this slot's positions.
+                into = regions_at(slots[fin])[i]
+                for q in carried:
                     a, b = pieces[q][fin]
-                    reg = regions[q % L]
-                    at = (K + q // L) * per
-                    theirs = reg[at:at + b - a]
-                    ours = reg[q * per:q * per + b - a]
-                    if first:
-                        ufunc(ours, theirs, out=buf[a:b])
-                    else:
-                        ufunc(theirs, ours, out=buf[a:b])
-        if t < R:
-            if local is None:
-                for q in mine:
-                    a, b = pieces[q][t]
                     if b > a:
-                        _send_split(op, partner[q], (t * K + q) * J, buf[a:b], J)
-                continue
+                        at = at_pos[q] * per
+                        yield from _recv_split(op, partner[q], (fin * K + q) * J,
+                                               into[at:at + b - a], J)
             if t >= SLOTS:
-                for q in mine:
-                    yield from _drained(op, partner[q])
+                # After this barrier the other owners overwrite their partials of round
+                # t - SLOTS, which went out from their slots without a copy.
+                for p in sorted({partner[q] for q in carried if q % L != i}):
+                    yield from _drained(op, p)
+        # Everyone copied round t in; the carriers have the partials of round fin.
+        yield from barrier(local, t)
+        if fin >= 0:
+            regions = regions_at(slots.pop(fin))
+            for q in range(K):
+                a, b = pieces[q][fin]
+                ours = regions[q % L][q * per:q * per + b - a]
+                at = at_pos[q] * per
+                theirs = regions[carrier[q]][at:at + b - a]
+                if first:
+                    ufunc(ours, theirs, out=buf[a:b])
+                else:
+                    ufunc(theirs, ours, out=buf[a:b])
+        if 0 < t <= R:
+            # The other owners reduced round t - 1 before this barrier.
+            regions = regions_at(slots[t - 1])
+            for q in carried:
+                if q % L != i:
+                    send_partial(t - 1, q, regions)
+        if t < R:
             regions = regions_at(slots[t])
+            if t >= SLOTS:
+                # This rank's own partials of round t - SLOTS went out from where it
+                # reduces now (waiting here, not before the barrier, holds up no one).
+                for p in sorted({partner[q] for q in mine if carrier[q] == i}):
+                    yield from _drained(op, p)
             for q in mine:
                 a, b = pieces[q][t]
                 ours = regions[i][q * per:q * per + b - a]
@@ -423,8 +469,8 @@ def _all_reduce_two_hosts(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout,
                             first_op = False
                         else:
                             ufunc(ours, theirs, out=ours)
-                if b > a:
-                    _send_split(op, partner[q], (t * K + q) * J, ours, J)
+                if carrier[q] == i:
+                    send_partial(t, q, regions)
 
 
 def _send_split(op: Op, to: int, tag: int, seg: np.ndarray, parts: int) -> None:
@@ -567,53 +613,108 @@ def reduce(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc, lay: Layout,
 # -- all_gather -------------------------------------------------------------------------
 
 
-def _published(hosts: tuple[tuple[int, ...], ...], x: int) -> list[list[int]]:
-    """The rows each local of host ``x`` publishes: its own, then those it receives
-    (local index j gets the rows of local indices k = j mod L_x of the other hosts)."""
-    L = len(hosts[x])
-    return [[hosts[x][j]] + [hosts[g][k] for g in range(len(hosts)) if g != x
-                             for k in range(j, len(hosts[g]), L)] for j in range(L)]
+def all_gather(op: Op, out: np.ndarray, lay: Layout, shm: Any,
+               streams: int | None = None) -> Algorithm:
+    """Each host's rows to every other host over at most ``streams`` TCP streams each
+    way (default STREAMS), then through the slots (see the module docstring).
+    ``out``: N x count, this rank's row filled.
 
-
-def all_gather(op: Op, out: np.ndarray, lay: Layout, shm: Any) -> Algorithm:
-    """Rows to one rank of every other host, then each host's rows through the slots
-    (see the module docstring). ``out``: N x count, this rank's row filled."""
+    Stream c carries the rows of the locals j with j mod C = c (C = ``streams``): local
+    c sends them, to local c mod L_g of every other host g, which receives them into
+    its slot (on a host of one rank: straight into ``out``). A carrier sends its own
+    row from ``out`` at once, the others' from their owners' slots after the barrier
+    that tells they are there. Rows of round t are received GATHER_AHEAD rounds later.
+    Every local copies its host's rows of a round from the owners' slots after that
+    round's barrier, and the other hosts' from the receivers' slots after the barrier
+    of the round that received them.
+    """
     hosts, h, i = lay.hosts, lay.host, lay.local
-    H, L = len(hosts), len(hosts[h])
+    H, L, N = len(hosts), len(hosts[h]), op.size
+    C = max(1, STREAMS if streams is None else streams)
     me = op.me
     count = out.shape[1]
-    pub = _published(hosts, h)
-    dests = [hosts[g][i % len(hosts[g])] for g in range(H) if g != h]
-    # The same rounds on every host: as wide as the most rows any rank publishes.
-    width = max(len(p) for x in range(H) for p in _published(hosts, x))
+
+    def receiver(g: int, j: int) -> int:
+        """The local index on host g that receives the row of local index j of another
+        host (the stream of j ends there)."""
+        return (j % C) % len(hosts[g])
+
+    def inbound(g: int) -> list[list[int]]:
+        """The rows each local of host g receives, in a fixed order."""
+        got: list[list[int]] = [[] for _ in hosts[g]]
+        for x in range(H):
+            if x != g:
+                for j, row in enumerate(hosts[x]):
+                    got[receiver(g, j)].append(row)
+        return got
+
+    rows_in = inbound(h)
+    # The carrier each row of another host comes from (group rank).
+    source = {row: hosts[x][j % C] for x in range(H) if x != h
+              for j, row in enumerate(hosts[x])}
+    # Where each row of another host lands here: (receiving local, position).
+    landing = {row: (k, 1 + p) for k, rows in enumerate(rows_in) for p, row in enumerate(rows)}
+    # The rows this rank sends: its own (and, as a carrier, its stream's locals').
+    carried = [j for j in range(L) if j % C == i]
+    dests = {x: [hosts[x][receiver(x, j)] for j in range(L)] for x in range(H) if x != h}
+    # The same rounds on every host: as wide as the fullest slot (own row + received).
+    width = 1 + max(len(rows) for g in range(H) for rows in inbound(g))
     per = max(1, min(ROUND_BYTES, SEGMENT_BYTES) // out.itemsize // width)
     cols = split(count, max(1, -(-count // per)))
-
-    def send(t: int) -> None:
-        if t < len(cols):
-            a, b = cols[t]
-            for dst in dests:
-                op.send(dst, t, out[me, a:b])  # out[me] is never written: no copy
-
-    for t in range(GATHER_AHEAD):
-        send(t)
+    R = len(cols)
     local = _local_op(op, lay, shm)
-    for t, (a, b) in enumerate(cols):
-        w = b - a
-        send(t + GATHER_AHEAD)
-        for row in pub[i][1:]:
-            yield op.recv_into(row, t, out[row, a:b])
+    dt = out.dtype
+    n = width * per
+    slots: dict[int, int] = {}
+    views: dict[int, list[np.ndarray]] = {}
+
+    def regions_at(slot: int) -> list[np.ndarray]:
+        got = views.get(slot)
+        if got is None:
+            assert local is not None
+            got = views[slot] = [local.region(p, slot, dt, n) for p in range(L)]
+        return got
+
+    def send_row(t: int, j: int, piece: np.ndarray) -> None:
+        row = hosts[h][j]
+        for to in dests.values():
+            op.send(to[j], t * N + row, piece)
+
+    for t in range(R + GATHER_AHEAD):
+        fin = t - GATHER_AHEAD
+        if t < R:
+            a, b = cols[t]
+            if local is not None:
+                slots[t] = slot = op.next_slot()
+                regions_at(slot)[i][:b - a] = out[me, a:b]
+            if i in carried:
+                send_row(t, i, out[me, a:b])  # out[me] is never written: no copy
+        if fin >= 0:
+            a, b = cols[fin]
+            w = b - a
+            mine = regions_at(slots[fin])[i] if local is not None else None
+            for p, row in enumerate(rows_in[i]):
+                into = out[row, a:b] if mine is None else mine[(1 + p) * per:(1 + p) * per + w]
+                yield op.recv_into(source[row], fin * N + row, into)
         if local is None:
             continue
-        for dst in dests:
-            yield from _drained(op, dst)
-        slot = op.next_slot()
-        regions = [local.region(j, slot, out.dtype, len(pub[j]) * w) for j in range(L)]
-        for k, row in enumerate(pub[i]):
-            regions[i][k * w:(k + 1) * w] = out[row, a:b]
+        if t >= 2 and len(carried) > 1:
+            # After this barrier the owners overwrite their rows of round t - 2, which
+            # went out from their slots without a copy.
+            for to in sorted({d[j] for d in dests.values() for j in carried if j != i}):
+                yield from _drained(op, to)
         yield from barrier(local, t)
-        for j in range(L):
-            if j != i:
-                for k, row in enumerate(pub[j]):
-                    out[row, a:b] = regions[j][k * w:(k + 1) * w]
-
+        if t < R:
+            a, b = cols[t]
+            regions = regions_at(slots[t])
+            for j in carried:
+                if j != i:
+                    send_row(t, j, regions[j][:b - a])
+            for j, row in enumerate(hosts[h]):
+                if j != i:
+                    out[row, a:b] = regions[j][:b - a]
+        if fin >= 0:
+            a, b = cols[fin]
+            regions = regions_at(slots.pop(fin))
+            for row, (k, p) in landing.items():
+                out[row, a:b] = regions[k][p * per:p * per + b - a]
