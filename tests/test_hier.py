@@ -210,14 +210,16 @@ def test_all_gather(shape: str, count: int) -> None:
         assert np.array_equal(got[0], np.stack(inputs)), "rows out of place"
 
 
-@pytest.mark.parametrize("streams", [1, 2, 4])
+@pytest.mark.parametrize(("streams", "count"), [(1, 70_001), (2, 70_001), (4, 70_001),
+                                                 (None, 70_001), (None, 1000)])
 @pytest.mark.parametrize("shape", ["2x4", "3+1", "1+3", "3x2", "4+2-spread"])
-def test_all_gather_streams(shape: str, streams: int) -> None:
+def test_all_gather_streams(shape: str, streams: int | None, count: int) -> None:
     """Each host's rows cross to every other host once, over at most ``streams`` TCP
-    streams each way: stream c (the rows of locals j = c mod C) leaves from local c and
-    ends at local c mod L of the other host."""
+    streams each way (default: STREAMS; a small all_gather, a stream per rank): stream
+    c (the rows of locals j = c mod C) leaves from local c and ends at local c mod L of
+    the other host. (70001 floats: several rounds, a short last one.)"""
     hosts = HOSTS[shape]
-    n, count = len(hosts), 70_001  # several rounds, a short last one
+    n = len(hosts)
     inputs = [sample_data(r, count, np.float32) for r in range(n)]
     fabric = Fabric(n)
 
@@ -230,6 +232,9 @@ def test_all_gather_streams(shape: str, streams: int) -> None:
                                   fabric=fabric):
         assert np.array_equal(got[0], np.stack(inputs)), "rows out of place"
     on = {x: [r for r in range(n) if hosts[r] == x] for x in set(hosts)}
+    if streams is None:
+        small = count * 4 <= hier.SMALL_GATHER_BYTES
+        streams = max(len(rs) for rs in on.values()) if small else hier.STREAMS
     want = {(on[x][j % streams], on[g][(j % streams) % len(on[g])])
             for x in on for g in on if g != x for j in range(len(on[x]))}
     crossing = {pair: b for pair, b in fabric.link_bytes.items()

@@ -86,6 +86,7 @@ from .tcp import ACK, SIG, barrier
 __all__ = [
     "LOCAL_TAGS",
     "ROUND_BYTES",
+    "SMALL_GATHER_BYTES",
     "STREAMS",
     "Layout",
     "all_gather",
@@ -97,9 +98,26 @@ __all__ = [
 
 #: Bytes one rank moves through its slot per round of a large call (at most a slot).
 ROUND_BYTES = SEGMENT_BYTES
-#: TCP streams each way between two hosts that a large all_reduce spreads its shards
-#: over (at most one per shard; see _all_reduce_two_hosts). TODO measurements.
+#: TCP streams each way between two hosts for the large all_reduce and the all_gather
+#: (see _all_reduce_two_hosts and all_gather). Measured with benchmarks/hierarchy.py
+#: (2026-12-02, 2 interleaved runs a shape; benchmarks/results/hierarchy-20261202-
+#: streams.md), 16 / 64 MiB all_reduce at 2x4 ranks, host placement:
+#: * 500 Mbit/s (the network is the limit; bound 268 / 1074 ms): 1 stream 294-299 /
+#:   1147-1164 ms, 2 streams 295-303 / 1146-1311 ms, 3 streams 357-507 / 1746-1894 ms,
+#:   4 (one per shard, the earlier algorithm) 535-1367 / 3610-5611 ms: with 3 or more
+#:   streams the tbf queue (221 KB) overflowed and retransmission timeouts stalled calls;
+#: * 2 Gbit/s (4 ranks a core: the CPU is the limit): 1 stream 125-138 / 442-500 ms,
+#:   2 streams 121-122 / 417-422 ms, 4 streams 97-111 / 386-401 ms: more streams spread
+#:   the kernel's TCP work over more ranks.
+#: Two keeps every shape near its bound where the link is the limit, at up to 1.1x the
+#: time of a stream per shard where the CPU is.
 STREAMS = 2
+#: An all_gather of rows up to this size, in one round, sends every rank's row itself
+#: (a stream per rank, one barrier) instead of through STREAMS carriers (two
+#: barriers): at 3+1 ranks, 5 Gbit/s, 64 KiB took 0.63-0.82 ms that way against
+#: 1.20-1.35 ms through carriers, and at 2x4, 500 Mbit/s, 4.9-5.3 against 4.6-4.8 ms
+#: (benchmarks/hierarchy.py, 2026-12-02, 2 interleaved runs).
+SMALL_GATHER_BYTES = 64 << 10
 #: Rounds of an all_gather sent ahead of the one being received (more would sit in
 #: the send queue, which only moves while the rank waits on TCP).
 GATHER_AHEAD = 2
@@ -624,15 +642,21 @@ def all_gather(op: Op, out: np.ndarray, lay: Layout, shm: Any,
     its slot (on a host of one rank: straight into ``out``). A carrier sends its own
     row from ``out`` at once, the others' from their owners' slots after the barrier
     that tells they are there. Rows of round t are received GATHER_AHEAD rounds later.
+    A small all_gather (SMALL_GATHER_BYTES) has a stream per rank of the fullest host
+    and one round: its rows are received in it.
     Every local copies its host's rows of a round from the owners' slots after that
     round's barrier, and the other hosts' from the receivers' slots after the barrier
     of the round that received them.
     """
     hosts, h, i = lay.hosts, lay.host, lay.local
     H, L, N = len(hosts), len(hosts[h]), op.size
-    C = max(1, STREAMS if streams is None else streams)
     me = op.me
     count = out.shape[1]
+    K = max(len(rs) for rs in hosts)
+    if streams is None:
+        # A small one: every rank sends its own row (see SMALL_GATHER_BYTES).
+        streams = K if count * out.itemsize <= SMALL_GATHER_BYTES else STREAMS
+    C = max(1, streams)
 
     def receiver(g: int, j: int) -> int:
         """The local index on host g that receives the row of local index j of another
@@ -662,6 +686,11 @@ def all_gather(op: Op, out: np.ndarray, lay: Layout, shm: Any,
     per = max(1, min(ROUND_BYTES, SEGMENT_BYTES) // out.itemsize // width)
     cols = split(count, max(1, -(-count // per)))
     R = len(cols)
+    # Rounds received this many rounds after they were sent. A carrier sends other
+    # locals' rows after the round's barrier, so they can be received a round later at
+    # the earliest; rows that travel with their own rank in a single round are received
+    # before that round's barrier (one barrier in all).
+    ahead = 0 if R == 1 and K <= C else min(GATHER_AHEAD, R)
     local = _local_op(op, lay, shm)
     dt = out.dtype
     n = width * per
@@ -680,8 +709,8 @@ def all_gather(op: Op, out: np.ndarray, lay: Layout, shm: Any,
         for to in dests.values():
             op.send(to[j], t * N + row, piece)
 
-    for t in range(R + GATHER_AHEAD):
-        fin = t - GATHER_AHEAD
+    for t in range(R + ahead):
+        fin = t - ahead
         if t < R:
             a, b = cols[t]
             if local is not None:
