@@ -122,7 +122,14 @@ def all_gather(kind: str, nbytes: int, size: int, plane: str = "") -> Algo:
 
 #: Up to this many bytes the two-level all_reduce sends whole host partials between
 #: hosts (one barrier, one network hop; at most a slot); above it the sharded pipeline.
-HIER_SMALL_BYTES = 256 << 10
+#: The small path puts L copies of S on each link, the pipeline S. Measured with
+#: benchmarks/hierarchy.py (2026-12-02, 2 interleaved runs, host placement), small /
+#: pipelined ms at 64 / 128 / 256 KiB: 2x2@5gbit 0.94 / 1.24, 1.30 / 1.53, 1.86 / 1.89;
+#: 2x4@2gbit 4.12 / 5.00, 5.27 / 5.26, 7.31 / 5.68; 2x2@1gbit 1.18 / 1.45, 2.56 / 1.62,
+#: 4.81 / 3.23; 2x4@500mbit 5.32 / 5.26, 10.27 / 5.61, 129 (retransmission timeouts) /
+#: 7.71 (benchmarks/results/hierarchy-20261202-1140-small-threshold-ab.json; it was
+#: 256 KiB until then).
+HIER_SMALL_BYTES = 64 << 10
 
 
 def two_level_layout(hosts: Sequence[str], domains: Sequence[int], me: int,
