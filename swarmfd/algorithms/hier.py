@@ -25,13 +25,14 @@ cut into K *shards*; on a host of L ranks shard q belongs to local index q mod L
   the shards it does not own into its slot (a reduce-scatter inside the host), a
   barrier, and each owner reduces its pieces from the others' slots into its own
   slot (its own operand first, then local order): the host partial of that piece,
-  computed once. Between two hosts, each host's *leader* (local index 0) sends the
-  host's partials of the round to the other host's leader, from the owners' slots,
-  and receives the other host's into its own slot: one TCP stream each way, whatever
-  the number of ranks. After a later barrier every local computes every shard's
-  result, ``ufunc(first host's, second's)``, into its own array: the same bits
-  everywhere. The partials of round t leave one round later and are combined two
-  rounds later, so the link carries them while the hosts work on the next rounds.
+  computed once. Between two hosts the shards travel on at most STREAMS TCP streams
+  each way: a stream's *carrier* on each host sends the host's partials of its
+  shards, from the owners' slots, to the other host's carrier, and receives the
+  other host's into its own slot. After a later barrier every local computes every
+  shard's result, ``ufunc(first host's, second's)``, into its own array: the same
+  bits everywhere. The partials of round t leave in round t or t + 1 and are
+  combined in round t + 2, so the link carries them while the hosts work on the
+  next rounds.
   Each host's link carries S each way: the two-level bound 2(H-1)/H S for H = 2,
   against 2(N-1)/N S for the best flat ring. With more than two hosts the phases
   run one after the other: the reduce-scatter of every round, then a flat
@@ -60,7 +61,8 @@ rest from its locals' slots. Each link carries what the other hosts need once: a
 much as the flat ring in host order, without the TCP hops inside the hosts.
 
 **Streams.** Between two hosts the large all_reduce and the all_gather use at most
-STREAMS TCP connections each way, whatever the number of ranks a host holds: more
+STREAMS TCP connections each way, whatever the number of ranks a host holds (a
+small all_gather, a connection per rank): more
 streams spread the kernel's TCP work over more ranks, but K streams sharing a shaped
 link with a shallow queue lost packets together and stalled on retransmission
 timeouts (see STREAMS).
