@@ -631,6 +631,13 @@ def reduce_scatter(x: Any, out: Any = None, *, op: str = "sum", group: Any = Non
     ufunc = _UFUNCS[rop]
 
     def body(o: Op) -> Any:
+        two = g.two_level()
+        hier = two and select.reduce_scatter_two_level(flat.nbytes, two[0])
+        if hier:
+            yield from hier(o, flat, parts, res_flat, ufunc, *two)
+            if mean:
+                np.divide(res_flat, o.size, out=res_flat)
+            return
         algo = select.reduce_scatter(o.plane.kind, flat.nbytes, o.size)
         if algo is select.tcp.reduce_scatter_ring:
             yield from algo(o, flat.copy(), parts, res_flat, ufunc)  # scratch copy

@@ -32,7 +32,8 @@ from swarmfd import group as _group
 from swarmfd.algorithms import hier
 
 PREFIX = "HIER-RESULT "
-SPIED = ("all_reduce_small", "all_reduce_large", "broadcast", "reduce", "all_gather")
+SPIED = ("all_reduce_small", "all_reduce_large", "broadcast", "reduce", "all_gather",
+         "reduce_scatter")
 
 
 def _spy(counts: Counter[str]) -> None:
@@ -103,6 +104,12 @@ def run(expect_two_level: bool, sizes: list[int]) -> dict[str, Any]:
         fd.all_gather(mine, out=out)
         check(np.array_equal(out, np.stack([_data(r, count, np.float32, 7) for r in ranks])),
               f"all_gather {count}")
+        # reduce_scatter: rank r gets block r of the sum (np.array_split's blocks)
+        z = _data(rank, count, np.int64, 13)
+        got_z = fd.reduce_scatter(z)
+        block = np.array_split(sum(_data(r, count, np.int64, 13) for r in ranks), n)[rank]
+        check(np.array_equal(got_z, block) and np.array_equal(z, _data(rank, count, np.int64, 13)),
+              f"reduce_scatter {count}")
     # lists of several dtypes (one fused call per dtype group)
     parts = [_data(rank, 1000, np.float64, 8), _data(rank, 300_000, np.int16, 9),
              _data(rank, 5, np.float64, 10), _data(rank, 77, np.uint8, 11)]
@@ -123,8 +130,9 @@ def run(expect_two_level: bool, sizes: list[int]) -> dict[str, Any]:
         check(two is not None, "the world is not two-level")
         check(t is None or t.shm is not None or _alone_on_host(world), "no shared memory")
         calls = sum(counts.values())
-        check(calls > 0 and all(counts[name] > 0 for name in
-                                ("broadcast", "reduce", "all_gather")),
+        wanted = ("broadcast", "reduce", "all_gather") + (
+            ("reduce_scatter",) if two is not None and len(two[0].hosts) == 2 else ())
+        check(calls > 0 and all(counts[name] > 0 for name in wanted),
               f"two-level algorithms not taken: {dict(counts)}")
     result = {"rank": rank, "host": os.environ.get("SWARMFD_NODE", ""),
               "layout": two[0].hosts if two else None,

@@ -248,6 +248,76 @@ def test_all_gather_streams(shape: str, streams: int | None, count: int) -> None
                 assert sent == len(on[x]) * count * 4, (x, g, crossing)
 
 
+TWO_HOSTS = [s for s in HOSTS if len(set(HOSTS[s])) == 2]
+
+
+@pytest.mark.parametrize("shape", TWO_HOSTS)
+@pytest.mark.parametrize("count", [0, 5, 1001, 131072 * 2 + 5])
+def test_reduce_scatter(shape: str, count: int) -> None:
+    """Rank g gets block g of the sum (np.array_split's blocks: uneven, some empty),
+    on even and uneven hosts, over several rounds; the input is left unchanged."""
+    hosts = HOSTS[shape]
+    n = len(hosts)
+    parts = [(int(b[0]), int(b[-1]) + 1) if len(b) else (0, 0)
+             for b in np.array_split(np.arange(count), n)]
+    for dtype in [np.int64, np.float32] if count > 1000 else DTYPES:
+        inputs = [sample_data(r, count, dtype) for r in range(n)]
+        want = sum(inputs[1:], start=inputs[0].copy())
+
+        def make(op: Op, lay: hier.Layout, shm: Any, call: int,
+                 inputs: list[np.ndarray] = inputs, dtype: Any = dtype) -> Any:
+            buf = inputs[op.me].copy()
+            a, b = parts[op.me]
+            out = np.full(b - a, 99, dtype)
+            return hier.reduce_scatter(op, buf, parts, out, np.add, lay, shm), \
+                lambda: (out, buf)
+
+        got = run_hier_algorithm(hosts, make,
+                                 sig=wire.Signature(wire.Collective.REDUCE_SCATTER))
+        for r in range(n):
+            out, buf = got[r][0]
+            a, b = parts[r]
+            assert np.array_equal(buf, inputs[r]), "the input changed"
+            if np.dtype(dtype).kind in "iu":
+                assert np.array_equal(out, want[a:b]), (r, dtype)
+            else:
+                assert np.allclose(out, want[a:b], rtol=1e-2, atol=1e-2), (r, dtype)
+
+
+@pytest.mark.parametrize("streams", [1, 2, 4])
+@pytest.mark.parametrize("shape", ["2x4", "3+1", "1+3", "4+2-spread"])
+def test_reduce_scatter_streams(shape: str, streams: int) -> None:
+    """A host's link carries the other host's blocks once, over at most ``streams``
+    streams: the blocks of local j go from local (j mod C) mod L of the other host to
+    local (j mod C) mod L of theirs."""
+    hosts = HOSTS[shape]
+    n, count = len(hosts), 300_001
+    parts = [(int(b[0]), int(b[-1]) + 1) for b in np.array_split(np.arange(count), n)]
+    inputs = [sample_data(r, count, np.float32) for r in range(n)]
+    fabric = Fabric(n)
+
+    def make(op: Op, lay: hier.Layout, shm: Any, call: int) -> Any:
+        a, b = parts[op.me]
+        out = np.empty(b - a, np.float32)
+        return hier.reduce_scatter(op, inputs[op.me], parts, out, np.add, lay, shm,
+                                   streams=streams), lambda: out
+
+    got = run_hier_algorithm(hosts, make, sig=wire.Signature(wire.Collective.REDUCE_SCATTER),
+                             fabric=fabric)
+    want = sum(inputs[1:], start=inputs[0].copy())
+    for r in range(n):
+        assert np.allclose(got[r][0], want[parts[r][0]:parts[r][1]], rtol=1e-2, atol=1e-2)
+    on = {x: [r for r in range(n) if hosts[r] == x] for x in (0, 1)}
+    pairs = {(on[1 - x][(j % streams) % len(on[1 - x])], on[x][(j % streams) % len(on[x])])
+             for x in (0, 1) for j in range(len(on[x]))}
+    crossing = {pair: b for pair, b in fabric.link_bytes.items()
+                if hosts[pair[0]] != hosts[pair[1]]}
+    assert set(crossing) == pairs, crossing
+    for x in (0, 1):
+        into = sum(b for (src, dst), b in crossing.items() if hosts[dst] == x)
+        assert into == sum(parts[g][1] - parts[g][0] for g in on[x]) * 4, (x, crossing)
+
+
 def test_progress_engine_drives_the_phases() -> None:
     """The same algorithms issued as async ops (swarmfd.engine): the engine waits on the
     plane of each receive (shared memory inside a host, TCP between), two calls of one
@@ -321,6 +391,11 @@ def test_two_level_selection_by_size() -> None:
     assert select.all_reduce_two_level(select.HIER_SMALL_BYTES, lay) is hier.all_reduce_small
     assert select.all_reduce_two_level(select.HIER_SMALL_BYTES + 4, lay) is \
         hier.all_reduce_large
+    big = select.HIER_SCATTER_MIN_BYTES
+    assert select.reduce_scatter_two_level(big, lay) is hier.reduce_scatter
+    assert select.reduce_scatter_two_level(big - 4, lay) is None  # flat below it
+    three = hier.layout_of(["a", "a", "b", "c"], 0)
+    assert select.reduce_scatter_two_level(big, three) is None  # two hosts only
 
 
 def test_a_small_broadcast_is_two_level_only_where_the_direct_send_crosses_a_link_twice() -> None:

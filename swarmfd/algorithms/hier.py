@@ -67,7 +67,13 @@ streams spread the kernel's TCP work over more ranks, but K streams sharing a sh
 link with a shallow queue lost packets together and stalled on retransmission
 timeouts (see STREAMS).
 
-The other collectives (reduce_scatter, all_to_all, gather, scatter) run flat.
+**reduce_scatter** (:func:`reduce_scatter`, two hosts, from 1 MiB): each host computes
+the host partials of every block over its slots, the partials of the other host's
+blocks cross over at most STREAMS streams, and each rank combines its own block's
+two partials: a link carries the other host's blocks once, (N - L) / N of S, against
+(N - 1) / N of S for the flat ring.
+
+The other collectives (all_to_all, gather, scatter) run flat.
 
 Tags: the phases between hosts use the call's own tags (round-major, < 2^30, plus
 ACK and SIG of :mod:`.tcp`); those inside a host a sub-op's from LOCAL_TAGS.
@@ -96,6 +102,7 @@ __all__ = [
     "all_reduce_small",
     "broadcast",
     "reduce",
+    "reduce_scatter",
 ]
 
 #: Bytes one rank moves through its slot per round of a large call (at most a slot).
@@ -749,3 +756,139 @@ def all_gather(op: Op, out: np.ndarray, lay: Layout, shm: Any,
             regions = regions_at(slots.pop(fin))
             for row, (k, p) in landing.items():
                 out[row, a:b] = regions[k][p * per:p * per + b - a]
+
+
+# -- reduce_scatter ---------------------------------------------------------------------
+
+
+def reduce_scatter(op: Op, buf: np.ndarray, parts: Sequence[tuple[int, int]], out: np.ndarray,
+                   ufunc: np.ufunc, lay: Layout, shm: Any,
+                   streams: int | None = None) -> Algorithm:
+    """Two hosts: block g of ``buf`` (``parts[g]``, flat bounds) reduced over the group
+    into ``out`` of group rank g (see the module docstring). ``buf`` is left unchanged.
+
+    Round t, block pieces of ``per`` items: every local copies its pieces of the blocks
+    it does not compute into its slot (position g), a barrier, and each computes the
+    host partials of its blocks into its slot (its own operand first, then local
+    order): its own block, and the blocks of the other host's local indices j that its
+    stream carries (stream j mod C, carried by local (j mod C) mod L). It sends those
+    to the other host's carrier of the stream, which receives them into its slot
+    (positions N + k); two rounds later, after the barrier, each rank combines its own
+    block's two partials, ``ufunc(first host's, second's)``, into ``out``. A host's
+    link carries the other host's blocks once: (N - L) / N of S.
+    """
+    hosts, h, i = lay.hosts, lay.host, lay.local
+    assert len(hosts) == 2
+    L, N, me = len(hosts[h]), op.size, op.me
+    mine_rs, other = hosts[h], hosts[1 - h]
+    Lo = len(other)
+    C = max(1, STREAMS if streams is None else streams)
+    first = h == 0
+    local = _local_op(op, lay, shm)
+    # Which local computes each block here: its owner for this host's blocks, the
+    # stream's carrier for the other host's.
+    computes = {g: j for j, g in enumerate(mine_rs)}
+    computes.update({g: (j % C) % L for j, g in enumerate(other)})
+    ours = [g for g in range(N) if computes[g] == i]
+    # This host's blocks arrive at the carrier of their stream, from the other host's.
+    sender = {g: other[(j % C) % Lo] for j, g in enumerate(mine_rs)}
+    arrives = {g: (j % C) % L for j, g in enumerate(mine_rs)}
+    slot_of = {}
+    for k_local in range(L):
+        for k, g in enumerate(g for g in mine_rs if arrives[g] == k_local):
+            slot_of[g] = N + k
+    # Where the other host's blocks go: its carrier of their stream.
+    dest = {g: other[(j % C) % Lo] for j, g in enumerate(other)}
+    M = max(max(sum(1 for j in range(len(rs)) if (j % C) % len(rs) == k)
+                for k in range(len(rs))) for rs in hosts)
+    per = max(1, min(ROUND_BYTES, SEGMENT_BYTES) // buf.itemsize // (N + M))
+    n = (N + M) * per
+    R = max(1, -(-max(b - a for a, b in parts) // per))
+    pieces = [[(a + x, a + y) for x, y in split(b - a, R)] for a, b in parts]
+    J = num_pieces(per, buf.itemsize)
+    lag = SLOTS - 1
+    base = parts[me][0]
+    tmp = np.empty(per, buf.dtype) if local is None else None
+    dt = buf.dtype
+    slots: dict[int, int] = {}
+    views: dict[int, list[np.ndarray]] = {}
+
+    def regions_at(slot: int) -> list[np.ndarray]:
+        got = views.get(slot)
+        if got is None:
+            assert local is not None
+            got = views[slot] = [local.region(p, slot, dt, n) for p in range(L)]
+        return got
+
+    for t in range(R + lag):
+        fin = t - lag
+        if local is None:
+            # A host of one rank: its buffer is the host partial of every block.
+            if t < R:
+                for g in other:
+                    a, b = pieces[g][t]
+                    if b > a:
+                        _send_split(op, dest[g], (t * N + g) * J, buf[a:b], J)
+            if fin >= 0:
+                a, b = pieces[me][fin]
+                if b > a:
+                    assert tmp is not None
+                    theirs = tmp[:b - a]
+                    yield from _recv_split(op, sender[me], (fin * N + me) * J, theirs, J)
+                    res = out[a - base:b - base]
+                    if first:
+                        ufunc(buf[a:b], theirs, out=res)
+                    else:
+                        ufunc(theirs, buf[a:b], out=res)
+            continue
+        if t < R:
+            slots[t] = slot = op.next_slot()
+            region = regions_at(slot)[i]
+            for g in range(N):
+                if computes[g] != i:
+                    a, b = pieces[g][t]
+                    region[g * per:g * per + b - a] = buf[a:b]
+        if fin >= 0:
+            # The other host's partials of round fin of the blocks whose stream ends here.
+            into = regions_at(slots[fin])[i]
+            for g in mine_rs:
+                a, b = pieces[g][fin]
+                if arrives[g] == i and b > a:
+                    at = slot_of[g] * per
+                    yield from _recv_split(op, sender[g], (fin * N + g) * J,
+                                           into[at:at + b - a], J)
+        yield from barrier(local, t)
+        if fin >= 0:
+            regions = regions_at(slots.pop(fin))
+            a, b = pieces[me][fin]
+            if b > a:
+                at = slot_of[me] * per
+                partial = regions[i][me * per:me * per + b - a]
+                theirs = regions[arrives[me]][at:at + b - a]
+                res = out[a - base:b - base]
+                if first:
+                    ufunc(partial, theirs, out=res)
+                else:
+                    ufunc(theirs, partial, out=res)
+        if t < R:
+            regions = regions_at(slots[t])
+            if t >= SLOTS:
+                # Partials sent from where this rank reduces now (round t - SLOTS).
+                for p in sorted({dest[g] for g in ours if g in dest}):
+                    yield from _drained(op, p)
+            for g in ours:
+                a, b = pieces[g][t]
+                if b == a:
+                    continue
+                acc = regions[i][g * per:g * per + b - a]
+                first_op = True
+                for p in range(L):
+                    if p != i:
+                        theirs = regions[p][g * per:g * per + b - a]
+                        if first_op:
+                            ufunc(buf[a:b], theirs, out=acc)
+                            first_op = False
+                        else:
+                            ufunc(acc, theirs, out=acc)
+                if g in dest:
+                    _send_split(op, dest[g], (t * N + g) * J, acc, J)

@@ -18,10 +18,11 @@ from ..comm import wire
 from ..comm.planes.shm import SEGMENT_BYTES
 from . import hier, shm, tcp
 
-__all__ = ["HIER_SMALL_BYTES", "PAIR_MAX_BYTES", "SMALL_BYTES", "SMALL_MAX_WORLD",
-           "all_gather", "all_gather_two_level", "all_reduce", "all_reduce_two_level",
-           "broadcast", "broadcast_two_level", "gather", "reduce", "reduce_scatter",
-           "reduce_two_level", "scatter", "split_rows", "two_level_layout"]
+__all__ = ["HIER_SCATTER_MIN_BYTES", "HIER_SMALL_BYTES", "PAIR_MAX_BYTES", "SMALL_BYTES",
+           "SMALL_MAX_WORLD", "all_gather", "all_gather_two_level", "all_reduce",
+           "all_reduce_two_level", "broadcast", "broadcast_two_level", "gather", "reduce",
+           "reduce_scatter", "reduce_scatter_two_level", "reduce_two_level", "scatter",
+           "split_rows", "two_level_layout"]
 
 #: Two ranks all-reduce up to this many bytes as one message each way (the pair
 #: exchange); above it the ring's pipelined pieces win (interleaved A/B over TCP:
@@ -182,6 +183,24 @@ def broadcast_two_level(nbytes: int, lay: hier.Layout, root: int) -> Algo | None
 
 def reduce_two_level(nbytes: int, lay: hier.Layout) -> Algo | None:
     return hier.reduce
+
+
+#: From this many bytes (the whole buffer) a group on two hosts reduce-scatters
+#: two-level (:func:`hier.reduce_scatter`); below it, and on more hosts, flat. Measured
+#: on simulated hosts (2026-12-02, 2 runs each, benchmarks/results/hierarchy-20261202-
+#: streams.md), flat / two-level ms at 64 KiB, 1 MiB and 16 MiB: 2x4@500mbit 3.9-4.9 /
+#: 3.9-4.3, 15.6-15.8 / 11.0-11.4, 259-263 / 144; 2x2@5gbit 0.86-1.15 / 1.36-1.50,
+#: 3.0-3.6 / 2.5-3.4, 36.4-36.5 / 25.6-31.1; 3+1@5gbit 0.83-0.95 / 1.24-1.26,
+#: 2.7-2.9 / 2.9, 31.5-34.6 / 29.7-33.4; 2x4@2gbit and 2x2@1gbit faster two-level at
+#: every size.
+HIER_SCATTER_MIN_BYTES = 1 << 20
+
+
+def reduce_scatter_two_level(nbytes: int, lay: hier.Layout) -> Algo | None:
+    """The two-level reduce_scatter of a buffer of ``nbytes``, or None for the flat one."""
+    if len(lay.hosts) == 2 and nbytes >= HIER_SCATTER_MIN_BYTES:
+        return hier.reduce_scatter
+    return None
 
 
 def all_gather_two_level(nbytes: int, lay: hier.Layout) -> Algo | None:
