@@ -81,6 +81,7 @@ ACK and SIG of :mod:`.tcp`); those inside a host a sub-op's from LOCAL_TAGS.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -375,14 +376,10 @@ def _all_reduce_two_hosts(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout,
     partner = [other[(q % C) % len(other)] for q in range(K)]
     carried = [q for q in range(K) if carrier[q] == i]
     # Where a carrier receives the other host's partial of each shard it carries.
-    at_pos = {}
-    for j in range(L):
-        for k, q in enumerate(q for q in range(K) if carrier[q] == j):
-            at_pos[q] = K + k
+    at_pos = _places([(q, carrier[q]) for q in range(K)], K)
     # The same rounds on both hosts: K positions of pieces and partials, and as many
     # positions of received partials as the busiest carrier of either host needs.
-    M = max(max(sum(1 for q in range(K) if (q % C) % len(rs) == j) for j in range(len(rs)))
-            for rs in hosts if len(rs) > 1)
+    M = max(_busiest_carrier(K, C, len(rs)) for rs in hosts if len(rs) > 1)
     per = max(1, min(round_bytes, SEGMENT_BYTES) // buf.itemsize // (K + M))
     n = (K + M) * per
     shards = split(buf.size, K)
@@ -396,15 +393,7 @@ def _all_reduce_two_hosts(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout,
     LAG = SLOTS - 1
     tmp = np.empty(per, buf.dtype) if local is None else None
     slots: dict[int, int] = {}
-    dt = buf.dtype
-    views: dict[int, list[np.ndarray]] = {}  # slot -> every local's region (reused)
-
-    def regions_at(slot: int) -> list[np.ndarray]:
-        got = views.get(slot)
-        if got is None:
-            assert local is not None
-            got = views[slot] = [local.region(p, slot, dt, n) for p in range(L)]
-        return got
+    regions_at = _slot_views(local, buf.dtype, n)
 
     def send_partial(t: int, q: int, regions: list[np.ndarray]) -> None:
         a, b = pieces[q][t]
@@ -431,10 +420,7 @@ def _all_reduce_two_hosts(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout,
                     yield from _recv_split(op, partner[q], (fin * K + q) * J, theirs, J)
                     yield from _drained(op, partner[q])  # buf[a:b] went out without a copy
                     seg = buf[a:b]
-                    if first:
-                        ufunc(seg, theirs, out=seg)
-                    else:
-                        ufunc(theirs, seg, out=seg)
+                    _combine(ufunc, seg, theirs, first, seg)
             continue
         if t < R:
             slots[t] = slot = op.next_slot()
@@ -467,10 +453,7 @@ def _all_reduce_two_hosts(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout,
                 ours = regions[q % L][q * per:q * per + b - a]
                 at = at_pos[q] * per
                 theirs = regions[carrier[q]][at:at + b - a]
-                if first:
-                    ufunc(ours, theirs, out=buf[a:b])
-                else:
-                    ufunc(theirs, ours, out=buf[a:b])
+                _combine(ufunc, ours, theirs, first, buf[a:b])
         if 0 < t <= R:
             # The other owners reduced round t - 1 before this barrier.
             regions = regions_at(slots[t - 1])
@@ -486,18 +469,62 @@ def _all_reduce_two_hosts(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout,
                     yield from _drained(op, p)
             for q in mine:
                 a, b = pieces[q][t]
-                ours = regions[i][q * per:q * per + b - a]
-                first_op = True
-                for p in range(L):
-                    if p != i:
-                        theirs = regions[p][q * per:q * per + b - a]
-                        if first_op:
-                            ufunc(buf[a:b], theirs, out=ours)
-                            first_op = False
-                        else:
-                            ufunc(ours, theirs, out=ours)
+                _host_partial(ufunc, buf[a:b], regions, i, q * per,
+                              regions[i][q * per:q * per + b - a])
                 if carrier[q] == i:
                     send_partial(t, q, regions)
+
+
+def _slot_views(local: Op | None, dtype: np.dtype, n: int) -> Any:
+    """``at(slot)``: every local's region of ``n`` items of ``dtype`` at ``slot``, built
+    once per slot (a call's rounds rotate over SLOTS slots)."""
+    views: dict[int, list[np.ndarray]] = {}
+
+    def at(slot: int) -> list[np.ndarray]:
+        got = views.get(slot)
+        if got is None:
+            assert local is not None
+            got = views[slot] = [local.region(p, slot, dtype, n) for p in range(local.size)]
+        return got
+
+    return at
+
+
+def _busiest_carrier(items: int, streams: int, L: int) -> int:
+    """How many of ``items`` (item j on stream j mod ``streams``, carried by local index
+    (j mod streams) mod L) the busiest carrier of a host of L ranks takes."""
+    return max(Counter((j % streams) % L for j in range(items)).values())
+
+
+def _places(carried: Sequence[tuple[int, int]], base: int) -> dict[int, int]:
+    """Slot positions of received items, given (item, carrier) in item order: each
+    carrier's items at base, base + 1, ... of its slot."""
+    taken: Counter[int] = Counter()
+    places = {}
+    for item, carrier in carried:
+        places[item] = base + taken[carrier]
+        taken[carrier] += 1
+    return places
+
+
+def _host_partial(ufunc: np.ufunc, own: np.ndarray, regions: list[np.ndarray], me: int,
+                  at: int, out: np.ndarray) -> None:
+    """``out`` = the host partial of a piece: this rank's operand ``own`` first, then the
+    other locals' (``regions[p][at:]``, local order)."""
+    src = own
+    for p, region in enumerate(regions):
+        if p != me:
+            ufunc(src, region[at:at + out.size], out=out)
+            src = out
+
+
+def _combine(ufunc: np.ufunc, ours: np.ndarray, theirs: np.ndarray, first: bool,
+             out: np.ndarray) -> None:
+    """``ufunc(first host's, second's)`` into ``out``: the same bits on both hosts."""
+    if first:
+        ufunc(ours, theirs, out=out)
+    else:
+        ufunc(theirs, ours, out=out)
 
 
 def _send_split(op: Op, to: int, tag: int, seg: np.ndarray, parts: int) -> None:
@@ -701,17 +728,9 @@ def all_gather(op: Op, out: np.ndarray, lay: Layout, shm: Any,
     # before that round's barrier (one barrier in all).
     ahead = 0 if R == 1 and K <= C else min(GATHER_AHEAD, R)
     local = _local_op(op, lay, shm)
-    dt = out.dtype
     n = width * per
     slots: dict[int, int] = {}
-    views: dict[int, list[np.ndarray]] = {}
-
-    def regions_at(slot: int) -> list[np.ndarray]:
-        got = views.get(slot)
-        if got is None:
-            assert local is not None
-            got = views[slot] = [local.region(p, slot, dt, n) for p in range(L)]
-        return got
+    regions_at = _slot_views(local, out.dtype, n)
 
     def send_row(t: int, j: int, piece: np.ndarray) -> None:
         row = hosts[h][j]
@@ -793,14 +812,10 @@ def reduce_scatter(op: Op, buf: np.ndarray, parts: Sequence[tuple[int, int]], ou
     # This host's blocks arrive at the carrier of their stream, from the other host's.
     sender = {g: other[(j % C) % Lo] for j, g in enumerate(mine_rs)}
     arrives = {g: (j % C) % L for j, g in enumerate(mine_rs)}
-    slot_of = {}
-    for k_local in range(L):
-        for k, g in enumerate(g for g in mine_rs if arrives[g] == k_local):
-            slot_of[g] = N + k
+    slot_of = _places([(g, arrives[g]) for g in mine_rs], N)
     # Where the other host's blocks go: its carrier of their stream.
     dest = {g: other[(j % C) % Lo] for j, g in enumerate(other)}
-    M = max(max(sum(1 for j in range(len(rs)) if (j % C) % len(rs) == k)
-                for k in range(len(rs))) for rs in hosts)
+    M = max(_busiest_carrier(len(rs), C, len(rs)) for rs in hosts)
     per = max(1, min(ROUND_BYTES, SEGMENT_BYTES) // buf.itemsize // (N + M))
     n = (N + M) * per
     R = max(1, -(-max(b - a for a, b in parts) // per))
@@ -809,16 +824,8 @@ def reduce_scatter(op: Op, buf: np.ndarray, parts: Sequence[tuple[int, int]], ou
     lag = SLOTS - 1
     base = parts[me][0]
     tmp = np.empty(per, buf.dtype) if local is None else None
-    dt = buf.dtype
     slots: dict[int, int] = {}
-    views: dict[int, list[np.ndarray]] = {}
-
-    def regions_at(slot: int) -> list[np.ndarray]:
-        got = views.get(slot)
-        if got is None:
-            assert local is not None
-            got = views[slot] = [local.region(p, slot, dt, n) for p in range(L)]
-        return got
+    regions_at = _slot_views(local, buf.dtype, n)
 
     for t in range(R + lag):
         fin = t - lag
@@ -836,10 +843,7 @@ def reduce_scatter(op: Op, buf: np.ndarray, parts: Sequence[tuple[int, int]], ou
                     theirs = tmp[:b - a]
                     yield from _recv_split(op, sender[me], (fin * N + me) * J, theirs, J)
                     res = out[a - base:b - base]
-                    if first:
-                        ufunc(buf[a:b], theirs, out=res)
-                    else:
-                        ufunc(theirs, buf[a:b], out=res)
+                    _combine(ufunc, buf[a:b], theirs, first, res)
             continue
         if t < R:
             slots[t] = slot = op.next_slot()
@@ -866,10 +870,7 @@ def reduce_scatter(op: Op, buf: np.ndarray, parts: Sequence[tuple[int, int]], ou
                 partial = regions[i][me * per:me * per + b - a]
                 theirs = regions[arrives[me]][at:at + b - a]
                 res = out[a - base:b - base]
-                if first:
-                    ufunc(partial, theirs, out=res)
-                else:
-                    ufunc(theirs, partial, out=res)
+                _combine(ufunc, partial, theirs, first, res)
         if t < R:
             regions = regions_at(slots[t])
             if t >= SLOTS:
@@ -881,14 +882,6 @@ def reduce_scatter(op: Op, buf: np.ndarray, parts: Sequence[tuple[int, int]], ou
                 if b == a:
                     continue
                 acc = regions[i][g * per:g * per + b - a]
-                first_op = True
-                for p in range(L):
-                    if p != i:
-                        theirs = regions[p][g * per:g * per + b - a]
-                        if first_op:
-                            ufunc(buf[a:b], theirs, out=acc)
-                            first_op = False
-                        else:
-                            ufunc(acc, theirs, out=acc)
+                _host_partial(ufunc, buf[a:b], regions, i, g * per, acc)
                 if g in dest:
                     _send_split(op, dest[g], (t * N + g) * J, acc, J)
