@@ -49,6 +49,12 @@ def _check_reduced(got: list[np.ndarray], inputs: list[np.ndarray], dtype: Any) 
         assert np.allclose(got[0], want, rtol=1e-2, atol=1e-2), dtype
 
 
+def _crossing(fabric: Fabric, hosts: Any) -> dict[tuple[int, int], int]:
+    """Payload bytes sent between ranks on different hosts, by (source, destination)."""
+    return {pair: b for pair, b in fabric.link_bytes.items()
+            if hosts[pair[0]] != hosts[pair[1]]}
+
+
 def _all_reduce(kind: str, inputs: list[np.ndarray], hosts: list[int], **kw: Any) -> list[Any]:
     algo = hier.all_reduce_small if kind == "small" else hier.all_reduce_large
 
@@ -127,8 +133,7 @@ def test_all_reduce_large_streams_between_two_hosts(shape: str, streams: int) ->
     C = min(streams, K)
     want = {(on[x][c % len(on[x])], on[1 - x][c % len(on[1 - x])])
             for c in range(C) for x in (0, 1)}
-    crossing = {pair: b for pair, b in fabric.link_bytes.items()
-                if hosts[pair[0]] != hosts[pair[1]]}
+    crossing = _crossing(fabric, hosts)
     assert set(crossing) == want, crossing
     for x in (0, 1):
         sent = sum(b for (src, _), b in crossing.items() if hosts[src] == x)
@@ -237,8 +242,7 @@ def test_all_gather_streams(shape: str, streams: int | None, count: int) -> None
         streams = max(len(rs) for rs in on.values()) if small else hier.STREAMS
     want = {(on[x][j % streams], on[g][(j % streams) % len(on[g])])
             for x in on for g in on if g != x for j in range(len(on[x]))}
-    crossing = {pair: b for pair, b in fabric.link_bytes.items()
-                if hosts[pair[0]] != hosts[pair[1]]}
+    crossing = _crossing(fabric, hosts)
     assert set(crossing) == want, crossing
     for x in on:
         for g in on:
@@ -310,8 +314,7 @@ def test_reduce_scatter_streams(shape: str, streams: int) -> None:
     on = {x: [r for r in range(n) if hosts[r] == x] for x in (0, 1)}
     pairs = {(on[1 - x][(j % streams) % len(on[1 - x])], on[x][(j % streams) % len(on[x])])
              for x in (0, 1) for j in range(len(on[x]))}
-    crossing = {pair: b for pair, b in fabric.link_bytes.items()
-                if hosts[pair[0]] != hosts[pair[1]]}
+    crossing = _crossing(fabric, hosts)
     assert set(crossing) == pairs, crossing
     for x in (0, 1):
         into = sum(b for (src, dst), b in crossing.items() if hosts[dst] == x)
@@ -692,8 +695,7 @@ def test_flat_collectives_cross_each_host_link_as_few_times_as_their_order_allow
             return bool((x == 10.0).all())
 
         assert all(run_api(one, 4, plane="memory", fabric=fabric, hosts=hosts))
-        calls[name] = sum(b for (src, dst), b in fabric.link_bytes.items()
-                          if hosts[src] != hosts[dst]) / S
+        calls[name] = sum(_crossing(fabric, hosts).values()) / S
     assert calls["broadcast"] < 1.05, calls
     assert calls["reduce"] < 1.05, calls
     assert calls["all_reduce"] < 3.05, calls
