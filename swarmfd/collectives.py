@@ -195,7 +195,7 @@ def _run(g: _group.Group, sig: Signature, make: Callable[[Op], Any] | None,
     algorithm to drive (None: nothing to send), ``finish(result)`` runs once it
     completed (write-backs) and gives the call's result. A failure breaks the group
     (see swarmfd.group). Returns the result, or a :class:`Work` with ``async_op``."""
-    if g.broken is not None:
+    if g.broken is not None and g.seq + 1 >= g.broken_from:
         if async_op:
             return completed(None, f"{sig.coll.label} on rank {g.world_rank}", _broken(g))
         raise _broken(g)
@@ -224,6 +224,7 @@ def _inline(g: _group.Group, op: Op, make: Callable[[Op], Any],
         ch.calls[g.gid] = g.seq  # ch.begin(g.gid, g.seq), without the call
     ch._group = g.gid  # ch.set_group(g.gid)
     ch.activity = label
+    ch.p2p = not collective
     try:
         if len(ch.planes) > 1:
             # Aborts may come on another plane than this call's: now and then read what
@@ -233,15 +234,23 @@ def _inline(g: _group.Group, op: Op, make: Callable[[Op], Any],
         ch.flush()
         return finish(result) if finish is not None else result
     except BaseException as exc:
-        g.broken = exc
-        ch.abort(exc, g.gid)
+        g.broken, g.broken_from = exc, 0
+        # The last call this rank finished: the one before a failed collective, the
+        # latest one before a failed point-to-point message.
+        ch.abort(exc, g.gid, g.seq - 1 if collective else g.seq)
         raise
     finally:
         ch.activity = "idle"
+        ch.p2p = False
 
 
 def _broken(g: _group.Group) -> BaseException:
+    """The error of a call of the broken group ``g`` (not yet counted in ``g.seq``):
+    a peer's abort as it came for the very call the peer failed, else the earlier
+    failure's."""
     b = g.broken
+    if g.broken_from == g.seq + 1 and isinstance(b, SwarmfdError):
+        return type(b)(str(b))
     where = "" if g.gid == _group.WORLD_GID else f" ({g.name})"
     if isinstance(b, SwarmfdError):
         return type(b)(f"the process group{where} is unusable after an earlier failure ({b}); "

@@ -213,10 +213,11 @@ class Engine:
     """The progress engine of one process group (see the module docstring)."""
 
     def __init__(self, channel: Any, timeout: float,
-                 on_fail: Callable[[Any, BaseException], None]) -> None:
+                 on_fail: Callable[[Any, BaseException, int], None]) -> None:
         self.channel = channel
         self.timeout = timeout
-        self.on_fail = on_fail  # (group, error): the group breaks
+        #: (group, error, the group's last call this rank finished): the group breaks.
+        self.on_fail = on_fail
         self.lock = threading.Lock()
         self.cond = threading.Condition()
         #: Pending collectives per group id, in issue order (the first is running).
@@ -332,7 +333,7 @@ class Engine:
     def _advance(self, task: _Task) -> bool:
         """Run ``task`` on as far as it goes without a new message; True on progress."""
         ch = self.channel
-        if task.group.broken is not None and not task.work.is_completed():
+        if task.group.broken is not None and _doomed(task) and not task.work.is_completed():
             self._fail_group(task.group)
             return True
         if not task.started:
@@ -417,7 +418,11 @@ class Engine:
 
     def _fail(self, task: _Task, error: BaseException) -> None:
         """``task`` failed: its group breaks, it and the group's other pending ops raise."""
-        self.on_fail(task.group, error)
+        # A failed collective finished the call before it; a point-to-point message
+        # only what precedes the group's running collective (if any: it may be done).
+        last = task.op.seq - 1 if not _is_p2p(task) else self.channel.calls.get(
+            task.group.gid, 0) - 1
+        self.on_fail(task.group, error, last)
         self._remove(task)
         task.work._finish(error=error)
         self._fail_group(task.group)
@@ -432,11 +437,16 @@ class Engine:
         """Fail every pending op of ``group`` (already broken) with the group's error."""
         from .collectives import _broken
 
-        q = self.queues.pop(group.gid, None)
-        for task in list(q or []) + [t for t in self.p2p if t.group is group]:
+        q = self.queues.get(group.gid)
+        doomed = [t for t in q or [] if _doomed(t)] + [t for t in self.p2p if t.group is group]
+        for task in doomed:
             if task in self.p2p:
                 self.p2p.remove(task)
+            else:
+                q.remove(task)  # type: ignore[union-attr]
             task.work._finish(error=_broken(group))
+        if q is not None and not q:
+            del self.queues[group.gid]
 
     def _check_waits(self) -> None:
         """Timeouts, peers' timeout reports and lost peers of the tasks that wait."""
@@ -528,3 +538,9 @@ class Engine:
 
 def _is_p2p(task: _Task) -> bool:
     return task.op.seq < 0
+
+
+def _doomed(task: _Task) -> bool:
+    """``task``'s group is broken for it: a point-to-point message, or a call from the
+    first one the group's failure fails (see Group.broken_from)."""
+    return _is_p2p(task) or task.op.seq >= task.group.broken_from

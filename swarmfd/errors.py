@@ -24,6 +24,7 @@ __all__ = [
     "RendezvousError",
     "RendezvousTimeout",
     "SwarmfdError",
+    "abort_finished",
     "abort_is_provisional",
     "abort_kind",
     "abort_waited_for",
@@ -145,6 +146,15 @@ def abort_waited_for(payload: bytes) -> int | None:
     """The rank a timed-out peer was waiting for, from its abort message (or None)."""
     value = _abort_info(payload).get("waiting_for")
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def abort_finished(payload: bytes) -> int | None:
+    """The sequence number (masked to 32 bits) of the aborting rank's last finished call
+    of the group, from its abort message (or None: an abort that does not say)."""
+    value = _abort_info(payload).get("finished")
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 0xFFFFFFFF:
+        return value
+    return None
 
 
 def abort_is_provisional(payload: bytes) -> bool:

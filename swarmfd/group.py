@@ -138,8 +138,11 @@ class Group:
         self.name = name
         #: Sequence number of this group's latest call (the first call is #1).
         self.seq = 0
-        #: The error that broke the group, if one did.
+        #: The error that broke the group, if one did, and the group's first call it
+        #: fails (0: every call; a peer's abort of a later call than the current one
+        #: lets the calls before it finish, see swarmfd.comm.channel).
         self.broken: BaseException | None = None
+        self.broken_from = 0
         #: Rounds done over shared memory (every member counts the same).
         self.shm_round = 0
         #: plane()'s answer, and the (transport, shm plane) it was computed for.
@@ -459,11 +462,16 @@ def _make_groups(state: _State) -> None:
     state.groups[HOST_GID] = state.host
 
 
-def _group_error(state: _State, gid: int, exc: BaseException) -> None:
-    """Another group's abort or mismatch, seen while this rank waited elsewhere."""
+def _group_error(state: _State, gid: int, exc: BaseException, first: int) -> None:
+    """Another group's abort or mismatch, seen while this rank waited elsewhere, or an
+    abort of a later call of this group: the group fails from its call ``first`` on."""
     g = state.groups.get(gid)
-    if g is not None and g.broken is None:
-        g.broken = exc
+    if g is None:
+        return
+    if g.broken is None:
+        g.broken, g.broken_from = exc, first
+    else:
+        g.broken_from = min(g.broken_from, first)
 
 
 def _engine(state: _State) -> Any:
@@ -473,13 +481,14 @@ def _engine(state: _State) -> Any:
     t = state.transport
     assert t is not None
 
-    def failed(g: Group, exc: BaseException) -> None:
+    def failed(g: Group, exc: BaseException, finished: int) -> None:
         if g.broken is None:
             g.broken = exc
-        t.channel.abort(exc, g.gid)
+        g.broken_from = 0
+        t.channel.abort(exc, g.gid, finished)
 
     engine = Engine(t.channel, state.config.timeout, failed)
-    t.channel.on_group_error = lambda gid, exc: _group_error(state, gid, exc)
+    t.channel.on_group_error = lambda gid, exc, first: _group_error(state, gid, exc, first)
     t.channel.on_report = engine.report
     return engine
 

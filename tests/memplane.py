@@ -2,7 +2,8 @@
 
 * :class:`MemoryPlane`: a :class:`swarmfd.comm.plane.Plane` over in-memory queues (every
   message is packed and decoded with the real wire format, payloads are copied);
-  :meth:`Fabric.kill` makes a rank vanish as a closed connection would.
+  :meth:`Fabric.kill` makes a rank vanish as a closed connection would, and
+  :meth:`Fabric.slow` delays one link (so a message on another link overtakes it).
 * :func:`shm_planes`: real :class:`swarmfd.comm.planes.shm.ShmPlane` objects for N
   thread-ranks, over real memfd segments and pipes (no setup socket: the descriptors
   are shared in-process).
@@ -54,9 +55,33 @@ class Fabric:
         #: Payload bytes sent over each link, by (source rank, destination rank).
         self.link_bytes: collections.Counter[tuple[int, int]] = collections.Counter()
 
+        #: Delayed links: (source, destination) -> the queue of their messages' carrier.
+        self.delayed: dict[tuple[int, int], queue.Queue[Any]] = {}
+
     def kill(self, rank: int) -> None:
         """``rank`` vanishes: its messages stop, peers see its connection close."""
         self.dead.add(rank)
+
+    def slow(self, src: int, dst: int, seconds: float) -> None:
+        """Deliver what ``src`` sends ``dst`` ``seconds`` late, in order (a congested
+        connection: the messages of other links overtake it)."""
+        carrier: queue.Queue[Any] = queue.Queue()
+        self.delayed[(src, dst)] = carrier
+
+        def carry() -> None:
+            while True:
+                due, message = carrier.get()
+                time.sleep(max(0.0, due + seconds - time.monotonic()))
+                self.queues[dst].put(message)
+
+        threading.Thread(target=carry, daemon=True, name=f"link {src}->{dst}").start()
+
+    def put(self, src: int, dst: int, message: tuple[wire.Header, bytes]) -> None:
+        carrier = self.delayed.get((src, dst))
+        if carrier is None:
+            self.queues[dst].put(message)
+        else:
+            carrier.put((time.monotonic(), message))
 
 
 class MemoryPlane:
@@ -87,7 +112,7 @@ class MemoryPlane:
         assert len(body) == size
         self.fabric.sent += 1
         self.fabric.link_bytes[(self.rank, dst)] += size
-        self.fabric.queues[dst].put((wire.unpack_header(raw), body))
+        self.fabric.put(self.rank, dst, (wire.unpack_header(raw), body))
 
     def send_all(self, kind: int, sig: wire.Signature, body: bytes, group: int = 0) -> None:
         for dst in range(self.fabric.n):

@@ -136,6 +136,7 @@ def _direct_with_views(algo: str, roots: tuple[int, ...]) -> tuple[list[str], in
         sig = wire.Signature(wire.Collective.BROADCAST if algo == "broadcast" else
                              wire.Collective.REDUCE, wire.ReduceOp.SUM, 5, roots[r], 4, 0)
         op = Op(channel, pl, list(range(n)), r, 0, 1, sig)
+        channel.begin(0, 1)  # as a collective does
         buf = np.arange(4, dtype=np.float64)
         gen = (tcp.broadcast_direct(op, buf, roots[r]) if algo == "broadcast" else
                tcp.reduce_direct(op, buf, roots[r], np.add))
@@ -143,7 +144,7 @@ def _direct_with_views(algo: str, roots: tuple[int, ...]) -> tuple[list[str], in
             run(op, gen)
             channel.flush()
         except Exception as exc:
-            channel.abort(exc, 0)
+            channel.abort(exc, 0, 0)
             return type(exc).__name__
         return "ok"
 

@@ -163,7 +163,7 @@ def test_an_abort_reaches_the_waiting_rank_with_its_message(plane: str) -> None:
         ch.begin(0, 1)
         if r == 1:
             ch.activity = "all_reduce (call #1 on rank 1)"
-            ch.abort(ValueError("the loss is NaN at step 9"), 0)
+            ch.abort(ValueError("the loss is NaN at step 9"), 0, 0)
             return None
         with pytest.raises(AbortedError) as info:
             ch.recv(pl, 1, SIG, 0, 1, 0, 16)
@@ -180,18 +180,80 @@ def test_another_groups_abort_breaks_that_group_only(plane: str) -> None:
     def fn(r: int, ch: Channel, pl: Any) -> Any:
         ch.begin(0, 1)
         if r == 1:
-            ch.abort(RuntimeError("group five went wrong"), 5)
+            ch.abort(RuntimeError("group five went wrong"), 5, 0)
             ch.send(pl, 0, SIG, 0, 1, 0, _payload(42))
             ch.flush()
             return None
         broken: list[tuple[int, str]] = []
-        ch.on_group_error = lambda g, e: broken.append((g, str(e)))
+        ch.on_group_error = lambda g, e, first: broken.append((g, str(e)))
         value = _value(ch.recv(pl, 1, SIG, 0, 1, 0, 16))
         return value, broken
 
     value, broken = run_threads(fn, 2, plane=plane)[0]
     assert value == 42
     assert [g for g, _ in broken] == [5] and "group five went wrong" in broken[0][1]
+
+
+@pytest.mark.parametrize("plane", PLANES)
+@pytest.mark.parametrize("finished", [1, 1 + MAX_CALLS_AHEAD])
+def test_an_abort_of_a_later_call_lets_the_current_call_finish(plane: str,
+                                                                finished: int) -> None:
+    """Rank 1 finished call 1 and failed a later one; its abort reaches rank 0 before
+    rank 2's message of call 1 (another connection). Rank 0's call 1 gets that message,
+    and the group is broken from call ``finished + 1`` on (on_group_error). In a
+    point-to-point wait the same abort raises at once (nothing orders the message
+    awaited before the failed collective)."""
+    told, done = threading.Event(), threading.Event()
+
+    def fn(r: int, ch: Channel, pl: Any) -> Any:
+        ch.begin(0, 1)
+        if r == 1:
+            ch.abort(RuntimeError("the loss is NaN in call 2"), 0, finished)
+            told.set()
+            done.wait(10)
+            ch.abort(RuntimeError("another failure"), 0, finished)
+            return None
+        if r == 2:
+            told.wait(10)
+            time.sleep(0.2)  # the abort is read first
+            ch.send(pl, 0, SIG, 0, 1, 0, _payload(42))
+            ch.flush()
+            return None
+        broken: list[tuple[int, str, int]] = []
+        ch.on_group_error = lambda g, e, first: broken.append((g, str(e), first))
+        value = _value(ch.recv(pl, 2, SIG, 0, 1, 0, 16))
+        done.set()
+        ch.p2p = True
+        with pytest.raises(AbortedError, match="another failure"):
+            ch.recv(pl, 1, SIG, 0, 1, 9, 16)
+        return value, broken
+
+    value, broken = run_threads(fn, 3, plane=plane)[0]
+    assert value == 42
+    assert [(g, first) for g, _, first in broken] == [(0, finished + 1)], broken
+    assert "rank 1 failed and aborted the group" in broken[0][1], broken
+    assert "the loss is NaN in call 2" in broken[0][1], broken
+
+
+@pytest.mark.parametrize("plane", PLANES)
+@pytest.mark.parametrize("finished", [0, 2 + MAX_CALLS_AHEAD, None])
+def test_an_abort_of_the_current_call_raises_at_once(plane: str, finished: Any) -> None:
+    """An abort whose sender failed in the current call (it finished call 0), one
+    from further ahead than a peer can be, or one that does not say, raises in the
+    wait at once."""
+    def fn(r: int, ch: Channel, pl: Any) -> Any:
+        ch.begin(0, 1)
+        if r == 1:
+            if finished is None:
+                ch._control(0, "error", "the loss is NaN")
+            else:
+                ch.abort(RuntimeError("the loss is NaN"), 0, finished)
+            return None
+        with pytest.raises(AbortedError, match="the loss is NaN"):
+            ch.recv(pl, 1, SIG, 0, 1, 0, 16)
+        return True
+
+    assert run_threads(fn, 2, plane=plane)[0]
 
 
 @pytest.mark.parametrize("limit", [200, 1000, 4096 - wire.HEADER_SIZE])

@@ -584,6 +584,7 @@ def test_host_lost_mid_call_is_named_by_every_survivor(algo: str) -> None:
             return ((slots[0] - 1) % 3) << 20
 
         sig = wire.Signature(wire.Collective.ALL_REDUCE)
+        channel.begin(0, 1)  # as a collective does
         op = Op(channel, tcp, list(range(n)), r, 0, 1, sig, None, next_slot)
         lay = hier.layout_of(names, r)
         buf = np.ones(count, np.float32)
@@ -607,7 +608,7 @@ def test_host_lost_mid_call_is_named_by_every_survivor(algo: str) -> None:
         try:
             run(op, gen)
         except PeerLostError as exc:
-            channel.abort(exc, 0)
+            channel.abort(exc, 0, 0)
             return str(exc), time.monotonic() - start
         raise AssertionError("the call succeeded without host 1")
 

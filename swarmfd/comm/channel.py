@@ -24,6 +24,12 @@ gives every message the same semantics:
 * **Aborts.** A rank whose call fails tells the group's other members (best effort,
   on every plane); they raise the same kind of error (:func:`error_from_abort`).
   An abort's JSON is cut to fit the plane before it is encoded, so it always parses.
+  It says the last call the aborting rank finished: a rank still in that call (or an
+  earlier one) gets all of that rank's messages for it, so it finishes the call and
+  fails the next ones from the failed call on (:attr:`Channel.on_group_error`).
+  Without that, whether the call finished depended on which connection delivered
+  first: a root waiting for rank A's acknowledgement failed when rank B's abort of
+  the next call came first on another connection.
 * **Strangers.** A header that is not a swarmfd message is a protocol error of the
   connection it came on (planes validate the source); nothing is unpickled.
 
@@ -49,6 +55,7 @@ from ..errors import (
     MismatchError,
     PeerLostError,
     ProtocolError,
+    abort_finished,
     abort_is_provisional,
     abort_kind,
     abort_waited_for,
@@ -149,9 +156,16 @@ class Channel:
         self.garbage = 0
         #: The sequence number of each group's current (latest begun) call.
         self.calls: dict[int, int] = {}
-        #: Called with (group, error) for an abort or mismatch of a group other than the
-        #: one being waited on: that group is broken, the current call goes on.
-        self.on_group_error: Callable[[int, BaseException], None] = lambda g, e: None
+        #: Called with (group, error, first) for an abort or mismatch of a group other
+        #: than the one being waited on, or an abort of a later call than the current
+        #: one: that group is broken from its call ``first`` on (0: every call, the
+        #: running ones too), the current call goes on.
+        self.on_group_error: Callable[[int, BaseException, int], None] = \
+            lambda g, e, first: None
+        #: True while a point-to-point call runs on the caller's thread: an abort of a
+        #: later collective call is raised at once (the message waited for may never
+        #: come: nothing orders it before the collective that failed).
+        self.p2p = False
         #: Called with (group, rank, rank it waited for, payload) for a peer's provisional
         #: timeout report of a group other than the one being waited on.
         self.on_report: Callable[[int, int, int, Any], None] = lambda g, r, w, p: None
@@ -261,13 +275,15 @@ class Channel:
                         raise self._incomplete(hdr.src) from None
                 pending = plane.unsent()
 
-    def abort(self, error: BaseException, group: int) -> None:
-        """Tell every peer that this rank's call in ``group`` failed (best effort)."""
+    def abort(self, error: BaseException, group: int, finished: int) -> None:
+        """Tell every peer that this rank's call in ``group`` failed (best effort), and
+        that ``finished`` was its last finished call of the group (see module
+        docstring: peers still in it finish it)."""
         if isinstance(error, AbortedError):
             return  # the originator already told everyone
         if getattr(error, "announced", False):
             return  # a timeout: announced to everyone while its culprit was found
-        self._control(group, abort_kind(error), str(error))
+        self._control(group, abort_kind(error), str(error), finished=finished & 0xFFFFFFFF)
 
     def _control(self, group: int, kind: str, message: str, **extra: Any) -> None:
         """Send an abort or report (JSON) to every peer on every plane, best effort."""
@@ -410,7 +426,8 @@ class Channel:
                     raise error_from_abort(self.activity, hdr.src, payload)
                 # A peer timed out: find out, with everyone, who is really stuck.
                 raise self._timeout(self.waiting_for, sig, {hdr.src: waited})
-            raise error_from_abort(self.activity, hdr.src, payload)
+            self._final_abort(hdr, payload, deferrable=sig.coll != wire.Collective.P2P)
+            return
         if hdr.kind != wire.Kind.DATA:
             self.garbage += 1
             return
@@ -460,8 +477,10 @@ class Channel:
         (an abort, or a message out of its window), never the current call."""
         if hdr.kind == wire.Kind.ABORT:
             if not abort_is_provisional(payload):
+                first = self._first_failed(hdr.group, payload)
                 self.on_group_error(hdr.group, error_from_abort(
-                    f"group {hdr.group}", hdr.src, payload))
+                    f"group {hdr.group}" if not first else f"call #{first} of group "
+                    f"{hdr.group}", hdr.src, payload), first)
             else:
                 waited = abort_waited_for(payload)
                 if waited is not None:
@@ -473,9 +492,31 @@ class Channel:
         try:
             self._check_window(hdr, self.calls.get(hdr.group, 0))
         except (MismatchError, ProtocolError) as exc:
-            self.on_group_error(hdr.group, exc)
+            self.on_group_error(hdr.group, exc, 0)
             return
         self.stash[(hdr.group, hdr.src, hdr.seq, hdr.tag)] = (hdr, payload)
+
+    def _first_failed(self, group: int, payload: Any) -> int:
+        """The first call of ``group`` (in this rank's numbering) that an abort with
+        ``payload`` fails: the one after the aborting rank's last finished call, when
+        that is this rank's current call or a later one (at most MAX_CALLS_AHEAD on);
+        else 0, every call, the current one too."""
+        finished = abort_finished(payload)
+        if finished is None:
+            return 0
+        current = self.calls.get(group, 0)
+        ahead = (finished - current) & 0xFFFFFFFF
+        return current + ahead + 1 if ahead <= MAX_CALLS_AHEAD else 0
+
+    def _final_abort(self, hdr: wire.Header, payload: Any, deferrable: bool) -> None:
+        """A final abort of the group being waited on: raised, unless the aborting rank
+        finished this rank's current call (``deferrable``: a collective's wait), which
+        then goes on; the group fails from the failed call on."""
+        first = self._first_failed(hdr.group, payload) if deferrable and not self.p2p else 0
+        if not first:
+            raise error_from_abort(self.activity, hdr.src, payload)
+        self.on_group_error(hdr.group, error_from_abort(
+            f"call #{first} of group {hdr.group}", hdr.src, payload), first)
 
     def _check_size(self, hdr: wire.Header, nbytes: int) -> None:
         if hdr.nbytes != nbytes and hdr.coll == wire.Collective.ALL_TO_ALL:
@@ -625,8 +666,8 @@ class Channel:
         if self._elsewhere(hdr, payload):
             return
         if hdr.kind == wire.Kind.ABORT and not abort_is_provisional(payload):
-            raise error_from_abort(self.activity, hdr.src, payload)
-        if keep_data and hdr.kind == wire.Kind.DATA:
+            self._final_abort(hdr, payload, deferrable=True)
+        elif keep_data and hdr.kind == wire.Kind.DATA:
             self.stash[(hdr.group, hdr.src, hdr.seq, hdr.tag)] = (hdr, payload)
         elif hdr.kind != wire.Kind.ABORT:
             self.garbage += 1
