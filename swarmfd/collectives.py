@@ -24,7 +24,7 @@ import numpy as np
 from . import group as _group
 from .algorithms import p2p as _p2p_algo
 from .algorithms import select
-from .algorithms.base import Op, run
+from .algorithms.base import Op, Parts, run
 from .comm import wire
 from .comm.wire import Collective, ReduceOp, Signature
 from .engine import Work, completed, joined
@@ -291,11 +291,14 @@ def _make_signature(coll: Collective, arrays: Sequence[np.ndarray], code: int, o
 def _fused(g: _group.Group, items: Sequence[Any], name: str, coll: Collective, op: ReduceOp,
            root: int, body: Callable[[Op, np.ndarray], Any],
            check: Callable[[np.ndarray], None] | None = None,
-           async_op: bool = False) -> list[Any]:
+           async_op: bool = False,
+           in_place: Callable[[Op], bool] | None = None) -> list[Any]:
     """Run ``body`` once per dtype over the arrays of ``items`` fused into one buffer
     (a reused scratch buffer, or a new one for an async call, which owns it until it
-    completes); every part is copied back when its call completes. Returns each call's
-    result (a Work each with ``async_op``)."""
+    completes); every part is copied back when its call completes. Where
+    ``in_place(op)`` says the call's algorithm takes :class:`Parts`, and the arrays
+    are contiguous and writable, ``body`` gets them as Parts instead: no copy in or
+    out. Returns each call's result (a Work each with ``async_op``)."""
     arrays = []
     for i, x in enumerate(items):
         try:
@@ -312,20 +315,41 @@ def _fused(g: _group.Group, items: Sequence[Any], name: str, coll: Collective, o
     for dtype, members in groups.items():
         sig = _signature(coll, members, wire.dtype_code(dtype), op, root)
         total = sum(a.size for a in members)
-        flat = np.empty(total, dtype) if async_op else g.scratch(dtype, total)
-        off = 0
-        for a in members:
-            flat[off:off + a.size] = a.reshape(-1)
-            off += a.size
+        direct = in_place is not None and _disjoint(members) and all(
+            a.flags.c_contiguous and a.flags.writeable for a in members)
+        staged: list[np.ndarray] = []  # the fused buffer, once made
 
-        def finish(_: Any, flat: np.ndarray = flat, members: list[np.ndarray] = members) -> None:
+        def make(o: Op, members: list[np.ndarray] = members, total: int = total,
+                 dtype: np.dtype = dtype, direct: bool = direct,
+                 staged: list[np.ndarray] = staged) -> Any:
+            if direct and total and in_place is not None and in_place(o):
+                return body(o, Parts([a.reshape(-1) for a in members if a.size]))
+            flat = np.empty(total, dtype) if async_op else g.scratch(dtype, total)
             off = 0
+            for a in members:
+                flat[off:off + a.size] = a.reshape(-1)
+                off += a.size
+            staged.append(flat)
+            return body(o, flat)
+
+        def finish(_: Any, members: list[np.ndarray] = members,
+                   staged: list[np.ndarray] = staged) -> None:
+            if not staged:
+                return
+            flat, off = staged.pop(), 0
             for a in members:
                 np.copyto(a, flat[off:off + a.size].reshape(a.shape))
                 off += a.size
 
-        out.append(_run(g, sig, lambda o, flat=flat: body(o, flat), finish, async_op))
+        out.append(_run(g, sig, make, finish, async_op))
     return out
+
+
+def _disjoint(arrays: list[np.ndarray]) -> bool:
+    """No two of ``arrays`` share memory (by address ranges: a list may hold the same
+    array twice, or overlapping views, which only a staging copy reduces right)."""
+    ranges = sorted((a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays if a.size)
+    return all(ranges[i][1] <= ranges[i + 1][0] for i in range(len(ranges) - 1))
 
 
 def _fused_result(x: Any, parts: list[Any], name: str, async_op: bool) -> Any:
@@ -343,9 +367,15 @@ def _items(x: Any) -> Sequence[Any] | None:
 # -- all_reduce -------------------------------------------------------------------------
 
 
-def _all_reduce_algo(o: Op, flat: np.ndarray, rop: ReduceOp, mean: bool,
+def _all_reduce_algo(o: Op, flat: np.ndarray | Parts, rop: ReduceOp, mean: bool,
                      two: Any = None) -> Any:
     ufunc = _UFUNCS[rop]
+    if select.all_reduce_in_place(o.plane.kind):
+        # Takes Parts, and divides a mean chunk by chunk while it is in cache.
+        yield from select.all_reduce(o.plane.kind, flat.nbytes, o.size, flat.size,
+                                     o.plane.name)(o, flat, ufunc, o.size if mean else 0)
+        return
+    assert isinstance(flat, np.ndarray)
     hier = two and select.all_reduce_two_level(flat.nbytes, two[0])
     if hier:
         yield from hier(o, flat, ufunc, *two)
@@ -379,7 +409,7 @@ def all_reduce(x: T, op: str = "sum", *, group: Any = None, async_op: bool = Fal
     if items is not None:
         parts = _fused(g, items, "all_reduce", Collective.ALL_REDUCE, wire_op, wire.NO_ROOT,
                        body, lambda a: _check_op_dtype(rop, mean, a.dtype, "all_reduce"),
-                       async_op)
+                       async_op, lambda o: select.all_reduce_in_place(o.plane.kind))
         return _fused_result(x, parts, "all_reduce", async_op)
     arr = _to_numpy(x, "all_reduce")
     code = _check_array(arr, "all_reduce")

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from swarmfd.algorithms import select, shm, tcp
-from swarmfd.algorithms.base import Op, run
+from swarmfd.algorithms.base import Op, Parts, run
 from swarmfd.comm import wire
 from swarmfd.comm.channel import Channel
 
@@ -77,6 +77,77 @@ def test_all_reduce(algo: str, n: int, count: int) -> None:
             assert np.array_equal(got[0], want), dtype
         else:
             assert np.allclose(got[0], want, rtol=1e-2, atol=1e-2), dtype
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("counts", [[1], [3, 1], [700, 1, 299], [40000, 3, 90000],
+                                    [131072, 131072, 5], [300000, 17, 200000]])
+@pytest.mark.parametrize("divide", [False, True])
+def test_shm_all_reduce_of_parts_is_that_of_the_fused_buffer(n: int, counts: list[int],
+                                                             divide: bool) -> None:
+    """Several arrays reduced as one (Parts: no staging copy; a mean divided in the
+    algorithm) give the bits of their fused buffer reduced, then divided, on every rank:
+    parts across the boundaries of chunks and of rounds (a round is 131072 float64s),
+    small and large paths; the arrays hold the result, in place."""
+    inputs = [[sample_data(r * 10 + i, c, np.float64) for i, c in enumerate(counts)]
+              for r in range(n)]
+
+    def fused(op: Op) -> Any:
+        buf = np.concatenate(inputs[op.me])
+        algo = shm.all_reduce(op, buf, np.add)
+
+        def result() -> np.ndarray:
+            if divide:
+                np.divide(buf, n, out=buf)
+            return buf
+        return algo, result
+
+    def parts(op: Op) -> Any:
+        arrays = [a.copy() for a in inputs[op.me]]
+        algo = shm.all_reduce(op, Parts(arrays), np.add, n if divide else 0)
+        return algo, lambda: np.concatenate(arrays)
+
+    want = run_algorithm(n, fused, plane="shm")
+    got = run_algorithm(n, parts, plane="shm")
+    for r in range(n):
+        assert got[r].tobytes() == want[0].tobytes(), f"rank {r}"
+    total = sum(np.concatenate(inputs[r]) for r in range(n))
+    assert np.allclose(got[0], total / n if divide else total)
+
+
+def _list_all_reduce(rank: int, world: int) -> list[np.ndarray]:
+    import swarmfd as fd
+
+    base = np.arange(300_000, dtype=np.float64) * (rank + 1)
+    a, b = base[:200_000].copy(), base[200_000:].copy()
+    c = np.full(7, rank, np.float32)
+    strided = np.arange(40, dtype=np.float64)[::2] * (rank + 1)  # not contiguous
+    fd.all_reduce([a, b, c, strided])
+    d = base[:200_000].copy()
+    fd.all_reduce([d, d], op="mean")  # the same array twice: reduced once, as staged
+    e = [np.full(5, float(rank)), np.zeros(0), np.full(3, 2.0 * rank)]
+    fd.all_reduce(e, op="mean")
+    return [a, b, c, strided, d, *e]
+
+
+@pytest.mark.parametrize("plane", ["shm", "memory"])
+def test_a_list_all_reduce_in_place_and_staged(plane: str) -> None:
+    """fd.all_reduce of a list: on shared memory the arrays are reduced where they are
+    (Parts), over TCP through a staging buffer; the same answers either way, in place:
+    several dtypes, a non-contiguous array, the same array twice, an empty one, means."""
+    from .threadranks import run_api
+
+    world = 3
+    out = run_api(_list_all_reduce, world, plane=plane)
+    ranks_sum = sum(range(1, world + 1))
+    base = np.arange(300_000, dtype=np.float64)
+    want = [base[:200_000] * ranks_sum, base[200_000:] * ranks_sum,
+            np.full(7, sum(range(world)), np.float32), np.arange(40.0)[::2] * ranks_sum,
+            base[:200_000] * ranks_sum / world, np.full(5, 1.0), np.zeros(0), np.full(3, 2.0)]
+    for r in range(world):
+        for i, (got, w) in enumerate(zip(out[r], want, strict=True)):
+            assert got.dtype == w.dtype and np.allclose(got, w), (r, i)
+            assert got.tobytes() == out[0][i].tobytes(), (r, i)
 
 
 @pytest.mark.parametrize("plane", ["memory", "shm"])

@@ -16,7 +16,9 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from .harness import free_port, require, run_ranks, run_ranks_raw
+import pytest
+
+from .harness import free_port, require, run_ranks, run_ranks_raw, transport_env
 
 torch = require("torch", "pip install torch==2.13.0, the CPU wheel")
 
@@ -187,14 +189,19 @@ def _ddp_rank(rank: int, world: int) -> dict[str, int]:
     probe = np.full(3, float(rank))
     fd.all_reduce(probe)
     assert (probe == sum(range(world))).all()
-    return {"buckets": len(ddp._buckets)}
+    return {"buckets": len(ddp._buckets),
+            "in_place": [ddp._direct(b.index) for b in ddp._buckets]}
 
 
-def test_ddp_equals_one_process_on_the_global_batch(ranks) -> None:
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_ddp_equals_one_process_on_the_global_batch(ranks, transport: str) -> None:
     """Parameters identical on every rank after every step and equal to one process on
-    the concatenated batch; no_sync, dropped wrappers, unused parameters, the error."""
-    out = ranks(_ddp_rank, 3, timeout=120)  # 3: the mean's 1/3 is inexact, padding needed
+    the concatenated batch; no_sync, dropped wrappers, unused parameters, the error. On
+    shared memory the gradients are reduced in place, over TCP through buckets."""
+    # 3 ranks: the mean's 1/3 is inexact, and the buckets need padding.
+    out = ranks(_ddp_rank, 3, timeout=120, env=transport_env(transport))
     assert all(o["buckets"] >= 3 for o in out)
+    assert all(o["in_place"] == [transport == "shm"] * o["buckets"] for o in out), out
 
 
 def _hooks_rank(rank: int, world: int) -> None:

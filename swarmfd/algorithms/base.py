@@ -18,7 +18,8 @@ passed a later barrier.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+import bisect
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,7 +28,7 @@ from ..comm import wire
 from ..comm.channel import Channel
 from ..comm.plane import Plane
 
-__all__ = ["FLUSH", "Algorithm", "Op", "Recv", "num_pieces", "run", "split"]
+__all__ = ["FLUSH", "Algorithm", "Op", "Parts", "Recv", "num_pieces", "run", "spans", "split"]
 
 #: A receive an algorithm waits for: (op, group rank, tag, nbytes, into), or for a
 #: point-to-point piece ("key", op, key, signature, nbytes, into). A request names its op,
@@ -152,6 +153,42 @@ def run(op: Op, algo: Algorithm) -> Any:
                 req = send(o.channel.recv_key(o.plane, key, o.sig, nbytes, into))
     except StopIteration as stop:
         return stop.value
+
+
+class Parts:
+    """Several flat arrays of one dtype, reduced as one buffer without being copied into
+    one (:func:`swarmfd.algorithms.shm.all_reduce`): element ``i`` of the whole is
+    element ``i - start`` of the array it falls in. The arrays are contiguous, writable
+    and not empty."""
+
+    __slots__ = ("arrays", "dtype", "itemsize", "nbytes", "size", "starts")
+
+    def __init__(self, arrays: Sequence[np.ndarray]) -> None:
+        self.arrays = list(arrays)
+        self.dtype = self.arrays[0].dtype
+        self.itemsize = self.dtype.itemsize
+        self.starts = [0]
+        for arr in self.arrays:
+            self.starts.append(self.starts[-1] + arr.size)
+        self.size = self.starts[-1]
+        self.nbytes = self.size * self.itemsize
+
+
+def spans(buf: np.ndarray | Parts, a: int, b: int) -> Iterator[tuple[np.ndarray, int, int]]:
+    """The pieces of elements [a, b) of ``buf``: (view, u, v), the view holding elements
+    [a + u, a + v). One piece for an array; one per array met for :class:`Parts`."""
+    if type(buf) is np.ndarray:
+        yield buf[a:b], 0, b - a
+        return
+    assert isinstance(buf, Parts)
+    i = bisect.bisect_right(buf.starts, a) - 1
+    at = a
+    while at < b:
+        start = buf.starts[i]
+        stop = min(b, buf.starts[i + 1])
+        yield buf.arrays[i][at - start:stop - start], at - a, stop - a
+        i += 1
+        at = stop
 
 
 def split(n: int, parts: int) -> list[tuple[int, int]]:

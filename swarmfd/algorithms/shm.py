@@ -17,6 +17,11 @@ that is, after everyone finished reading it.
   every rank has the same bits. (Copying the whole round in and reducing in the slot
   moved about 5.5 round sizes of memory per rank at N=2, this 4.5: interleaved A/B,
   benchmarks/ab.py, 2026-12-02, N=2 0.82-0.96x the time at 1-64 MiB, N=4 0.88-1.0x.)
+  A mean (``divide``) is divided by the owner in its reduced chunk, while the chunk is
+  in cache, instead of in a pass over the whole buffer afterwards; and the buffer may
+  be :class:`~.base.Parts`, several arrays reduced as one without a staging copy
+  (a list all_reduce, a DDP bucket's gradients): the copies in and out go from and
+  to the arrays themselves.
 * **broadcast**: the root copies in, barrier, everyone copies out.
 * **reduce**: everyone copies in, barrier, the root reduces in rank order.
 * **all_gather**: everyone copies in, barrier, everyone copies the others' out (also
@@ -31,7 +36,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..comm.planes.shm import SEGMENT_BYTES
-from .base import Algorithm, Op, split
+from .base import Algorithm, Op, Parts, spans, split
 from .tcp import barrier
 
 __all__ = ["SMALL_BYTES", "all_gather", "all_gather_v", "all_reduce", "all_to_all", "broadcast",
@@ -55,54 +60,77 @@ def _regions(op: Op, slot: int, dtype: np.dtype, count: int) -> list[np.ndarray]
     return [op.region(p, slot, dtype, count) for p in range(op.size)]
 
 
-def all_reduce(op: Op, buf: np.ndarray, ufunc: np.ufunc) -> Algorithm:
-    """See the module docstring."""
+def all_reduce(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
+               divide: int = 0) -> Algorithm:
+    """See the module docstring (``divide``: divide the result by it, a mean)."""
     N, me = op.size, op.me
     if buf.nbytes <= SMALL_BYTES or buf.size < N:
         # One round; every rank reduces all of it in rank order: identical everywhere.
         slot = op.next_slot()
         regions = _regions(op, slot, buf.dtype, buf.size)
-        regions[me][...] = buf
+        if type(buf) is np.ndarray:
+            regions[me][...] = buf
+            yield from barrier(op, 0)
+            _reduce_all(buf, regions, ufunc, divide)
+            return
+        for piece, u, v in spans(buf, 0, buf.size):
+            regions[me][u:v] = piece
         yield from barrier(op, 0)
-        np.copyto(buf, regions[0])
-        for p in range(1, N):
-            ufunc(buf, regions[p], out=buf)
+        for piece, u, v in spans(buf, 0, buf.size):
+            _reduce_all(piece, [r[u:v] for r in regions], ufunc, divide)
         return
-    pending: tuple[np.ndarray, list[np.ndarray], list[tuple[int, int]], int] | None = None
+    pending: tuple[np.ndarray | Parts, int, list[np.ndarray], list[tuple[int, int]]] | None = \
+        None
     parts = rounds(buf.nbytes, buf.itemsize)
     for r, (a, b) in enumerate(parts):
         slot = op.next_slot()
         regions = _regions(op, slot, buf.dtype, b - a)
         chunks = split(b - a, N)
         ca, cb = chunks[me]
-        seg = buf[a:b]
         # The others need every chunk of this rank's but its own (which only it reduces).
-        regions[me][:ca] = seg[:ca]
-        regions[me][cb:] = seg[cb:]
+        for piece, u, v in spans(buf, a, a + ca):
+            regions[me][u:v] = piece
+        for piece, u, v in spans(buf, a + cb, b):
+            regions[me][cb + u:cb + v] = piece
         yield from barrier(op, r)
         if pending is not None:
-            _copy_out(*pending)
+            _copy_out(*pending, me)
         # Its own chunk: the owner's operand (from buf) first, then the others in rank
         # order, into its slot (where the others copy it from), then into buf.
         mine = regions[me][ca:cb]
-        first = True
-        for p in range(N):
-            if p != me:
-                ufunc(seg[ca:cb] if first else mine, regions[p][ca:cb], out=mine)
-                first = False
-        seg[ca:cb] = mine
-        pending = (seg, regions, chunks, me)
+        others = [p for p in range(N) if p != me]
+        for piece, u, v in spans(buf, a + ca, a + cb):
+            ufunc(piece, regions[others[0]][ca + u:ca + v], out=mine[u:v])
+        for p in others[1:]:
+            ufunc(mine, regions[p][ca:cb], out=mine)
+        if divide:
+            np.divide(mine, divide, out=mine)
+        for piece, u, v in spans(buf, a + ca, a + cb):
+            piece[...] = mine[u:v]
+        pending = (buf, a, regions, chunks)
     yield from barrier(op, len(parts))
     assert pending is not None
-    _copy_out(*pending)
+    _copy_out(*pending, me)
 
 
-def _copy_out(seg: np.ndarray, regions: list[np.ndarray], chunks: list[tuple[int, int]],
-              mine: int) -> None:
-    """The others' reduced chunks of a round into ``seg`` (its own is there already)."""
+def _reduce_all(buf: np.ndarray, regions: list[np.ndarray], ufunc: np.ufunc,
+                divide: int) -> None:
+    """``buf`` = every member's region reduced in rank order (divided by ``divide``)."""
+    np.copyto(buf, regions[0])
+    for p in range(1, len(regions)):
+        ufunc(buf, regions[p], out=buf)
+    if divide:
+        np.divide(buf, divide, out=buf)
+
+
+def _copy_out(buf: np.ndarray | Parts, a: int, regions: list[np.ndarray],
+              chunks: list[tuple[int, int]], mine: int) -> None:
+    """The others' reduced chunks of the round at ``a`` into ``buf`` (its own is there
+    already)."""
     for p, (pa, pb) in enumerate(chunks):
         if p != mine:
-            seg[pa:pb] = regions[p][pa:pb]
+            for piece, u, v in spans(buf, a + pa, a + pb):
+                piece[...] = regions[p][pa + u:pa + v]
 
 
 def broadcast(op: Op, buf: np.ndarray, root: int) -> Algorithm:
