@@ -370,7 +370,7 @@ def _items(x: Any) -> Sequence[Any] | None:
 def _all_reduce_algo(o: Op, flat: np.ndarray | Parts, rop: ReduceOp, mean: bool,
                      two: Any = None) -> Any:
     ufunc = _UFUNCS[rop]
-    if select.all_reduce_in_place(o.plane.kind):
+    if o.plane.kind in select.IN_PLACE_KINDS:  # select.all_reduce_in_place, inline
         # Takes Parts, and divides a mean chunk by chunk while it is in cache.
         yield from select.all_reduce(o.plane.kind, flat.nbytes, o.size, flat.size,
                                      o.plane.name)(o, flat, ufunc, o.size if mean else 0)

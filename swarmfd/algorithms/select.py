@@ -18,8 +18,8 @@ from ..comm import wire
 from ..comm.planes.shm import SEGMENT_BYTES
 from . import hier, shm, tcp
 
-__all__ = ["HIER_SCATTER_MIN_BYTES", "HIER_SMALL_BYTES", "PAIR_MAX_BYTES", "SMALL_BYTES",
-           "SMALL_MAX_WORLD", "all_gather", "all_gather_two_level", "all_reduce",
+__all__ = ["HIER_SCATTER_MIN_BYTES", "HIER_SMALL_BYTES", "IN_PLACE_KINDS", "PAIR_MAX_BYTES",
+           "SMALL_BYTES", "SMALL_MAX_WORLD", "all_gather", "all_gather_two_level", "all_reduce",
            "all_reduce_in_place", "all_reduce_two_level", "broadcast", "broadcast_two_level",
            "gather", "reduce", "reduce_scatter", "reduce_scatter_two_level",
            "reduce_two_level", "scatter", "split_rows", "two_level_layout"]
@@ -64,13 +64,17 @@ def all_reduce(kind: str, nbytes: int, size: int, count: int, plane: str = "") -
     return tcp.all_reduce_ring
 
 
+#: The kinds of plane whose flat all_reduce takes Parts and a divide (see below).
+IN_PLACE_KINDS = frozenset({"shm"})
+
+
 def all_reduce_in_place(kind: str) -> bool:
     """Whether the flat all_reduce on a plane of ``kind`` (:func:`all_reduce`) takes
     :class:`~.base.Parts`, several arrays reduced without a staging copy, and a
     ``divide`` for a mean: shared memory's, whose copies in and out are its own
     (measured with benchmarks/train.py, 2026-12-03: a DDP step's copy of its 13.6 MB
     of gradients into buckets took 2.4 ms of a 30 ms step at N=2)."""
-    return kind == "shm"
+    return kind in IN_PLACE_KINDS
 
 
 def _doubling(nbytes: int, size: int, plane: str) -> bool:

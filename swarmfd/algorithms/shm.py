@@ -68,10 +68,14 @@ def all_reduce(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
         # One round; every rank reduces all of it in rank order: identical everywhere.
         slot = op.next_slot()
         regions = _regions(op, slot, buf.dtype, buf.size)
-        if type(buf) is np.ndarray:
+        if type(buf) is np.ndarray:  # _reduce_all written out: the latency path
             regions[me][...] = buf
             yield from barrier(op, 0)
-            _reduce_all(buf, regions, ufunc, divide)
+            np.copyto(buf, regions[0])
+            for p in range(1, N):
+                ufunc(buf, regions[p], out=buf)
+            if divide:
+                np.divide(buf, divide, out=buf)
             return
         for piece, u, v in spans(buf, 0, buf.size):
             regions[me][u:v] = piece
