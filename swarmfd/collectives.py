@@ -694,6 +694,51 @@ def reduce_scatter(x: Any, out: Any = None, *, op: str = "sum", group: Any = Non
                               ReduceOp.MEAN if mean else rop), body, finish, async_op)
 
 
+def reduce_scatter_parts(arrays: Sequence[Any], out: Any, *, op: str = "sum",
+                         group: Any = None, async_op: bool = False) -> Any:
+    """:func:`reduce_scatter` of the concatenation of ``arrays`` (one dtype, flat, a
+    total size that divides by the group size: equal parts), without concatenating
+    them where the plane's algorithm reads them where they are (shared memory; else
+    they are concatenated first). Not public: DDP's buckets under ZeRO use it, so
+    their gradients need no copy into a bucket. ``out``: this rank's part."""
+    g = _group.resolve_group(group, "reduce_scatter()")
+    rop, mean = _parse_op(op, "reduce_scatter")
+    nps = [_to_numpy(a, "reduce_scatter").reshape(-1) for a in arrays]
+    if not nps or len({a.dtype for a in nps}) != 1:
+        raise TypeError("swarmfd.reduce_scatter_parts: arrays must be one or more arrays "
+                        "of one dtype")
+    total = sum(a.size for a in nps)
+    if total % g.size:
+        raise ValueError(f"swarmfd.reduce_scatter_parts: {total} elements do not split "
+                         f"into {g.size} equal parts")
+    plane = g.plane()
+    if plane is None or not select.all_reduce_in_place(plane.kind):
+        return reduce_scatter(np.concatenate(nps), out, op=op, group=group,
+                              async_op=async_op)
+    dtype = nps[0].dtype
+    code = _check_array(nps[0], "reduce_scatter", writable=False)
+    _check_op_dtype(rop, mean, dtype, "reduce_scatter")
+    part = total // g.size
+    res = _out_array(out, (part,), dtype, "reduce_scatter")
+    buf = Parts([a for a in nps if a.size]) if total else np.zeros(0, dtype)
+    parts = [(r * part, (r + 1) * part) for r in range(g.size)]
+    ufunc = _UFUNCS[rop]
+
+    def body(o: Op) -> Any:
+        algo = select.reduce_scatter(o.plane.kind, buf.nbytes, o.size)
+        yield from algo(o, buf, parts, res, ufunc, o.size if mean else 0)
+
+    def finish(_: Any) -> Any:
+        if g.size == 1:
+            np.copyto(res, np.concatenate(nps))
+        return res
+
+    # The signature of the concatenated buffer's reduce_scatter (the same call).
+    shape = np.broadcast_to(np.zeros((), dtype), (total,))
+    return _run(g, _signature(Collective.REDUCE_SCATTER, [shape], code,
+                              ReduceOp.MEAN if mean else rop), body, finish, async_op)
+
+
 # -- all_to_all -------------------------------------------------------------------------
 
 

@@ -115,6 +115,50 @@ def test_shm_all_reduce_of_parts_is_that_of_the_fused_buffer(n: int, counts: lis
     assert np.allclose(got[0], total / n if divide else total)
 
 
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("counts", [[3, 3], [700, 1, 299, 1], [300000, 17, 200000, 2]])
+@pytest.mark.parametrize("divide", [False, True])
+def test_shm_reduce_scatter_of_parts_is_that_of_the_fused_buffer(n: int, counts: list[int],
+                                                                 divide: bool) -> None:
+    """reduce_scatter reads Parts where they are: each rank's part has the bits of the
+    fused buffer's reduce_scatter (then divided), across arrays, chunks and rounds; the
+    input is left unchanged."""
+    counts = [*counts, -sum(counts) % n] if sum(counts) % n else counts
+    counts = [c for c in counts if c]
+    inputs = [[sample_data(r * 10 + i, c, np.float64) for i, c in enumerate(counts)]
+              for r in range(n)]
+    total = sum(counts)
+    bounds = [(r * total // n, (r + 1) * total // n) for r in range(n)]
+
+    def fused(op: Op) -> Any:
+        buf = np.concatenate(inputs[op.me])
+        a, b = bounds[op.me]
+        out = np.empty(b - a)
+
+        def result() -> np.ndarray:
+            if divide:
+                np.divide(out, n, out=out)
+            return out
+        return shm.reduce_scatter(op, buf, bounds, out, np.add), result
+
+    def parts(op: Op) -> Any:
+        arrays = inputs[op.me]
+        a, b = bounds[op.me]
+        out = np.empty(b - a)
+        algo = shm.reduce_scatter(op, Parts(arrays), bounds, out, np.add, n if divide else 0)
+        return algo, lambda: out
+
+    want = run_algorithm(n, fused, plane="shm")
+    before = [np.concatenate(x).tobytes() for x in inputs]
+    got = run_algorithm(n, parts, plane="shm")
+    for r in range(n):
+        assert got[r].tobytes() == want[r].tobytes(), f"rank {r}"
+        assert np.concatenate(inputs[r]).tobytes() == before[r], "an input changed"
+    whole = sum(np.concatenate(inputs[r]) for r in range(n)) / (n if divide else 1)
+    for r, (a, b) in enumerate(bounds):
+        assert np.allclose(got[r], whole[a:b])
+
+
 def _list_all_reduce(rank: int, world: int) -> list[np.ndarray]:
     import swarmfd as fd
 
@@ -127,14 +171,20 @@ def _list_all_reduce(rank: int, world: int) -> list[np.ndarray]:
     fd.all_reduce([d, d], op="mean")  # the same array twice: reduced once, as staged
     e = [np.full(5, float(rank)), np.zeros(0), np.full(3, 2.0 * rank)]
     fd.all_reduce(e, op="mean")
-    return [a, b, c, strided, d, *e]
+    # reduce_scatter of arrays read where they are (DDP's buckets under ZeRO).
+    from swarmfd.collectives import reduce_scatter_parts
+
+    part = reduce_scatter_parts([np.arange(4.0) + rank, np.zeros(0), np.full(2, 1.0)],
+                                np.empty(2), op="mean")
+    return [a, b, c, strided, d, *e, part]
 
 
 @pytest.mark.parametrize("plane", ["shm", "memory"])
 def test_a_list_all_reduce_in_place_and_staged(plane: str) -> None:
     """fd.all_reduce of a list: on shared memory the arrays are reduced where they are
     (Parts), over TCP through a staging buffer; the same answers either way, in place:
-    several dtypes, a non-contiguous array, the same array twice, an empty one, means."""
+    several dtypes, a non-contiguous array, the same array twice, an empty one, means;
+    and the reduce_scatter of arrays read where they are (reduce_scatter_parts)."""
     from .threadranks import run_api
 
     world = 3
@@ -144,10 +194,13 @@ def test_a_list_all_reduce_in_place_and_staged(plane: str) -> None:
     want = [base[:200_000] * ranks_sum, base[200_000:] * ranks_sum,
             np.full(7, sum(range(world)), np.float32), np.arange(40.0)[::2] * ranks_sum,
             base[:200_000] * ranks_sum / world, np.full(5, 1.0), np.zeros(0), np.full(3, 2.0)]
+    whole = np.concatenate([np.arange(4.0) + 1.0, np.full(2, 1.0)])  # the mean of ranks
     for r in range(world):
-        for i, (got, w) in enumerate(zip(out[r], want, strict=True)):
+        for i, (got, w) in enumerate(zip(out[r], [*want, whole[2 * r:2 * r + 2]],
+                                         strict=True)):
             assert got.dtype == w.dtype and np.allclose(got, w), (r, i)
-            assert got.tobytes() == out[0][i].tobytes(), (r, i)
+            if i < len(want):  # the same everywhere (the reduce_scatter: parts differ)
+                assert got.tobytes() == out[0][i].tobytes(), (r, i)
 
 
 @pytest.mark.parametrize("plane", ["memory", "shm"])

@@ -181,29 +181,40 @@ def _window(t: int, per: int, lo: int, hi: int) -> tuple[int, int]:
     return max(lo, t * per), min(hi, (t + 1) * per)
 
 
-def reduce_scatter(op: Op, buf: np.ndarray, parts: list[tuple[int, int]], out: np.ndarray,
-                   ufunc: np.ufunc) -> Algorithm:
+def reduce_scatter(op: Op, buf: np.ndarray | Parts, parts: list[tuple[int, int]],
+                   out: np.ndarray, ufunc: np.ufunc, divide: int = 0) -> Algorithm:
     """Every rank copies its buffer in, round by round (but its own part, which only it
     reads); each reduces its own part of the round from every member's slot (its own
-    operand from its buffer), in rank order, into ``out`` (flat)."""
+    operand from its buffer), in rank order, into ``out`` (flat), divided by ``divide``
+    (a mean). ``buf`` may be :class:`Parts` (as all_reduce's; only read)."""
     pa, pb = parts[op.me]
     me = op.me
     for r, (a, b) in enumerate(rounds(buf.nbytes, buf.itemsize)):
         slot = op.next_slot()
         regions = _regions(op, slot, buf.dtype, b - a)
         x, y = max(pa, a), min(pb, b)
-        if x < y:  # this rank's own part is read from buf, never copied in
-            regions[me][:x - a] = buf[a:x]
-            regions[me][y - a:] = buf[y:b]
-        else:
-            regions[me][...] = buf[a:b]
+        # This rank's own part is read from buf, never copied in.
+        for lo, hi in ((a, x), (y, b)) if x < y else ((a, b),):
+            for piece, u, v in spans(buf, lo, hi):
+                regions[me][lo - a + u:lo - a + v] = piece
         yield from barrier(op, r)
         if x < y:
             dst = out[x - pa:y - pa]
-            operands = [buf[x:y] if p == me else regions[p][x - a:y - a] for p in range(op.size)]
-            np.copyto(dst, operands[0])
-            for p in range(1, op.size):
-                ufunc(dst, operands[p], out=dst)
+            for p in range(op.size):
+                if p != me:
+                    src = regions[p][x - a:y - a]
+                    if p == 0:
+                        np.copyto(dst, src)
+                    else:
+                        ufunc(dst, src, out=dst)
+                else:
+                    for piece, u, v in spans(buf, x, y):
+                        if p == 0:
+                            np.copyto(dst[u:v], piece)
+                        else:
+                            ufunc(dst[u:v], piece, out=dst[u:v])
+            if divide:
+                np.divide(dst, divide, out=dst)
 
 
 def all_to_all(op: Op, buf: np.ndarray, totals: list[int], mine_in: list[tuple[int, int]],

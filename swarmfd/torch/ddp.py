@@ -22,8 +22,9 @@ How it works:
   whose shared-memory algorithm copies straight from and to the arrays, and divides
   the mean chunk by chunk). The copy into a bucket is the 13.6 MB the benchmark MLP's
   step copied for nothing there: the algorithm copies its data into shared memory
-  anyway. Not with ``find_unused_parameters``, a comm hook, ZeRO or a bfloat16
-  parameter (their buckets are needed), nor over TCP (the ring sends from one buffer).
+  anyway; under ZeRO they are reduce-scattered where they are. Not with
+  ``find_unused_parameters``, a comm hook or a bfloat16 parameter (their buckets are
+  needed), nor over TCP (the ring sends from one buffer).
 * **Before backward() returns** (a callback queued on the autograd engine) every
   bucket has been issued and waited for and ``param.grad`` holds the mean. With
   ``gradient_as_bucket_view`` (the default here; torch's is False) ``param.grad`` *is*
@@ -52,6 +53,7 @@ import torch
 from torch.autograd import Variable
 
 import swarmfd as fd
+from swarmfd import collectives as _fd_collectives
 from swarmfd import group as _fd_group
 from swarmfd.algorithms import select as _select
 
@@ -216,6 +218,8 @@ class DistributedDataParallel(torch.nn.Module):
         in_place = plane is not None and _select.all_reduce_in_place(plane.kind)
         self._in_place = [in_place and all(s.param.dtype == b.comm_dtype for s in b.slots)
                           for b in buckets]
+        # Under ZeRO the buckets' parts are equal: the padding takes part as zeros.
+        self._pads = [torch.zeros(b.padded - b.numel, dtype=b.comm_dtype) for b in buckets]
         self._zero: weakref.ref[Any] | None = weakref.ref(zero) if zero is not None else None
         self._hook: tuple[Any, Callable[..., Any]] | None = None
         self._reset_backward()
@@ -372,7 +376,7 @@ class DistributedDataParallel(torch.nn.Module):
         """Whether bucket ``index``'s gradients are all-reduced in place, in their
         parameters' ``.grad`` (see the module docstring), in this backward pass."""
         return (self._in_place[index] and self._hook is None
-                and not self.find_unused_parameters and self._zero is None)
+                and not self.find_unused_parameters)
 
     def _scale(self) -> float:
         """The factor applied on the way into the bucket: 1/N for the plain mean."""
@@ -388,14 +392,19 @@ class DistributedDataParallel(torch.nn.Module):
             self._next += 1
 
     def _issue(self, b: _buckets.Bucket) -> Any:
+        zero = self._zero_opt()
         if self._direct(b.index):
             # A parameter without a gradient (an error at the end of this backward)
             # takes part with zeros, so this rank issues what its peers do.
             grads = [s.param.grad if self._ready[self._slot_index[id(s)]]
                      else torch.zeros_like(s.param) for s in b.slots]
+            if zero is not None:
+                out = zero._shard_grad(b.index)
+                return _fd_collectives.reduce_scatter_parts(
+                    [*grads, self._pads[b.index]], out.numpy(), op="mean",
+                    group=self._group, async_op=True)
             return fd.all_reduce(grads, op="mean", group=self._group, async_op=True)
         buf = self._grads[b.index]
-        zero = self._zero_opt()
         if zero is not None:
             out = zero._shard_grad(b.index)
             return fd.reduce_scatter(buf.numpy(), out=out.numpy(), op="mean",
@@ -449,7 +458,8 @@ class DistributedDataParallel(torch.nn.Module):
             if self.gradient_as_bucket_view:
                 with torch.no_grad():
                     for s in self._slots:
-                        self._set_grad(s, self._grads[s.bucket])
+                        if not self._direct(s.bucket):  # else .grad holds them already
+                            self._set_grad(s, self._grads[s.bucket])
             return
         i = 0
         with torch.no_grad():
