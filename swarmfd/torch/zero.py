@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 import swarmfd as fd
+from swarmfd import collectives as fd_collectives
 
 from . import _buckets
 from ._tensors import FLOAT_DTYPES, bits, check_cpu
@@ -299,10 +300,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         return loss
 
     def _reduce_scatter(self) -> tuple[list[torch.Tensor], list[Any]]:
-        """Standalone: pack each bucket's ``param.grad`` and reduce-scatter it (mean)."""
+        """Standalone: reduce-scatter each bucket's ``param.grad`` (mean): read where they
+        are when they have the bucket's dtype (no copy into a bucket on shared memory:
+        :func:`swarmfd.collectives.reduce_scatter_parts`), else packed."""
         outs, works = [], []
         for b in self._buckets:
-            flat = torch.zeros(b.padded, dtype=b.comm_dtype)
             for s in b.slots:
                 if s.param.grad is None:
                     raise TypeError(
@@ -311,10 +313,18 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                         "has no gradient (grad is None). Its shard is updated on one rank "
                         "for all, so every parameter needs a gradient on every rank: make it "
                         "take part in the loss, or leave it out of the optimizer")
-                flat[s.offset:s.offset + s.numel].copy_(s.param.grad.reshape(-1))
             out = torch.empty(b.part, dtype=b.comm_dtype)
-            works.append(fd.reduce_scatter(flat.numpy(), out=out.numpy(), op="mean",
-                                           group=self._sg, async_op=True))
+            if all(s.param.grad.dtype == b.comm_dtype for s in b.slots):
+                pad = torch.zeros(b.padded - b.numel, dtype=b.comm_dtype)
+                works.append(fd_collectives.reduce_scatter_parts(
+                    [*(s.param.grad for s in b.slots), pad], out.numpy(), op="mean",
+                    group=self._sg, async_op=True))
+            else:
+                flat = torch.zeros(b.padded, dtype=b.comm_dtype)
+                for s in b.slots:
+                    flat[s.offset:s.offset + s.numel].copy_(s.param.grad.reshape(-1))
+                works.append(fd.reduce_scatter(flat.numpy(), out=out.numpy(), op="mean",
+                                               group=self._sg, async_op=True))
             outs.append(out)
         return outs, works
 
