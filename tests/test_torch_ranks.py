@@ -105,7 +105,7 @@ class Branchy(torch.nn.Module):
 # -- DDP --------------------------------------------------------------------------------
 
 
-def _ddp_rank(rank: int, world: int) -> dict[str, int]:
+def _ddp_rank(rank: int, world: int, overlap: bool | None = None) -> dict[str, Any]:
     import copy
 
     import swarmfd as fd
@@ -118,7 +118,8 @@ def _ddp_rank(rank: int, world: int) -> dict[str, int]:
 
     # Wrap-time broadcast: every rank starts from group rank 0's initialisation.
     model = mlp(seed=rank)
-    ddp = sft.DistributedDataParallel(model, bucket_cap_mb=0.0006, first_bucket_mb=0.0001)
+    ddp = sft.DistributedDataParallel(model, bucket_cap_mb=0.0006, first_bucket_mb=0.0001,
+                                      overlap=overlap)
     assert len(ddp._buckets) >= 3, ddp._buckets
     assert ddp._buckets[0].slots[0].name == "4.bias"  # reverse registration order
     ref = mlp(seed=0)
@@ -189,19 +190,26 @@ def _ddp_rank(rank: int, world: int) -> dict[str, int]:
     probe = np.full(3, float(rank))
     fd.all_reduce(probe)
     assert (probe == sum(range(world))).all()
-    return {"buckets": len(ddp._buckets),
+    return {"buckets": len(ddp._buckets), "overlap": ddp._overlap,
             "in_place": [ddp._direct(b.index) for b in ddp._buckets]}
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_ddp_equals_one_process_on_the_global_batch(ranks, transport: str) -> None:
+@pytest.mark.parametrize(("transport", "overlap"), [("shm", None), ("shm", True),
+                                                    ("tcp", None)])
+def test_ddp_equals_one_process_on_the_global_batch(ranks, transport: str,
+                                                    overlap: bool | None) -> None:
     """Parameters identical on every rank after every step and equal to one process on
     the concatenated batch; no_sync, dropped wrappers, unused parameters, the error. On
-    shared memory the gradients are reduced in place, over TCP through buckets."""
+    shared memory the gradients are reduced in place, over TCP through buckets; on
+    shared memory with fewer than two cores a rank they are reduced at the end of
+    backward (unless told to overlap), over TCP during it."""
     # 3 ranks: the mean's 1/3 is inexact, and the buckets need padding.
-    out = ranks(_ddp_rank, 3, timeout=120, env=transport_env(transport))
+    out = ranks(_ddp_rank, 3, overlap, timeout=120, env=transport_env(transport))
     assert all(o["buckets"] >= 3 for o in out)
     assert all(o["in_place"] == [transport == "shm"] * o["buckets"] for o in out), out
+    spare = len(os.sched_getaffinity(0)) >= 2 * 3
+    want = overlap if overlap is not None else transport == "tcp" or spare
+    assert all(o["overlap"] == want for o in out), out
 
 
 def _hooks_rank(rank: int, world: int) -> None:

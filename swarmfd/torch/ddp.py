@@ -25,6 +25,15 @@ How it works:
   anyway; under ZeRO they are reduce-scattered where they are. Not with
   ``find_unused_parameters``, a comm hook or a bfloat16 parameter (their buckets are
   needed), nor over TCP (the ring sends from one buffer).
+* **Overlap only where a core is free for it.** On shared memory the all-reduce is
+  CPU work (copies and sums), and an async one runs on swarmfd's progress thread,
+  whose Python steps contend with autograd for the GIL: a busy Python thread made
+  the benchmark MLP's backward 4.5x slower here. So when the host's ranks have no
+  spare core for their progress threads (two cores for each rank), the buckets are
+  reduced at the end of backward instead, blocking, on the caller's thread: at N=2 on
+  2 cores, 1-2 ms less per step than overlapped (17.1 against 18.1-19.6 ms of
+  backward, 2026-12-03). Over TCP the progress thread mostly waits on the network,
+  so the buckets always overlap. ``overlap=True``/``False`` overrides the choice.
 * **Before backward() returns** (a callback queued on the autograd engine) every
   bucket has been issued and waited for and ``param.grad`` holds the mean. With
   ``gradient_as_bucket_view`` (the default here; torch's is False) ``param.grad`` *is*
@@ -45,6 +54,7 @@ forward; ``state_dict()`` has the inner module's keys (no ``module.`` prefix).
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -142,7 +152,9 @@ class DistributedDataParallel(torch.nn.Module):
     ``find_unused_parameters`` (parameters may get no gradient in a step; those that
     got none on every rank keep their ``.grad``), ``broadcast_buffers`` (group rank
     0's buffers, e.g. BatchNorm statistics, are broadcast before every forward),
-    ``gradient_as_bucket_view`` (default True: ``param.grad`` is a view of its bucket).
+    ``gradient_as_bucket_view`` (default True: ``param.grad`` is a view of its bucket),
+    ``overlap`` (reduce buckets during backward; None: where a core is free for it,
+    see the module docstring).
     ``device_ids``/``output_device`` exist for scripts that pass them: None or CPU only.
     """
 
@@ -151,7 +163,7 @@ class DistributedDataParallel(torch.nn.Module):
                  group: Any = None, process_group: Any = None,
                  find_unused_parameters: bool = False, broadcast_buffers: bool = True,
                  gradient_as_bucket_view: bool = True,
-                 first_bucket_mb: float | None = None) -> None:
+                 first_bucket_mb: float | None = None, overlap: bool | None = None) -> None:
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise TypeError("swarmfd.torch.DistributedDataParallel wraps a torch.nn.Module, "
@@ -218,6 +230,10 @@ class DistributedDataParallel(torch.nn.Module):
         in_place = plane is not None and _select.all_reduce_in_place(plane.kind)
         self._in_place = [in_place and all(s.param.dtype == b.comm_dtype for s in b.slots)
                           for b in buckets]
+        if overlap is None:
+            local = fd.host_group().size
+            overlap = not in_place or 2 * local <= _cores()
+        self._overlap = bool(overlap)
         # Under ZeRO the buckets' parts are equal: the padding takes part as zeros.
         self._pads = [torch.zeros(b.padded - b.numel, dtype=b.comm_dtype) for b in buckets]
         self._zero: weakref.ref[Any] | None = weakref.ref(zero) if zero is not None else None
@@ -351,7 +367,7 @@ class DistributedDataParallel(torch.nn.Module):
             if grad is None:  # possible when a hook set it to None: zeros, in step
                 p.grad = torch.zeros_like(p)
             self._pending[slot.bucket] -= 1
-            if self._pending[slot.bucket] == 0:
+            if self._pending[slot.bucket] == 0 and (self._overlap or self._hook is not None):
                 self._issue_ready()
             return
         view = self._grads[slot.bucket][slot.offset:slot.offset + slot.numel]
@@ -369,7 +385,7 @@ class DistributedDataParallel(torch.nn.Module):
                 if scale != 1.0:
                     view.mul_(scale)
         self._pending[slot.bucket] -= 1
-        if self._pending[slot.bucket] == 0:
+        if self._pending[slot.bucket] == 0 and (self._overlap or self._hook is not None):
             self._issue_ready()
 
     def _direct(self, index: int) -> bool:
@@ -392,7 +408,14 @@ class DistributedDataParallel(torch.nn.Module):
             self._next += 1
 
     def _issue(self, b: _buckets.Bucket) -> Any:
+        """Start bucket ``b``'s collective: async when overlapping, else blocking (at
+        the end of backward; the result then stands in for a finished Work)."""
         zero = self._zero_opt()
+        if self._hook is None and not self._overlap:
+            return _Done(self._collective(b, zero, async_op=False))
+        return self._collective(b, zero, async_op=True)
+
+    def _collective(self, b: _buckets.Bucket, zero: Any, async_op: bool) -> Any:
         if self._direct(b.index):
             # A parameter without a gradient (an error at the end of this backward)
             # takes part with zeros, so this rank issues what its peers do.
@@ -402,17 +425,17 @@ class DistributedDataParallel(torch.nn.Module):
                 out = zero._shard_grad(b.index)
                 return _fd_collectives.reduce_scatter_parts(
                     [*grads, self._pads[b.index]], out.numpy(), op="mean",
-                    group=self._group, async_op=True)
-            return fd.all_reduce(grads, op="mean", group=self._group, async_op=True)
+                    group=self._group, async_op=async_op)
+            return fd.all_reduce(grads, op="mean", group=self._group, async_op=async_op)
         buf = self._grads[b.index]
         if zero is not None:
             out = zero._shard_grad(b.index)
             return fd.reduce_scatter(buf.numpy(), out=out.numpy(), op="mean",
-                                     group=self._group, async_op=True)
+                                     group=self._group, async_op=async_op)
         if self._hook is not None:
             state, hook = self._hook
             return hook(state, GradBucket(b, buf, b.index == len(self._buckets) - 1))
-        return fd.all_reduce(buf.numpy(), op="sum", group=self._group, async_op=True)
+        return fd.all_reduce(buf.numpy(), op="sum", group=self._group, async_op=async_op)
 
     def _finalize(self) -> None:
         """End of backward: issue what is left, wait for everything, write gradients back."""
@@ -487,6 +510,24 @@ class DistributedDataParallel(torch.nn.Module):
             p.grad = view.to(p.dtype, copy=True)
         else:
             p.grad.copy_(view)
+
+
+class _Done:
+    """A blocking collective's result where a Work is expected."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def wait(self) -> Any:
+        return self.value
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _hook_result(result: Any, buf: torch.Tensor) -> torch.Tensor:
