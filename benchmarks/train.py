@@ -106,7 +106,8 @@ def worker(args: argparse.Namespace) -> None:
         import swarmfd.torch as sft
 
         fd.init_from_env()
-        m = sft.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
+        m = sft.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb,
+                                        overlap={"on": True, "off": False}.get(args.overlap))
         if args.trace:
             trace = _Trace(m)
     else:
@@ -211,6 +212,7 @@ def _worker_argv(args: argparse.Namespace, variant: str, optim: str | None = Non
     return [sys.executable, str(Path(__file__).resolve()), "worker", "--variant", variant,
             "--steps", str(steps or args.steps), "--warmup", str(args.warmup),
             "--bucket-cap-mb", str(args.bucket_cap_mb), "--optim", optim or args.optim,
+            "--overlap", args.overlap,
             *(["--trace"] if args.trace and variant == "swarmfd-ddp" else [])]
 
 
@@ -416,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--steps", type=int, default=30)
         p.add_argument("--warmup", type=int, default=5)
         p.add_argument("--bucket-cap-mb", type=float, default=25.0)
+        p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto")
         p.add_argument("--optim", choices=("sgd", "adam"), default="sgd")
         p.add_argument("--trace", action="store_true")
         worker(p.parse_args(argv[1:]))
@@ -428,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
+                   help="swarmfd DDP's overlap= (auto: where a core is free for it)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0,
                    help="bucket_cap_mb of both DDPs (default torch's 25)")
     p.add_argument("--optim", choices=("sgd", "adam"), default="sgd",

@@ -25,15 +25,17 @@ How it works:
   anyway; under ZeRO they are reduce-scattered where they are. Not with
   ``find_unused_parameters``, a comm hook or a bfloat16 parameter (their buckets are
   needed), nor over TCP (the ring sends from one buffer).
-* **Overlap only where a core is free for it.** On shared memory the all-reduce is
-  CPU work (copies and sums), and an async one runs on swarmfd's progress thread,
-  whose Python steps contend with autograd for the GIL: a busy Python thread made
-  the benchmark MLP's backward 4.5x slower here. So when the host's ranks have no
-  spare core for their progress threads (two cores for each rank), the buckets are
-  reduced at the end of backward instead, blocking, on the caller's thread: at N=2 on
-  2 cores, 1-2 ms less per step than overlapped (17.1 against 18.1-19.6 ms of
-  backward, 2026-12-03). Over TCP the progress thread mostly waits on the network,
-  so the buckets always overlap. ``overlap=True``/``False`` overrides the choice.
+* **Overlap only where a core is free for it.** An async bucket runs on swarmfd's
+  progress thread, whose Python steps and autograd take turns at the GIL (a busy
+  Python thread made the benchmark MLP's backward 4.5x slower here), and whose copies
+  and sums (shared memory; the kernel's copies on loopback TCP) need a core. So when
+  the host's ranks have no spare core for their progress threads (two cores for each
+  rank), the buckets are reduced at the end of backward instead, blocking, on the
+  caller's thread: on 2 cores that was 0.90-0.93x the step of overlapping on shared
+  memory at N=2 and N=4, 0.94-0.97x on loopback TCP (2026-12-03). One rank on each of
+  two simulated hosts (namespaces sharing these 2 cores, 5 Gbit/s) measured 0.97x
+  too, but there each "host" only seems to have 2 cores; a real host with a core to
+  spare overlaps, as torch does. ``overlap=True``/``False`` overrides the choice.
 * **Before backward() returns** (a callback queued on the autograd engine) every
   bucket has been issued and waited for and ``param.grad`` holds the mean. With
   ``gradient_as_bucket_view`` (the default here; torch's is False) ``param.grad`` *is*
@@ -231,8 +233,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._in_place = [in_place and all(s.param.dtype == b.comm_dtype for s in b.slots)
                           for b in buckets]
         if overlap is None:
-            local = fd.host_group().size
-            overlap = not in_place or 2 * local <= _cores()
+            overlap = 2 * fd.host_group().size <= _cores()
         self._overlap = bool(overlap)
         # Under ZeRO the buckets' parts are equal: the padding takes part as zeros.
         self._pads = [torch.zeros(b.padded - b.numel, dtype=b.comm_dtype) for b in buckets]
