@@ -549,9 +549,12 @@ def test_max_restarts_gives_up_after_the_last_failure(
     """A rank that fails every time: K+1 attempts, then deploy exits with its code and
     names it; the failed job is kept (with its secret) for inspection."""
     name = job_name("giveup")
+    # Rank 0 outlives rank 1 (deploy stops it when rank 1 fails): rank 1's entrypoint
+    # looks rank 0's task name up first, and a rank 0 that ended after 1 s had once
+    # left DNS before a loaded CI run's rank 1 resolved it (exit 3, not 4).
     script = ("import os, sys, time\n"
               "print('attempt', os.environ['SWARMFD_RESTART_COUNT'], flush=True)\n"
-              "time.sleep(1)\n"
+              "time.sleep(1 if os.environ['RANK'] == '1' else 120)\n"
               "sys.exit(4 if os.environ['RANK'] == '1' else 0)\n")
     proc = swarmfd("deploy", swarmfd_image, "-n", "2", "--name", name, "--max-restarts", "2",
                    "--", "python", "-c", script, timeout=180)
