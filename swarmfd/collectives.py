@@ -370,7 +370,7 @@ def _items(x: Any) -> Sequence[Any] | None:
 def _all_reduce_algo(o: Op, flat: np.ndarray | Parts, rop: ReduceOp, mean: bool,
                      two: Any = None) -> Any:
     ufunc = _UFUNCS[rop]
-    if o.plane.kind in select.IN_PLACE_KINDS:  # select.all_reduce_in_place, inline
+    if select.all_reduce_in_place(o.plane.kind):
         # Takes Parts, and divides a mean chunk by chunk while it is in cache.
         yield from select.all_reduce(o.plane.kind, flat.nbytes, o.size, flat.size,
                                      o.plane.name)(o, flat, ufunc, o.size if mean else 0)
@@ -667,31 +667,44 @@ def reduce_scatter(x: Any, out: Any = None, *, op: str = "sum", group: Any = Non
     res = _out_array(out, (b - a, *arr.shape[1:]), arr.dtype, "reduce_scatter", arr)
     flat = np.ascontiguousarray(arr).reshape(-1)
     res_flat = res.reshape(-1)
+    return _reduce_scatter_run(g, flat, parts, res_flat, res, rop, mean,
+                               _signature(Collective.REDUCE_SCATTER, [arr], code,
+                                          ReduceOp.MEAN if mean else rop),
+                               lambda: np.copyto(res_flat, flat), async_op)
+
+
+def _reduce_scatter_run(g: _group.Group, src: np.ndarray | Parts, parts: list[tuple[int, int]],
+                        res_flat: np.ndarray, result: Any, rop: ReduceOp, mean: bool,
+                        sig: Signature, alone: Callable[[], None], async_op: bool) -> Any:
+    """Run the reduce_scatter of ``src`` (the whole input, flat: an array, or Parts
+    where the plane's algorithm takes them) into ``res_flat`` (this rank's part of
+    ``parts``); ``alone()`` fills it in a group of one. Gives ``result``."""
     ufunc = _UFUNCS[rop]
 
     def body(o: Op) -> Any:
-        two = g.two_level()
-        hier = two and select.reduce_scatter_two_level(flat.nbytes, two[0])
-        if hier:
-            yield from hier(o, flat, parts, res_flat, ufunc, *two)
-            if mean:
-                np.divide(res_flat, o.size, out=res_flat)
+        algo = select.reduce_scatter(o.plane.kind, src.nbytes, o.size)
+        if select.all_reduce_in_place(o.plane.kind):
+            # Takes Parts, and divides a mean part by part while it is in cache.
+            yield from algo(o, src, parts, res_flat, ufunc, o.size if mean else 0)
             return
-        algo = select.reduce_scatter(o.plane.kind, flat.nbytes, o.size)
-        if algo is select.tcp.reduce_scatter_ring:
-            yield from algo(o, flat.copy(), parts, res_flat, ufunc)  # scratch copy
+        assert isinstance(src, np.ndarray)
+        two = g.two_level()
+        hier = two and select.reduce_scatter_two_level(src.nbytes, two[0])
+        if hier:
+            yield from hier(o, src, parts, res_flat, ufunc, *two)
+        elif algo is select.tcp.reduce_scatter_ring:
+            yield from algo(o, src.copy(), parts, res_flat, ufunc)  # scratch copy
         else:
-            yield from algo(o, flat, parts, res_flat, ufunc)
+            yield from algo(o, src, parts, res_flat, ufunc)
         if mean:
             np.divide(res_flat, o.size, out=res_flat)
 
     def finish(_: Any) -> Any:
         if g.size == 1:
-            np.copyto(res_flat, flat)
-        return res
+            alone()
+        return result
 
-    return _run(g, _signature(Collective.REDUCE_SCATTER, [arr], code,
-                              ReduceOp.MEAN if mean else rop), body, finish, async_op)
+    return _run(g, sig, body, finish, async_op)
 
 
 def reduce_scatter_parts(arrays: Sequence[Any], out: Any, *, op: str = "sum",
@@ -722,21 +735,12 @@ def reduce_scatter_parts(arrays: Sequence[Any], out: Any, *, op: str = "sum",
     res = _out_array(out, (part,), dtype, "reduce_scatter")
     buf = Parts([a for a in nps if a.size]) if total else np.zeros(0, dtype)
     parts = [(r * part, (r + 1) * part) for r in range(g.size)]
-    ufunc = _UFUNCS[rop]
-
-    def body(o: Op) -> Any:
-        algo = select.reduce_scatter(o.plane.kind, buf.nbytes, o.size)
-        yield from algo(o, buf, parts, res, ufunc, o.size if mean else 0)
-
-    def finish(_: Any) -> Any:
-        if g.size == 1:
-            np.copyto(res, np.concatenate(nps))
-        return res
-
     # The signature of the concatenated buffer's reduce_scatter (the same call).
     shape = np.broadcast_to(np.zeros((), dtype), (total,))
-    return _run(g, _signature(Collective.REDUCE_SCATTER, [shape], code,
-                              ReduceOp.MEAN if mean else rop), body, finish, async_op)
+    return _reduce_scatter_run(g, buf, parts, res, res, rop, mean,
+                               _signature(Collective.REDUCE_SCATTER, [shape], code,
+                                          ReduceOp.MEAN if mean else rop),
+                               lambda: np.copyto(res, np.concatenate(nps)), async_op)
 
 
 # -- all_to_all -------------------------------------------------------------------------

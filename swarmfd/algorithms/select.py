@@ -69,9 +69,10 @@ IN_PLACE_KINDS = frozenset({"shm"})
 
 
 def all_reduce_in_place(kind: str) -> bool:
-    """Whether the flat all_reduce on a plane of ``kind`` (:func:`all_reduce`) takes
-    :class:`~.base.Parts`, several arrays reduced without a staging copy, and a
-    ``divide`` for a mean: shared memory's, whose copies in and out are its own
+    """Whether the flat all_reduce on a plane of ``kind`` (:func:`all_reduce`), and its
+    reduce_scatter, take :class:`~.base.Parts`, several arrays reduced without a
+    staging copy, and a ``divide`` for a mean: shared memory's, whose copies in and out
+    are its own
     (measured with benchmarks/train.py, 2026-12-03: a DDP step's copy of its 13.6 MB
     of gradients into buckets took 2.4 ms of a 30 ms step at N=2)."""
     return kind in IN_PLACE_KINDS

@@ -68,14 +68,10 @@ def all_reduce(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
         # One round; every rank reduces all of it in rank order: identical everywhere.
         slot = op.next_slot()
         regions = _regions(op, slot, buf.dtype, buf.size)
-        if type(buf) is np.ndarray:  # _reduce_all written out: the latency path
+        if type(buf) is np.ndarray:  # no views of the regions to make: the latency path
             regions[me][...] = buf
             yield from barrier(op, 0)
-            np.copyto(buf, regions[0])
-            for p in range(1, N):
-                ufunc(buf, regions[p], out=buf)
-            if divide:
-                np.divide(buf, divide, out=buf)
+            _reduce_all(buf, regions, ufunc, divide)
             return
         for piece, u, v in spans(buf, 0, buf.size):
             regions[me][u:v] = piece
@@ -201,18 +197,13 @@ def reduce_scatter(op: Op, buf: np.ndarray | Parts, parts: list[tuple[int, int]]
         if x < y:
             dst = out[x - pa:y - pa]
             for p in range(op.size):
-                if p != me:
-                    src = regions[p][x - a:y - a]
+                operand = spans(buf, x, y) if p == me else ((regions[p][x - a:y - a], 0,
+                                                              y - x),)
+                for piece, u, v in operand:
                     if p == 0:
-                        np.copyto(dst, src)
+                        np.copyto(dst[u:v], piece)
                     else:
-                        ufunc(dst, src, out=dst)
-                else:
-                    for piece, u, v in spans(buf, x, y):
-                        if p == 0:
-                            np.copyto(dst[u:v], piece)
-                        else:
-                            ufunc(dst[u:v], piece, out=dst[u:v])
+                        ufunc(dst[u:v], piece, out=dst[u:v])
             if divide:
                 np.divide(dst, divide, out=dst)
 
