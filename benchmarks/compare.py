@@ -25,7 +25,7 @@ sendrecv, with swarmfd bench's sizes and busbw) the same way (PERFORMANCE.md): p
 iteration reset the input (untimed), the system's own barrier, time; an
 iteration's time is the slowest rank's; the median over iterations; then the
 median and the best of ``--runs`` interleaved runs (for run in 1..R: for system:
-all sizes; why both: :func:`summarize`).
+all sizes, the systems in reverse order on even runs; why both: :func:`summarize`).
 By default broadcast and all_gather are measured in the same jobs as all_reduce (gloo:
 all_reduce only). The #14 table: ``--collective reduce_scatter --collective all_to_all
 --collective gather --collective scatter --collective sendrecv --systems
@@ -633,7 +633,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_before = os.getloadavg()[0]
     for n in ns:
         for run in range(1, runs + 1):
-            for system in systems:
+            # Odd runs go through the systems in order, even runs in reverse: whatever
+            # the position in a round does (a warm cache, a neighbour's leftovers), it
+            # does to every system alike over the runs.
+            for system in (systems if run % 2 else systems[::-1]):
                 t0 = time.monotonic()
                 print(f"[{time.monotonic() - started:6.1f}s] N={n} run {run}/{runs} "
                       f"{system} ...", file=sys.stderr, flush=True)

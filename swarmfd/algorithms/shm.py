@@ -135,6 +135,15 @@ def _copy_out(buf: np.ndarray | Parts, a: int, regions: list[np.ndarray],
 
 def broadcast(op: Op, buf: np.ndarray, root: int) -> Algorithm:
     """See the module docstring."""
+    if buf.nbytes <= SEGMENT_BYTES:  # one round (the latency path: no bounds to make)
+        region = op.region(root, op.next_slot(), buf.dtype, buf.size)
+        if op.me == root:
+            region[...] = buf
+            yield from barrier(op, 0)
+        else:
+            yield from barrier(op, 0)
+            buf[...] = region
+        return
     for r, (a, b) in enumerate(rounds(buf.nbytes, buf.itemsize)):
         slot = op.next_slot()
         region = op.region(root, slot, buf.dtype, b - a)
@@ -162,6 +171,14 @@ def reduce(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc) -> Algorithm:
 def all_gather(op: Op, out: np.ndarray) -> Algorithm:
     """See the module docstring (``out``: N x count, this rank's row filled)."""
     flat = out[op.me]
+    if flat.nbytes <= SEGMENT_BYTES:  # one round (the latency path: no bounds to make)
+        regions = _regions(op, op.next_slot(), flat.dtype, flat.size)
+        regions[op.me][...] = flat
+        yield from barrier(op, 0)
+        for p in range(op.size):
+            if p != op.me:
+                out[p] = regions[p]
+        return
     for r, (a, b) in enumerate(rounds(flat.nbytes, flat.itemsize)):
         slot = op.next_slot()
         regions = _regions(op, slot, flat.dtype, b - a)

@@ -169,6 +169,8 @@ class ShmPlane:
                 os.write(fd, record[:MAX_RECORD])
 
     def unsent(self) -> list[int]:
+        if not self.queued:  # the usual case: every record went out at once
+            return []
         return [dst for dst, q in self.queued.items() if q and dst not in self.owner.lost]
 
     def wait(self, timeout: float) -> wire.Header | None:
@@ -191,8 +193,9 @@ class ShmPlane:
         """The next record's header, or None after ``timeout`` seconds."""
         if self.records:
             return self._take()
-        for dst in list(self.queued):
-            self._push(dst)
+        if self.queued:
+            for dst in list(self.queued):
+                self._push(dst)
         if self._read():
             return self._take()
         if timeout <= 0:
