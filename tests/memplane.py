@@ -90,6 +90,7 @@ class MemoryPlane:
     name = "memory"
     kind = "tcp"
     endpoint = ""
+    zero_copy_recv = False
 
     def __init__(self, fabric: Fabric, rank: int, owner: Any) -> None:
         self.fabric = fabric

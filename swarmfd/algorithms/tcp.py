@@ -183,10 +183,11 @@ def all_reduce_ring(op: Op, buf: np.ndarray, ufunc: np.ufunc,
     # Reduce-scatter. Tag = step * P + piece; steps 0..N-2 reduce, N-1..2N-3 gather.
     for j, (a, b) in enumerate(pieces[pos]):
         op.send(nxt, j, buf[a:b])
+    scratch = op.scratch(max((b - a for p in pieces for a, b in p), default=0), buf.dtype)
     for k in range(N - 1):
         for j, (a, b) in enumerate(pieces[(pos - k - 1) % N]):
             seg = buf[a:b]
-            theirs = yield from op.recv_array(prv, k * P + j, seg)
+            theirs = yield from op.recv_operand(prv, k * P + j, seg, scratch)
             ufunc(seg, theirs, out=seg)
             # The reduced piece goes on at once: to the next reduce step, or, after the
             # last one, as the first all-gather step.
@@ -408,12 +409,13 @@ def reduce_scatter_ring(op: Op, buf: np.ndarray, parts: Sequence[tuple[int, int]
 
     for j, (a, b) in enumerate(pieces[part_at(pos)]):
         op.send(nxt, j, buf[a:b])
+    scratch = op.scratch(max((b - a for p in pieces for a, b in p), default=0), buf.dtype)
     for k in range(N - 1):
         part = part_at(pos - k - 1)
         last = k == N - 2
         for j, (a, b) in enumerate(pieces[part]):
             seg = buf[a:b]
-            theirs = yield from op.recv_array(prv, k * P + j, seg)
+            theirs = yield from op.recv_operand(prv, k * P + j, seg, scratch)
             if last:
                 # The final step: this rank's own part, fully reduced.
                 oa, ob = a - parts[part][0], b - parts[part][0]

@@ -77,6 +77,11 @@ class Plane(Protocol):
     kind: str
     #: Where peers reach it (announced at rendezvous); "" when that is not a TCP address.
     endpoint: str
+    #: Whether a payload read without a buffer (``read_payload(hdr, None, ...)``) is
+    #: handed over as it arrived (ZeroMQ's frame), rather than copied into a new buffer
+    #: (the socket plane): algorithms that reduce piece after piece receive into one
+    #: reused buffer where it is not (:meth:`swarmfd.algorithms.base.Op.recv_operand`).
+    zero_copy_recv: bool
 
     def idle(self) -> None:
         """Look after listeners while the rank waits elsewhere (the rendezvous)."""

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -514,10 +515,12 @@ class DistributedDataParallel(torch.nn.Module):
 
 
 class _Done:
-    """A blocking collective's result where a Work is expected."""
+    """A blocking collective's result where a Work is expected (``completed_at``: the
+    ``time.monotonic()`` it completed at, as :attr:`swarmfd.Work.completed_at`)."""
 
     def __init__(self, value: Any) -> None:
         self.value = value
+        self.completed_at = time.monotonic()
 
     def wait(self) -> Any:
         return self.value

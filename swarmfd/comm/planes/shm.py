@@ -75,6 +75,7 @@ class ShmPlane:
     name = "shm"
     kind = "shm"
     endpoint = ""
+    zero_copy_recv = False
     #: The longest abort or report body a record carries.
     max_control = MAX_RECORD - wire.HEADER_SIZE
 

@@ -207,6 +207,7 @@ class SocketPlane:
 
     name = "socket"
     kind = "tcp"
+    zero_copy_recv = False
 
     def __init__(self, owner: PlaneOwner, rank: int, world_size: int, bind_host: str,
                  token: str, keepalive: tuple[int, int, int], wait_slice: float,

@@ -146,6 +146,7 @@ class ZmqPlane:
 
     name = "zmq"
     kind = "tcp"
+    zero_copy_recv = True
 
     def __init__(self, t: PlaneOwner, ctx: zmq.Context, rank: int, world_size: int,
                  timeout: float, bind_host: str, security: Security | None,
