@@ -415,6 +415,47 @@ def test_reduce_scatter(algo: str, n: int, count: int) -> None:
             assert _close(got[r], total[a:b], dtype), (r, dtype)
 
 
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_rings_give_the_same_bits_whether_pieces_land_in_a_reused_buffer_or_not(
+        n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The TCP rings receive each incoming piece into one reused buffer on a plane that
+    would copy it into a new one (the socket plane), and take it as handed over on one
+    that does not (zmq's frames): Op.recv_operand. Both give the right sums, bit for bit
+    the same, over several pieces a step (and a shorter last one)."""
+    from .memplane import MemoryPlane
+
+    count = 3 * wire.PIECE_BYTES // 4 * n + 7  # float32: 3 pieces a part, uneven parts
+    inputs = [sample_data(r, count, np.float32, seed=5) * np.float32(1 + r / 7)
+              for r in range(n)]
+    parts = select.split_rows(count, n)
+    got: dict[bool, Any] = {}
+    for handed_over in (False, True):
+        monkeypatch.setattr(MemoryPlane, "zero_copy_recv", handed_over)
+
+        def make_ar(op: Op, handed_over: bool = handed_over) -> Any:
+            assert (op.scratch(4, np.dtype(np.float32)) is None) is handed_over
+            buf = inputs[op.me].copy()
+            return tcp.all_reduce_ring(op, buf, np.add), lambda: buf
+
+        def make_rs(op: Op) -> Any:
+            buf = inputs[op.me].copy()
+            a, b = parts[op.me]
+            out = np.empty(b - a, np.float32)
+            return tcp.reduce_scatter_ring(op, buf, parts, out, np.add), lambda: out
+
+        got[handed_over] = (run_algorithm(n, make_ar), run_algorithm(n, make_rs))
+    total = sum(inputs[1:], start=inputs[0].copy())
+    for handed_over, (ar, rs) in got.items():
+        for r in range(n):
+            assert _close(ar[r], total, np.float32), (handed_over, r)
+            assert ar[r].tobytes() == ar[0].tobytes(), (handed_over, r)
+            a, b = parts[r]
+            assert _close(rs[r], total[a:b], np.float32), (handed_over, r)
+    for r in range(n):
+        assert got[False][0][r].tobytes() == got[True][0][r].tobytes()
+        assert got[False][1][r].tobytes() == got[True][1][r].tobytes()
+
+
 def _all_to_all_ranges(n: int, me: int, sends: list[list[int]]) -> tuple[Any, Any, Any]:
     """(send ranges in my buffer, recv ranges in my out, [start, stop) for me of each
     member's buffer) for send counts ``sends[src][dst]``."""
