@@ -70,6 +70,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "DOCKER_SECRETS_DIR",
     "ENV_AUTH",
+    "ENV_CMA",
     "ENV_DATA_PLANE",
     "ENV_ENCRYPT",
     "ENV_HIERARCHY",
@@ -98,6 +99,7 @@ __all__ = [
     "Config",
     "auth_enabled",
     "check_secret",
+    "cma_enabled",
     "config_from_env",
     "data_plane",
     "encrypt_enabled",
@@ -148,6 +150,8 @@ ENV_HIERARCHY = "SWARMFD_HIERARCHY"
 ENV_SPIN = "SWARMFD_SPIN"
 #: Whether init tunes glibc's malloc for message buffers (see swarmfd.comm.malloc).
 ENV_MALLOC = "SWARMFD_MALLOC"
+#: Whether the ranks of a host may read each other's memory (see swarmfd.comm.cma).
+ENV_CMA = "SWARMFD_CMA"
 #: Set by a Swarm service for each task (``{{.Task.Slot}}``, 1-based): see swarmfd.entrypoint.
 ENV_TASK_SLOT = "SWARMFD_TASK_SLOT"
 #: How long the container entrypoint waits for MASTER_ADDR to resolve.
@@ -441,6 +445,15 @@ def auth_enabled(environ: Mapping[str, str] | None = None) -> bool:
     """False when ``SWARMFD_AUTH=off`` (or 0/false/no): no secret, no authentication."""
     return _parse_env_switch(os.environ if environ is None else environ, ENV_AUTH, True,
                              "'on' (the default) or 'off'")
+
+
+def cma_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """False when ``SWARMFD_CMA=0`` (or off/false/no): the shared-memory plane copies
+    through its segments only, even where the ranks of a host could read each other's
+    memory (see swarmfd.comm.cma)."""
+    return _parse_env_switch(os.environ if environ is None else environ, ENV_CMA, True,
+                             "1 (read peers' memory where the kernel allows it, the "
+                             "default) or 0 (copy through shared segments only)")
 
 
 def encrypt_enabled(environ: Mapping[str, str] | None = None) -> bool:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import logging
 import threading
 import time
 from collections import Counter
@@ -512,8 +513,33 @@ def _setup_shm(state: _State, peers: list[PeerInfo], hostkey: str, deadline: flo
     plane = shm_setup.setup(t, local, hostkey, max(deadline, time.monotonic()
                                                     + state.config.timeout),
                             lambda reason: _agree(setup_group, reason))
-    if plane is not None:
-        t.add_shm(plane)
+    if plane is None:
+        return
+    try:
+        _setup_cma(plane, setup_group)
+    except BaseException:
+        plane.close()
+        raise
+    t.add_shm(plane)
+
+
+def _setup_cma(plane: Any, group: Group) -> None:
+    """Whether the host's ranks read each other's memory directly (swarmfd.comm.cma):
+    only if every one of them can read every other's and none turned it off
+    (SWARMFD_CMA=0); else they all copy through the segments. Two agreements: every
+    rank published its probe, then every rank's verdict."""
+    from .config import ENV_CMA, cma_enabled
+
+    plane.publish_probe()
+    _agree(group, "")
+    verdict = plane.check_probes() if cma_enabled() else f"{ENV_CMA}=0"
+    failed = _agree(group, verdict)
+    plane.enable_cma(not failed)
+    if failed:
+        logging.getLogger("swarmfd").debug(
+            "swarmfd rank %d: shared memory copies through segments, without reading "
+            "peers' memory: %s", group.world_rank,
+            "; ".join(f"rank {r}: {why}" for r, why in sorted(failed.items())))
 
 
 def _share_domains(state: _State) -> None:

@@ -163,11 +163,12 @@ class ThreadFailure(AssertionError):
         super().__init__(f"{len(failures)} rank(s) failed:\n{text}")
 
 
-def shm_planes(n: int, channels: list[Channel],
-               ranks: list[int] | None = None) -> list[shm_plane.ShmPlane]:
+def shm_planes(n: int, channels: list[Channel], ranks: list[int] | None = None,
+               cma: bool = False) -> list[shm_plane.ShmPlane]:
     """One real shared-memory plane per thread-rank (memfd segments, pipe inboxes):
     for ranks 0..n-1, or for the world ranks ``ranks`` (``channels`` indexed by world
-    rank), in the order of ``ranks``."""
+    rank), in the order of ``ranks``. ``cma``: the planes probe each other as init's
+    ranks do and read each other's memory (this process's own: the pids are all one)."""
     ranks = list(range(n)) if ranks is None else ranks
     n = len(ranks)
     memfds, pipes = [], []
@@ -194,6 +195,13 @@ def shm_planes(n: int, channels: list[Channel],
         for a, b in pipes:
             os.close(a)
             os.close(b)
+    if cma:
+        for pl in planes:
+            pl.publish_probe()
+        verdicts = [pl.check_probes() for pl in planes]
+        assert verdicts == [""] * n, verdicts
+        for pl in planes:
+            pl.enable_cma(True)
     return planes
 
 
@@ -202,11 +210,12 @@ def run_threads(fn: Callable[..., Any], n: int, *args: Any, plane: str = "memory
                 fabric: Fabric | None = None) -> list[Any]:
     """Run ``fn(rank, channel, plane, *args)`` on ``n`` thread-ranks (see module docstring).
 
-    ``plane``: "memory" (a :class:`MemoryPlane` per rank) or "shm" (real shared memory).
+    ``plane``: "memory" (a :class:`MemoryPlane` per rank), "shm" (real shared memory) or
+    "shm-cma" (real shared memory whose ranks read each other's memory).
     """
     channels = [Channel(r, n, group_timeout) for r in range(n)]
-    if plane == "shm":
-        planes: list[Any] = shm_planes(n, channels)
+    if plane in ("shm", "shm-cma"):
+        planes: list[Any] = shm_planes(n, channels, cma=plane == "shm-cma")
     else:
         fabric = fabric or Fabric(n)
         planes = [MemoryPlane(fabric, r, channels[r]) for r in range(n)]

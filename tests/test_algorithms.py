@@ -11,7 +11,9 @@ calls on real planes between real processes.
 
 from __future__ import annotations
 
+import errno
 import itertools
+import os
 import time
 from typing import Any
 
@@ -37,6 +39,13 @@ def _tcp_all_reduce(op: Op, buf: np.ndarray) -> Any:
     return algo(op, buf, np.add)
 
 
+@pytest.fixture(autouse=True)
+def _cross_memory_from_256_kib(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planes that read each other's memory do it from 256 KiB here (4 MiB in a job):
+    the sizes of these tests (up to 2 MiB a rank) then take that path too."""
+    monkeypatch.setattr(shm, "CMA_MIN_BYTES", 1 << 18)
+
+
 ALL_REDUCE = {
     "pair": lambda op, buf: tcp.all_reduce_pair(op, buf, np.add),
     "direct": lambda op, buf: tcp.all_reduce_direct(op, buf, np.add),
@@ -49,6 +58,7 @@ ALL_REDUCE = {
                                                         list(reversed(range(op.size)))),
     "selected": _tcp_all_reduce,
     "shm": lambda op, buf: shm.all_reduce(op, buf, np.add),
+    "shm-cma": lambda op, buf: shm.all_reduce(op, buf, np.add),
 }
 
 
@@ -70,7 +80,7 @@ def test_all_reduce(algo: str, n: int, count: int) -> None:
             buf = inputs[op.me].copy()
             return ALL_REDUCE[algo](op, buf), lambda: buf
 
-        got = run_algorithm(n, make, plane="shm" if algo == "shm" else "memory")
+        got = run_algorithm(n, make, plane=algo if algo.startswith("shm") else "memory")
         for r in range(1, n):
             assert got[r].tobytes() == got[0].tobytes(), f"rank {r} differs ({dtype})"
         if np.dtype(dtype).kind in "iu":
@@ -109,10 +119,20 @@ def test_shm_all_reduce_of_parts_is_that_of_the_fused_buffer(n: int, counts: lis
 
     want = run_algorithm(n, fused, plane="shm")
     got = run_algorithm(n, parts, plane="shm")
+    # Reading the peers' memory (from 256 KiB): the arrays as they are give the bits of
+    # their fused buffer too (the same chunks and order; at N=2 the segment algorithm's
+    # bits, whose chunks follow its rounds: N=3 adds in another order there).
+    got_cma = run_algorithm(n, parts, plane="shm-cma")
+    fused_cma = run_algorithm(n, fused, plane="shm-cma")
     for r in range(n):
         assert got[r].tobytes() == want[0].tobytes(), f"rank {r}"
+        assert got_cma[r].tobytes() == fused_cma[0].tobytes(), f"rank {r} (cma, parts)"
+        assert fused_cma[r].tobytes() == fused_cma[0].tobytes(), f"rank {r} (cma)"
+        if n == 2:
+            assert got_cma[r].tobytes() == want[0].tobytes(), f"rank {r} (cma, N=2)"
     total = sum(np.concatenate(inputs[r]) for r in range(n))
     assert np.allclose(got[0], total / n if divide else total)
+    assert np.allclose(got_cma[0], total / n if divide else total)
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -607,3 +627,92 @@ def test_point_to_point_eager_and_rendezvous_in_order_per_tag() -> None:
         assert len(got[tag]) == len(sent)
         for want, have in zip(sent, got[tag], strict=True):
             assert np.array_equal(want, have), f"tag {tag}"
+
+
+# cross-memory attach ----------------------------------------------------------------------
+
+
+def test_shm_all_reduce_reads_the_peers_memory_where_the_planes_agreed_it_works(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With cross-memory attach on, a large all_reduce reads the peers' buffers (and
+    gives the sum); a small one, and planes without it, never do."""
+    from swarmfd.comm import cma
+
+    reads: list[int] = []
+    real = cma.read
+
+    def counting(pid: int, local: Any, remote: Any) -> None:
+        if sum(n for _, n in local) > 16:  # not a probe (16 bytes, when planes start)
+            reads.append(pid)
+        real(pid, local, remote)
+
+    monkeypatch.setattr(cma, "read", counting)
+    n = 3
+    for plane, count, want_reads in (("shm-cma", 1 << 17, True), ("shm-cma", 1000, False),
+                                     ("shm", 1 << 17, False)):
+        reads.clear()
+        inputs = [sample_data(r, count, np.int64) for r in range(n)]
+
+        def make(op: Op, inputs: list[np.ndarray] = inputs) -> Any:
+            buf = inputs[op.me].copy()
+            return shm.all_reduce(op, buf, np.add), lambda: buf
+
+        got = run_algorithm(n, make, plane=plane)
+        for r in range(n):
+            assert np.array_equal(got[r], sum(inputs)), (plane, count, r)
+        assert bool(reads) is want_reads, (plane, count, len(reads))
+        if want_reads:
+            assert set(reads) == {os.getpid()}  # thread-ranks: one process
+
+
+def test_a_failed_read_of_a_peers_memory_names_the_peer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer whose memory cannot be read any more (it exited): PeerLostError naming it,
+    not a bare OSError."""
+    from swarmfd.comm import cma
+
+    from .memplane import ThreadFailure
+
+    real = cma.read
+
+    def gone(pid: int, local: Any, remote: Any) -> None:
+        if sum(n for _, n in local) <= 16:
+            real(pid, local, remote)  # the planes' probes, when they start
+        else:
+            raise OSError(errno.ESRCH, os.strerror(errno.ESRCH))
+
+    monkeypatch.setattr(cma, "read", gone)
+
+    def make(op: Op) -> Any:
+        buf = np.ones(1 << 17, np.float32)
+        return shm.all_reduce(op, buf, np.add), lambda: buf
+
+    with pytest.raises(ThreadFailure) as info:
+        run_algorithm(2, make, plane="shm-cma", timeout=20)
+    text = str(info.value)
+    assert "PeerLostError" in text and "reading rank" in text and "No such process" in text
+
+
+def test_the_probe_refuses_a_pid_that_is_not_the_peers() -> None:
+    """check_probes: a peer's published pid that names another process (another pid
+    namespace) is refused, and so is one the kernel will not let this rank read."""
+    from swarmfd.comm.channel import Channel
+
+    from .memplane import shm_planes
+
+    channels = [Channel(r, 2, 5.0) for r in range(2)]
+    planes = shm_planes(2, channels)
+    try:
+        for pl in planes:
+            pl.publish_probe()
+        assert [pl.check_probes() for pl in planes] == ["", ""]
+        row = planes[1]._probe_row(1)
+        row[0] = os.getppid()  # the same address in another process: other bytes
+        verdict = planes[0].check_probes()
+        assert "rank 1" in verdict and verdict, verdict
+        row[0] = 0x7FFFFFF0  # no such process
+        assert "rank 1's memory failed" in planes[0].check_probes()
+        planes[0].enable_cma(False)
+        assert planes[0].cma_pids is None
+    finally:
+        for pl in planes:
+            pl.close()

@@ -159,3 +159,13 @@ def test_master_port_is_torch_s_port_or_none(value: str, want: int | None) -> No
 
     assert master_port({"MASTER_PORT": value}) == want
     assert master_port({}) is None
+
+
+def test_swarmfd_cma_switches_cross_memory_reads() -> None:
+    """SWARMFD_CMA: on unless 0/off/false/no; anything else is refused, naming it."""
+    from swarmfd.config import ENV_CMA, cma_enabled
+
+    assert cma_enabled({}) and cma_enabled({ENV_CMA: ""}) and cma_enabled({ENV_CMA: "1"})
+    assert not cma_enabled({ENV_CMA: "0"}) and not cma_enabled({ENV_CMA: "off"})
+    with pytest.raises(ConfigError, match=r"SWARMFD_CMA='maybe'.*expected 1"):
+        cma_enabled({ENV_CMA: "maybe"})

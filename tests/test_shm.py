@@ -588,7 +588,8 @@ def test_a_job_has_no_file_in_dev_shm_during_init_collectives_or_after() -> None
     token = out[0]["token"]
     assert token and all(v["token"] == token for v in out.values())
     assert all(v["sum"] == 6.0 and v["during"]["on_shm"] for v in out.values()), out
-    assert len(states) == 3 * 3, states  # three agreements on each rank
+    # Five agreements on each rank: three of the setup, two of cross-memory attach.
+    assert len(states) == 3 * 5, states
     for s in [*states, *(v["during"] for v in out.values())]:
         assert s["held"] == [] and s["entries"] == [], s
     assert all(v["during"]["memfds"] == 3 for v in out.values()), out
@@ -597,7 +598,7 @@ def test_a_job_has_no_file_in_dev_shm_during_init_collectives_or_after() -> None
 
 #: Moments to kill one rank: (victim, moment). Rank 0 is the hub, 1 and 2 connect to it.
 KILLS = [(1, "agreement 1"), (1, "agreement 2"), (1, "agreement 3"), (0, "agreement 2"),
-         (1, "handing over"), (0, "sending tables"), (2, "got table")]
+         (1, "agreement 5"), (1, "handing over"), (0, "sending tables"), (2, "got table")]
 
 
 @pytest.mark.parametrize(("victim", "moment"), KILLS, ids=[f"rank{v}-{m.replace(' ', '-')}"
@@ -925,5 +926,52 @@ def test_setup_socket_in_a_shared_directory(monkeypatch: pytest.MonkeyPatch) -> 
     (name, mode), = out[0]["seen"][0]
     assert name.startswith("swarmfd-shm-") and name.endswith(".sock") and mode == 0o600, out
     for v in out.values():
-        assert v["on_shm"] and len(v["seen"]) == 3 and v["seen"][2] == [], v
+        # Five agreements: three of the setup, two of cross-memory attach.
+        assert v["on_shm"] and len(v["seen"]) == 5 and v["seen"][2:] == [[]] * 3, v
         assert v["after"] == [], v
+
+
+# -- real ranks: reading each other's memory ------------------------------------------------
+
+
+def _cma_job(ctx: RankCtx, off: int) -> dict[str, Any]:
+    import swarmfd as fd
+    from swarmfd import group
+    from swarmfd.comm import cma
+
+    if ctx.rank == off:
+        os.environ["SWARMFD_CMA"] = "0"
+    ctx.init()
+
+    reads = [0]
+    real = cma.read
+
+    def counting(pid: int, local: Any, remote: Any) -> None:
+        reads[0] += 1
+        real(pid, local, remote)
+
+    cma.read = counting  # type: ignore[assignment]
+    plane = group.current().transport.shm
+    x = np.full(3 << 20, float(ctx.rank + 1), np.float32)  # 12 MiB
+    fd.all_reduce(x, op="mean")
+    return {"pids": plane.cma_pids, "pid": os.getpid(), "reads": reads[0],
+            "mean": [float(x.min()), float(x.max())]}
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_ranks_of_a_host_read_each_others_memory_unless_turned_off(on: bool) -> None:
+    """Local ranks (one pid namespace, reads allowed) agree at init to read each other's
+    memory: every rank knows every rank's real pid, and a 12 MiB all_reduce reads the
+    peers' buffers; SWARMFD_CMA=0 on one rank only turns it off for all (no read), and
+    the mean is right either way."""
+    with Ranks(_cma_job, 3, -1 if on else 1, init=False, transport="shm",
+               group_timeout=30) as ranks:
+        out = ranks.results(timeout=90)
+    pids = {r: v["pid"] for r, v in out.items()}
+    for v in out.values():
+        assert v["mean"] == [2.0, 2.0], v
+        if on:
+            assert {int(k): p for k, p in v["pids"].items()} == pids, v
+            assert v["reads"] >= 2, v  # its chunk's operand from each peer, and more
+        else:
+            assert v["pids"] is None and v["reads"] == 0, v

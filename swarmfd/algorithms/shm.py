@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..comm import cma
 from ..comm.planes.shm import SEGMENT_BYTES
+from ..errors import PeerLostError
 from .base import Algorithm, Op, Parts, spans, split
 from .tcp import barrier
 
@@ -45,6 +47,17 @@ __all__ = ["SMALL_BYTES", "all_gather", "all_gather_v", "all_reduce", "all_to_al
 #: Up to this many bytes every rank reduces the whole round itself (one barrier); above
 #: it each rank reduces its 1/N and copies the rest (two barriers' worth of rounds).
 SMALL_BYTES = 1 << 18
+#: From this many bytes an all_reduce reads the peers' buffers directly where the host
+#: allows it (:func:`_all_reduce_cma`). Measured against the segments (compare.py, 4
+#: interleaved runs each, 2026-12-03; time ratios at N=2 / N=4): 1 MiB 1.26 / 1.39,
+#: 2 MiB 1.10 / 1.16, 3 MiB 1.03 / 1.08, 4 MiB 0.82 / 0.88, 16 MiB 0.66 / 0.67,
+#: 64 MiB 0.87 / 0.69 (each read pins the peer's pages; three barriers a call).
+CMA_MIN_BYTES = 4 << 20
+#: The block of a peer's chunk read into scratch and reduced at once (stays in cache).
+CMA_BLOCK_BYTES = 1 << 18
+#: The most arrays whose addresses a slot holds (a count, then an address and a length
+#: each, as int64).
+CMA_MAX_ARRAYS = (SEGMENT_BYTES // 8 - 1) // 2
 
 
 def rounds(nbytes: int, itemsize: int) -> list[tuple[int, int]]:
@@ -79,6 +92,10 @@ def all_reduce(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
         for piece, u, v in spans(buf, 0, buf.size):
             _reduce_all(piece, [r[u:v] for r in regions], ufunc, divide)
         return
+    if (op.shm.cma_pids is not None and buf.nbytes >= CMA_MIN_BYTES
+            and (type(buf) is np.ndarray or len(buf.arrays) <= CMA_MAX_ARRAYS)):
+        yield from _all_reduce_cma(op, buf, ufunc, divide)
+        return
     pending: tuple[np.ndarray | Parts, int, list[np.ndarray], list[tuple[int, int]]] | None = \
         None
     parts = rounds(buf.nbytes, buf.itemsize)
@@ -111,6 +128,72 @@ def all_reduce(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
     yield from barrier(op, len(parts))
     assert pending is not None
     _copy_out(*pending, me)
+
+
+def _layout(buf: np.ndarray | Parts) -> list[tuple[int, int]]:
+    """(address, bytes) of the arrays ``buf`` is made of, in order."""
+    arrays = [buf] if type(buf) is np.ndarray else buf.arrays  # type: ignore[union-attr]
+    return [(a.ctypes.data, a.nbytes) for a in arrays if a.nbytes]
+
+
+def _all_reduce_cma(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
+                    divide: int) -> Algorithm:
+    """all_reduce reading the peers' buffers where they are (cross-memory attach, see
+    the module docstring): each rank publishes its arrays' addresses in its slot; each
+    reduces its own 1/N chunk in its buffer, block by block, reading the others' chunk
+    into a block of scratch (its own operand first, then the others in rank order, as
+    the segment algorithm: the same bits); barrier; each reads the others' reduced
+    chunks straight into its buffer; a last barrier keeps every buffer unchanged until
+    nobody reads it any more."""
+    N, me = op.size, op.me
+    pids = op.shm.cma_pids
+    itemsize = buf.itemsize
+    mine = _layout(buf)
+    slot = op.next_slot()
+    table = op.region(me, slot, np.dtype(np.int64), 1 + 2 * len(mine))
+    table[0] = len(mine)
+    table[1:] = np.asarray(mine, dtype=np.int64).reshape(-1)
+    yield from barrier(op, 0)
+    layouts: list[list[tuple[int, int]]] = []
+    for p in range(N):
+        if p == me:
+            layouts.append(mine)
+            continue
+        count = int(op.region(p, slot, np.dtype(np.int64), 1)[0])
+        row = op.region(p, slot, np.dtype(np.int64), 1 + 2 * count)[1:].reshape(count, 2)
+        layouts.append([(int(a), int(n)) for a, n in row])
+    world = op.ranks  # group rank -> world rank (the pids' keys)
+    chunks = split(buf.size, N)
+    ca, cb = chunks[me]
+    others = [p for p in range(N) if p != me]
+    per = max(1, CMA_BLOCK_BYTES // itemsize)
+    scratch = np.empty(min(per, max(cb - ca, 1)), buf.dtype)
+
+    def read(p: int, local: list[tuple[int, int]], a: int, b: int) -> None:
+        """Elements [a, b) of group rank ``p``'s buffer into ``local``."""
+        try:
+            cma.read(pids[world[p]], local, cma.spans(layouts[p], a * itemsize, b * itemsize))
+        except OSError as exc:
+            raise PeerLostError(f"{op.channel.activity}: reading rank {world[p]}'s memory "
+                                f"failed ({exc.strerror or exc}): it exited or failed"
+                                ) from None
+
+    for a in range(ca, cb, per):
+        b = min(a + per, cb)
+        block = scratch[:b - a]
+        for p in others:
+            read(p, [(block.ctypes.data, block.nbytes)], a, b)
+            for piece, u, v in spans(buf, a, b):
+                ufunc(piece, block[u:v], out=piece)
+        if divide:
+            for piece, _, _ in spans(buf, a, b):
+                np.divide(piece, divide, out=piece)
+    yield from barrier(op, 1)
+    for p in others:
+        pa, pb = chunks[p]
+        if pb > pa:
+            read(p, cma.spans(mine, pa * itemsize, pb * itemsize), pa, pb)
+    yield from barrier(op, 2)
 
 
 def _reduce_all(buf: np.ndarray, regions: list[np.ndarray], ufunc: np.ufunc,

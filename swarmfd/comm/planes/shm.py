@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import wire
+from .. import cma, wire
 from ..plane import PlaneOwner
 from ..spin import Spinner
 
@@ -103,12 +103,58 @@ class ShmPlane:
         # saves two wake-ups (tens of microseconds each).
         self.spinner = Spinner()
         self.closed = False
+        #: Each rank's pid when every rank of the host can read every other's memory
+        #: (cross-memory attach, :mod:`swarmfd.comm.cma`), else None: see
+        #: :meth:`publish_probe`.
+        self.cma_pids: dict[int, int] | None = None
+        self._probe = np.frombuffer(os.urandom(16), dtype=np.int64).copy()
+        self._pids: dict[int, int] = {}
 
     # -- segments -----------------------------------------------------------------------
 
     def region(self, rank: int, offset: int, dtype: np.dtype, count: int) -> np.ndarray:
         """``count`` items of ``dtype`` at byte ``offset`` of ``rank``'s segment."""
         return self.views[rank][offset: offset + count * dtype.itemsize].view(dtype)
+
+    # -- cross-memory attach -------------------------------------------------------------
+
+    def _probe_row(self, rank: int) -> np.ndarray:
+        """Where ``rank`` publishes its probe (pid, address, 16 secret bytes): the start
+        of the last area, unused while init sets the plane up."""
+        at = area_of(AREAS - 1)
+        return self.views[rank][at:at + 32].view(np.int64)
+
+    def publish_probe(self) -> None:
+        """Write this rank's probe to its segment: its pid, and the address of 16 random
+        bytes in its memory (also written here), for the peers' :meth:`check_probes`."""
+        row = self._probe_row(self.rank)
+        row[0], row[1] = os.getpid(), self._probe.ctypes.data
+        row[2:4] = self._probe
+
+    def check_probes(self) -> str:
+        """Read every peer's probe bytes from its memory (after every rank published):
+        "" when all matched, else why not (the kernel refused, another pid namespace)."""
+        if not cma.available():
+            return "the C library has no process_vm_readv"
+        got = np.zeros(2, np.int64)
+        self._pids = {self.rank: os.getpid()}
+        for r in self.ranks:
+            if r == self.rank:
+                continue
+            row = self._probe_row(r).copy()  # the peer clears it once all agreed
+            self._pids[r] = int(row[0])
+            try:
+                cma.read(int(row[0]), [(got.ctypes.data, 16)], [(int(row[1]), 16)])
+            except OSError as exc:
+                return f"reading rank {r}'s memory failed: {exc.strerror or exc}"
+            if not np.array_equal(got, row[2:4]):
+                return f"rank {r}'s pid names another process here (another pid namespace?)"
+        return ""
+
+    def enable_cma(self, on: bool) -> None:
+        """Use cross-memory attach (every rank agreed it works), or not; clear the probes."""
+        self.cma_pids = dict(self._pids) if on else None
+        self._probe_row(self.rank)[:] = 0
 
     # -- Plane --------------------------------------------------------------------------
 
