@@ -56,6 +56,7 @@ from .config import (
     ENV_LOCAL_RANK,
     ENV_LOCAL_WORLD_SIZE,
     Config,
+    cma_enabled,
     config_from_env,
     data_plane,
     encrypt_enabled,
@@ -410,6 +411,7 @@ def _start(config: Config, secret: str | bytes | None = None) -> Config:
         plane = data_plane()
         mode = transport_mode()
         spinning = spin_mode()
+        cma = cma_enabled()  # read (and checked) before anything starts
         if plane == "zmq":  # buffers allocated and freed on two threads (swarmfd.comm.malloc)
             _malloc.tune(malloc_mode())
         deadline = time.monotonic() + config.join_timeout
@@ -443,7 +445,7 @@ def _start(config: Config, secret: str | bytes | None = None) -> Config:
     if any(p.hostkey for p in peers):
         try:
             if hostkey:
-                _setup_shm(state, peers, hostkey, deadline)
+                _setup_shm(state, peers, hostkey, deadline, cma)
             if len(set(state.hosts)) > 1:  # (on one host no group is two-level)
                 _share_domains(state)
         except BaseException:
@@ -494,7 +496,8 @@ def _engine(state: _State) -> Any:
     return engine
 
 
-def _setup_shm(state: _State, peers: list[PeerInfo], hostkey: str, deadline: float) -> None:
+def _setup_shm(state: _State, peers: list[PeerInfo], hostkey: str, deadline: float,
+               cma: bool = True) -> None:
     """Share memory among the ranks of this host (those with this rank's host key).
 
     The host's ranks agree after each step over TCP, in calls of their own (not the
@@ -516,23 +519,23 @@ def _setup_shm(state: _State, peers: list[PeerInfo], hostkey: str, deadline: flo
     if plane is None:
         return
     try:
-        _setup_cma(plane, setup_group)
+        _setup_cma(plane, setup_group, cma)
     except BaseException:
         plane.close()
         raise
     t.add_shm(plane)
 
 
-def _setup_cma(plane: Any, group: Group) -> None:
+def _setup_cma(plane: Any, group: Group, wanted: bool) -> None:
     """Whether the host's ranks read each other's memory directly (swarmfd.comm.cma):
     only if every one of them can read every other's and none turned it off
-    (SWARMFD_CMA=0); else they all copy through the segments. Two agreements: every
-    rank published its probe, then every rank's verdict."""
-    from .config import ENV_CMA, cma_enabled
+    (``wanted``: SWARMFD_CMA); else they all copy through the segments. Two agreements:
+    every rank published its probe, then every rank's verdict."""
+    from .config import ENV_CMA
 
     plane.publish_probe()
     _agree(group, "")
-    verdict = plane.check_probes() if cma_enabled() else f"{ENV_CMA}=0"
+    verdict = plane.check_probes() if wanted else f"{ENV_CMA}=0"
     failed = _agree(group, verdict)
     plane.enable_cma(not failed)
     if failed:

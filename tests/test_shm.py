@@ -975,3 +975,15 @@ def test_ranks_of_a_host_read_each_others_memory_unless_turned_off(on: bool) -> 
             assert v["reads"] >= 2, v  # its chunk's operand from each peer, and more
         else:
             assert v["pids"] is None and v["reads"] == 0, v
+
+
+def test_a_bad_swarmfd_cma_fails_init_at_once_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SWARMFD_CMA is read before init starts anything: a bad value is a ConfigError
+    naming it (not a rank that leaves the others waiting in the setup)."""
+    import swarmfd as fd
+    from swarmfd.config import ConfigError
+
+    monkeypatch.setenv("SWARMFD_CMA", "sometimes")
+    with pytest.raises(ConfigError, match="SWARMFD_CMA"):
+        fd.init(world_size=2, rank=0, master_addr="127.0.0.1", master_port=1,
+                secret="0123456789abcdef" * 3)
