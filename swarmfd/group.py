@@ -497,7 +497,7 @@ def _engine(state: _State) -> Any:
 
 
 def _setup_shm(state: _State, peers: list[PeerInfo], hostkey: str, deadline: float,
-               cma: bool = True) -> None:
+               cma: bool) -> None:
     """Share memory among the ranks of this host (those with this rank's host key).
 
     The host's ranks agree after each step over TCP, in calls of their own (not the

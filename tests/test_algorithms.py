@@ -453,7 +453,7 @@ def test_rings_give_the_same_bits_whether_pieces_land_in_a_reused_buffer_or_not(
         monkeypatch.setattr(MemoryPlane, "zero_copy_recv", handed_over)
 
         def make_ar(op: Op, handed_over: bool = handed_over) -> Any:
-            assert (op.scratch(4, np.dtype(np.float32)) is None) is handed_over
+            assert (op.scratch([[(0, 4)]], np.dtype(np.float32)) is None) is handed_over
             buf = inputs[op.me].copy()
             return tcp.all_reduce_ring(op, buf, np.add), lambda: buf
 
@@ -716,3 +716,26 @@ def test_the_probe_refuses_a_pid_that_is_not_the_peers() -> None:
     finally:
         for pl in planes:
             pl.close()
+
+
+def test_cross_memory_spans_and_reads_cut_at_every_boundary() -> None:
+    """cma.spans gives the pieces of a byte range of buffers laid end to end (also
+    across several and inside one); cma.read copies between sides cut differently, in
+    batches of at most IOV_MAX pieces (this process reading itself)."""
+    from swarmfd.comm import cma
+
+    src = np.arange(3000, dtype=np.uint8)
+    remote = [(src.ctypes.data + 2 * i, 2) for i in range(1500)]  # 1500 pieces of 2 bytes
+    starts = cma.offsets(remote)
+    assert starts[-1] == 3000
+    assert cma.spans(remote, starts, 3, 8) == [(src.ctypes.data + 3, 1),
+                                               (src.ctypes.data + 4, 2),
+                                               (src.ctypes.data + 6, 2)]
+    assert cma.spans(remote, starts, 4, 5) == [(src.ctypes.data + 4, 1)]
+    assert cma.spans(remote, starts, 7, 7) == []
+    dst = np.zeros(2999, np.uint8)
+    local = [(dst.ctypes.data, 1000), (dst.ctypes.data + 1000, 1999)]
+    cma.read(os.getpid(), local, cma.spans(remote, starts, 1, 3000))
+    assert np.array_equal(dst, src[1:])
+    with pytest.raises(ValueError, match="unequal"):
+        cma.read(os.getpid(), local, remote)

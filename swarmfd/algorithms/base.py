@@ -97,10 +97,14 @@ class Op:
         data = yield (self, frm, tag, like.nbytes, None)
         return np.frombuffer(data, dtype=like.dtype, count=like.size)
 
-    def scratch(self, count: int, dtype: np.dtype) -> np.ndarray | None:
-        """The reused buffer :meth:`recv_operand` takes (``count`` items of ``dtype``),
-        or None on a plane that hands payloads over without a copy."""
-        return None if self.plane.zero_copy_recv else np.empty(count, dtype)
+    def scratch(self, pieces: Sequence[Sequence[tuple[int, int]]],
+                dtype: np.dtype) -> np.ndarray | None:
+        """The reused buffer :meth:`recv_operand` takes for any of ``pieces`` (element
+        bounds, per part) of ``dtype``, or None on a plane that hands payloads over
+        without a copy."""
+        if self.plane.zero_copy_recv:
+            return None
+        return np.empty(max((b - a for part in pieces for a, b in part), default=0), dtype)
 
     def recv_operand(self, frm: int, tag: int, like: np.ndarray,
                      scratch: np.ndarray | None) -> Generator[Recv, Any, np.ndarray]:

@@ -162,6 +162,7 @@ def _all_reduce_cma(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
         count = int(op.region(p, slot, np.dtype(np.int64), 1)[0])
         row = op.region(p, slot, np.dtype(np.int64), 1 + 2 * count)[1:].reshape(count, 2)
         layouts.append([(int(a), int(n)) for a, n in row])
+    starts = [cma.offsets(layout) for layout in layouts]
     world = op.ranks  # group rank -> world rank (the pids' keys)
     chunks = split(buf.size, N)
     ca, cb = chunks[me]
@@ -172,7 +173,8 @@ def _all_reduce_cma(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
     def read(p: int, local: list[tuple[int, int]], a: int, b: int) -> None:
         """Elements [a, b) of group rank ``p``'s buffer into ``local``."""
         try:
-            cma.read(pids[world[p]], local, cma.spans(layouts[p], a * itemsize, b * itemsize))
+            cma.read(pids[world[p]], local,
+                     cma.spans(layouts[p], starts[p], a * itemsize, b * itemsize))
         except OSError as exc:
             raise PeerLostError(f"{op.channel.activity}: reading rank {world[p]}'s memory "
                                 f"failed ({exc.strerror or exc}): it exited or failed"
@@ -192,7 +194,7 @@ def _all_reduce_cma(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
     for p in others:
         pa, pb = chunks[p]
         if pb > pa:
-            read(p, cma.spans(mine, pa * itemsize, pb * itemsize), pa, pb)
+            read(p, cma.spans(mine, starts[me], pa * itemsize, pb * itemsize), pa, pb)
     yield from barrier(op, 2)
 
 

@@ -183,7 +183,7 @@ def all_reduce_ring(op: Op, buf: np.ndarray, ufunc: np.ufunc,
     # Reduce-scatter. Tag = step * P + piece; steps 0..N-2 reduce, N-1..2N-3 gather.
     for j, (a, b) in enumerate(pieces[pos]):
         op.send(nxt, j, buf[a:b])
-    scratch = op.scratch(max((b - a for p in pieces for a, b in p), default=0), buf.dtype)
+    scratch = op.scratch(pieces, buf.dtype)
     for k in range(N - 1):
         for j, (a, b) in enumerate(pieces[(pos - k - 1) % N]):
             seg = buf[a:b]
@@ -409,7 +409,7 @@ def reduce_scatter_ring(op: Op, buf: np.ndarray, parts: Sequence[tuple[int, int]
 
     for j, (a, b) in enumerate(pieces[part_at(pos)]):
         op.send(nxt, j, buf[a:b])
-    scratch = op.scratch(max((b - a for p in pieces for a, b in p), default=0), buf.dtype)
+    scratch = op.scratch(pieces, buf.dtype)
     for k in range(N - 1):
         part = part_at(pos - k - 1)
         last = k == N - 2

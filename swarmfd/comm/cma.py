@@ -7,8 +7,10 @@ copy, at the speed of a memcpy here: 16 MiB in 1.26 ms against 1.14 ms, 2026-12-
 The kernel allows it between processes of one user when ptrace would be allowed
 (Yama's ``ptrace_scope`` may forbid it between siblings; Docker's default seccomp
 profile forbids the call itself without CAP_SYS_PTRACE; another pid namespace hides
-the peer): :func:`probe` finds out, and the shared-memory plane uses it only when every
-rank of the host could read every other (:mod:`swarmfd.group` agrees on that at init).
+the peer): the shared-memory plane's probe finds out
+(:meth:`~swarmfd.comm.planes.shm.ShmPlane.check_probes`), and the plane uses it only
+when every rank of the host could read every other (:mod:`swarmfd.group` agrees on that
+at init).
 
 Nothing here parses peer data: a read copies bytes between buffers whose addresses
 the ranks of one host published to each other in their shared segments.
@@ -22,7 +24,7 @@ import ctypes.util
 import os
 from collections.abc import Sequence
 
-__all__ = ["IOV_MAX", "available", "read", "spans"]
+__all__ = ["IOV_MAX", "available", "offsets", "read", "spans"]
 
 #: Most iovecs one process_vm_readv takes (Linux's UIO_MAXIOV).
 IOV_MAX = 1024
@@ -52,12 +54,19 @@ def available() -> bool:
     return _READV is not None
 
 
-def spans(layout: Sequence[tuple[int, int]], a: int, b: int) -> list[tuple[int, int]]:
-    """(address, length) pieces of bytes [a, b) of the whole that ``layout``'s buffers
-    (address, length), one after the other, make."""
+def offsets(layout: Sequence[tuple[int, int]]) -> list[int]:
+    """Where each of ``layout``'s buffers (address, length) starts in the whole they make
+    one after the other, and (last) the whole's length: :func:`spans` takes it."""
     starts = [0]
     for _, n in layout:
         starts.append(starts[-1] + n)
+    return starts
+
+
+def spans(layout: Sequence[tuple[int, int]], starts: Sequence[int], a: int,
+          b: int) -> list[tuple[int, int]]:
+    """(address, length) pieces of bytes [a, b) of the whole that ``layout``'s buffers
+    (address, length), one after the other, make (``starts``: its :func:`offsets`)."""
     out = []
     i = max(0, bisect.bisect_right(starts, a) - 1)
     at = a
