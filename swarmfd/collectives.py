@@ -369,25 +369,25 @@ def _items(x: Any) -> Sequence[Any] | None:
 
 def _all_reduce_algo(o: Op, flat: np.ndarray | Parts, rop: ReduceOp, mean: bool,
                      two: Any = None) -> Any:
+    """The algorithm (a generator) of one all_reduce call: the selection table's, itself
+    where no mean follows (a small call's every receive passes one generator less)."""
     ufunc = _UFUNCS[rop]
     if select.all_reduce_in_place(o.plane.kind):
         # Takes Parts, and divides a mean chunk by chunk while it is in cache.
-        yield from select.all_reduce(o.plane.kind, flat.nbytes, o.size, flat.size,
-                                     o.plane.name)(o, flat, ufunc, o.size if mean else 0)
-        return
+        return select.all_reduce(o.plane.kind, flat.nbytes, o.size, flat.size,
+                                 o.plane.name)(o, flat, ufunc, o.size if mean else 0)
     assert isinstance(flat, np.ndarray)
     hier = two and select.all_reduce_two_level(flat.nbytes, two[0])
-    if hier:
-        yield from hier(o, flat, ufunc, *two)
-        if mean:
-            yield o.flush()  # pieces of flat may still be on their way to a peer
-            np.divide(flat, o.size, out=flat)
-        return
-    yield from select.all_reduce(o.plane.kind, flat.nbytes, o.size, flat.size,
-                                 o.plane.name)(o, flat, ufunc)
-    if mean:
-        yield o.flush()  # pieces of flat may still be on their way to a peer
-        np.divide(flat, o.size, out=flat)
+    algo = hier(o, flat, ufunc, *two) if hier else select.all_reduce(
+        o.plane.kind, flat.nbytes, o.size, flat.size, o.plane.name)(o, flat, ufunc)
+    return _divided(o, algo, flat) if mean else algo
+
+
+def _divided(o: Op, algo: Any, flat: np.ndarray) -> Any:
+    """``algo``, then ``flat`` divided by the group's size (a mean)."""
+    yield from algo
+    yield o.flush()  # pieces of flat may still be on their way to a peer
+    np.divide(flat, o.size, out=flat)
 
 
 def all_reduce(x: T, op: str = "sum", *, group: Any = None, async_op: bool = False) -> T:
@@ -540,19 +540,36 @@ def all_gather(x: Any, out: Any = None, *, group: Any = None,
 def _all_gather_v(g: _group.Group, arr: np.ndarray, flat: np.ndarray, code: int,
                   async_op: bool) -> Any:
     """all_gather of first dimensions that may differ: sizes first, then the data."""
-    n, trailing = g.size, tuple(arr.shape[1:])
-    row = int(np.prod(trailing, dtype=np.int64))
-    sig = Signature(Collective.ALL_GATHER_V, ReduceOp.NONE, code, wire.NO_ROOT, row,
-                    wire.shape_hash(trailing), wire.rows_repr(str(trailing)))
+    n, trailing = g.size, arr.shape[1:]
+    key = (Collective.ALL_GATHER_V, code, trailing)
+    sig = _SIGNATURES.get(key)
+    if sig is None:
+        if len(_SIGNATURES) > 4096:
+            _SIGNATURES.clear()
+        sig = _SIGNATURES[key] = Signature(
+            Collective.ALL_GATHER_V, ReduceOp.NONE, code, wire.NO_ROOT,
+            int(np.prod(trailing, dtype=np.int64)), wire.shape_hash(trailing),
+            wire.rows_repr(str(trailing)))
+    row = sig.count
     state: dict[str, Any] = {}
 
     def body(o: Op) -> Any:
-        sizes = np.empty((n, 1), np.int64)
-        sizes[o.me] = arr.shape[0]
-        yield from _exchange(o, sizes)
-        counts = [int(v) for v in sizes[:, 0]]
-        if any(c < 0 for c in counts):
-            raise ProtocolError(f"swarmfd.all_gather: a rank announced {counts} rows")
+        if o.plane.kind == "shm":
+            sizes = np.empty((n, 1), np.int64)
+            sizes[o.me] = arr.shape[0]
+            yield from _exchange(o, sizes)
+            counts = [int(v) for v in sizes[:, 0]]
+            if any(c < 0 for c in counts):
+                raise ProtocolError(f"swarmfd.all_gather: a rank announced {counts} rows")
+        else:
+            # The counts travel with the rows that fit a small message: one round.
+            counts, parts = yield from select.tcp.all_gather_counts(
+                _counts_op(o), arr.shape[0], flat, row * arr.itemsize,
+                select.ALL_GATHER_V_INLINE_BYTES)
+            if all(p is not None for p in parts):
+                parts[o.me] = flat.copy()  # the result never aliases the input
+                state["parts"], state["counts"] = parts, counts
+                return
         bounds = _bounds(counts, row)
         res = np.empty(bounds[-1][1], arr.dtype)
         state["res"], state["counts"] = res, counts
@@ -574,6 +591,9 @@ def _all_gather_v(g: _group.Group, arr: np.ndarray, flat: np.ndarray, code: int,
             yield from select.tcp.all_gather_v(o, flat, res, bounds, direct=direct)
 
     def finish(_: Any) -> Any:
+        if "parts" in state:  # every part came in one message
+            return [p.reshape(c, *trailing)
+                    for p, c in zip(state["parts"], state["counts"], strict=True)]
         if "res" not in state:  # a group of one
             return [arr.copy()]
         res, counts = state["res"], state["counts"]
@@ -849,10 +869,16 @@ def all_to_all(x: Any, out: Any = None, *, in_splits: Any = None, out_splits: An
     return _run(g, sig, body, finish, async_op)
 
 
+def _counts_op(o: Op) -> Op:
+    """The op of a call's exchange of sizes before its data (tags from 2**30, apart
+    from the data's)."""
+    return o.sub(o.plane, list(range(o.size)), 1 << 30, o.shm, o.next_slot)
+
+
 def _exchange(o: Op, rows: np.ndarray) -> Any:
     """All-gather the small int64 ``rows`` (this rank's row filled) inside a call: sizes
-    before the data (tags from 2**30, apart from the data's)."""
-    sub = o.sub(o.plane, list(range(o.size)), 1 << 30, o.shm, o.next_slot)
+    before the data (see :func:`_counts_op`)."""
+    sub = _counts_op(o)
     if o.plane.kind == "shm":
         yield from select.shm.all_gather(sub, rows)
     else:

@@ -492,6 +492,87 @@ def _all_to_all_ranges(n: int, me: int, sends: list[list[int]]) -> tuple[Any, An
     return mine_send, mine_recv, for_me
 
 
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("layout", ["small", "mixed", "large", "no-rows", "empty-rows"])
+def test_all_gather_counts(n: int, layout: str) -> None:
+    """The counts of an uneven all_gather reach every rank in one message from each
+    peer, with the rows of every part within the limit; a part over it comes as None
+    (its rows follow later), on every rank alike."""
+    limit = 64  # bytes: 5 rows of 3 float32 fit, 6 do not
+    trailing = 0 if layout == "empty-rows" else 3
+    counts = {"small": [r % 5 + 1 for r in range(n)],
+              "mixed": [2 if r % 2 else 9 for r in range(n)],
+              "large": [6 + r for r in range(n)],
+              "no-rows": [0] * n,
+              "empty-rows": [r + 7 for r in range(n)]}[layout]
+    inputs = [sample_data(r, counts[r] * trailing, np.float32, seed=9) for r in range(n)]
+
+    def make(op: Op) -> Any:
+        got: dict[str, Any] = {}
+
+        def algo() -> Any:
+            got["v"] = yield from tcp.all_gather_counts(
+                op, counts[op.me], inputs[op.me], trailing * 4, limit)
+        return algo(), lambda: got["v"]
+
+    for r, (got_counts, parts) in enumerate(run_algorithm(n, make)):
+        assert got_counts == counts, f"rank {r}"
+        for p in range(n):
+            if counts[p] * trailing * 4 <= limit:
+                assert parts[p] is not None and parts[p].dtype == np.float32
+                assert np.array_equal(parts[p], inputs[p]), f"rank {r}, part {p}"
+            else:
+                assert parts[p] is None, f"rank {r}, part {p}"
+
+
+@pytest.mark.parametrize("payload", [b"", b"\x01", (2).to_bytes(8, "little") + bytes(8),
+                                     (-1).to_bytes(8, "little", signed=True),
+                                     (1).to_bytes(8, "little")])
+def test_all_gather_counts_refuses_a_message_of_the_wrong_length(payload: bytes) -> None:
+    """A peer's message that is neither a count with exactly that many rows nor the
+    count alone of rows over the limit (too short, rows missing, a negative count, a
+    small part's count without its rows) is a ProtocolError naming the peer."""
+    from swarmfd.errors import ProtocolError
+
+    from .memplane import ThreadFailure
+
+    def make(op: Op) -> Any:
+        if op.me == 1:
+            def liar() -> Any:
+                op.send(0, 0, payload)
+                yield from ()
+            return liar(), lambda: None
+        return tcp.all_gather_counts(op, 1, np.zeros(2, np.float32), 8, 64), lambda: None
+
+    with pytest.raises(ThreadFailure) as info:
+        run_algorithm(2, make, timeout=20)
+    assert set(info.value.failures) == {0}
+    assert ProtocolError.__name__ in info.value.failures[0]
+    assert "rank 1 sent" in info.value.failures[0]
+
+
+def test_a_receive_of_any_size_takes_what_came() -> None:
+    """Channel.recv with wire.ANY_SIZE returns a message of whatever size it has, live
+    or from the stash; a fixed size still refuses another one."""
+    from swarmfd.errors import ProtocolError
+
+    sig = wire.Signature(wire.Collective.ALL_GATHER_V)
+
+    def fn(r: int, ch: Channel, pl: Any) -> Any:
+        if r == 1:
+            for tag, body in ((0, b"abc"), (1, bytes(70000)), (2, b"xy")):
+                ch.send(pl, 0, sig, 0, 1, tag, body)
+            return None
+        got = [bytes(ch.recv(pl, 1, sig, 0, 1, 1, wire.ANY_SIZE)),  # tag 0 is stashed
+               bytes(ch.recv(pl, 1, sig, 0, 1, 0, wire.ANY_SIZE))]
+        with pytest.raises(ProtocolError, match="announced 2 bytes"):
+            ch.recv(pl, 1, sig, 0, 1, 2, 5)
+        return got
+
+    got = run_threads(fn, 2)[0]
+    assert got == [bytes(70000), b"abc"]
+
+
 @pytest.mark.parametrize("algo", ["pairwise", "shm"])
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("layout", ["equal", "uneven", "some-empty", "large"])

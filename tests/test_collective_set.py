@@ -181,6 +181,15 @@ def _battery(rank: int, world: int) -> list[str]:
     got = fd.all_gather(x)
     for p in range(world):
         check(f"uneven all_gather part {p}", got[p], np.full((p % 2 * 3, 2, 2), p, np.uint8))
+    # Parts over the limit of one round (their rows follow their counts), mixed with
+    # small ones, and all of them over it; blocking and async.
+    for rows_of in (lambda p: p % 2 * 40_000, lambda p: 20_000 + p):
+        x = np.arange(rows_of(rank), dtype=np.float32) + rank
+        for form, got in (("blocking", fd.all_gather(x)),
+                          ("async", fd.all_gather(x, async_op=True).wait())):
+            for p in range(world):
+                check(f"large uneven all_gather part {p} ({form})", got[p],
+                      np.arange(rows_of(p), dtype=np.float32) + p)
     buf = np.empty((world, 3), np.int64)
     got = fd.all_gather(np.full(3, rank, np.int64), out=buf)
     check("all_gather out=", buf, np.repeat(np.arange(world, dtype=np.int64), 3).reshape(

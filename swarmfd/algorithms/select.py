@@ -18,8 +18,9 @@ from ..comm import wire
 from ..comm.planes.shm import SEGMENT_BYTES
 from . import hier, shm, tcp
 
-__all__ = ["HIER_SCATTER_MIN_BYTES", "HIER_SMALL_BYTES", "IN_PLACE_KINDS", "PAIR_MAX_BYTES",
-           "SMALL_BYTES", "SMALL_MAX_WORLD", "all_gather", "all_gather_two_level", "all_reduce",
+__all__ = ["ALL_GATHER_V_INLINE_BYTES", "HIER_SCATTER_MIN_BYTES", "HIER_SMALL_BYTES",
+           "IN_PLACE_KINDS", "PAIR_MAX_BYTES", "SMALL_BYTES", "SMALL_MAX_WORLD", "all_gather",
+           "all_gather_two_level", "all_reduce",
            "all_reduce_in_place", "all_reduce_two_level", "broadcast", "broadcast_two_level",
            "gather", "reduce", "reduce_scatter", "reduce_scatter_two_level",
            "reduce_two_level", "scatter", "split_rows", "two_level_layout"]
@@ -118,6 +119,13 @@ def gather(kind: str) -> Algo:
 
 def scatter(kind: str) -> Algo:
     return shm.scatter if kind == "shm" else tcp.scatter_direct
+
+
+#: An uneven all_gather's part (one rank's rows) of at most this many bytes travels with
+#: its row count, in one round (:func:`.tcp.all_gather_counts`); a larger one is announced
+#: by its count, then all parts move by the table (two rounds). One round instead of two
+#: is about half a small call's time.
+ALL_GATHER_V_INLINE_BYTES = 64 << 10
 
 
 def all_gather(kind: str, nbytes: int, size: int, plane: str = "") -> Algo:

@@ -44,15 +44,19 @@ host, they cross each host's link as few times as possible.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 
 import numpy as np
 
+from ..comm import wire
+from ..errors import ProtocolError
 from .base import Algorithm, Op, num_pieces, split
 
 __all__ = [
     "ACK",
     "SIG",
+    "all_gather_counts",
     "all_gather_direct",
     "all_gather_doubling",
     "all_gather_ring",
@@ -101,7 +105,7 @@ def all_reduce_pair(op: Op, buf: np.ndarray, ufunc: np.ufunc) -> Algorithm:
     """
     peer = 1 - op.me
     op.send(peer, 0, buf, copy=True)  # copied: buf is overwritten below
-    theirs = yield from op.recv_array(peer, 0, buf)
+    theirs = np.frombuffer((yield op.recv(peer, 0, buf.nbytes)), buf.dtype, buf.size)
     if op.me == 0:
         ufunc(buf, theirs, out=buf)
     else:
@@ -115,8 +119,10 @@ def reduce_in_rank_order(op: Op, buf: np.ndarray, ufunc: np.ufunc) -> Algorithm:
     Returns a new array; ``buf`` is left as it was.
     """
     acc: np.ndarray | None = None
+    nbytes, dtype, count = buf.nbytes, buf.dtype, buf.size
     for p in range(op.size):
-        arr = buf if p == op.me else (yield from op.recv_array(p, 0, buf))
+        # (Op.recv_array, written out: one generator less per small message.)
+        arr = buf if p == op.me else np.frombuffer((yield op.recv(p, 0, nbytes)), dtype, count)
         if acc is None:
             acc = arr.copy()
         else:
@@ -497,6 +503,48 @@ def scatter_direct(op: Op, chunks: np.ndarray | None, out: np.ndarray, root: int
 
 
 # -- all_gather of uneven parts -----------------------------------------------------------
+
+
+#: The row count that leads every message of :func:`all_gather_counts`.
+_COUNT = struct.Struct("<q")
+
+
+def all_gather_counts(op: Op, count: int, flat: np.ndarray, row_nbytes: int,
+                      limit: int) -> Algorithm:
+    """Every rank's row count, and its rows where they take at most ``limit`` bytes, in
+    one message to every peer: the count (int64), then the rows themselves when they
+    fit, so a small uneven all_gather takes one round, not a round of counts and then
+    one of data. Returns (counts, parts): parts[r] is rank r's rows as an array of
+    ``flat``'s dtype, or None when rank r's rows did not fit (they are still to come).
+    Each rank decides from its own size, and every receiver knows the sender's rule:
+    a message that is neither the count alone of rows over ``limit`` nor the count and
+    exactly that many rows is a protocol error."""
+    N, me = op.size, op.me
+    fits = flat.nbytes <= limit
+    mine = _COUNT.pack(count) + (flat.tobytes() if fits else b"")
+    for p in range(N):
+        if p != me:
+            op.send(p, 0, mine)
+    counts = [0] * N
+    parts: list[np.ndarray | None] = [None] * N
+    counts[me], parts[me] = count, (flat if fits else None)
+    for p in range(N):
+        if p == me:
+            continue
+        data = yield op.recv(p, 0, wire.ANY_SIZE)
+        got = len(data)
+        n = _COUNT.unpack_from(data)[0] if got >= _COUNT.size else -1
+        size = n * row_nbytes
+        if n >= 0 and got == _COUNT.size + size:
+            # A copy: the payload may be a view of a frame the next receive releases.
+            parts[p] = np.frombuffer(data, flat.dtype, offset=_COUNT.size).copy()
+        elif not (n >= 0 and got == _COUNT.size and size > limit):
+            raise ProtocolError(f"{op.channel.activity}: rank {op.ranks[p]} sent {got} bytes "
+                                f"for its part of an all_gather (expected {_COUNT.size} "
+                                "bytes of row count, then its rows when they take at most "
+                                f"{limit} bytes)")
+        counts[p] = n
+    return counts, parts
 
 
 def all_gather_v(op: Op, flat: np.ndarray, out: np.ndarray,

@@ -97,8 +97,11 @@ class GroupFailure(Exception):
         self.error = error
 
 
-def _now() -> float:
-    return time.monotonic()
+_now = time.monotonic
+#: Message kinds as plain ints for the receive loop (an enum member is a class attribute
+#: lookup each time).
+_DATA = int(wire.Kind.DATA)
+_P2P = int(wire.Kind.P2P)
 
 
 class _Cutoff(Exception):
@@ -306,7 +309,8 @@ class Channel:
         (group, src, seq, tag), or a point-to-point piece's, :func:`wire.p2p_key`).
 
         With ``into`` (a writable buffer of ``nbytes``) the payload lands there and
-        ``None`` is returned; otherwise a buffer is returned. Raises
+        ``None`` is returned; otherwise a buffer is returned (of any size when
+        ``nbytes`` is :data:`wire.ANY_SIZE`). Raises
         :class:`CollectiveTimeout` after the timeout, :class:`PeerLostError` when
         ``src`` disconnects, :class:`MismatchError` when a peer's signature differs,
         :class:`AbortedError` when a peer failed.
@@ -340,10 +344,10 @@ class Channel:
             if hdr is None:
                 between()
                 continue
-            if ((hdr.kind == wire.Kind.DATA
-                 and (hdr.group, hdr.src, hdr.seq, hdr.tag) == key)
-                    or (hdr.kind >= wire.Kind.P2P and wire.message_key(hdr) == key)):
-                if hdr.nbytes != nbytes or not hdr.matches(sig):
+            kind = hdr.kind
+            if ((kind == _DATA and (hdr.group, hdr.src, hdr.seq, hdr.tag) == key)
+                    or (kind >= _P2P and wire.message_key(hdr) == key)):
+                if (hdr.nbytes != nbytes and nbytes != wire.ANY_SIZE) or not hdr.matches(sig):
                     # Read the payload off the stream first: the connection carries the
                     # other groups' calls, which must still find a header next.
                     plane.read_payload(hdr, None, between, keep=True)
@@ -519,6 +523,8 @@ class Channel:
             f"call #{first} of group {hdr.group}", hdr.src, payload), first)
 
     def _check_size(self, hdr: wire.Header, nbytes: int) -> None:
+        if nbytes == wire.ANY_SIZE:
+            return  # the algorithm checks what came
         if hdr.nbytes != nbytes and hdr.coll == wire.Collective.ALL_TO_ALL:
             # Each rank chose its own splits: disagreeing ones show as a size difference.
             raise MismatchError(

@@ -42,7 +42,7 @@ import math
 import operator
 import struct
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -50,6 +50,7 @@ import numpy as np
 from ..errors import CollectiveTimeout, MismatchError, ProtocolError
 
 __all__ = [
+    "ANY_SIZE",
     "DTYPES",
     "DTYPE_CODES",
     "FLAG_INLINE",
@@ -97,6 +98,10 @@ PIECE_BYTES = 1 << 20
 #: The largest payload of any message: a piece, rounded up to whole elements (<= 16 bytes
 #: each), with room to spare. Transport.send refuses larger ones (a bug, not an input).
 MAX_PAYLOAD = PIECE_BYTES + 1024
+#: The ``nbytes`` of a receive that takes a message of any size (up to MAX_PAYLOAD): the
+#: algorithm checks what came (an all_gather whose ranks' parts may differ, sent with
+#: their sizes in one round).
+ANY_SIZE = -1
 #: The longest reason text an abort message carries (so it stays far below MAX_PAYLOAD).
 MAX_ABORT_TEXT = 8192
 
@@ -330,6 +335,13 @@ class Signature:
     #: A list of arrays fused into one buffer (travels as FLAG_LIST; not compared: the
     #: shape hash already differs between a list and one array).
     fused: bool = False
+    #: What :meth:`Header.matches` compares, as one tuple: (coll, op, dtype, root, count,
+    #: shape). Every message received is checked against it.
+    key: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", (self.coll, self.op, self.dtype, self.root,
+                                         self.count, self.shape))
 
     def describe(self) -> str:
         """A readable form for error messages."""
@@ -387,14 +399,7 @@ class Header(NamedTuple):
 
     def matches(self, sig: Signature) -> bool:
         """True when the sender agrees with ``sig`` (the receiver's own view)."""
-        return (
-            self.coll == sig.coll
-            and self.op == sig.op
-            and self.dtype == sig.dtype
-            and self.root == sig.root
-            and self.count == sig.count
-            and self.shape == sig.shape
-        )
+        return (self.coll, self.op, self.dtype, self.root, self.count, self.shape) == sig.key
 
 
 def rows_repr(trailing: str) -> str:
