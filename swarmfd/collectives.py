@@ -554,22 +554,19 @@ def _all_gather_v(g: _group.Group, arr: np.ndarray, flat: np.ndarray, code: int,
     state: dict[str, Any] = {}
 
     def body(o: Op) -> Any:
+        # The counts travel with the rows that fit a small message (a slot on shared
+        # memory): one round. Larger parts follow by the table, once all counts are known.
+        sub = _counts_op(o)
         if o.plane.kind == "shm":
-            sizes = np.empty((n, 1), np.int64)
-            sizes[o.me] = arr.shape[0]
-            yield from _exchange(o, sizes)
-            counts = [int(v) for v in sizes[:, 0]]
-            if any(c < 0 for c in counts):
-                raise ProtocolError(f"swarmfd.all_gather: a rank announced {counts} rows")
+            counts, parts = yield from select.shm.all_gather_counts(
+                sub, arr.shape[0], flat, row * arr.itemsize)
         else:
-            # The counts travel with the rows that fit a small message: one round.
             counts, parts = yield from select.tcp.all_gather_counts(
-                _counts_op(o), arr.shape[0], flat, row * arr.itemsize,
-                select.ALL_GATHER_V_INLINE_BYTES)
-            if all(p is not None for p in parts):
-                parts[o.me] = flat.copy()  # the result never aliases the input
-                state["parts"], state["counts"] = parts, counts
-                return
+                sub, arr.shape[0], flat, row * arr.itemsize, select.ALL_GATHER_V_INLINE_BYTES)
+        if all(p is not None for p in parts):
+            parts[o.me] = flat.copy()  # the result never aliases the input
+            state["parts"], state["counts"] = parts, counts
+            return
         bounds = _bounds(counts, row)
         res = np.empty(bounds[-1][1], arr.dtype)
         state["res"], state["counts"] = res, counts

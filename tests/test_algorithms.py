@@ -24,6 +24,7 @@ from swarmfd.algorithms import select, shm, tcp
 from swarmfd.algorithms.base import Op, Parts, run
 from swarmfd.comm import wire
 from swarmfd.comm.channel import Channel
+from swarmfd.comm.planes.shm import SEGMENT_BYTES
 
 from .memplane import Fabric, run_algorithm, run_threads, sample_data
 
@@ -492,30 +493,37 @@ def _all_to_all_ranges(n: int, me: int, sends: list[list[int]]) -> tuple[Any, An
     return mine_send, mine_recv, for_me
 
 
+@pytest.mark.parametrize("plane", ["memory", "shm"])
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("layout", ["small", "mixed", "large", "no-rows", "empty-rows"])
-def test_all_gather_counts(n: int, layout: str) -> None:
-    """The counts of an uneven all_gather reach every rank in one message from each
-    peer, with the rows of every part within the limit; a part over it comes as None
-    (its rows follow later), on every rank alike."""
-    limit = 64  # bytes: 5 rows of 3 float32 fit, 6 do not
+def test_all_gather_counts(plane: str, n: int, layout: str) -> None:
+    """The counts of an uneven all_gather reach every rank in one round, with the rows
+    of every part within the limit (a message's on TCP, a slot's on shared memory); a
+    part over it comes as None (its rows follow later), on every rank alike."""
     trailing = 0 if layout == "empty-rows" else 3
-    counts = {"small": [r % 5 + 1 for r in range(n)],
-              "mixed": [2 if r % 2 else 9 for r in range(n)],
-              "large": [6 + r for r in range(n)],
+    # bytes: on TCP 5 rows of 3 float32 fit, 6 do not
+    limit = 64 if plane == "memory" else SEGMENT_BYTES - shm.COUNT_BYTES
+    fit = limit // 12
+    counts = {"small": [fit - r % 5 for r in range(n)],
+              "mixed": [2 if r % 2 else fit + 1 for r in range(n)],
+              "large": [fit + 1 + r for r in range(n)],
               "no-rows": [0] * n,
-              "empty-rows": [r + 7 for r in range(n)]}[layout]
+              "empty-rows": [r + fit + 7 for r in range(n)]}[layout]
     inputs = [sample_data(r, counts[r] * trailing, np.float32, seed=9) for r in range(n)]
 
     def make(op: Op) -> Any:
         got: dict[str, Any] = {}
 
         def algo() -> Any:
-            got["v"] = yield from tcp.all_gather_counts(
-                op, counts[op.me], inputs[op.me], trailing * 4, limit)
+            if plane == "shm":
+                got["v"] = yield from shm.all_gather_counts(
+                    op, counts[op.me], inputs[op.me], trailing * 4)
+            else:
+                got["v"] = yield from tcp.all_gather_counts(
+                    op, counts[op.me], inputs[op.me], trailing * 4, limit)
         return algo(), lambda: got["v"]
 
-    for r, (got_counts, parts) in enumerate(run_algorithm(n, make)):
+    for r, (got_counts, parts) in enumerate(run_algorithm(n, make, plane=plane)):
         assert got_counts == counts, f"rank {r}"
         for p in range(n):
             if counts[p] * trailing * 4 <= limit:

@@ -37,12 +37,13 @@ import numpy as np
 
 from ..comm import cma
 from ..comm.planes.shm import SEGMENT_BYTES
-from ..errors import PeerLostError
+from ..errors import PeerLostError, ProtocolError
 from .base import Algorithm, Op, Parts, spans, split
 from .tcp import barrier
 
-__all__ = ["SMALL_BYTES", "all_gather", "all_gather_v", "all_reduce", "all_to_all", "broadcast",
-           "gather", "reduce", "reduce_scatter", "rounds", "scatter"]
+__all__ = ["COUNT_BYTES", "SMALL_BYTES", "all_gather", "all_gather_counts", "all_gather_v",
+           "all_reduce", "all_to_all", "broadcast", "gather", "reduce", "reduce_scatter",
+           "rounds", "scatter"]
 
 #: Up to this many bytes every rank reduces the whole round itself (one barrier); above
 #: it each rank reduces its 1/N and copies the rest (two barriers' worth of rounds).
@@ -358,6 +359,44 @@ def scatter(op: Op, chunks: np.ndarray | None, out: np.ndarray, root: int) -> Al
             region[...] = chunks[:, a:b]
         yield from barrier(op, t)
         out[a:b] = region[op.me]
+
+
+#: Where the rows of :func:`all_gather_counts` start in a slot, after the count (16:
+#: aligned for every dtype).
+COUNT_BYTES = 16
+_INT64 = np.dtype(np.int64)
+
+
+def all_gather_counts(op: Op, count: int, flat: np.ndarray,
+                      row_nbytes: int) -> Algorithm:
+    """Every rank's row count, and its rows where they fit one slot with it, in one
+    round (as :func:`swarmfd.algorithms.tcp.all_gather_counts`, whose result this
+    returns): each rank writes its count at its slot's start and, when they fit, its
+    rows after it; after the barrier each reads the others'. Whether a part's rows are
+    in the slot follows from its count alone, the same on every rank."""
+    slot = op.next_slot()
+    room = SEGMENT_BYTES - COUNT_BYTES
+    fits = flat.nbytes <= room
+    op.region(op.me, slot, _INT64, 1)[0] = count
+    if fits:
+        op.region(op.me, slot + COUNT_BYTES, flat.dtype, flat.size)[...] = flat
+    yield from barrier(op, 0)
+    N = op.size
+    counts = [0] * N
+    parts: list[np.ndarray | None] = [None] * N
+    counts[op.me], parts[op.me] = count, (flat if fits else None)
+    per_row = row_nbytes // flat.itemsize
+    for p in range(N):
+        if p == op.me:
+            continue
+        n = int(op.region(p, slot, _INT64, 1)[0])
+        if n < 0:
+            raise ProtocolError(f"{op.channel.activity}: rank {op.ranks[p]} announced {n} "
+                                "rows for its part of an all_gather")
+        counts[p] = n
+        if n * row_nbytes <= room:
+            parts[p] = op.region(p, slot + COUNT_BYTES, flat.dtype, n * per_row).copy()
+    return counts, parts
 
 
 def all_gather_v(op: Op, flat: np.ndarray, out: np.ndarray,
