@@ -267,11 +267,16 @@ def _signature(coll: Collective, arrays: Sequence[np.ndarray], code: int, op: Re
     """The call's signature (cached: training loops repeat the same calls)."""
     key = (coll, op, code, root, arrays[0].shape) if len(arrays) == 1 else \
         (coll, op, code, root, *(a.shape for a in arrays))
+    return _cached(key, lambda: _make_signature(coll, arrays, code, op, root))
+
+
+def _cached(key: tuple[Any, ...], make: Callable[[], Signature]) -> Signature:
+    """The signature cached under ``key``, made (and kept) on its first call."""
     sig = _SIGNATURES.get(key)
     if sig is None:
         if len(_SIGNATURES) > 4096:
             _SIGNATURES.clear()
-        sig = _SIGNATURES[key] = _make_signature(coll, arrays, code, op, root)
+        sig = _SIGNATURES[key] = make()
     return sig
 
 
@@ -539,17 +544,13 @@ def all_gather(x: Any, out: Any = None, *, group: Any = None,
 
 def _all_gather_v(g: _group.Group, arr: np.ndarray, flat: np.ndarray, code: int,
                   async_op: bool) -> Any:
-    """all_gather of first dimensions that may differ: sizes first, then the data."""
+    """all_gather of first dimensions that may differ: the counts with the rows that fit
+    one message (or slot), in one round; larger parts after their counts."""
     n, trailing = g.size, arr.shape[1:]
-    key = (Collective.ALL_GATHER_V, code, trailing)
-    sig = _SIGNATURES.get(key)
-    if sig is None:
-        if len(_SIGNATURES) > 4096:
-            _SIGNATURES.clear()
-        sig = _SIGNATURES[key] = Signature(
-            Collective.ALL_GATHER_V, ReduceOp.NONE, code, wire.NO_ROOT,
-            int(np.prod(trailing, dtype=np.int64)), wire.shape_hash(trailing),
-            wire.rows_repr(str(trailing)))
+    sig = _cached((Collective.ALL_GATHER_V, code, trailing), lambda: Signature(
+        Collective.ALL_GATHER_V, ReduceOp.NONE, code, wire.NO_ROOT,
+        int(np.prod(trailing, dtype=np.int64)), wire.shape_hash(trailing),
+        wire.rows_repr(str(trailing))))
     row = sig.count
     state: dict[str, Any] = {}
 
