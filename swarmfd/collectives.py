@@ -297,13 +297,13 @@ def _fused(g: _group.Group, items: Sequence[Any], name: str, coll: Collective, o
            root: int, body: Callable[[Op, np.ndarray], Any],
            check: Callable[[np.ndarray], None] | None = None,
            async_op: bool = False,
-           in_place: Callable[[Op], bool] | None = None) -> list[Any]:
+           in_place: Callable[[Op, int, int], bool] | None = None) -> list[Any]:
     """Run ``body`` once per dtype over the arrays of ``items`` fused into one buffer
     (a reused scratch buffer, or a new one for an async call, which owns it until it
     completes); every part is copied back when its call completes. Where
-    ``in_place(op)`` says the call's algorithm takes :class:`Parts`, and the arrays
-    are contiguous and writable, ``body`` gets them as Parts instead: no copy in or
-    out. Returns each call's result (a Work each with ``async_op``)."""
+    ``in_place(op, nbytes, count)`` says the call's algorithm takes :class:`Parts`, and
+    the arrays are contiguous and writable, ``body`` gets them as Parts instead: no
+    copy in or out. Returns each call's result (a Work each with ``async_op``)."""
     arrays = []
     for i, x in enumerate(items):
         try:
@@ -327,7 +327,8 @@ def _fused(g: _group.Group, items: Sequence[Any], name: str, coll: Collective, o
         def make(o: Op, members: list[np.ndarray] = members, total: int = total,
                  dtype: np.dtype = dtype, direct: bool = direct,
                  staged: list[np.ndarray] = staged) -> Any:
-            if direct and total and in_place is not None and in_place(o):
+            if direct and total and in_place is not None and \
+                    in_place(o, total * dtype.itemsize, total):
                 return body(o, Parts([a.reshape(-1) for a in members if a.size]))
             flat = np.empty(total, dtype) if async_op else g.scratch(dtype, total)
             off = 0
@@ -375,17 +376,44 @@ def _items(x: Any) -> Sequence[Any] | None:
 def _all_reduce_algo(o: Op, flat: np.ndarray | Parts, rop: ReduceOp, mean: bool,
                      two: Any = None) -> Any:
     """The algorithm (a generator) of one all_reduce call: the selection table's, itself
-    where no mean follows (a small call's every receive passes one generator less)."""
+    where no mean follows (a small call's every receive passes one generator less).
+    ``flat`` is Parts only where :func:`_takes_parts` said so."""
     ufunc = _UFUNCS[rop]
-    if select.all_reduce_in_place(o.plane.kind):
+    kind = o.plane.kind
+    if kind == "shm":
         # Takes Parts, and divides a mean chunk by chunk while it is in cache.
-        return select.all_reduce(o.plane.kind, flat.nbytes, o.size, flat.size,
-                                 o.plane.name)(o, flat, ufunc, o.size if mean else 0)
-    assert isinstance(flat, np.ndarray)
+        return select.shm.all_reduce(o, flat, ufunc, o.size if mean else 0)
     hier = two and select.all_reduce_two_level(flat.nbytes, two[0])
-    algo = hier(o, flat, ufunc, *two) if hier else select.all_reduce(
-        o.plane.kind, flat.nbytes, o.size, flat.size, o.plane.name)(o, flat, ufunc)
-    return _divided(o, algo, flat) if mean else algo
+    if hier:
+        assert isinstance(flat, np.ndarray)
+        algo = hier(o, flat, ufunc, *two)
+        return _divided(o, algo, flat) if mean else algo
+    algo = select.all_reduce(kind, flat.nbytes, o.size, flat.size, o.plane.name)
+    if algo is select.tcp.all_reduce_ring:
+        # Takes Parts, and the owner of each chunk divides a mean before it goes round.
+        return algo(o, flat, ufunc, None, o.size if mean else 0)
+    assert isinstance(flat, np.ndarray)
+    return _divided(o, algo(o, flat, ufunc), flat) if mean else algo(o, flat, ufunc)
+
+
+def _takes_parts(g: _group.Group, plane: Any, nbytes: int, count: int) -> bool:
+    """Whether the all_reduce of ``count`` items (``nbytes``) in ``g`` on ``plane``
+    takes :class:`Parts` (see :func:`all_reduce_in_place`)."""
+    if plane.kind != "shm":
+        two = g.two_level()
+        if two and select.all_reduce_two_level(nbytes, two[0]):
+            return False
+    return select.all_reduce_in_place(plane.kind, nbytes, g.size, count, plane.name)
+
+
+def all_reduce_in_place(group: Any, nbytes: int, count: int) -> bool:
+    """Whether an all_reduce of a list of arrays of one dtype (contiguous, writable, not
+    sharing memory), ``count`` items of ``nbytes`` in all, in ``group`` reduces them
+    where they are, without a staging copy. Not public: DDP asks, to all-reduce a
+    bucket's gradients in place where it can, instead of copying them into the bucket."""
+    g = _group.resolve_group(group, "all_reduce()")
+    plane = g.plane()
+    return plane is not None and g.size > 1 and _takes_parts(g, plane, nbytes, count)
 
 
 def _divided(o: Op, algo: Any, flat: np.ndarray) -> Any:
@@ -414,7 +442,7 @@ def all_reduce(x: T, op: str = "sum", *, group: Any = None, async_op: bool = Fal
     if items is not None:
         parts = _fused(g, items, "all_reduce", Collective.ALL_REDUCE, wire_op, wire.NO_ROOT,
                        body, lambda a: _check_op_dtype(rop, mean, a.dtype, "all_reduce"),
-                       async_op, lambda o: select.all_reduce_in_place(o.plane.kind))
+                       async_op, lambda o, nbytes, count: _takes_parts(g, o.plane, nbytes, count))
         return _fused_result(x, parts, "all_reduce", async_op)
     arr = _to_numpy(x, "all_reduce")
     code = _check_array(arr, "all_reduce")
@@ -701,7 +729,7 @@ def _reduce_scatter_run(g: _group.Group, src: np.ndarray | Parts, parts: list[tu
 
     def body(o: Op) -> Any:
         algo = select.reduce_scatter(o.plane.kind, src.nbytes, o.size)
-        if select.all_reduce_in_place(o.plane.kind):
+        if select.reduce_scatter_in_place(o.plane.kind):
             # Takes Parts, and divides a mean part by part while it is in cache.
             yield from algo(o, src, parts, res_flat, ufunc, o.size if mean else 0)
             return
@@ -743,7 +771,7 @@ def reduce_scatter_parts(arrays: Sequence[Any], out: Any, *, op: str = "sum",
         raise ValueError(f"swarmfd.reduce_scatter_parts: {total} elements do not split "
                          f"into {g.size} equal parts")
     plane = g.plane()
-    if plane is None or not select.all_reduce_in_place(plane.kind):
+    if plane is None or not select.reduce_scatter_in_place(plane.kind):
         return reduce_scatter(np.concatenate(nps), out, op=op, group=group,
                               async_op=async_op)
     dtype = nps[0].dtype

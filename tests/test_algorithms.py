@@ -136,6 +136,81 @@ def test_shm_all_reduce_of_parts_is_that_of_the_fused_buffer(n: int, counts: lis
     assert np.allclose(got_cma[0], total / n if divide else total)
 
 
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("counts", [[3, 3], [700, 1, 299, 1],
+                                    [300000, 17, 3, 200000, 9000, 1, 131072]])
+@pytest.mark.parametrize("divide", [False, True])
+@pytest.mark.parametrize("handed_over", [False, True])
+def test_tcp_ring_all_reduce_of_parts_is_that_of_the_fused_buffer(
+        n: int, counts: list[int], divide: bool, handed_over: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The TCP ring reduces Parts where they are (pieces cut at the arrays' edges, small
+    arrays travelling together), with the bits of their fused buffer reduced, then
+    divided, on every rank; the owner's divide of a mean gives the bits of dividing
+    the whole result; on a plane that copies payloads (a reused buffer) and on one that
+    hands them over (zmq's frames)."""
+    from .memplane import MemoryPlane
+
+    monkeypatch.setattr(MemoryPlane, "zero_copy_recv", handed_over)
+    inputs = [[sample_data(r * 10 + i, c, np.float64) for i, c in enumerate(counts)]
+              for r in range(n)]
+
+    def fused(op: Op) -> Any:
+        buf = np.concatenate(inputs[op.me])
+        algo = tcp.all_reduce_ring(op, buf, np.add)
+
+        def result() -> np.ndarray:
+            if divide:
+                np.divide(buf, n, out=buf)
+            return buf
+        return algo, result
+
+    def fused_divided(op: Op) -> Any:
+        buf = np.concatenate(inputs[op.me])
+        return tcp.all_reduce_ring(op, buf, np.add, None, n if divide else 0), lambda: buf
+
+    def parts(op: Op) -> Any:
+        arrays = [a.copy() for a in inputs[op.me]]
+        algo = tcp.all_reduce_ring(op, Parts(arrays), np.add, None, n if divide else 0)
+        return algo, lambda: np.concatenate(arrays)
+
+    want = run_algorithm(n, fused)
+    for got in (run_algorithm(n, parts), run_algorithm(n, fused_divided)):
+        for r in range(n):
+            assert got[r].tobytes() == want[0].tobytes(), f"rank {r}"
+    total = sum(np.concatenate(inputs[r]) for r in range(n))
+    assert np.allclose(want[0], total / n if divide else total)
+
+
+@pytest.mark.parametrize("counts", [[5], [3, 3], [700, 1, 299, 1], [200000, 17, 3, 9000, 1,
+                                                                     131072, 8191, 8192]])
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_ring_pieces_of_parts_are_views_but_for_small_arrays(counts: list[int], n: int) -> None:
+    """A ring's pieces of Parts cover each chunk in order, at most PIECE_BYTES each; a
+    piece lies in one array (sent as its view) unless it gathers consecutive shares
+    smaller than SMALL_SPAN_BYTES (copied); an array is its own view."""
+    from swarmfd.algorithms import base
+
+    arrays = [np.zeros(c) for c in counts]
+    buf = Parts(arrays)
+    chunks = base.split(buf.size, n)
+    small = base.SMALL_SPAN_BYTES // 8
+    for (a, b), pieces in zip(chunks, base.ring_pieces(buf, chunks), strict=True):
+        assert [x for x, _ in pieces] == [a] + [y for _, y in pieces[:-1]]
+        assert pieces[-1][1] == b
+        for x, y in pieces:
+            assert 0 < (y - x) * 8 <= base.PIECE_BYTES
+            shares = [v - u for _, u, v in base.spans(buf, x, y)]
+            if len(shares) > 1:
+                assert all(s < small for s in shares), (x, y, shares)
+            else:
+                assert np.shares_memory(base.take(buf, x, y), arrays[
+                    np.searchsorted(buf.starts, x, side="right") - 1])
+    whole = np.arange(10.0)
+    assert base.ring_pieces(whole, [(0, 5), (5, 10)]) == [[(0, 5)], [(5, 10)]]
+    assert base.take(whole, 2, 4).base is whole
+
+
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("counts", [[3, 3], [700, 1, 299, 1], [300000, 17, 200000, 2]])
 @pytest.mark.parametrize("divide", [False, True])

@@ -136,6 +136,23 @@ def _ddp_rank(rank: int, world: int, overlap: bool | None = None) -> dict[str, A
         assert_same_everywhere(flat_params(model), f"parameters after step {step}")
         torch.testing.assert_close(flat_params(model), flat_params(ref), **TIGHT)
 
+    # A bucket big enough for the TCP ring (337 KB, 3 ranks): its gradients are
+    # reduced where they are there too (pieces of one gradient, and small ones together).
+    wide = mlp(seed=rank, width=200)
+    ddpw = sft.DistributedDataParallel(wide, overlap=overlap)
+    refw = mlp(seed=0, width=200)
+    optw = torch.optim.SGD(ddpw.parameters(), lr=0.1)
+    ref_optw = torch.optim.SGD(refw.parameters(), lr=0.1)
+    for step in range(2):
+        optw.zero_grad(set_to_none=step == 0)
+        loss_fn(ddpw(X[step, mine]), Y[step, mine]).backward()
+        optw.step()
+        ref_optw.zero_grad()
+        loss_fn(refw(X[step]), Y[step]).backward()
+        ref_optw.step()
+        assert_same_everywhere(flat_params(wide), f"wide parameters after step {step}")
+        torch.testing.assert_close(flat_params(wide), flat_params(refw), **TIGHT)
+
     # no_sync over k micro-batches == one batch k times larger (copy back into .grad).
     k = 3
     Xk, Yk = data(k, B * world, seed=7)
@@ -191,7 +208,8 @@ def _ddp_rank(rank: int, world: int, overlap: bool | None = None) -> dict[str, A
     fd.all_reduce(probe)
     assert (probe == sum(range(world))).all()
     return {"buckets": len(ddp._buckets), "overlap": ddp._overlap,
-            "in_place": [ddp._direct(b.index) for b in ddp._buckets]}
+            "in_place": [ddp._direct(b.index) for b in ddp._buckets],
+            "wide_in_place": [ddpw._direct(b.index) for b in ddpw._buckets]}
 
 
 @pytest.mark.parametrize(("transport", "overlap"), [("shm", None), ("shm", True),
@@ -200,13 +218,15 @@ def test_ddp_equals_one_process_on_the_global_batch(ranks, transport: str,
                                                     overlap: bool | None) -> None:
     """Parameters identical on every rank after every step and equal to one process on
     the concatenated batch; no_sync, dropped wrappers, unused parameters, the error. On
-    shared memory the gradients are reduced in place, over TCP through buckets; on
+    shared memory the gradients are reduced in place, over TCP through buckets below
+    the ring's sizes and in place from them; on
     a host with fewer than two cores a rank they are reduced at the end of backward
     (unless told to overlap), else during it."""
     # 3 ranks: the mean's 1/3 is inexact, and the buckets need padding.
     out = ranks(_ddp_rank, 3, overlap, timeout=120, env=transport_env(transport))
     assert all(o["buckets"] >= 3 for o in out)
     assert all(o["in_place"] == [transport == "shm"] * o["buckets"] for o in out), out
+    assert all(o["wide_in_place"] == [True] for o in out), out
     spare = len(os.sched_getaffinity(0)) >= 2 * 3
     want = overlap if overlap is not None else spare
     assert all(o["overlap"] == want for o in out), out

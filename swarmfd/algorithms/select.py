@@ -22,8 +22,9 @@ __all__ = ["ALL_GATHER_V_INLINE_BYTES", "HIER_SCATTER_MIN_BYTES", "HIER_SMALL_BY
            "IN_PLACE_KINDS", "PAIR_MAX_BYTES", "SMALL_BYTES", "SMALL_MAX_WORLD", "all_gather",
            "all_gather_two_level", "all_reduce",
            "all_reduce_in_place", "all_reduce_two_level", "broadcast", "broadcast_two_level",
-           "gather", "reduce", "reduce_scatter", "reduce_scatter_two_level",
-           "reduce_two_level", "scatter", "split_rows", "two_level_layout"]
+           "gather", "reduce", "reduce_scatter", "reduce_scatter_in_place",
+           "reduce_scatter_two_level", "reduce_two_level", "scatter", "split_rows",
+           "two_level_layout"]
 
 #: Two ranks all-reduce up to this many bytes as one message each way (the pair
 #: exchange); above it the ring's pipelined pieces win (interleaved A/B over TCP:
@@ -65,17 +66,28 @@ def all_reduce(kind: str, nbytes: int, size: int, count: int, plane: str = "") -
     return tcp.all_reduce_ring
 
 
-#: The kinds of plane whose flat all_reduce takes Parts and a divide (see below).
+#: The kinds of plane whose reduce_scatter takes Parts and a divide (see below).
 IN_PLACE_KINDS = frozenset({"shm"})
 
 
-def all_reduce_in_place(kind: str) -> bool:
-    """Whether the flat all_reduce on a plane of ``kind`` (:func:`all_reduce`), and its
-    reduce_scatter, take :class:`~.base.Parts`, several arrays reduced without a
-    staging copy, and a ``divide`` for a mean: shared memory's, whose copies in and out
-    are its own
-    (measured with benchmarks/train.py, 2026-12-03: a DDP step's copy of its 13.6 MB
-    of gradients into buckets took 2.4 ms of a 30 ms step at N=2)."""
+def all_reduce_in_place(kind: str, nbytes: int, size: int, count: int,
+                        plane: str = "") -> bool:
+    """Whether the flat all_reduce :func:`all_reduce` picks takes :class:`~.base.Parts`
+    (several arrays reduced where they are, without a staging copy) and a ``divide``
+    for a mean: shared memory's, whose copies in and out are its own, and the TCP ring,
+    which sends each piece as a view of its array (the small calls' algorithms send
+    one message, so a staging buffer is cheaper there than a message per array).
+    Measured with benchmarks/train.py: a DDP step's copy of its 13.6 MB of gradients
+    into buckets took 2.4 ms of a 30 ms step at N=2 on shared memory (2026-12-03), and
+    backward took 13.0 ms with the copies over TCP against 9.2 ms without them on
+    shared memory (2026-12-04)."""
+    return kind == "shm" or all_reduce(kind, nbytes, size, count, plane) is tcp.all_reduce_ring
+
+
+def reduce_scatter_in_place(kind: str) -> bool:
+    """Whether the reduce_scatter on a plane of ``kind`` takes :class:`~.base.Parts`
+    and a ``divide`` (shared memory's; the TCP ring reduces into its input, so it
+    takes a copy anyway)."""
     return kind in IN_PLACE_KINDS
 
 

@@ -51,7 +51,8 @@ import numpy as np
 
 from ..comm import wire
 from ..errors import ProtocolError
-from .base import Algorithm, Op, num_pieces, split
+from . import base
+from .base import Algorithm, Op, Parts, num_pieces, ring_pieces, split
 
 __all__ = [
     "ACK",
@@ -177,35 +178,49 @@ def all_reduce_direct(op: Op, buf: np.ndarray, ufunc: np.ufunc) -> Algorithm:
     buf[...] = acc
 
 
-def all_reduce_ring(op: Op, buf: np.ndarray, ufunc: np.ufunc,
-                    ring: Sequence[int] | None = None) -> Algorithm:
-    """Pipelined ring reduce-scatter, then all-gather (see the module docstring)."""
+def all_reduce_ring(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
+                    ring: Sequence[int] | None = None, divide: int = 0) -> Algorithm:
+    """Pipelined ring reduce-scatter, then all-gather (see the module docstring).
+
+    ``buf`` may be :class:`Parts` (several arrays reduced where they are: a piece is
+    sent as a view of its array, :func:`.base.ring_pieces`), with the bits of their
+    concatenation. ``divide``: the owner of each chunk divides it by this (a mean)
+    when it is fully reduced, before it goes around, so no pass over the whole
+    buffer follows."""
     order, pos = _ring(op, ring)
     N = op.size
-    chunks = split(buf.size, N)
-    P = num_pieces(max(b - a for a, b in chunks), buf.itemsize)
-    pieces = [[(a + x, a + y) for x, y in split(b - a, P)] for a, b in chunks]
+    pieces = ring_pieces(buf, split(buf.size, N))
+    P = max(len(p) for p in pieces)
     nxt, prv = order[(pos + 1) % N], order[(pos - 1) % N]
+    dtype = buf.dtype
     # Reduce-scatter. Tag = step * P + piece; steps 0..N-2 reduce, N-1..2N-3 gather.
     for j, (a, b) in enumerate(pieces[pos]):
-        op.send(nxt, j, buf[a:b])
-    scratch = op.scratch(pieces, buf.dtype)
+        op.send(nxt, j, base.take(buf, a, b))
+    scratch = op.scratch(pieces, dtype)
     for k in range(N - 1):
+        div = divide if k == N - 2 else 0
         for j, (a, b) in enumerate(pieces[(pos - k - 1) % N]):
-            seg = buf[a:b]
-            theirs = yield from op.recv_operand(prv, k * P + j, seg, scratch)
-            ufunc(seg, theirs, out=seg)
+            theirs = yield from op.recv_operand(prv, k * P + j, dtype, b - a, scratch)
+            base.reduce_into(buf, a, b, theirs, ufunc, div)
             # The reduced piece goes on at once: to the next reduce step, or, after the
             # last one, as the first all-gather step.
-            op.send(nxt, (k + 1) * P + j, seg)
+            op.send(nxt, (k + 1) * P + j, base.take(buf, a, b))
     # All-gather: each fully reduced piece travels once around the ring.
     last = 2 * N - 3
+    whole = type(buf) is np.ndarray
     for k in range(N - 1, 2 * N - 2):
         for j, (a, b) in enumerate(pieces[(pos - (k - N + 1)) % N]):
-            seg = buf[a:b]
-            yield op.recv_into(prv, k * P + j, seg)
+            tag = k * P + j
+            views = [buf[a:b]] if whole else [v for v, _, _ in base.spans(buf, a, b)]
+            if len(views) == 1:
+                seg = views[0]
+                yield op.recv_into(prv, tag, seg)
+            else:  # small arrays' piece: through the scratch buffer
+                data = yield from op.recv_operand(prv, tag, dtype, b - a, scratch)
+                base.put(buf, a, b, data)
+                seg = base.take(buf, a, b)  # a copy: the scratch buffer is reused
             if k < last:
-                op.send(nxt, (k + 1) * P + j, seg)
+                op.send(nxt, tag + P, seg)
 
 
 # -- broadcast --------------------------------------------------------------------------
@@ -421,7 +436,7 @@ def reduce_scatter_ring(op: Op, buf: np.ndarray, parts: Sequence[tuple[int, int]
         last = k == N - 2
         for j, (a, b) in enumerate(pieces[part]):
             seg = buf[a:b]
-            theirs = yield from op.recv_operand(prv, k * P + j, seg, scratch)
+            theirs = yield from op.recv_operand(prv, k * P + j, buf.dtype, b - a, scratch)
             if last:
                 # The final step: this rank's own part, fully reduced.
                 oa, ob = a - parts[part][0], b - parts[part][0]

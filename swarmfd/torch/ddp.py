@@ -17,14 +17,19 @@ How it works:
   mean for free). When a bucket is complete it is all-reduced asynchronously
   (buckets are issued in index order on every rank), while autograd goes on with
   the earlier layers.
-* **On shared memory** (a group of one host) a bucket is not copied at all: its
-  parameters' gradients are all-reduced in place as one call (a list all_reduce,
-  whose shared-memory algorithm copies straight from and to the arrays, and divides
-  the mean chunk by chunk). The copy into a bucket is the 13.6 MB the benchmark MLP's
-  step copied for nothing there: the algorithm copies its data into shared memory
-  anyway; under ZeRO they are reduce-scattered where they are. Not with
+* **Where the algorithm takes arrays as they are** a bucket is not copied at all: its
+  parameters' gradients are all-reduced in place as one call (a list all_reduce).
+  On shared memory (a group of one host) its algorithm copies straight from and to
+  the arrays, and divides the mean chunk by chunk; the TCP ring sends each piece as
+  a view of its gradient and divides the mean in the owner's chunk (buckets over
+  1 MiB at N=2, over 256 KiB in larger groups: smaller ones take an algorithm of
+  one message each way, sent from a bucket). The copy into a bucket is the 13.6 MB
+  the benchmark MLP's step copied for nothing (over TCP at N=2 backward took 13.0 ms
+  with it, 8.5 ms without, 2026-12-04).
+  Under ZeRO they are reduce-scattered where they are on shared memory (the TCP ring
+  reduces into its input: it copies them anyway). Not with
   ``find_unused_parameters``, a comm hook or a bfloat16 parameter (their buckets are
-  needed), nor over TCP (the ring sends from one buffer).
+  needed).
 * **Overlap only where a core is free for it.** An async bucket runs on swarmfd's
   progress thread, whose Python steps and autograd take turns at the GIL (a busy
   Python thread made the benchmark MLP's backward 4.5x slower here), and whose copies
@@ -227,12 +232,16 @@ class DistributedDataParallel(torch.nn.Module):
         self._slots = [s for b in buckets for s in b.slots]
         self._slot_index = {id(s): i for i, s in enumerate(self._slots)}
         self._grads = [torch.zeros(b.padded, dtype=b.comm_dtype) for b in buckets]
-        # Buckets whose gradients may be all-reduced in place (see the module
-        # docstring): one dtype, reduced in it, on a plane that takes arrays as they are.
+        # Buckets whose gradients may be reduced in place (see the module docstring):
+        # one dtype, reduced in it, by an algorithm that takes arrays as they are; the
+        # all_reduce's, or under ZeRO the reduce_scatter's.
         plane = _fd_group.resolve_group(group, "DistributedDataParallel").plane()
-        in_place = plane is not None and _select.all_reduce_in_place(plane.kind)
-        self._in_place = [in_place and all(s.param.dtype == b.comm_dtype for s in b.slots)
-                          for b in buckets]
+        scatter = plane is not None and _select.reduce_scatter_in_place(plane.kind)
+        one = [all(s.param.dtype == b.comm_dtype for s in b.slots) for b in buckets]
+        self._in_place = [ok and _fd_collectives.all_reduce_in_place(
+            group, b.numel * b.comm_dtype.itemsize, b.numel)
+            for ok, b in zip(one, buckets, strict=True)]
+        self._in_place_zero = [ok and scatter for ok in one]
         if overlap is None:
             overlap = 2 * fd.host_group().size <= _cores()
         self._overlap = bool(overlap)
@@ -393,8 +402,8 @@ class DistributedDataParallel(torch.nn.Module):
     def _direct(self, index: int) -> bool:
         """Whether bucket ``index``'s gradients are all-reduced in place, in their
         parameters' ``.grad`` (see the module docstring), in this backward pass."""
-        return (self._in_place[index] and self._hook is None
-                and not self.find_unused_parameters)
+        in_place = self._in_place if self._zero_opt() is None else self._in_place_zero
+        return in_place[index] and self._hook is None and not self.find_unused_parameters
 
     def _scale(self) -> float:
         """The factor applied on the way into the bucket: 1/N for the plain mean."""
