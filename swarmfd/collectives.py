@@ -391,7 +391,7 @@ def _all_reduce_algo(o: Op, flat: np.ndarray | Parts, rop: ReduceOp, mean: bool,
     algo = select.all_reduce(kind, flat.nbytes, o.size, flat.size, o.plane.name)
     if algo is select.tcp.all_reduce_ring:
         # Takes Parts, and the owner of each chunk divides a mean before it goes round.
-        return algo(o, flat, ufunc, None, o.size if mean else 0)
+        return algo(o, flat, ufunc, divide=o.size if mean else 0)
     assert isinstance(flat, np.ndarray)
     return _divided(o, algo(o, flat, ufunc), flat) if mean else algo(o, flat, ufunc)
 
@@ -722,28 +722,25 @@ def reduce_scatter(x: Any, out: Any = None, *, op: str = "sum", group: Any = Non
 def _reduce_scatter_run(g: _group.Group, src: np.ndarray | Parts, parts: list[tuple[int, int]],
                         res_flat: np.ndarray, result: Any, rop: ReduceOp, mean: bool,
                         sig: Signature, alone: Callable[[], None], async_op: bool) -> Any:
-    """Run the reduce_scatter of ``src`` (the whole input, flat: an array, or Parts
-    where the plane's algorithm takes them) into ``res_flat`` (this rank's part of
+    """Run the reduce_scatter of ``src`` (the whole input, flat: an array, or Parts,
+    read where it is) into ``res_flat`` (this rank's part of
     ``parts``); ``alone()`` fills it in a group of one. Gives ``result``."""
     ufunc = _UFUNCS[rop]
 
     def body(o: Op) -> Any:
-        algo = select.reduce_scatter(o.plane.kind, src.nbytes, o.size)
-        if select.reduce_scatter_in_place(o.plane.kind):
-            # Takes Parts, and divides a mean part by part while it is in cache.
-            yield from algo(o, src, parts, res_flat, ufunc, o.size if mean else 0)
-            return
-        assert isinstance(src, np.ndarray)
         two = g.two_level()
-        hier = two and select.reduce_scatter_two_level(src.nbytes, two[0])
+        hier = o.plane.kind != "shm" and two and \
+            select.reduce_scatter_two_level(src.nbytes, two[0])
         if hier:
-            yield from hier(o, src, parts, res_flat, ufunc, *two)
-        elif algo is select.tcp.reduce_scatter_ring:
-            yield from algo(o, src.copy(), parts, res_flat, ufunc)  # scratch copy
-        else:
-            yield from algo(o, src, parts, res_flat, ufunc)
-        if mean:
-            np.divide(res_flat, o.size, out=res_flat)
+            flat = src if isinstance(src, np.ndarray) else np.concatenate(src.arrays)
+            yield from hier(o, flat, parts, res_flat, ufunc, *two)
+            if mean:
+                np.divide(res_flat, o.size, out=res_flat)
+            return
+        # Every flat algorithm reads src (an array or Parts) where it is, and divides a
+        # mean in this rank's part.
+        algo = select.reduce_scatter(o.plane.kind, src.nbytes, o.size)
+        yield from algo(o, src, parts, res_flat, ufunc, divide=o.size if mean else 0)
 
     def finish(_: Any) -> Any:
         if g.size == 1:
@@ -757,8 +754,8 @@ def reduce_scatter_parts(arrays: Sequence[Any], out: Any, *, op: str = "sum",
                          group: Any = None, async_op: bool = False) -> Any:
     """:func:`reduce_scatter` of the concatenation of ``arrays`` (one dtype, flat, a
     total size that divides by the group size: equal parts), without concatenating
-    them where the plane's algorithm reads them where they are (shared memory; else
-    they are concatenated first). Not public: DDP's buckets under ZeRO use it, so
+    them: every flat algorithm reads them where they are (the two-level one takes
+    them concatenated). Not public: DDP's buckets under ZeRO use it, so
     their gradients need no copy into a bucket. ``out``: this rank's part."""
     g = _group.resolve_group(group, "reduce_scatter()")
     rop, mean = _parse_op(op, "reduce_scatter")
@@ -770,10 +767,6 @@ def reduce_scatter_parts(arrays: Sequence[Any], out: Any, *, op: str = "sum",
     if total % g.size:
         raise ValueError(f"swarmfd.reduce_scatter_parts: {total} elements do not split "
                          f"into {g.size} equal parts")
-    plane = g.plane()
-    if plane is None or not select.reduce_scatter_in_place(plane.kind):
-        return reduce_scatter(np.concatenate(nps), out, op=op, group=group,
-                              async_op=async_op)
     dtype = nps[0].dtype
     code = _check_array(nps[0], "reduce_scatter", writable=False)
     _check_op_dtype(rop, mean, dtype, "reduce_scatter")

@@ -182,6 +182,58 @@ def test_tcp_ring_all_reduce_of_parts_is_that_of_the_fused_buffer(
     assert np.allclose(want[0], total / n if divide else total)
 
 
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("divide", [False, True])
+@pytest.mark.parametrize(("algo", "counts"), [
+    (algo, counts) for algo in ("ring", "direct")
+    for counts in ([3, 3], [700, 1, 299, 1], [300000, 17, 200000, 2])
+    if algo == "ring" or sum(counts) < 1000])  # direct: small (one message a part)
+def test_tcp_reduce_scatter_of_parts_is_that_of_the_fused_buffer(
+        n: int, counts: list[int], divide: bool, algo: str) -> None:
+    """The TCP reduce_scatters read their input where it is, an array or Parts, and
+    never write it (no copy of the input per call): each rank's part has the bits of
+    the fused buffer's reduce_scatter, then divided; pieces across arrays too."""
+    counts = [*counts, -sum(counts) % n] if sum(counts) % n else counts
+    counts = [c for c in counts if c]
+    inputs = [[sample_data(r * 10 + i, c, np.float64) for i, c in enumerate(counts)]
+              for r in range(n)]
+    total = sum(counts)
+    bounds = [(r * total // n, (r + 1) * total // n) for r in range(n)]
+    fn = tcp.reduce_scatter_ring if algo == "ring" else tcp.reduce_scatter_direct
+
+    def fused(op: Op) -> Any:
+        buf = np.concatenate(inputs[op.me])
+        a, b = bounds[op.me]
+        out = np.empty(b - a)
+
+        def result() -> np.ndarray:
+            if divide:
+                np.divide(out, n, out=out)
+            return out
+        return fn(op, buf, bounds, out, np.add), result
+
+    def parts(op: Op, whole: bool = False) -> Any:
+        arrays = inputs[op.me]
+        buf = np.concatenate(arrays) if whole else Parts(arrays)
+        a, b = bounds[op.me]
+        out = np.empty(b - a)
+        if algo == "ring":
+            gen = fn(op, buf, bounds, out, np.add, None, n if divide else 0)
+        else:
+            gen = fn(op, buf, bounds, out, np.add, n if divide else 0)
+        return gen, lambda: out
+
+    want = run_algorithm(n, fused)
+    before = [np.concatenate(x).tobytes() for x in inputs]
+    for got in (run_algorithm(n, parts), run_algorithm(n, lambda op: parts(op, True))):
+        for r in range(n):
+            assert got[r].tobytes() == want[r].tobytes(), f"rank {r}"
+            assert np.concatenate(inputs[r]).tobytes() == before[r], "an input changed"
+    whole = sum(np.concatenate(inputs[r]) for r in range(n)) / (n if divide else 1)
+    for r, (a, b) in enumerate(bounds):
+        assert np.allclose(want[r], whole[a:b])
+
+
 @pytest.mark.parametrize("counts", [[5], [3, 3], [700, 1, 299, 1], [200000, 17, 3, 9000, 1,
                                                                      131072, 8191, 8192]])
 @pytest.mark.parametrize("n", [1, 2, 3, 4])

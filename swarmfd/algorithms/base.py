@@ -272,7 +272,9 @@ def take(buf: np.ndarray | Parts, a: int, b: int) -> np.ndarray:
     if type(buf) is np.ndarray:
         return buf[a:b]
     views = [v for v, _, _ in spans(buf, a, b)]
-    return views[0] if len(views) == 1 else np.concatenate(views)
+    if len(views) == 1:
+        return views[0]
+    return np.concatenate(views) if views else np.empty(0, buf.dtype)
 
 
 def reduce_into(buf: np.ndarray | Parts, a: int, b: int, theirs: np.ndarray,

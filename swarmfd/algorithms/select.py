@@ -19,10 +19,10 @@ from ..comm.planes.shm import SEGMENT_BYTES
 from . import hier, shm, tcp
 
 __all__ = ["ALL_GATHER_V_INLINE_BYTES", "HIER_SCATTER_MIN_BYTES", "HIER_SMALL_BYTES",
-           "IN_PLACE_KINDS", "PAIR_MAX_BYTES", "SMALL_BYTES", "SMALL_MAX_WORLD", "all_gather",
+           "PAIR_MAX_BYTES", "SMALL_BYTES", "SMALL_MAX_WORLD", "all_gather",
            "all_gather_two_level", "all_reduce",
            "all_reduce_in_place", "all_reduce_two_level", "broadcast", "broadcast_two_level",
-           "gather", "reduce", "reduce_scatter", "reduce_scatter_in_place",
+           "gather", "reduce", "reduce_scatter",
            "reduce_scatter_two_level", "reduce_two_level", "scatter", "split_rows",
            "two_level_layout"]
 
@@ -66,10 +66,6 @@ def all_reduce(kind: str, nbytes: int, size: int, count: int, plane: str = "") -
     return tcp.all_reduce_ring
 
 
-#: The kinds of plane whose reduce_scatter takes Parts and a divide (see below).
-IN_PLACE_KINDS = frozenset({"shm"})
-
-
 def all_reduce_in_place(kind: str, nbytes: int, size: int, count: int,
                         plane: str = "") -> bool:
     """Whether the flat all_reduce :func:`all_reduce` picks takes :class:`~.base.Parts`
@@ -82,13 +78,6 @@ def all_reduce_in_place(kind: str, nbytes: int, size: int, count: int,
     backward took 13.0 ms with the copies over TCP against 9.2 ms without them on
     shared memory (2026-12-04)."""
     return kind == "shm" or all_reduce(kind, nbytes, size, count, plane) is tcp.all_reduce_ring
-
-
-def reduce_scatter_in_place(kind: str) -> bool:
-    """Whether the reduce_scatter on a plane of ``kind`` takes :class:`~.base.Parts`
-    and a ``divide`` (shared memory's; the TCP ring reduces into its input, so it
-    takes a copy anyway)."""
-    return kind in IN_PLACE_KINDS
 
 
 def _doubling(nbytes: int, size: int, plane: str) -> bool:

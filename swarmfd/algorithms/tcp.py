@@ -392,60 +392,69 @@ def barrier(op: Op, tag: int = 0) -> Algorithm:
 # -- reduce_scatter ---------------------------------------------------------------------
 
 
-def reduce_scatter_direct(op: Op, buf: np.ndarray, parts: Sequence[tuple[int, int]],
-                          out: np.ndarray, ufunc: np.ufunc) -> Algorithm:
-    """Every rank sends part r of its buffer to rank r, which reduces the N parts in rank
-    order into ``out`` (flat)."""
+def reduce_scatter_direct(op: Op, buf: np.ndarray | Parts, parts: Sequence[tuple[int, int]],
+                          out: np.ndarray, ufunc: np.ufunc, divide: int = 0) -> Algorithm:
+    """Every rank sends part r of its buffer (an array or Parts, read only) to rank r,
+    which reduces the N parts in rank order into ``out`` (flat), then divides it by
+    ``divide`` (when not 0)."""
     for p in range(op.size):
         if p != op.me:
             a, b = parts[p]
-            op.send(p, 0, buf[a:b])
+            op.send(p, 0, base.take(buf, a, b))
     a, b = parts[op.me]
-    mine = buf[a:b]
+    mine = base.take(buf, a, b)
     for p in range(op.size):
-        arr = mine if p == op.me else (yield from op.recv_array(p, 0, mine))
+        arr = mine if p == op.me else (yield from op.recv_operand(p, 0, mine.dtype, mine.size,
+                                                                  None))
         if p == 0:
             out[...] = arr
         else:
             ufunc(out, arr, out=out)
+    if divide:
+        np.divide(out, divide, out=out)
 
 
-def reduce_scatter_ring(op: Op, buf: np.ndarray, parts: Sequence[tuple[int, int]],
+def reduce_scatter_ring(op: Op, buf: np.ndarray | Parts, parts: Sequence[tuple[int, int]],
                         out: np.ndarray, ufunc: np.ufunc,
-                        ring: Sequence[int] | None = None) -> Algorithm:
+                        ring: Sequence[int] | None = None, divide: int = 0) -> Algorithm:
     """Pipelined ring reduce-scatter: N-1 steps, each rank sends (N-1)/N of the buffer.
 
     The rank at ring position q first sends the part of the rank at q-1, so that after
-    N-1 steps every rank holds its own part, reduced once along the ring. ``buf`` is
-    used as scratch (its parts are reduced into in place); the result goes to ``out``.
-    """
+    N-1 steps every rank holds its own part, reduced once along the ring, in ``out``
+    (divided by ``divide`` when not 0). ``buf`` (an array, or Parts) is read, never
+    written: a partial sum travels on in a buffer of its own, so the input needs no
+    copy (it had one per call: the whole buffer). Pieces are cut as an array's, so
+    they do not depend on how Parts split it (which the call's signature does not
+    carry); a piece across arrays is copied to be sent."""
     order, pos = _ring(op, ring)
     N = op.size
     P = num_pieces(max((b - a for a, b in parts), default=0), buf.itemsize)
     pieces = [[(a + x, a + y) for x, y in split(b - a, P)] for a, b in parts]
     nxt, prv = order[(pos + 1) % N], order[(pos - 1) % N]
+    dtype = buf.dtype
 
     def part_at(step_pos: int) -> int:
         return order[(step_pos - 1) % N]
 
     for j, (a, b) in enumerate(pieces[part_at(pos)]):
-        op.send(nxt, j, buf[a:b])
-    scratch = op.scratch(pieces, buf.dtype)
+        op.send(nxt, j, base.take(buf, a, b))
+    scratch = op.scratch(pieces, dtype)
     for k in range(N - 1):
         part = part_at(pos - k - 1)
         last = k == N - 2
         for j, (a, b) in enumerate(pieces[part]):
-            seg = buf[a:b]
-            theirs = yield from op.recv_operand(prv, k * P + j, buf.dtype, b - a, scratch)
-            if last:
-                # The final step: this rank's own part, fully reduced.
-                oa, ob = a - parts[part][0], b - parts[part][0]
-                ufunc(seg, theirs, out=out[oa:ob])
-            else:
-                ufunc(seg, theirs, out=seg)
-                op.send(nxt, (k + 1) * P + j, seg)
+            theirs = yield from op.recv_operand(prv, k * P + j, dtype, b - a, scratch)
+            # The final step: this rank's own part, fully reduced, lands in out.
+            acc = out[a - parts[part][0]:b - parts[part][0]] if last else \
+                np.empty(b - a, dtype)
+            for view, u, v in base.spans(buf, a, b):
+                ufunc(view, theirs[u:v], out=acc[u:v])
+            if not last:
+                op.send(nxt, (k + 1) * P + j, acc)
+            elif divide:
+                np.divide(acc, divide, out=acc)
     if N == 1:
-        out[...] = buf[parts[0][0]:parts[0][1]]
+        out[...] = base.take(buf, parts[0][0], parts[0][1])
 
 
 # -- all_to_all -------------------------------------------------------------------------

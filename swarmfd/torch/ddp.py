@@ -26,8 +26,7 @@ How it works:
   one message each way, sent from a bucket). The copy into a bucket is the 13.6 MB
   the benchmark MLP's step copied for nothing (over TCP at N=2 backward took 13.0 ms
   with it, 8.5 ms without, 2026-12-04).
-  Under ZeRO they are reduce-scattered where they are on shared memory (the TCP ring
-  reduces into its input: it copies them anyway). Not with
+  Under ZeRO they are reduce-scattered where they are, on every plane. Not with
   ``find_unused_parameters``, a comm hook or a bfloat16 parameter (their buckets are
   needed).
 * **Overlap only where a core is free for it.** An async bucket runs on swarmfd's
@@ -72,8 +71,6 @@ from torch.autograd import Variable
 
 import swarmfd as fd
 from swarmfd import collectives as _fd_collectives
-from swarmfd import group as _fd_group
-from swarmfd.algorithms import select as _select
 
 from . import _buckets
 from ._tensors import FLOAT_DTYPES, bits, check_cpu
@@ -233,15 +230,13 @@ class DistributedDataParallel(torch.nn.Module):
         self._slot_index = {id(s): i for i, s in enumerate(self._slots)}
         self._grads = [torch.zeros(b.padded, dtype=b.comm_dtype) for b in buckets]
         # Buckets whose gradients may be reduced in place (see the module docstring):
-        # one dtype, reduced in it, by an algorithm that takes arrays as they are; the
-        # all_reduce's, or under ZeRO the reduce_scatter's.
-        plane = _fd_group.resolve_group(group, "DistributedDataParallel").plane()
-        scatter = plane is not None and _select.reduce_scatter_in_place(plane.kind)
+        # one dtype, reduced in it, by an algorithm that takes arrays as they are (the
+        # all_reduce's where it can; under ZeRO the reduce_scatter's, which always can).
         one = [all(s.param.dtype == b.comm_dtype for s in b.slots) for b in buckets]
         self._in_place = [ok and _fd_collectives.all_reduce_in_place(
             group, b.numel * b.comm_dtype.itemsize, b.numel)
             for ok, b in zip(one, buckets, strict=True)]
-        self._in_place_zero = [ok and scatter for ok in one]
+        self._in_place_zero = one
         if overlap is None:
             overlap = 2 * fd.host_group().size <= _cores()
         self._overlap = bool(overlap)
