@@ -281,6 +281,12 @@ def reduce_into(buf: np.ndarray | Parts, a: int, b: int, theirs: np.ndarray,
                 ufunc: np.ufunc, divide: int = 0) -> None:
     """Elements [a, b) of ``buf`` = ufunc(them, ``theirs``), then divided by ``divide``
     (when not 0), where they are."""
+    if type(buf) is np.ndarray:
+        seg = buf[a:b]
+        ufunc(seg, theirs, out=seg)
+        if divide:
+            np.divide(seg, divide, out=seg)
+        return
     for view, u, v in spans(buf, a, b):
         ufunc(view, theirs[u:v], out=view)
         if divide:
