@@ -865,9 +865,11 @@ def _job_with_a_failure(ctx: RankCtx, victim: int, what: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(("victim", "what", "cause"), [
-    # The first descriptor of the setup is the memfd; if another thread of the rank
-    # closes a descriptor meanwhile, the memfd takes that one and the pipe fails instead.
-    (1, "setup", r"rank 1: (memfd_create failed|could not create the inbox \(a pipe\)): "
+    # The first descriptor of the setup is the memfd; if other threads of the rank close
+    # descriptors meanwhile, the memfd takes one and the pipe fails instead, or the
+    # pipe another, and the map (mmap duplicates the memfd) fails.
+    (1, "setup", r"rank 1: (memfd_create failed|could not create the inbox \(a pipe\)|"
+                 r"could not size, seal or map a segment of \d+ bytes): "
                  r"\[Errno 24\] Too many open files"),
     (2, "recv_fds", r"rank 2: could not receive the other ranks' segments: the kernel "
                     r"delivered 0 descriptor\(s\) and dropped the rest \(MSG_CTRUNC"),
