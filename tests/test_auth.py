@@ -611,3 +611,32 @@ def test_a_vanished_peer_is_lost_within_seconds_a_stopped_one_times_out(vanish: 
         # (set 0.5 s into the wait, by a process that may be descheduled) the bound of
         # 11 s had about 1 s of headroom.
         assert info["in_call"] >= 12.0, info
+
+
+def _token_refused(ctx: RankCtx) -> dict[str, Any]:
+    """Rank 0's data socket expects another token of rank 1 (as if a replay had used
+    rank 1's): rank 1's own connection is refused."""
+    from swarmfd.comm import security
+
+    if ctx.rank == 0:
+        real = security.connection_token
+        security.connection_token = (  # type: ignore[assignment]
+            lambda token, client, server: "used" if client == 1 else real(token, client, server))
+    try:
+        ctx.init(init_timeout=5)
+    except Exception as exc:  # the error is what the test reads
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"error": None}
+
+
+def test_a_refused_data_token_is_named_with_the_connections_story() -> None:
+    """A rank whose one-time data token its peer refuses (a replay came first) fails
+    init with an AuthenticationError that says so and tells what its connection did,
+    so a replay is told apart from its own connection redialled."""
+    with Ranks(_token_refused, 2, init=False, transport="zmq", group_timeout=10) as ranks:
+        out = ranks.results(timeout=60)
+    err = out[1]["error"] or ""
+    assert err.startswith("AuthenticationError: rank 1: the data socket of rank 0"), out
+    assert "refused this rank's connection token" in err, out
+    assert re.search(r"This rank's connection to it: refused at \d+\.\d{3} s", err), out
+    assert out[0]["error"] is not None, out  # rank 0 never gets rank 1's connection

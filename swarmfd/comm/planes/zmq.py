@@ -94,6 +94,12 @@ _SNDMORE = int(zmq.SNDMORE)
 #: a send (100-byte frames, 3 runs).
 _send = zmq.backend.Socket.send
 _recv = zmq.backend.Socket.recv
+#: The DEALER monitor's events, as a refused connection's story tells them.
+_EVENT_NAMES = {zmq.EVENT_HANDSHAKE_SUCCEEDED: "authenticated",
+                zmq.EVENT_DISCONNECTED: "closed",
+                zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed",
+                zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed (protocol)",
+                zmq.EVENT_HANDSHAKE_FAILED_AUTH: "refused"}
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
@@ -212,6 +218,11 @@ class ZmqPlane:
         #: A peer's endpoint (as the DEALER's monitor reports it) -> the peer's rank.
         self.at: dict[bytes, int] = {}
         self.connected: set[int] = set()
+        #: What the DEALER's monitor said of each peer's connection while it was set up
+        #: (seconds since connect(), event): told when a peer refuses this rank's token, to
+        #: tell a replay that came first from this rank's own connection dropped and redialled.
+        self.history: dict[int, list[tuple[float, str]]] = {}
+        self.setup_start = 0.0
         self.trackers: list[tuple[int, zmq.MessageTracker]] = []
         #: The frame whose header next_header returned (a view that keeps its Frame alive),
         #: and whether its payload follows in a frame of its own.
@@ -240,6 +251,7 @@ class ZmqPlane:
         message is sent before its receiver listens, and no token is left unused)."""
         t = self.t
         rx = self.rx
+        self.setup_start = _now()
         self.rx_monitor = rx.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED
                                                 | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         for peer in peers:
@@ -261,7 +273,9 @@ class ZmqPlane:
                     f"({t.where(refused[0])}) refused this rank's connection token. A token "
                     "is valid once: was it replayed by someone reading the network before "
                     "this rank's own connection used it? On such a network set "
-                    "SWARMFD_ENCRYPT=1"
+                    "SWARMFD_ENCRYPT=1. This rank's connection to it: "
+                    + ", ".join(f"{what} at {at:.3f} s"
+                                for at, what in self.history.get(refused[0], []))
                 )
             lost = sorted(set(t.lost) - self.connected)
             if lost or _now() > deadline:
@@ -506,6 +520,10 @@ class ZmqPlane:
             if peer is None:
                 continue  # not a peer's endpoint: cannot happen, the DEALER dials only them
             event = got["event"]
+            if self.router_monitor is not None:  # still setting up: keep the story
+                trail = self.history.setdefault(peer, [])
+                if len(trail) < 16:
+                    trail.append((_now() - self.setup_start, _EVENT_NAMES.get(event, str(event))))
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.connected.add(peer)
             elif event == zmq.EVENT_DISCONNECTED:
