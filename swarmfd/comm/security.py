@@ -13,8 +13,12 @@ swarmfd's policies) admits only connections that prove they belong to the job:
   (:func:`connection_token`) derived from the listening rank's per-session token,
   which only the encrypted rendezvous carried; encrypted (``SWARMFD_ENCRYPT=1``),
   a CURVE client with the job key, at most ``world_size - 1`` times. A reader of the
-  network who replays a token is refused, and once every peer is in, nothing more
-  is admitted for as long as the job runs.
+  network who replays a token is refused. A rank has DATA_ATTEMPTS tokens for each
+  peer, and a refused one is followed by the next, which nobody has seen: a replay
+  that reaches the peer's ZAP handler before the rank's own handshake (the handler
+  is a Python thread, and it reads its connections' requests fair-queued, not in
+  the order they came) costs the rank one attempt, not its init. Tokens nobody has
+  used stay valid, but only the rank that derives them can present them.
 
 Sockets a stranger can reach (:func:`stranger_facing`) refuse frames larger than
 their legitimate traffic needs and drop connections that have not authenticated
@@ -36,6 +40,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 __all__ = [
+    "DATA_ATTEMPTS",
     "HANDSHAKE_IVL_MS",
     "KEEPALIVE",
     "ZAP_DATA",
@@ -55,6 +60,9 @@ ZAP_DATA = "swarmfd-data"
 #: authenticated within this many ms is dropped (libzmq's default is 30 s). A legitimate
 #: handshake takes a few ms (a CURVE one under 5 ms here, on a loaded machine).
 HANDSHAKE_IVL_MS = 2000
+#: One-time tokens a rank has for its zmq data connection to each peer (unencrypted):
+#: a refused one is followed by the next (see the module docstring).
+DATA_ATTEMPTS = 8
 #: TCP keepalive on every connection (idle s, interval s, probes): a host that vanished
 #: (no FIN) is found within about idle + interval * probes seconds (measured 3.9 s); a
 #: stopped process still answers (its kernel does), so a SIGSTOP stays a timeout.
@@ -96,13 +104,15 @@ class Security:
         sock.setsockopt(zmq.CURVE_SECRETKEY, self.secret)
 
 
-def connection_token(session_token: str, client: int, server: int) -> str:
-    """The one-time PLAIN password of ``client``'s data connection to ``server``.
+def connection_token(session_token: str, client: int, server: int, attempt: int = 0) -> str:
+    """The one-time PLAIN password of ``client``'s data connection to ``server``, at its
+    ``attempt``-th try (0 to DATA_ATTEMPTS - 1).
 
     Derived from ``server``'s per-session token, so a reader of the network who sees
-    one connection's password learns nothing about another's.
+    one connection's password learns nothing about another's, nor about the next
+    attempt's.
     """
-    msg = b"swarmfd zmq data connection v2\0" + struct.pack("<II", client, server)
+    msg = b"swarmfd zmq data connection v3\0" + struct.pack("<III", client, server, attempt)
     return hmac.new(session_token.encode(), msg, hashlib.sha256).hexdigest()
 
 
@@ -127,8 +137,10 @@ class Authenticator(ThreadAuthenticator):
         super().__init__(ctx, log=_ZAP_LOG)
         self.job_public = security.public
         self.encrypt = security.encrypt
-        #: rank -> its one-time data connection token (PLAIN data plane), not yet used.
-        self.data_tokens = {j: connection_token(token, j, rank)
+        #: rank -> attempt -> its one-time data connection token (PLAIN data plane), not
+        #: yet used.
+        self.data_tokens = {j: {a: connection_token(token, j, rank, a)
+                                for a in range(DATA_ATTEMPTS)}
                             for j in range(world_size) if j != rank}
         self.data_curve_left = world_size - 1
         #: Refused ZAP requests per domain (strangers; counted for error messages).
@@ -161,10 +173,11 @@ class Authenticator(ThreadAuthenticator):
             except ValueError:
                 rank = -1
             with self._lock:
-                expected = self.data_tokens.get(rank)
-                if expected is not None and hmac.compare_digest(password, expected):
-                    del self.data_tokens[rank]  # one-time: a replay is refused
-                    return True, b"OK"
+                left = self.data_tokens.get(rank, {})
+                for attempt, expected in list(left.items()):
+                    if hmac.compare_digest(password, expected):
+                        del left[attempt]  # one-time: a replay is refused
+                        return True, b"OK"
         self.denied[domain] += 1
         return False, b"NO ACCESS"
 

@@ -44,6 +44,7 @@ from ...errors import AuthenticationError, ProtocolError, RendezvousTimeout
 from .. import spin, wire
 from ..plane import PeerInfo, PlaneOwner
 from ..security import (
+    DATA_ATTEMPTS,
     ZAP_DATA,
     Authenticator,
     Security,
@@ -223,6 +224,8 @@ class ZmqPlane:
         #: tell a replay that came first from this rank's own connection dropped and redialled.
         self.history: dict[int, list[tuple[float, str]]] = {}
         self.setup_start = 0.0
+        #: peer -> this rank's attempt at its data connection (its one-time token's index).
+        self.attempts: dict[int, int] = {}
         self.trackers: list[tuple[int, zmq.MessageTracker]] = []
         #: The frame whose header next_header returned (a view that keeps its Frame alive),
         #: and whether its payload follows in a frame of its own.
@@ -248,10 +251,13 @@ class ZmqPlane:
     def connect(self, peers: Sequence[PeerInfo], deadline: float) -> None:
         """Connect a DEALER to every peer's ROUTER, and wait until the mesh is up: every
         DEALER authenticated, and every peer's DEALER authenticated with ours (so no
-        message is sent before its receiver listens, and no token is left unused)."""
+        message is sent before its receiver listens). A peer that refuses this rank's
+        one-time token (unencrypted: a replay came first) is dialled again with the next
+        one (:data:`~swarmfd.comm.security.DATA_ATTEMPTS` in all)."""
         t = self.t
         rx = self.rx
         self.setup_start = _now()
+        by_rank = {p.rank: p for p in peers}
         self.rx_monitor = rx.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED
                                                 | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         for peer in peers:
@@ -266,14 +272,19 @@ class ZmqPlane:
         while len(self.connected) < want or self.inbound < want:
             self.check_lost()
             self._read_router_monitor()
+            for p in sorted(t.refused):
+                if self._redial(by_rank[p]):
+                    t.refused.discard(p)
+                    t.lost.pop(p, None)  # the refusal's: the peer is there
             refused = sorted(t.refused)
             if refused:
                 raise AuthenticationError(
                     f"rank {self.rank}: the data socket of rank {refused[0]} "
-                    f"({t.where(refused[0])}) refused this rank's connection token. A token "
-                    "is valid once: was it replayed by someone reading the network before "
-                    "this rank's own connection used it? On such a network set "
-                    "SWARMFD_ENCRYPT=1. This rank's connection to it: "
+                    f"({t.where(refused[0])}) refused this rank's connection token "
+                    f"({self.attempts.get(refused[0], 0) + 1} attempt(s), each with a token "
+                    "of its own). A token is valid once: were they replayed by someone "
+                    "reading the network before this rank's own connection used them? On "
+                    "such a network set SWARMFD_ENCRYPT=1. This rank's connection to it: "
                     + ", ".join(f"{what} at {at:.3f} s"
                                 for at, what in self.history.get(refused[0], []))
                 )
@@ -319,6 +330,21 @@ class ZmqPlane:
         self.rx.close(linger=0)
         self.router.close(linger=int(linger * 1000))
 
+    def _redial(self, peer: PeerInfo) -> bool:
+        """Dial ``peer`` again with this rank's next one-time token, after it refused
+        one (unencrypted only: a CURVE refusal is a wrong key, and stays one). False
+        when there is none left."""
+        sec = self.security
+        attempt = self.attempts.get(peer.rank, 0) + 1
+        if sec is None or sec.encrypt or attempt >= DATA_ATTEMPTS:
+            return False
+        self.attempts[peer.rank] = attempt
+        with contextlib.suppress(zmq.ZMQError):  # (not connected any more: fine)
+            self.rx.disconnect(peer.endpoint)
+        self._client(self.rx, peer)
+        self.rx.connect(peer.endpoint)
+        return True
+
     def _client(self, sock: zmq.Socket, peer: PeerInfo) -> None:
         """Credentials of this rank's connection to ``peer``'s ROUTER (libzmq copies a
         socket's options into each connection when connect() is called)."""
@@ -329,8 +355,8 @@ class ZmqPlane:
             sec.curve_client(sock)
         else:
             sock.setsockopt(zmq.PLAIN_USERNAME, b"%d" % self.rank)
-            sock.setsockopt(zmq.PLAIN_PASSWORD,
-                            connection_token(peer.token, self.rank, peer.rank).encode())
+            sock.setsockopt(zmq.PLAIN_PASSWORD, connection_token(
+                peer.token, self.rank, peer.rank, self.attempts.get(peer.rank, 0)).encode())
 
     def send(self, dst: int, kind: int, sig: wire.Signature, seq: int, tag: int,
              payload: Any, size: int, copy: bool, group: int = 0) -> None:
@@ -527,6 +553,9 @@ class ZmqPlane:
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.connected.add(peer)
             elif event == zmq.EVENT_DISCONNECTED:
+                if self.router_monitor is not None and peer in self.attempts and \
+                        peer not in self.connected:
+                    continue  # the close of a refused attempt, redialled (connect())
                 self.t.lost.setdefault(peer, _now())
             elif event & HANDSHAKE_FAILED:
                 # A peer that refuses this rank's credentials: no data will ever flow.
