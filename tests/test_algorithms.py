@@ -15,6 +15,7 @@ import errno
 import itertools
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -90,6 +91,76 @@ def test_all_reduce(algo: str, n: int, count: int) -> None:
             assert np.allclose(got[0], want, rtol=1e-2, atol=1e-2), dtype
 
 
+def _parts_inputs(n: int, counts: list[int]) -> list[list[np.ndarray]]:
+    """Each rank's arrays (float64) of ``counts`` items."""
+    return [[sample_data(r * 10 + i, c, np.float64) for i, c in enumerate(counts)]
+            for r in range(n)]
+
+
+def _all_reduce_makers(inputs: list[list[np.ndarray]], divide: bool,
+                       call: Callable[[Op, Any, int], Any]) -> tuple[Any, Any, Any]:
+    """Makers (for run_algorithm) of one all_reduce of each rank's arrays by
+    ``call(op, buf, divide)``: fused into one buffer, divided after; fused, divided by
+    the algorithm; and as Parts, divided by the algorithm. Each gives the whole."""
+    n = len(inputs)
+
+    def fused(op: Op) -> Any:
+        buf = np.concatenate(inputs[op.me])
+        algo = call(op, buf, 0)
+
+        def result() -> np.ndarray:
+            if divide:
+                np.divide(buf, n, out=buf)
+            return buf
+        return algo, result
+
+    def fused_divided(op: Op) -> Any:
+        buf = np.concatenate(inputs[op.me])
+        return call(op, buf, n if divide else 0), lambda: buf
+
+    def parts(op: Op) -> Any:
+        arrays = [a.copy() for a in inputs[op.me]]
+        return call(op, Parts(arrays), n if divide else 0), lambda: np.concatenate(arrays)
+
+    return fused, fused_divided, parts
+
+
+def _reduce_scatter_case(n: int, counts: list[int], divide: bool, plane: str,
+                         call: Callable[[Op, Any, Any, np.ndarray, int], Any]) -> None:
+    """One reduce_scatter by ``call(op, buf, bounds, out, divide)`` of each rank's
+    arrays (padded to split in equal parts), as Parts and as their fused buffer
+    (divided by the algorithm), has each rank's part of the fused buffer's
+    reduce_scatter divided after, bit for bit; the inputs are left unchanged."""
+    counts = [*counts, -sum(counts) % n] if sum(counts) % n else counts
+    inputs = _parts_inputs(n, [c for c in counts if c])
+    total = sum(counts)
+    bounds = [(r * total // n, (r + 1) * total // n) for r in range(n)]
+
+    def make(op: Op, as_parts: bool, algo_divides: bool) -> Any:
+        arrays = inputs[op.me]
+        buf = Parts(arrays) if as_parts else np.concatenate(arrays)
+        a, b = bounds[op.me]
+        out = np.empty(b - a)
+        algo = call(op, buf, bounds, out, n if divide and algo_divides else 0)
+
+        def result() -> np.ndarray:
+            if divide and not algo_divides:
+                np.divide(out, n, out=out)
+            return out
+        return algo, result
+
+    want = run_algorithm(n, lambda op: make(op, False, False), plane=plane)
+    before = [np.concatenate(x).tobytes() for x in inputs]
+    for as_parts in (True, False):
+        got = run_algorithm(n, lambda op, p=as_parts: make(op, p, True), plane=plane)
+        for r in range(n):
+            assert got[r].tobytes() == want[r].tobytes(), f"rank {r}"
+            assert np.concatenate(inputs[r]).tobytes() == before[r], "an input changed"
+    whole = sum(np.concatenate(inputs[r]) for r in range(n)) / (n if divide else 1)
+    for r, (a, b) in enumerate(bounds):
+        assert np.allclose(want[r], whole[a:b])
+
+
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("counts", [[1], [3, 1], [700, 1, 299], [40000, 3, 90000],
                                     [131072, 131072, 5], [300000, 17, 200000]])
@@ -100,23 +171,9 @@ def test_shm_all_reduce_of_parts_is_that_of_the_fused_buffer(n: int, counts: lis
     algorithm) give the bits of their fused buffer reduced, then divided, on every rank:
     parts across the boundaries of chunks and of rounds (a round is 131072 float64s),
     small and large paths; the arrays hold the result, in place."""
-    inputs = [[sample_data(r * 10 + i, c, np.float64) for i, c in enumerate(counts)]
-              for r in range(n)]
-
-    def fused(op: Op) -> Any:
-        buf = np.concatenate(inputs[op.me])
-        algo = shm.all_reduce(op, buf, np.add)
-
-        def result() -> np.ndarray:
-            if divide:
-                np.divide(buf, n, out=buf)
-            return buf
-        return algo, result
-
-    def parts(op: Op) -> Any:
-        arrays = [a.copy() for a in inputs[op.me]]
-        algo = shm.all_reduce(op, Parts(arrays), np.add, n if divide else 0)
-        return algo, lambda: np.concatenate(arrays)
+    inputs = _parts_inputs(n, counts)
+    fused, _, parts = _all_reduce_makers(
+        inputs, divide, lambda op, buf, d: shm.all_reduce(op, buf, np.add, d))
 
     want = run_algorithm(n, fused, plane="shm")
     got = run_algorithm(n, parts, plane="shm")
@@ -152,27 +209,9 @@ def test_tcp_ring_all_reduce_of_parts_is_that_of_the_fused_buffer(
     from .memplane import MemoryPlane
 
     monkeypatch.setattr(MemoryPlane, "zero_copy_recv", handed_over)
-    inputs = [[sample_data(r * 10 + i, c, np.float64) for i, c in enumerate(counts)]
-              for r in range(n)]
-
-    def fused(op: Op) -> Any:
-        buf = np.concatenate(inputs[op.me])
-        algo = tcp.all_reduce_ring(op, buf, np.add)
-
-        def result() -> np.ndarray:
-            if divide:
-                np.divide(buf, n, out=buf)
-            return buf
-        return algo, result
-
-    def fused_divided(op: Op) -> Any:
-        buf = np.concatenate(inputs[op.me])
-        return tcp.all_reduce_ring(op, buf, np.add, None, n if divide else 0), lambda: buf
-
-    def parts(op: Op) -> Any:
-        arrays = [a.copy() for a in inputs[op.me]]
-        algo = tcp.all_reduce_ring(op, Parts(arrays), np.add, None, n if divide else 0)
-        return algo, lambda: np.concatenate(arrays)
+    inputs = _parts_inputs(n, counts)
+    fused, fused_divided, parts = _all_reduce_makers(
+        inputs, divide, lambda op, buf, d: tcp.all_reduce_ring(op, buf, np.add, divide=d))
 
     want = run_algorithm(n, fused)
     for got in (run_algorithm(n, parts), run_algorithm(n, fused_divided)):
@@ -193,45 +232,10 @@ def test_tcp_reduce_scatter_of_parts_is_that_of_the_fused_buffer(
     """The TCP reduce_scatters read their input where it is, an array or Parts, and
     never write it (no copy of the input per call): each rank's part has the bits of
     the fused buffer's reduce_scatter, then divided; pieces across arrays too."""
-    counts = [*counts, -sum(counts) % n] if sum(counts) % n else counts
-    counts = [c for c in counts if c]
-    inputs = [[sample_data(r * 10 + i, c, np.float64) for i, c in enumerate(counts)]
-              for r in range(n)]
-    total = sum(counts)
-    bounds = [(r * total // n, (r + 1) * total // n) for r in range(n)]
     fn = tcp.reduce_scatter_ring if algo == "ring" else tcp.reduce_scatter_direct
-
-    def fused(op: Op) -> Any:
-        buf = np.concatenate(inputs[op.me])
-        a, b = bounds[op.me]
-        out = np.empty(b - a)
-
-        def result() -> np.ndarray:
-            if divide:
-                np.divide(out, n, out=out)
-            return out
-        return fn(op, buf, bounds, out, np.add), result
-
-    def parts(op: Op, whole: bool = False) -> Any:
-        arrays = inputs[op.me]
-        buf = np.concatenate(arrays) if whole else Parts(arrays)
-        a, b = bounds[op.me]
-        out = np.empty(b - a)
-        if algo == "ring":
-            gen = fn(op, buf, bounds, out, np.add, None, n if divide else 0)
-        else:
-            gen = fn(op, buf, bounds, out, np.add, n if divide else 0)
-        return gen, lambda: out
-
-    want = run_algorithm(n, fused)
-    before = [np.concatenate(x).tobytes() for x in inputs]
-    for got in (run_algorithm(n, parts), run_algorithm(n, lambda op: parts(op, True))):
-        for r in range(n):
-            assert got[r].tobytes() == want[r].tobytes(), f"rank {r}"
-            assert np.concatenate(inputs[r]).tobytes() == before[r], "an input changed"
-    whole = sum(np.concatenate(inputs[r]) for r in range(n)) / (n if divide else 1)
-    for r, (a, b) in enumerate(bounds):
-        assert np.allclose(want[r], whole[a:b])
+    _reduce_scatter_case(n, counts, divide, "memory",
+                         lambda op, buf, bounds, out, d: fn(op, buf, bounds, out, np.add,
+                                                            divide=d))
 
 
 @pytest.mark.parametrize("counts", [[5], [3, 3], [700, 1, 299, 1], [200000, 17, 3, 9000, 1,
@@ -271,40 +275,9 @@ def test_shm_reduce_scatter_of_parts_is_that_of_the_fused_buffer(n: int, counts:
     """reduce_scatter reads Parts where they are: each rank's part has the bits of the
     fused buffer's reduce_scatter (then divided), across arrays, chunks and rounds; the
     input is left unchanged."""
-    counts = [*counts, -sum(counts) % n] if sum(counts) % n else counts
-    counts = [c for c in counts if c]
-    inputs = [[sample_data(r * 10 + i, c, np.float64) for i, c in enumerate(counts)]
-              for r in range(n)]
-    total = sum(counts)
-    bounds = [(r * total // n, (r + 1) * total // n) for r in range(n)]
-
-    def fused(op: Op) -> Any:
-        buf = np.concatenate(inputs[op.me])
-        a, b = bounds[op.me]
-        out = np.empty(b - a)
-
-        def result() -> np.ndarray:
-            if divide:
-                np.divide(out, n, out=out)
-            return out
-        return shm.reduce_scatter(op, buf, bounds, out, np.add), result
-
-    def parts(op: Op) -> Any:
-        arrays = inputs[op.me]
-        a, b = bounds[op.me]
-        out = np.empty(b - a)
-        algo = shm.reduce_scatter(op, Parts(arrays), bounds, out, np.add, n if divide else 0)
-        return algo, lambda: out
-
-    want = run_algorithm(n, fused, plane="shm")
-    before = [np.concatenate(x).tobytes() for x in inputs]
-    got = run_algorithm(n, parts, plane="shm")
-    for r in range(n):
-        assert got[r].tobytes() == want[r].tobytes(), f"rank {r}"
-        assert np.concatenate(inputs[r]).tobytes() == before[r], "an input changed"
-    whole = sum(np.concatenate(inputs[r]) for r in range(n)) / (n if divide else 1)
-    for r, (a, b) in enumerate(bounds):
-        assert np.allclose(got[r], whole[a:b])
+    _reduce_scatter_case(n, counts, divide, "shm",
+                         lambda op, buf, bounds, out, d: shm.reduce_scatter(
+                             op, buf, bounds, out, np.add, d))
 
 
 def _list_all_reduce(rank: int, world: int) -> list[np.ndarray]:
