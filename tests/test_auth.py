@@ -658,3 +658,61 @@ def test_a_rank_out_of_data_tokens_is_named_with_the_connections_story() -> None
     assert re.fullmatch(r"((refused|closed) at \d+\.\d{3} s(, |$))+", story), err
     assert story.count("refused at") == DATA_ATTEMPTS, err
     assert out[0]["error"] is not None, out  # rank 0 never gets rank 1's connection
+
+
+def _replay_admitted_first(ctx: RankCtx) -> dict[str, Any]:
+    """Rank 1 lets a replay of its first data token in before its own connection, as a
+    reader of the network who wins the race at rank 0's ZAP handler would: a DEALER
+    that also claims rank 1's number as its routing id."""
+    import zmq as z
+
+    from swarmfd import group
+    from swarmfd.comm import security
+    from swarmfd.comm.planes import zmq as zplane
+
+    replay: dict[str, Any] = {}
+    if ctx.rank == 1:
+        real_connect = zplane.ZmqPlane.connect
+
+        def connect(self: Any, peers: Any, deadline: float) -> None:
+            p0 = next(p for p in peers if p.rank == 0)
+            zc = z.Context()
+            sock = zc.socket(z.DEALER)
+            sock.setsockopt(z.LINGER, 0)
+            sock.setsockopt(z.ROUTING_ID, b"1")
+            sock.setsockopt(z.PLAIN_USERNAME, b"1")
+            sock.setsockopt(z.PLAIN_PASSWORD,
+                            security.connection_token(p0.token, 1, 0, 0).encode())
+            mon = sock.get_monitor_socket(z.EVENT_HANDSHAKE_SUCCEEDED)
+            sock.connect(p0.endpoint)
+            replay.update(ctx=zc, sock=sock, mon=mon, admitted=bool(mon.poll(5000)))
+            real_connect(self, peers, deadline)
+
+        zplane.ZmqPlane.connect = connect  # type: ignore[method-assign]
+    ctx.init(init_timeout=10)
+    x = np.full(8, ctx.rank + 1.0)
+    fd.all_reduce(x)
+    fd.barrier()
+    out: dict[str, Any] = {"sum": float(x[0])}
+    if ctx.rank == 1:
+        out["replay_admitted"] = replay["admitted"]
+        out["replay_received"] = replay["sock"].poll(300)  # anything routed to it?
+        out["attempts"] = group.current().transport.tcp.attempts.get(0, 0)
+        replay["sock"].close(linger=0)
+        replay["mon"].close(linger=0)
+        replay["ctx"].term()
+    return out
+
+
+def test_a_replay_admitted_first_neither_passes_for_the_rank_nor_gets_its_data() -> None:
+    """A replay that ZAP admitted before a rank's own connection (a reader of the network
+    who won the race), claiming the rank's number as its routing id: the rank's own
+    connection is refused once and gets in with its next token, its peer routes by the
+    rank's secret routing id (security.routing_id) and waits for that route, not for a
+    handshake count, so the replay receives nothing and the job's results are exact."""
+    with Ranks(_replay_admitted_first, 2, init=False, transport="zmq",
+               group_timeout=10) as ranks:
+        out = ranks.results(timeout=60)
+    assert out[0] == {"sum": 3.0}, out
+    assert out[1] == {"sum": 3.0, "replay_admitted": True, "replay_received": 0,
+                      "attempts": 1}, out

@@ -546,7 +546,7 @@ def _forge_from(t: Endpoint, dst: int, claimed_src: int, seq: int, tag: int,
                 body: bytes) -> None:
     """Send a DATA message from ``t``'s plane whose header claims ``claimed_src``."""
     router = t.tcp.router
-    router.send_multipart([b"%d" % dst, wire.pack_header(
+    router.send_multipart([t.tcp.ids[dst], wire.pack_header(
         wire.Kind.DATA, SIG, claimed_src, seq, tag, len(body), wire.FLAG_INLINE) + body])
 
 
@@ -660,7 +660,9 @@ def test_a_process_on_a_lost_zmq_peers_port_cannot_pass_for_it(
         deadline = time.monotonic() + 1.0  # libzmq redials every 0.1 s (ZMQ_RECONNECT_IVL)
         while not sent and time.monotonic() < deadline:
             try:
-                squatter.send_multipart([b"0", forged])
+                # Rank 0's routing id: what the handshake of rank 0's connection to the
+                # squatter carries in clear (security.routing_id).
+                squatter.send_multipart([t0.tcp.ids[0], forged])
                 sent = True
             except zmq.ZMQError:  # EHOSTUNREACH: rank 0 is not connected (yet)
                 time.sleep(0.02)

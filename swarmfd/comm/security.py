@@ -49,6 +49,7 @@ __all__ = [
     "Security",
     "connection_token",
     "keepalive",
+    "routing_id",
     "server_proof",
     "stranger_facing",
 ]
@@ -114,6 +115,21 @@ def connection_token(session_token: str, client: int, server: int, attempt: int 
     """
     msg = b"swarmfd zmq data connection v3\0" + struct.pack("<III", client, server, attempt)
     return hmac.new(session_token.encode(), msg, hashlib.sha256).hexdigest()
+
+
+def routing_id(session_token: str, rank: int) -> bytes:
+    """The routing id of ``rank``'s zmq data connections (its DEALER's ZMQ_ROUTING_ID),
+    derived from its session token: a peer's bound socket sends to it by this id, which
+    nobody outside the job knows until the rank's own connection has claimed it (the
+    handshake carries it in clear, after ZAP), and a later connection claiming an id in
+    use is refused. So a replay that ZAP admitted before the rank's own connection (see
+    DATA_ATTEMPTS) receives nothing and does not pass for the rank. Without a session
+    token (no security) it is the rank's number."""
+    if not session_token:
+        return b"%d" % rank
+    msg = b"swarmfd zmq routing id v1\0" + struct.pack("<I", rank)
+    return b"%d." % rank + hmac.new(session_token.encode(), msg,
+                                    hashlib.sha256).hexdigest()[:32].encode()
 
 
 def server_proof(session_token: str, rank: int) -> str:

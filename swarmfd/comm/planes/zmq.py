@@ -1,6 +1,7 @@
 """The ZeroMQ plane: a bound ROUTER that only sends, one DEALER that only receives.
 
-Each rank binds one ROUTER socket and sends to peer j through it, by j's routing id.
+Each rank binds one ROUTER socket and sends to peer j through it, by j's routing id
+(on the PLAIN plane a secret derived from j's session token: security.routing_id).
 It connects one DEALER socket to every peer's ROUTER and only ever receives on it:
 libzmq fair-queues the peers' messages into that one socket. A message's source is
 the connection it arrived on, never a header's claim: each ROUTER announces its rank
@@ -50,6 +51,7 @@ from ..security import (
     Security,
     connection_token,
     keepalive,
+    routing_id,
     server_proof,
     stranger_facing,
 )
@@ -200,7 +202,9 @@ class ZmqPlane:
         self.inbound = 0
         self.accept_failed = 0
         self.dropped = 0  # stranger frames read off the bound socket (_drop_strangers)
+        #: Each rank's routing id (security.routing_id; the peers' are set in connect()).
         self.ids = {j: b"%d" % j for j in range(world_size)}
+        self.ids[rank] = routing_id(token, rank)
         #: The one receiving socket, connected to every peer's ROUTER in connect().
         self.rx = ctx.socket(zmq.DEALER)
         self.rx.setsockopt(zmq.ROUTING_ID, self.ids[rank])
@@ -250,10 +254,13 @@ class ZmqPlane:
 
     def connect(self, peers: Sequence[PeerInfo], deadline: float) -> None:
         """Connect a DEALER to every peer's ROUTER, and wait until the mesh is up: every
-        DEALER authenticated, and every peer's DEALER authenticated with ours (so no
-        message is sent before its receiver listens). A peer that refuses this rank's
-        one-time token (unencrypted: a replay came first) is dialled again with the next
-        one (:data:`~swarmfd.comm.security.DATA_ATTEMPTS` in all)."""
+        DEALER authenticated, and this ROUTER routes to every peer's routing id (so no
+        message is sent before its receiver listens; a route is probed with an empty
+        frame, which receivers skip). A peer that refuses this rank's one-time token
+        (unencrypted: a replay came first) is dialled again with the next one
+        (:data:`~swarmfd.comm.security.DATA_ATTEMPTS` in all). Routes, not handshakes,
+        count: a replay that ZAP admitted first completes a handshake too, but does not
+        hold the peer's routing id (:func:`~swarmfd.comm.security.routing_id`)."""
         t = self.t
         rx = self.rx
         self.setup_start = _now()
@@ -268,10 +275,15 @@ class ZmqPlane:
             self.peers.append(peer.rank)
             self.rank_of[server_proof(peer.token, peer.rank)] = peer.rank
             self.at[peer.endpoint.encode()] = peer.rank
+            self.ids[peer.rank] = routing_id(peer.token, peer.rank)
         want = self.world_size - 1
-        while len(self.connected) < want or self.inbound < want:
+        routed: set[int] = set()
+        while len(self.connected) < want or len(routed) < want:
             self.check_lost()
             self._read_router_monitor()
+            for p in self.peers:
+                if p not in routed and self._probe(p):
+                    routed.add(p)
             for p in sorted(t.refused):
                 if self._redial(by_rank[p]):
                     t.refused.discard(p)
@@ -296,7 +308,8 @@ class ZmqPlane:
                     f"(zmq data plane at {self.endpoint}): "
                     + (f"lost rank(s) {lost} during setup; " if lost else "")
                     + f"connections to rank(s) {missing} not authenticated; "
-                    f"{self.inbound} of {want} peers connected to this rank"
+                    f"{len(routed)} of {want} peers connected to this rank ("
+                    f"{self.inbound} handshake(s) completed)"
                     + (f"; {self.auth.refused} stranger handshake(s) refused"
                        if self.auth else "")
                     + (f"; accepting a connection failed {self.accept_failed} time(s) (out "
@@ -306,6 +319,18 @@ class ZmqPlane:
         # Setup is over: the bound socket's events are only strangers' now. Stop its
         # monitor, so that they cannot pile up in it.
         self._stop_router_monitor()
+
+    def _probe(self, peer: int) -> bool:
+        """Whether this ROUTER routes to ``peer``'s routing id: an empty frame sent to it
+        (ROUTER_MANDATORY refuses an id no connection holds), which its receiver skips."""
+        try:
+            _send(self.router, self.ids[peer], _SNDMORE)
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                return False
+            raise
+        _send(self.router, b"", 0)
+        return True
 
     def _stop_router_monitor(self) -> None:
         mon, self.router_monitor = self.router_monitor, None
@@ -469,6 +494,8 @@ class ZmqPlane:
             if hdr.inline and more:
                 raise ProtocolError("an inline message with a second frame")
         except ProtocolError as exc:
+            if not len(raw) and not more:
+                return None  # the peer's probe of its route to this rank (connect())
             self._drain()
             raise ProtocolError(
                 f"rank {peer} sent bytes that are not a swarmfd message on its data "
