@@ -121,10 +121,10 @@ def routing_id(session_token: str, rank: int) -> bytes:
     """The routing id of ``rank``'s zmq data connections (its DEALER's ZMQ_ROUTING_ID),
     derived from its session token: a peer's bound socket sends to it by this id, which
     nobody outside the job knows until the rank's own connection has claimed it (the
-    handshake carries it in clear, after ZAP), and a later connection claiming an id in
-    use is refused. So a replay that ZAP admitted before the rank's own connection (see
-    DATA_ATTEMPTS) receives nothing and does not pass for the rank. Without a session
-    token (no security) it is the rank's number."""
+    handshake carries it in clear, after ZAP), and libzmq never routes to a later
+    connection that claims an id in use. So a replay that ZAP admitted before the
+    rank's own connection (see DATA_ATTEMPTS) receives nothing and does not pass for the
+    rank. Without a session token (no security) it is the rank's number."""
     if not session_token:
         return b"%d" % rank
     msg = b"swarmfd zmq routing id v1\0" + struct.pack("<I", rank)
