@@ -11,8 +11,9 @@ one thread per rank. Variants:
 ``swarmfd-zero``  the same with ``ZeroRedundancyOptimizer(Adam)``
 
 Configurations: N=2 and N=4 ranks on loopback (``swarmfd run``), swarmfd on shared
-memory (``shm``) and on TCP (``tcp``, ``SWARMFD_TRANSPORT=tcp``); and one rank on each
-of two simulated hosts linked at 5 Gbit/s (``--netsim``, benchmarks/netsim.py; root).
+memory (``shm``) and on TCP (``tcp``, ``SWARMFD_TRANSPORT=tcp``, the socket plane; ``zmq``,
+the ZeroMQ plane: ``--planes shm,tcp,zmq``); and one rank on each of two simulated hosts
+linked at 5 Gbit/s (``--netsim``, benchmarks/netsim.py; root).
 nocomm and torch-ddp do not depend on swarmfd's plane: on loopback they run once per N.
 
 Method: ``--rounds`` rounds, each running every (configuration, variant) job once, in
@@ -53,6 +54,11 @@ VARIANTS = ("nocomm", "torch-ddp", "swarmfd-ddp", "swarmfd-zero")
 #: 4.55-4.75 Gbit/s of TCP payload one way on it).
 NETSIM_RATE = 5e9
 BATCH, IN, HIDDEN, LAYERS, OUT = 64, 256, 1024, 4, 10
+#: The environment of each swarmfd plane on loopback (``--planes``): shared memory, and
+#: TCP on the socket plane or on the ZeroMQ plane.
+PLANE_ENV = {"shm": {"SWARMFD_TRANSPORT": "auto"},
+             "tcp": {"SWARMFD_TRANSPORT": "tcp", "SWARMFD_DATA_PLANE": "socket"},
+             "zmq": {"SWARMFD_TRANSPORT": "tcp", "SWARMFD_DATA_PLANE": "zmq"}}
 
 
 # -- a rank -----------------------------------------------------------------------------
@@ -218,8 +224,7 @@ def _worker_argv(args: argparse.Namespace, variant: str, optim: str | None = Non
 
 def _run_loopback(args: argparse.Namespace, n: int, plane: str, variant: str,
                   optim: str | None = None, steps: int | None = None) -> list[dict[str, Any]]:
-    env = {**os.environ, "SWARMFD_TRANSPORT": "tcp" if plane == "tcp" else "auto",
-           "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, **PLANE_ENV[plane], "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("SWARMFD_SECRET_FILE", None)
     proc = subprocess.run([sys.executable, "-m", "swarmfd", "run", "-n", str(n), "--",
                            *_worker_argv(args, variant, optim, steps)], capture_output=True,
@@ -320,8 +325,9 @@ def _median(results: dict[tuple[str, int, str], list[dict[str, Any]]], plane: st
 
 
 def _base_plane(results: dict[tuple[str, int, str], Any], n: int) -> str:
+    """The loopback configuration whose jobs hold N's plane-independent variants."""
     for plane, nn, v in results:
-        if nn == n and v == "nocomm" and plane != "netsim":
+        if nn == n and v in ("nocomm", "torch-ddp") and plane != "netsim":
             return plane
     return "shm"
 
@@ -425,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="2,4", help="ranks on loopback (default 2,4)")
-    p.add_argument("--planes", default="shm,tcp", help="swarmfd planes on loopback")
+    p.add_argument("--planes", default="shm,tcp",
+                   help="swarmfd planes on loopback: shm, tcp (the socket plane), zmq")
     p.add_argument("--netsim", action="store_true", help="also two simulated hosts, 5 Gbit/s")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--rounds", type=int, default=3)
@@ -448,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     args.variants = [v for v in args.variants.split(",") if v]
     if args.quick:
         args.rounds, args.steps, args.warmup, args.sizes, args.planes = 1, 8, 2, [2], ["shm"]
-    bad = set(args.variants) - set(VARIANTS) or set(args.planes) - {"shm", "tcp"}
+    bad = set(args.variants) - set(VARIANTS) or set(args.planes) - set(PLANE_ENV)
     if bad:
         p.error(f"unknown {sorted(bad)}")
     out = args.out or HERE / "results" / time.strftime("train-%Y%m%d-%H%M%S")
