@@ -67,6 +67,21 @@ def _build() -> dict[str, str]:
     return found
 
 
+@pytest.fixture(autouse=True)
+def _whole_cluster(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Before each test of the cluster: every node's engine answers, or the cluster is
+    rebuilt, loudly (Cluster.rebuild: an engine that crashed under an earlier test must
+    not fail the tests after it). A test that takes nodes down restores them or is last."""
+    if "multinode" in request.fixturenames:
+        cluster = request.getfixturevalue("multinode")
+        problem = cluster.broken()
+        if problem:
+            print(f"multinode: a node's engine is gone, rebuilding the cluster:\n{problem}",
+                  flush=True)
+            cluster.rebuild()
+    yield
+
+
 @pytest.fixture(scope="session")
 def multinode() -> Iterator[Any]:
     """An N-node docker-in-docker Swarm with the swarmfd image on every node.
