@@ -28,8 +28,8 @@ from ..comm import wire
 from ..comm.channel import Channel
 from ..comm.plane import Plane
 
-__all__ = ["FLUSH", "SMALL_SPAN_BYTES", "Algorithm", "Op", "Parts", "Recv", "num_pieces", "put",
-           "reduce_into", "ring_pieces", "run", "spans", "split", "take"]
+__all__ = ["FLUSH", "SMALL_SPAN_BYTES", "Algorithm", "Op", "Parts", "Recv", "even_pieces",
+           "num_pieces", "put", "reduce_into", "ring_pieces", "run", "spans", "split", "take"]
 
 #: A receive an algorithm waits for: (op, group rank, tag, nbytes, into), or for a
 #: point-to-point piece ("key", op, key, signature, nbytes, into). A request names its op,
@@ -236,8 +236,7 @@ def ring_pieces(buf: np.ndarray | Parts,
     piece together. The cut depends on the arrays' sizes, which every rank shares (a
     list's shapes are in its call's signature)."""
     if type(buf) is np.ndarray:
-        P = num_pieces(max((b - a for a, b in bounds), default=0), buf.itemsize)
-        return [[(a + x, a + y) for x, y in split(b - a, P)] for a, b in bounds]
+        return even_pieces(bounds, buf.itemsize)
     assert isinstance(buf, Parts)
     small = max(1, SMALL_SPAN_BYTES // buf.itemsize)
     most = max(1, PIECE_BYTES // buf.itemsize)
@@ -264,6 +263,15 @@ def ring_pieces(buf: np.ndarray | Parts,
             pieces.append((run[0], run[1]))
         out.append(pieces)
     return out
+
+
+def even_pieces(bounds: Sequence[tuple[int, int]],
+                itemsize: int) -> list[list[tuple[int, int]]]:
+    """The same number P of near-equal pieces (element bounds) of each of ``bounds``, P
+    for about PIECE_BYTES of ``itemsize`` items in the largest: a ring's pieces, whose
+    tags are step * P + piece."""
+    P = num_pieces(max((b - a for a, b in bounds), default=0), itemsize)
+    return [[(a + x, a + y) for x, y in split(b - a, P)] for a, b in bounds]
 
 
 def take(buf: np.ndarray | Parts, a: int, b: int) -> np.ndarray:

@@ -404,8 +404,7 @@ def reduce_scatter_direct(op: Op, buf: np.ndarray | Parts, parts: Sequence[tuple
     a, b = parts[op.me]
     mine = base.take(buf, a, b)
     for p in range(op.size):
-        arr = mine if p == op.me else (yield from op.recv_operand(p, 0, mine.dtype, mine.size,
-                                                                  None))
+        arr = mine if p == op.me else (yield from op.recv_array(p, 0, mine))
         if p == 0:
             out[...] = arr
         else:
@@ -428,8 +427,8 @@ def reduce_scatter_ring(op: Op, buf: np.ndarray | Parts, parts: Sequence[tuple[i
     carry); a piece across arrays is copied to be sent."""
     order, pos = _ring(op, ring)
     N = op.size
-    P = num_pieces(max((b - a for a, b in parts), default=0), buf.itemsize)
-    pieces = [[(a + x, a + y) for x, y in split(b - a, P)] for a, b in parts]
+    pieces = base.even_pieces(parts, buf.itemsize)
+    P = len(pieces[0])
     nxt, prv = order[(pos + 1) % N], order[(pos - 1) % N]
     dtype = buf.dtype
 
