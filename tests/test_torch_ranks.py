@@ -105,6 +105,26 @@ class Branchy(torch.nn.Module):
 # -- DDP --------------------------------------------------------------------------------
 
 
+def _train_like_one_process(ddp: Any, ref: torch.nn.Module, X: torch.Tensor,
+                            Y: torch.Tensor, mine: slice, steps: int, what: str,
+                            momentum: float = 0.0) -> None:
+    """``steps`` SGD steps of ``ddp`` on this rank's rows ``mine`` and of ``ref`` on the
+    whole batch: after every step the parameters are the same on every rank and equal
+    ``ref``'s. ``.grad`` is set to None before every other step (fresh gradients), else
+    zeroed (gradients as bucket views)."""
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=momentum)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=momentum)
+    for step in range(steps):
+        opt.zero_grad(set_to_none=step % 2 == 0)
+        loss_fn(ddp(X[step, mine]), Y[step, mine]).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        loss_fn(ref(X[step]), Y[step]).backward()
+        ref_opt.step()
+        assert_same_everywhere(flat_params(ddp.module), f"{what} after step {step}")
+        torch.testing.assert_close(flat_params(ddp.module), flat_params(ref), **TIGHT)
+
+
 def _ddp_rank(rank: int, world: int, overlap: bool | None = None) -> dict[str, Any]:
     import copy
 
@@ -124,34 +144,12 @@ def _ddp_rank(rank: int, world: int, overlap: bool | None = None) -> dict[str, A
     assert ddp._buckets[0].slots[0].name == "4.bias"  # reverse registration order
     ref = mlp(seed=0)
     assert torch.equal(flat_params(model), flat_params(ref))
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    for step in range(steps):
-        opt.zero_grad(set_to_none=step % 2 == 0)  # fresh grads, and grads as bucket views
-        loss_fn(ddp(X[step, mine]), Y[step, mine]).backward()
-        opt.step()
-        ref_opt.zero_grad()
-        loss_fn(ref(X[step]), Y[step]).backward()
-        ref_opt.step()
-        assert_same_everywhere(flat_params(model), f"parameters after step {step}")
-        torch.testing.assert_close(flat_params(model), flat_params(ref), **TIGHT)
+    _train_like_one_process(ddp, ref, X, Y, mine, steps, "parameters", momentum=0.9)
 
     # A bucket big enough for the TCP ring (337 KB, 3 ranks): its gradients are
     # reduced where they are there too (pieces of one gradient, and small ones together).
-    wide = mlp(seed=rank, width=200)
-    ddpw = sft.DistributedDataParallel(wide, overlap=overlap)
-    refw = mlp(seed=0, width=200)
-    optw = torch.optim.SGD(ddpw.parameters(), lr=0.1)
-    ref_optw = torch.optim.SGD(refw.parameters(), lr=0.1)
-    for step in range(2):
-        optw.zero_grad(set_to_none=step == 0)
-        loss_fn(ddpw(X[step, mine]), Y[step, mine]).backward()
-        optw.step()
-        ref_optw.zero_grad()
-        loss_fn(refw(X[step]), Y[step]).backward()
-        ref_optw.step()
-        assert_same_everywhere(flat_params(wide), f"wide parameters after step {step}")
-        torch.testing.assert_close(flat_params(wide), flat_params(refw), **TIGHT)
+    ddpw = sft.DistributedDataParallel(mlp(seed=rank, width=200), overlap=overlap)
+    _train_like_one_process(ddpw, mlp(seed=0, width=200), X, Y, mine, 2, "wide parameters")
 
     # no_sync over k micro-batches == one batch k times larger (copy back into .grad).
     k = 3
