@@ -590,7 +590,7 @@ def _all_gather_v(g: _group.Group, arr: np.ndarray, flat: np.ndarray, code: int,
             counts, parts = yield from select.shm.all_gather_counts(
                 sub, arr.shape[0], flat, row * arr.itemsize)
         else:
-            counts, parts = yield from select.tcp.all_gather_counts(
+            counts, parts = yield from select.all_gather_counts(o.size, o.plane.name)(
                 sub, arr.shape[0], flat, row * arr.itemsize, select.ALL_GATHER_V_INLINE_BYTES)
         if all(p is not None for p in parts):
             parts[o.me] = flat.copy()  # the result never aliases the input

@@ -593,13 +593,19 @@ def _all_to_all_ranges(n: int, me: int, sends: list[list[int]]) -> tuple[Any, An
     return mine_send, mine_recv, for_me
 
 
-@pytest.mark.parametrize("plane", ["memory", "shm"])
-@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize(("plane", "n"), [
+    *((plane, n) for plane in ("memory", "shm") for n in SIZES), ("memory", 8),
+    *(("memory-doubling", n) for n in (2, 4, 8))])
 @pytest.mark.parametrize("layout", ["small", "mixed", "large", "no-rows", "empty-rows"])
 def test_all_gather_counts(plane: str, n: int, layout: str) -> None:
     """The counts of an uneven all_gather reach every rank in one round, with the rows
     of every part within the limit (a message's on TCP, a slot's on shared memory); a
-    part over it comes as None (its rows follow later), on every rank alike."""
+    part over it comes as None (its rows follow later), on every rank alike. Over
+    messages by the direct exchange and by recursive doubling (power-of-two groups);
+    the rows returned are writable arrays of their own."""
+    counts_algo = tcp.all_gather_counts_doubling if plane == "memory-doubling" else \
+        tcp.all_gather_counts
+    plane = "memory" if plane == "memory-doubling" else plane
     trailing = 0 if layout == "empty-rows" else 3
     # bytes: on TCP 5 rows of 3 float32 fit, 6 do not
     limit = 64 if plane == "memory" else SEGMENT_BYTES - shm.COUNT_BYTES
@@ -619,7 +625,7 @@ def test_all_gather_counts(plane: str, n: int, layout: str) -> None:
                 got["v"] = yield from shm.all_gather_counts(
                     op, counts[op.me], inputs[op.me], trailing * 4)
             else:
-                got["v"] = yield from tcp.all_gather_counts(
+                got["v"] = yield from counts_algo(
                     op, counts[op.me], inputs[op.me], trailing * 4, limit)
         return algo(), lambda: got["v"]
 
@@ -629,6 +635,7 @@ def test_all_gather_counts(plane: str, n: int, layout: str) -> None:
             if counts[p] * trailing * 4 <= limit:
                 assert parts[p] is not None and parts[p].dtype == np.float32
                 assert np.array_equal(parts[p], inputs[p]), f"rank {r}, part {p}"
+                assert p == r or parts[p].flags.writeable, f"rank {r}, part {p}"
             else:
                 assert parts[p] is None, f"rank {r}, part {p}"
 
@@ -657,6 +664,39 @@ def test_all_gather_counts_refuses_a_message_of_the_wrong_length(payload: bytes)
     assert set(info.value.failures) == {0}
     assert ProtocolError.__name__ in info.value.failures[0]
     assert "rank 1 sent" in info.value.failures[0]
+
+
+@pytest.mark.parametrize("payload", [
+    pytest.param(b"", id="nothing"),
+    pytest.param((0).to_bytes(8, "little"), id="one-part-of-two"),
+    pytest.param((0).to_bytes(8, "little") * 3, id="three-parts-of-two"),
+    pytest.param((0).to_bytes(8, "little") + (1).to_bytes(8, "little"), id="rows-missing"),
+    pytest.param((0).to_bytes(8, "little") + (-3).to_bytes(8, "little", signed=True),
+                 id="negative-count")])
+def test_all_gather_counts_by_doubling_refuses_a_message_of_the_wrong_shape(
+        payload: bytes) -> None:
+    """In recursive doubling's second round at N=4 a message carries two parts, each a
+    count and the rows that fit: one that holds fewer or more, or a part that breaks
+    the rule, is a ProtocolError naming its sender (rank 3, rank 1's partner there)."""
+    from swarmfd.errors import ProtocolError
+
+    from .memplane import ThreadFailure
+
+    def make(op: Op) -> Any:
+        if op.me == 3:
+            def liar() -> Any:
+                op.send(2, 0, (0).to_bytes(8, "little"))  # round 1: a valid part
+                yield op.recv(2, 0, wire.ANY_SIZE)
+                op.send(1, 1, payload)
+        return (liar() if op.me == 3 else
+                tcp.all_gather_counts_doubling(op, 0, np.zeros(0, np.float32), 8, 64),
+                lambda: None)
+
+    with pytest.raises(ThreadFailure) as info:
+        run_algorithm(4, make, timeout=20)
+    assert 1 in info.value.failures, info.value.failures
+    assert ProtocolError.__name__ in info.value.failures[1]
+    assert "rank 3 sent" in info.value.failures[1]
 
 
 def test_a_receive_of_any_size_takes_what_came() -> None:

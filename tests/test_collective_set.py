@@ -258,8 +258,11 @@ def _battery(rank: int, world: int) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp", "zmq"])
-def test_every_new_collective_on_real_ranks(transport: str) -> None:
-    out = run_ranks(_battery, 3, env=transport_env(transport), timeout=120)
+@pytest.mark.parametrize(("transport", "world"),
+                         [("shm", 3), ("tcp", 3), ("zmq", 3),
+                          # recursive doubling on the socket plane (a power-of-two group)
+                          ("tcp", 4)])
+def test_every_new_collective_on_real_ranks(transport: str, world: int) -> None:
+    out = run_ranks(_battery, world, env=transport_env(transport), timeout=120)
     problems = [p for rank_problems in out for p in rank_problems]
     assert not problems, "\n".join(problems)
