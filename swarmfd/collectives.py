@@ -584,18 +584,20 @@ def _all_gather_v(g: _group.Group, arr: np.ndarray, flat: np.ndarray, code: int,
 
     def body(o: Op) -> Any:
         # The counts travel with the rows that fit a small message (a slot on shared
-        # memory): one round. Larger parts follow by the table, once all counts are known.
-        sub = _counts_op(o)
+        # memory): one round. Larger parts follow by the table, once all counts are known,
+        # with tags of their own (made only then: the small call's path makes no second
+        # Op).
         if o.plane.kind == "shm":
             counts, parts = yield from select.shm.all_gather_counts(
-                sub, arr.shape[0], flat, row * arr.itemsize)
+                o, arr.shape[0], flat, row * arr.itemsize)
         else:
             counts, parts = yield from select.all_gather_counts(o.size, o.plane.name)(
-                sub, arr.shape[0], flat, row * arr.itemsize, select.ALL_GATHER_V_INLINE_BYTES)
+                o, arr.shape[0], flat, row * arr.itemsize, select.ALL_GATHER_V_INLINE_BYTES)
         if all(p is not None for p in parts):
             parts[o.me] = flat.copy()  # the result never aliases the input
             state["parts"], state["counts"] = parts, counts
             return
+        o = o.phase(_SECOND_PHASE_TAGS)
         bounds = _bounds(counts, row)
         res = np.empty(bounds[-1][1], arr.dtype)
         state["res"], state["counts"] = res, counts
@@ -888,10 +890,14 @@ def all_to_all(x: Any, out: Any = None, *, in_splits: Any = None, out_splits: An
     return _run(g, sig, body, finish, async_op)
 
 
+#: Where the tags of a call's second phase start (sizes, then data: Op.phase).
+_SECOND_PHASE_TAGS = 1 << 30
+
+
 def _counts_op(o: Op) -> Op:
-    """The op of a call's exchange of sizes before its data (tags from 2**30, apart
-    from the data's)."""
-    return o.sub(o.plane, list(range(o.size)), 1 << 30, o.shm, o.next_slot)
+    """The op of a call's exchange of sizes before its data (tags from
+    _SECOND_PHASE_TAGS, apart from the data's)."""
+    return o.phase(_SECOND_PHASE_TAGS)
 
 
 def _exchange(o: Op, rows: np.ndarray) -> Any:

@@ -69,6 +69,13 @@ class Op:
         #: None: rank order.
         self.ring = ring
 
+    def phase(self, tag_base: int) -> Op:
+        """The same call, members, plane and ring order, with tags from ``tag_base``: a
+        later phase of a call of two (sizes, then data), whose tags must not meet the
+        first phase's."""
+        return Op(self.channel, self.plane, self.ranks, self.me, self.gid, self.seq,
+                  self.sig, self.shm, self.next_slot, tag_base, self.ring)
+
     def sub(self, plane: Plane, members: list[int], tag_base: int, shm: Any = None,
             next_slot: Callable[[], int] | None = None) -> Op:
         """The same call among some of its members (group ranks ``members``), on
