@@ -20,18 +20,10 @@ import json
 import sys
 
 import numpy as np
+from _common import vm_hwm_bytes  # this script's folder is first on sys.path
 
 import swarmfd as fd
 from swarmfd.bench import parse_size
-
-
-def vm_hwm_bytes() -> int:
-    """This process's resident-set high-water mark (VmHWM), in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("VmHWM not found in /proc/self/status")
 
 
 def main(argv: list[str] | None = None) -> int:
