@@ -28,6 +28,7 @@ from swarmfd.config import data_plane
 from swarmfd.errors import ConfigError, MismatchError, PeerLostError, ProtocolError
 
 from .harness import RankCtx, Ranks, run_ranks_raw
+from .threadranks import connect_transports, peer_info
 
 SECRET = b"s" * 40
 SIG = wire.Signature(wire.Collective.ALL_REDUCE, wire.ReduceOp.SUM, 5, wire.NO_ROOT, 1, 0)
@@ -98,7 +99,7 @@ class Endpoint:
     """A rank's transport as these tests use it: messages of the world group (id 0) on its
     socket plane, through its channel (the message layer)."""
 
-    def __init__(self, t: Endpoint) -> None:
+    def __init__(self, t: transport.Transport) -> None:
         self.t = t
 
     def __getattr__(self, name: str) -> Any:
@@ -129,27 +130,12 @@ def _make(rank: int, sec: security.Security | None, timeout: float = 10.0) -> En
     return Endpoint(transport.Transport(rank, 2, timeout, "127.0.0.1", sec, "socket"))
 
 
-def _info(t: Any) -> PeerInfo:
-    return PeerInfo(t.rank, t.endpoint, "localhost", os.getpid(), "", t.token, t.plane)
+def _info(t: Endpoint) -> PeerInfo:
+    return peer_info(t.t)
 
 
 def _connect_all(ts: list[Endpoint], timeout: float = 10.0) -> None:
-    peers = [_info(t) for t in ts]
-    errors: list[BaseException] = []
-
-    def run(t: Endpoint) -> None:
-        try:
-            t.connect(peers, time.monotonic() + timeout)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(t,)) for t in ts]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout + 5)
-    if errors:
-        raise errors[0]
+    connect_transports([e.t for e in ts], timeout)
 
 
 @contextlib.contextmanager

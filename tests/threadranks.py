@@ -79,10 +79,15 @@ def _job_security() -> _security.Security | None:
         secret, _config.encrypt_enabled())
 
 
-def _connect(ts: list[_transport.Transport], timeout: float) -> None:
-    """Connect every rank's TCP plane to the others, one thread per rank (as in init)."""
-    peers = [PeerInfo(t.rank, t.endpoint, "localhost", os.getpid(), "", t.token, t.plane)
-             for t in ts]
+def peer_info(t: _transport.Transport) -> PeerInfo:
+    """What the rendezvous would tell the others of this in-process rank's transport."""
+    return PeerInfo(t.rank, t.endpoint, "localhost", os.getpid(), "", t.token, t.plane)
+
+
+def connect_transports(ts: list[_transport.Transport], timeout: float) -> None:
+    """Connect every rank's TCP plane to the others, one thread per rank (as in init);
+    raises the first rank's error, or when a rank did not finish in time."""
+    peers = [peer_info(t) for t in ts]
     errors: list[BaseException] = []
 
     def connect(t: _transport.Transport) -> None:
@@ -133,7 +138,7 @@ def _states(world: int, plane: str, group_timeout: float,
         for r in range(world):
             ts.append(_transport.Transport(r, world, group_timeout, "127.0.0.1", sec,
                                            "zmq" if plane == "zmq" else "socket"))
-        _connect(ts, max(group_timeout, 10.0))
+        connect_transports(ts, max(group_timeout, 10.0))
         if plane == "shm":
             for t, p in zip(ts, shm_planes(world, [t.channel for t in ts]), strict=True):
                 t.add_shm(p)
