@@ -58,8 +58,8 @@ CMA_MIN_BYTES = 4 << 20
 #: this machine's L2 is 2 MiB a core). 512 KiB against 256 KiB (compare.py, 10
 #: interleaved runs, 2026-12-04; time ratios, medians of the per-run ratios): N=2 0.97-0.98
 #: at 16 MiB and 0.96-0.99 at 64 MiB, N=4 0.96-0.98 and 0.98-1.00, 4 MiB 0.99-1.00;
-#: 1 MiB blocks 1.03-1.07 (half as many reads and Python steps; a block that no longer
-#: stays in cache beside the reduced chunk costs more than they save).
+#: 1 MiB blocks 1.03-1.07 (half as many reads and Python steps again, but a block that no
+#: longer stays in cache beside the chunk it is added into costs more than they save).
 CMA_BLOCK_BYTES = 1 << 19
 #: The most arrays whose addresses a slot holds (a count, then an address and a length
 #: each, as int64).
