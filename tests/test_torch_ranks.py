@@ -557,12 +557,6 @@ def _c10d_rank(rank: int, world: int, port: int) -> None:
         ref_opt.step()
         assert_same_everywhere(flat_params(model), "torch DDP parameters")
         torch.testing.assert_close(flat_params(model), flat_params(ref), rtol=1e-5, atol=1e-6)
-    try:
-        dist.all_to_all_single(torch.empty(world), torch.zeros(world))
-    except NotImplementedError as exc:
-        assert "all_to_all" in str(exc)
-    else:
-        raise AssertionError("all_to_all should say it is not supported")
     dist.destroy_process_group()
 
 
@@ -570,6 +564,81 @@ def test_torch_distributed_backend_runs_torch_ddp() -> None:
     """init_process_group("swarmfd") brings swarmfd up through torch's store; the
     collectives and torch's own DDP work over it."""
     run_ranks(_c10d_rank, 2, free_port(), init=False, timeout=120)
+
+
+def _c10d_exchange_rank(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    import swarmfd.torch  # noqa: F401  (registers the backend)
+
+    _setup()
+    dist.init_process_group("swarmfd", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    peer = 1 - rank
+    # all_to_all_single: equal parts of the first dimension.
+    out = torch.empty(world * 3)
+    dist.all_to_all_single(out, torch.arange(world * 3.0) + 100 * rank)
+    assert out.tolist() == [100.0 * p + 3 * rank + i for p in range(world) for i in range(3)]
+    # Uneven splits, rows of 2, bfloat16 (moved as its bits).
+    ins = [rank + p + 1 for p in range(world)]
+    x = torch.cat([torch.full((ins[p], 2), 10.0 * rank + p) for p in range(world)])
+    y = torch.empty((sum(ins), 2), dtype=torch.bfloat16)
+    dist.all_to_all_single(y, x.to(torch.bfloat16), ins, ins)
+    assert torch.equal(y.float(), torch.cat([torch.full((ins[p], 2), 10.0 * p + rank)
+                                             for p in range(world)]))
+    # Into a tensor that is not contiguous (a transposed view), asynchronously.
+    z = torch.empty(2, world * 2).t()
+    dist.all_to_all_single(z, torch.full((world * 2, 2), float(rank)), async_op=True).wait()
+    assert torch.equal(z, torch.cat([torch.full((2, 2), float(p)) for p in range(world)]))
+    # all_to_all of lists: tensor p goes to rank p, of any shape.
+    outs = [torch.empty((rank + 1, p + 1)) for p in range(world)]
+    dist.all_to_all(outs, [torch.full((p + 1, rank + 1), 10.0 * rank + p) for p in range(world)])
+    for p in range(world):
+        assert torch.equal(outs[p], torch.full((rank + 1, p + 1), 10.0 * p + rank)), p
+    # send / recv: a small message each way, in order.
+    got = torch.empty(5)
+    if rank == 0:
+        dist.send(torch.full((5,), 0.0), dst=1)
+        dist.recv(got, src=1)
+    else:
+        dist.recv(got, src=0)
+        dist.send(torch.full((5,), 1.0), dst=0)
+    assert torch.equal(got, torch.full((5,), float(peer)))
+    # isend / irecv of 1 MiB each way, with a tag, into a tensor that is not contiguous.
+    big = torch.arange(2.0 ** 18).reshape(512, 512)
+    into = torch.empty(512, 512).t()
+    for req in [dist.isend(big + rank, dst=peer, tag=7), dist.irecv(into, src=peer, tag=7)]:
+        req.wait()
+    assert torch.equal(into, big + peer)
+    # A Work completes when its own op ends: rank 0's send (256 KiB: it waits for rank 1's
+    # recv) completes while its earlier irecv still waits for a message rank 1 sends
+    # only after the barrier that follows the send.
+    late = torch.empty(3)
+    if rank == 0:
+        req = dist.irecv(late, src=1, tag=9)
+        dist.send(torch.ones(2 ** 16), dst=1, tag=8)
+        dist.barrier()
+        req.wait()
+        assert late.tolist() == [9.0, 9.0, 9.0]
+    else:
+        dist.recv(torch.empty(2 ** 16), src=0, tag=8)
+        dist.barrier()
+        dist.send(torch.full((3,), 9.0), dst=0, tag=9)
+    try:
+        dist.recv(torch.empty(1))
+    except NotImplementedError as exc:
+        assert "any source" in str(exc) and "src=" in str(exc), exc
+    else:
+        raise AssertionError("a receive from any source should say it is not supported")
+    dist.destroy_process_group()
+
+
+def test_torch_distributed_backend_all_to_all_send_recv() -> None:
+    """dist.all_to_all_single (equal, uneven, bfloat16, a non-contiguous output),
+    dist.all_to_all of lists, send/recv and isend/irecv over swarmfd; Works complete in
+    the order their ops end, not the order they were issued; a receive from any source
+    is refused, saying so."""
+    run_ranks(_c10d_exchange_rank, 2, free_port(), init=False, timeout=60)
 
 
 # -- beside torch.distributed under swarmfd run -------------------------------------------

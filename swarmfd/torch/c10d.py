@@ -19,18 +19,23 @@ else MASTER_PORT + 1, never MASTER_PORT (see :func:`swarmfd.config.rendezvous_po
 
 Supported: ``all_reduce`` (sum, avg, product, min, max), ``broadcast``,
 ``all_gather``, ``all_gather_into_tensor``, ``reduce_scatter``,
-``reduce_scatter_tensor``, ``reduce``, ``gather``, ``scatter``, ``barrier``, their
-``async_op`` forms and coalesced variants; bfloat16 is reduced in float32. Not yet:
-``all_to_all``, ``send``/``recv`` and sub-groups made with ``dist.new_group`` (each
-raises saying so). CPU tensors only.
+``reduce_scatter_tensor``, ``reduce``, ``gather``, ``scatter``, ``all_to_all_single``
+(equal or uneven splits), ``all_to_all`` (lists of tensors of any shapes),
+``send``/``recv`` and ``isend``/``irecv`` (swarmfd's point-to-point messages: matched
+by source and tag, in order), ``barrier``, their ``async_op`` forms and coalesced
+variants; bfloat16 is reduced in float32. Not yet: a receive from any source
+(``recv`` without ``src``) and sub-groups made with ``dist.new_group`` (each raises
+saying so). CPU tensors only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import socket
 import threading
+import time
 from typing import Any
 
 import torch
@@ -59,12 +64,20 @@ def _op(reduce_op: Any) -> str:
                      "SUM, AVG, PRODUCT, MIN, MAX)")
 
 
+#: How long the completer drives swarmfd's engine on the oldest pending op before it looks
+#: at the others again (the most a later op's completion goes unnoticed meanwhile).
+COMPLETER_SLICE = 0.002
+
+
 class _Completer:
-    """Completes torch Futures from swarmfd Works, in issue order, on one thread.
+    """Completes torch Futures from swarmfd Works, each as soon as its own op ends.
 
     torch's C++ side (its DDP, ``work.wait()``) waits on a Future; swarmfd's async ops
     progress on their own and only need someone to notice the end. An op already
-    complete when issued is completed at once, without the thread.
+    complete when issued is completed at once, without the thread. Ops may end in
+    another order than they were issued (a send to one rank before an earlier receive
+    from another), so no Future waits for an older op's: the thread drives swarmfd's
+    engine on the oldest pending op a slice at a time and completes every op that ended.
     """
 
     def __init__(self) -> None:
@@ -97,9 +110,40 @@ class _Completer:
             fut.set_result(value)
 
     def _run(self) -> None:
+        pending: list[tuple[Any, Future, Any]] = []
         while True:
-            work, fut, value = self._q.get()
-            self._finish(work, fut, value)
+            if not pending:
+                pending.append(self._q.get())
+            while True:
+                try:
+                    pending.append(self._q.get_nowait())
+                except queue.Empty:
+                    break
+            still = []
+            for item in pending:
+                if item[0].is_completed():
+                    self._finish(*item)
+                else:
+                    still.append(item)
+            pending = still
+            if pending:
+                _drive(pending[0][0], COMPLETER_SLICE)
+
+
+def _drive(work: Any, seconds: float) -> None:
+    """Drive swarmfd's engine for at most ``seconds`` on the swarmfd Work under ``work``
+    (a Work, or a wrapper of ours around some); its end, or failure, is seen later by
+    ``is_completed``."""
+    while isinstance(work, (_Then, _All)):
+        work = work.pending()
+        if work is None:
+            return
+    if isinstance(work, dist.Work):
+        # One of our own torch Works (a coalesced call's part): this thread completes it.
+        time.sleep(seconds)
+        return
+    with contextlib.suppress(BaseException):
+        work.wait(seconds)
 
 
 class ProcessGroupSwarmfd(dist.ProcessGroup):
@@ -271,21 +315,81 @@ class ProcessGroupSwarmfd(dist.ProcessGroup):
         fd.barrier(group=self._group)
         return self._done.submit(None, [])
 
-    def _unsupported(self, name: str) -> Any:
-        raise NotImplementedError(f"the swarmfd torch.distributed backend has no {name} yet; "
-                                  "use the gloo backend for it")
+    def _contiguous_out(self, out: torch.Tensor, w_of: Any, outputs: Any) -> Any:
+        """Run ``w_of(target)`` (an async swarmfd call writing ``target``) into ``out``
+        itself when it is contiguous, else into a contiguous staging tensor copied into
+        ``out`` once the call completed."""
+        if out.is_contiguous():
+            return self._done.submit(w_of(out), outputs)
+        staging = torch.empty(out.shape, dtype=out.dtype)
+        return self._done.submit(_Then(w_of(staging), lambda: out.copy_(staging)), outputs)
 
-    def all_to_all_single(self, *args: Any, **kwargs: Any) -> Any:
-        return self._unsupported("all_to_all")
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
+                          output_split_sizes: list[int], input_split_sizes: list[int],
+                          opts: Any = None) -> Any:
+        """``dist.all_to_all_single``: :func:`swarmfd.all_to_all` (the same semantics; empty
+        split lists mean equal parts of the first dimension)."""
+        check_cpu(output, "output", "all_to_all_single")
+        check_cpu(input, "input", "all_to_all_single")
+        if output.dtype != input.dtype:
+            raise TypeError(f"all_to_all_single: output dtype {output.dtype} differs from the "
+                            f"input's {input.dtype}")
+        x = bits(input.contiguous())
+        in_splits = [int(v) for v in input_split_sizes] or None
+        out_splits = [int(v) for v in output_split_sizes] or None
+        return self._contiguous_out(output, lambda target: fd.all_to_all(
+            x, out=bits(target), in_splits=in_splits, out_splits=out_splits,
+            group=self._group, async_op=True), [output])
 
-    def alltoall(self, *args: Any, **kwargs: Any) -> Any:
-        return self._unsupported("all_to_all")
+    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
+                 opts: Any = None) -> Any:
+        """``dist.all_to_all``: input j goes to rank j, output j comes from rank j (any
+        shapes, one dtype), as one :func:`swarmfd.all_to_all` of the flattened tensors."""
+        n = self.size()
+        if len(input_tensors) != n or len(output_tensors) != n:
+            raise ValueError(f"all_to_all: {len(input_tensors)} input and "
+                             f"{len(output_tensors)} output tensors, expected {n} of each")
+        ins = [check_cpu(t, f"input {j}", "all_to_all") for j, t in enumerate(input_tensors)]
+        outs = [check_cpu(t, f"output {j}", "all_to_all") for j, t in enumerate(output_tensors)]
+        dtype = ins[0].dtype
+        for what, t in [*((f"input {j}", t) for j, t in enumerate(ins)),
+                        *((f"output {j}", t) for j, t in enumerate(outs))]:
+            if t.dtype != dtype:
+                raise TypeError(f"all_to_all: {what} has dtype {t.dtype}, expected input 0's "
+                                f"{dtype} (every tensor of the call has one dtype)")
+        flat = torch.cat([t.reshape(-1) for t in ins])
+        staging = torch.empty(sum(t.numel() for t in outs), dtype=dtype)
+        w = fd.all_to_all(bits(flat), out=bits(staging), in_splits=[t.numel() for t in ins],
+                          out_splits=[t.numel() for t in outs], group=self._group,
+                          async_op=True)
 
-    def send(self, *args: Any, **kwargs: Any) -> Any:
-        return self._unsupported("send")
+        def copy_out() -> None:
+            at = 0
+            for t in outs:
+                t.copy_(staging[at:at + t.numel()].view(t.shape))
+                at += t.numel()
 
-    def recv(self, *args: Any, **kwargs: Any) -> Any:
-        return self._unsupported("recv")
+        return self._done.submit(_Then(w, copy_out), output_tensors)
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
+        """``dist.send``/``isend`` to group rank ``dst``: :func:`swarmfd.isend` (the
+        tensor, or a contiguous copy of it, belongs to the call until it completed)."""
+        t = check_cpu(tensors[0], "tensor", "send")
+        w = fd.isend(bits(t.contiguous()), self._world_rank(dst), tag, group=self._group)
+        return self._done.submit(w, tensors)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
+        """``dist.recv``/``irecv`` from group rank ``src`` into the tensor (its dtype and
+        shape must be the sender's): :func:`swarmfd.irecv`."""
+        t = check_cpu(tensors[0], "tensor", "recv")
+        peer = self._world_rank(src)
+        return self._contiguous_out(t, lambda target: fd.irecv(
+            bits(target), peer, tag, group=self._group), tensors)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Any:
+        raise NotImplementedError(
+            "the swarmfd torch.distributed backend receives from a named rank only: "
+            "dist.recv/irecv without src (from any source) is not supported; pass src=")
 
 
 class _Then:
@@ -297,23 +401,37 @@ class _Then:
     def is_completed(self) -> bool:
         return bool(self._work.is_completed())
 
+    def pending(self) -> Any:
+        """The Work to drive while this one has not completed (None: it has)."""
+        return None if self._work.is_completed() else self._work
+
     def wait(self, timeout: float | None = None) -> Any:
         result = self._work.wait()
         self._then()
         return result
 
 
+class _All:
+    """One Work for several (coalesced calls): complete when all of them are."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self._works = works
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def pending(self) -> Any:
+        """The first of the Works that has not completed (None: all have)."""
+        return next((w for w in self._works if not w.is_completed()), None)
+
+    def wait(self, timeout: float | None = None) -> Any:
+        for w in self._works:
+            w.wait()
+
+
 def _last(works: list[Any], outputs: Any, done: _Completer) -> Any:
-    """One torch Work for several in order: the last completes after the others."""
-    class _All:
-        def is_completed(self) -> bool:
-            return all(w.is_completed() for w in works)
-
-        def wait(self, timeout: float | None = None) -> Any:
-            for w in works:
-                w.wait()
-
-    return done.submit(_All(), outputs)
+    """One torch Work for several: it completes when all of them have."""
+    return done.submit(_All(works), outputs)
 
 
 def _free_port() -> int:
