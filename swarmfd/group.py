@@ -99,7 +99,11 @@ SETUP_GID = 0xFFFF
 #: The exchange of shared-memory planes that ends init (see _share_domains).
 DOMAINS_GID = 0xFFFE
 FIRST_USER_GID = 2
-MAX_GID = 0xFFFD
+#: new_group's ids end here; the ids above, up to MEMBERS_MAX_GID, are for groups that
+#: only their members make (members_group: torch's new_group through the c10d backend).
+MAX_GID = 0x7FFF
+MEMBERS_FIRST_GID = 0x8000
+MEMBERS_MAX_GID = 0xFFFD
 
 
 class _NonMember:
@@ -638,6 +642,29 @@ def new_group(ranks: Iterable[int] | None = None) -> Any:
         s.next_gid += 1
         if s.config.rank not in members:
             return NON_GROUP_MEMBER
+        g = Group(s, gid, members, f"group {gid}")
+        s.groups[gid] = g
+        return g
+
+
+def members_group(gid: int, ranks: Iterable[int]) -> Group:
+    """A sub-group made by its members alone, under an id they agreed on elsewhere, from
+    MEMBERS_FIRST_GID to MEMBERS_MAX_GID (torch calls a backend on a new group's members
+    only; its c10d backend agrees on the id through torch's store). Every member calls
+    it with the same ``gid`` and ``ranks``; the other ranks never hear of the group. It
+    takes none of new_group's ids, so the two kinds may be made in any order."""
+    s = current("members_group()")
+    members = _check_ranks(ranks, s.config.world_size)
+    if not MEMBERS_FIRST_GID <= gid <= MEMBERS_MAX_GID:
+        raise ValueError(f"swarmfd.members_group: group id {gid} is out of range: expected "
+                         f"{MEMBERS_FIRST_GID} <= id <= {MEMBERS_MAX_GID}")
+    if s.config.rank not in members:
+        raise ValueError(f"swarmfd.members_group: this rank ({s.config.rank}) is not one of "
+                         f"the members {members}; only members make the group")
+    with _lock:
+        if gid in s.groups:
+            raise ValueError(f"swarmfd.members_group: group id {gid} is taken already (by "
+                             f"{s.groups[gid].name})")
         g = Group(s, gid, members, f"group {gid}")
         s.groups[gid] = g
         return g

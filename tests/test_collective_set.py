@@ -84,6 +84,27 @@ def test_bad_arguments_are_refused_naming_what_was_expected(
 
 
 @pytest.mark.usefixtures("alone")
+def test_a_group_made_by_its_members_checks_its_id_and_members() -> None:
+    """swarmfd.group.members_group (torch's new_group through the c10d backend) takes ids
+    of its own range, apart from new_group's; an id outside it, one already taken, or a
+    rank that is not a member is refused, naming what is wrong."""
+    from swarmfd import group as _group
+
+    g = _group.members_group(_group.MEMBERS_FIRST_GID, [0])
+    assert (g.gid, g.rank, g.size, g.ranks) == (_group.MEMBERS_FIRST_GID, 0, 1, (0,))
+    assert fd.new_group([0]).gid < _group.MEMBERS_FIRST_GID  # new_group's own ids
+    assert np.array_equal(fd.all_reduce(np.ones(3), group=g), np.ones(3))
+    with pytest.raises(ValueError, match="taken already"):
+        _group.members_group(_group.MEMBERS_FIRST_GID, [0])
+    with pytest.raises(ValueError, match="out of range"):
+        _group.members_group(_group.MAX_GID, [0])
+    with pytest.raises(ValueError, match="out of range"):
+        _group.members_group(_group.MEMBERS_MAX_GID + 1, [0])
+    with pytest.raises(ValueError, match="out of range: expected 0 <= rank"):
+        _group.members_group(_group.MEMBERS_FIRST_GID + 1, [1])
+
+
+@pytest.mark.usefixtures("alone")
 def test_a_world_of_one_returns_each_calls_own_answer() -> None:
     x = np.arange(6.0).reshape(3, 2)
     assert np.array_equal(fd.reduce_scatter(x), x)

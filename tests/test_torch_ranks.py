@@ -633,6 +633,60 @@ def _c10d_exchange_rank(rank: int, world: int, port: int) -> None:
     dist.destroy_process_group()
 
 
+def _c10d_subgroups_rank(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    import swarmfd as fd
+    import swarmfd.group
+    import swarmfd.torch  # registers the backend
+
+    _setup()
+    dist.init_process_group("swarmfd", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    # Every rank calls new_group; torch makes the group on its members only.
+    ends = dist.new_group([0, 2])
+    low = dist.new_group([0, 1])
+    if rank in (0, 2):
+        assert dist.get_rank(ends) == rank // 2 and dist.get_world_size(ends) == 2
+        t = torch.full((4,), float(rank + 1))
+        dist.all_reduce(t, group=ends)
+        assert t.tolist() == [4.0] * 4  # 1 + 3
+        b = torch.full((2,), float(rank))
+        dist.broadcast(b, src=2, group=ends)  # src is a world rank, as in torch
+        assert b.tolist() == [2.0, 2.0]
+        outs = [torch.empty(1) for _ in range(2)]
+        dist.all_gather(outs, torch.tensor([float(rank)]), group=ends)
+        assert [o.item() for o in outs] == [0.0, 2.0]
+        got = torch.empty(3)
+        if rank == 0:
+            dist.send(torch.full((3,), 5.0), dst=2, group=ends)
+        else:
+            dist.recv(got, src=0, group=ends)
+            assert got.tolist() == [5.0] * 3
+        dist.barrier(group=ends)
+    else:
+        assert dist.get_rank(ends) == -1
+    if rank in (0, 1):
+        t = torch.full((2,), float(rank + 10))
+        dist.all_reduce(t, group=low)
+        assert t.tolist() == [21.0, 21.0]
+    # The world's calls go on beside the groups', their traffic apart.
+    w = torch.full((2,), 1.0)
+    dist.all_reduce(w)
+    assert w.tolist() == [float(world)] * 2
+    made = sorted(fd.group.current("test").groups)
+    assert made[0] == 0 and all(g >= fd.group.MEMBERS_FIRST_GID for g in made[2:]), made
+    dist.destroy_process_group()
+
+
+def test_torch_distributed_backend_sub_groups() -> None:
+    """dist.new_group over swarmfd: torch makes a sub-group on its members only, and
+    they run collectives and point-to-point messages in it (src/dst are world ranks)
+    while the others do not take part; two sub-groups and the world keep their
+    traffic apart."""
+    run_ranks(_c10d_subgroups_rank, 3, free_port(), init=False, timeout=60)
+
+
 def test_torch_distributed_backend_all_to_all_send_recv() -> None:
     """dist.all_to_all_single (equal, uneven, bfloat16, a non-contiguous output),
     dist.all_to_all of lists, send/recv and isend/irecv over swarmfd; Works complete in

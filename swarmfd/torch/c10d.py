@@ -23,9 +23,11 @@ Supported: ``all_reduce`` (sum, avg, product, min, max), ``broadcast``,
 (equal or uneven splits), ``all_to_all`` (lists of tensors of any shapes),
 ``send``/``recv`` and ``isend``/``irecv`` (swarmfd's point-to-point messages: matched
 by source and tag, in order), ``barrier``, their ``async_op`` forms and coalesced
-variants; bfloat16 is reduced in float32. Not yet: a receive from any source
-(``recv`` without ``src``) and sub-groups made with ``dist.new_group`` (each raises
-saying so). CPU tensors only.
+variants; bfloat16 is reduced in float32. Sub-groups (``dist.new_group``) are swarmfd
+groups made by their members alone (:func:`swarmfd.group.members_group`; torch calls a
+backend on a new group's members only), under an id the group's rank 0 takes from a
+counter in the job's store. Not yet: a receive from any source (``recv`` without
+``src``; it raises saying so). CPU tensors only.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
 import swarmfd as fd
+from swarmfd import group as _group
 
 from . import collectives
 from ._tensors import bits, check_cpu
@@ -51,6 +54,8 @@ from ._tensors import bits, check_cpu
 BACKEND = "swarmfd"
 #: Store keys of the rendezvous address rank 0 publishes (under torch's group prefix).
 _KEY_ADDR, _KEY_PORT = "swarmfd/master_addr", "swarmfd/master_port"
+#: The count of sub-groups made (in the job's store), and a sub-group's id (in its own).
+_KEY_GROUPS, _KEY_GID = "swarmfd/subgroups", "swarmfd/gid"
 
 _OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "mean", dist.ReduceOp.PRODUCT: "prod",
         dist.ReduceOp.MIN: "min", dist.ReduceOp.MAX: "max"}
@@ -451,24 +456,49 @@ def _join_swarmfd(store: Any, rank: int, size: int) -> None:
     fd.init(size, rank, master_addr=addr, master_port=port)
 
 
+def _root_store(store: Any) -> Any:
+    """The store under torch's prefixes: the one every group of the job shares."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+def _subgroup(opts: Any, rank: int, ranks: list[int]) -> Any:
+    """The swarmfd group of a torch sub-group, made by its members (torch calls the
+    backend on them only): the group's rank 0 takes the next id from a counter in the
+    job's store and publishes it in the group's own (prefixed) store, where the others
+    read it."""
+    if rank == 0:
+        taken = int(_root_store(opts.store).add(_KEY_GROUPS, 1))
+        gid = _group.MEMBERS_FIRST_GID + taken - 1
+        if gid > _group.MEMBERS_MAX_GID:
+            raise ValueError("the swarmfd torch.distributed backend has made "
+                             f"{taken - 1} sub-groups, the most one job can")
+        opts.store.set(_KEY_GID, str(gid))
+    else:
+        gid = int(opts.store.get(_KEY_GID).decode())
+    return _group.members_group(gid, ranks)
+
+
 def _create(opts: Any, backend_options: Any = None) -> ProcessGroupSwarmfd:
-    """torch's backend creator (extended API): the world group over swarmfd."""
+    """torch's backend creator (extended API): the world group over swarmfd, or a
+    sub-group (``dist.new_group``) of it."""
     rank, size = int(opts.group_rank), int(opts.group_size)
     ranks = list(opts.global_ranks_in_group or range(size))
-    if fd.is_initialized():
-        world = fd.get_world_size()
-        if ranks != list(range(world)):
-            raise NotImplementedError(
-                "the swarmfd torch.distributed backend serves the world group only: "
-                f"dist.new_group({ranks}) needs every rank to create the swarmfd group, and "
-                "torch calls the backend on members only; use the gloo backend for "
-                "sub-groups, or swarmfd.new_group with swarmfd's own API")
+    if not fd.is_initialized():
+        _join_swarmfd(opts.store, rank, size)
+        return ProcessGroupSwarmfd(rank, size)
+    world = fd.get_world_size()
+    if ranks == list(range(world)):
         if fd.get_rank() != rank:
             raise RuntimeError(f"torch.distributed says this is rank {rank} of {size}, "
                                f"swarmfd says rank {fd.get_rank()} of {world}")
-    else:
-        _join_swarmfd(opts.store, rank, size)
-    return ProcessGroupSwarmfd(rank, size)
+        return ProcessGroupSwarmfd(rank, size)
+    if sorted(ranks) != ranks or ranks[rank] != fd.get_rank():
+        raise RuntimeError(f"torch.distributed's group of ranks {ranks} says this is its rank "
+                           f"{rank}; swarmfd is world rank {fd.get_rank()} (expected the "
+                           "members in increasing order)")
+    return ProcessGroupSwarmfd(rank, size, _subgroup(opts, rank, ranks))
 
 
 def register() -> None:
