@@ -135,9 +135,14 @@ class Group:
     ``ranks`` their world ranks in group-rank order.
     """
 
-    def __init__(self, state: _State, gid: int, ranks: Sequence[int], name: str) -> None:
+    def __init__(self, state: _State, gid: int, ranks: Sequence[int], name: str,
+                 area: int | None = -1) -> None:
         self._state = state
         self.gid = gid
+        #: The area of the members' shared-memory segments this group's rounds use (see
+        #: choose_area); None: the group never uses shared memory. By default the one its
+        #: id picks (the world's 0, the host groups' 1, init's own groups').
+        self.area: int | None = gid % _shm.AREAS if area == -1 else area
         self.ranks: tuple[int, ...] = tuple(ranks)
         self.size = len(self.ranks)
         self.rank = self.ranks.index(state.config.rank)
@@ -194,8 +199,8 @@ class Group:
         cached_t, cached_shm, plane = self._plane
         if cached_t is t and cached_shm is shm:
             return plane
-        plane = shm if shm is not None and all(r in shm.segments for r in self.ranks) \
-            else t.tcp
+        plane = shm if shm is not None and self.area is not None and all(
+            r in shm.segments for r in self.ranks) else t.tcp
         self._plane = (t, shm, plane)
         return plane
 
@@ -210,7 +215,7 @@ class Group:
             s = self._state
             t = s.transport
             lay = None
-            if t is not None and s.shm_domains is not None:
+            if t is not None and s.shm_domains is not None and self.area is not None:
                 lay = two_level_layout([s.hosts[r] for r in self.ranks],
                                        [s.shm_domains[r] for r in self.ranks], self.rank,
                                        s.hierarchy)
@@ -221,7 +226,8 @@ class Group:
     def next_slot(self) -> int:
         """Byte offset of the shared-memory slot of the next round (the same on every
         member: each group rotates over the slots of its own area)."""
-        slot = _shm.area_of(self.gid) + (self.shm_round % _shm.SLOTS) * _shm.SEGMENT_BYTES
+        assert self.area is not None, "a group without a shared-memory area (a bug)"
+        slot = _shm.area_of(self.area) + (self.shm_round % _shm.SLOTS) * _shm.SEGMENT_BYTES
         self.shm_round += 1
         return slot
 
@@ -252,6 +258,9 @@ class _State:
     host: Group | None = None
     groups: dict[int, Group] = dataclasses.field(default_factory=dict)
     next_gid: int = FIRST_USER_GID
+    #: Every new_group call's members and shared-memory area, members or not (the same
+    #: list on every rank: choose_area decides from it).
+    made: list[tuple[frozenset[int], int | None]] = dataclasses.field(default_factory=list)
     engine: Any = None
     #: Per world rank, its shared-memory plane's lowest rank (-1: none); None until init
     #: exchanged them (or when no rank offers shared memory).
@@ -640,11 +649,41 @@ def new_group(ranks: Iterable[int] | None = None) -> Any:
             raise ValueError(f"swarmfd.new_group: at most {MAX_GID - FIRST_USER_GID + 1} "
                              "groups can be made in one process group")
         s.next_gid += 1
+        area = choose_area(s.made, members)
+        s.made.append((frozenset(members), area))
         if s.config.rank not in members:
             return NON_GROUP_MEMBER
-        g = Group(s, gid, members, f"group {gid}")
+        if area is None and s.transport is not None and s.transport.shm is not None:
+            logging.getLogger("swarmfd").warning(
+                "swarmfd.new_group(%s): each of the %d shared-memory areas for groups is in "
+                "use by a group with a member in common; this group's calls go over TCP",
+                members, len(USER_AREAS))
+        g = Group(s, gid, members, f"group {gid}", area)
         s.groups[gid] = g
         return g
+
+
+#: The areas of the shared-memory segments new_group's groups take: the world's (0) and the
+#: host groups' (1) are shared by every group with a member on the host.
+USER_AREAS = tuple(range(2, _shm.AREAS))
+
+
+def choose_area(made: Sequence[tuple[frozenset[int], int | None]],
+                members: Sequence[int]) -> int | None:
+    """The shared-memory area of a new group of ``members``, given the groups ``made``
+    before it (members, area): the first of USER_AREAS that no group with a member in
+    common uses, else None (the group goes over TCP).
+
+    A rank writes its rounds of every group into its own segment, in the group's area,
+    and its peers read them there after the rank may have moved on: two groups with a
+    member in common must not share an area, or one's rounds overwrite the other's
+    still being read (a wrong result, not an error: 7 groups of 2 ranks, the 7th in
+    the world's area when areas followed the group id, gave 39-102 wrong all_reduces
+    in 20000). Groups without a common member may share one: each reads only its own
+    members' segments. Every rank decides the same from the same calls."""
+    mine = set(members)
+    used = {area for ranks, area in made if area is not None and ranks & mine}
+    return next((a for a in USER_AREAS if a not in used), None)
 
 
 def members_group(gid: int, ranks: Iterable[int]) -> Group:
@@ -652,7 +691,11 @@ def members_group(gid: int, ranks: Iterable[int]) -> Group:
     MEMBERS_FIRST_GID to MEMBERS_MAX_GID (torch calls a backend on a new group's members
     only; its c10d backend agrees on the id through torch's store). Every member calls
     it with the same ``gid`` and ``ranks``; the other ranks never hear of the group. It
-    takes none of new_group's ids, so the two kinds may be made in any order."""
+    takes none of new_group's ids, so the two kinds may be made in any order.
+
+    Its calls go over TCP, even between ranks of one host: its shared-memory area could
+    not be agreed with the groups its members are in (see :func:`choose_area`: the
+    other ranks never hear of it, so a later new_group could not avoid its area)."""
     s = current("members_group()")
     members = _check_ranks(ranks, s.config.world_size)
     if not MEMBERS_FIRST_GID <= gid <= MEMBERS_MAX_GID:
@@ -665,7 +708,7 @@ def members_group(gid: int, ranks: Iterable[int]) -> Group:
         if gid in s.groups:
             raise ValueError(f"swarmfd.members_group: group id {gid} is taken already (by "
                              f"{s.groups[gid].name})")
-        g = Group(s, gid, members, f"group {gid}")
+        g = Group(s, gid, members, f"group {gid}", None)
         s.groups[gid] = g
         return g
 

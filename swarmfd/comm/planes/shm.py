@@ -47,8 +47,9 @@ __all__ = ["AREAS", "SEGMENT_BYTES", "SEGMENT_SIZE", "SLOTS", "ShmPlane", "area_
 SEGMENT_BYTES = 1 << 20
 #: Slots per area: a pipelined all_reduce touches three rounds at once.
 SLOTS = 3
-#: Areas per segment: groups on one host use different areas (group id modulo AREAS),
-#: so one group's ranks never rewrite a slot another group's ranks still read.
+#: Areas per segment: groups with a member in common use different areas
+#: (swarmfd.group.choose_area), so one group's ranks never rewrite a slot another
+#: group's ranks still read.
 AREAS = 8
 #: Bytes of one area, and of one rank's segment.
 AREA_BYTES = SLOTS * SEGMENT_BYTES
