@@ -665,13 +665,17 @@ def new_group(ranks: Iterable[int] | None = None) -> Any:
 
 #: The areas of the shared-memory segments new_group's groups take: the world's (0) and the
 #: host groups' (1) are shared by every group with a member on the host.
-USER_AREAS = tuple(range(2, _shm.AREAS))
+USER_AREAS = tuple(range(2, 8))
+#: The areas of groups made by their members alone (members_group), apart from
+#: new_group's: each kind agrees on its own areas (new_group's from the calls every
+#: rank makes, members_group's through the store of torch's c10d backend).
+MEMBER_AREAS = tuple(range(8, _shm.AREAS))
 
 
 def choose_area(made: Sequence[tuple[frozenset[int], int | None]],
-                members: Sequence[int]) -> int | None:
+                members: Sequence[int], areas: Sequence[int] = USER_AREAS) -> int | None:
     """The shared-memory area of a new group of ``members``, given the groups ``made``
-    before it (members, area): the first of USER_AREAS that no group with a member in
+    before it (members, area): the first of ``areas`` that no group with a member in
     common uses, else None (the group goes over TCP).
 
     A rank writes its rounds of every group into its own segment, in the group's area,
@@ -683,24 +687,26 @@ def choose_area(made: Sequence[tuple[frozenset[int], int | None]],
     members' segments. Every rank decides the same from the same calls."""
     mine = set(members)
     used = {area for ranks, area in made if area is not None and ranks & mine}
-    return next((a for a in USER_AREAS if a not in used), None)
+    return next((a for a in areas if a not in used), None)
 
 
-def members_group(gid: int, ranks: Iterable[int]) -> Group:
-    """A sub-group made by its members alone, under an id they agreed on elsewhere, from
-    MEMBERS_FIRST_GID to MEMBERS_MAX_GID (torch calls a backend on a new group's members
-    only; its c10d backend agrees on the id through torch's store). Every member calls
-    it with the same ``gid`` and ``ranks``; the other ranks never hear of the group. It
-    takes none of new_group's ids, so the two kinds may be made in any order.
-
-    Its calls go over TCP, even between ranks of one host: its shared-memory area could
-    not be agreed with the groups its members are in (see :func:`choose_area`: the
-    other ranks never hear of it, so a later new_group could not avoid its area)."""
+def members_group(gid: int, ranks: Iterable[int], area: int | None = None) -> Group:
+    """A sub-group made by its members alone, under an id and a shared-memory area they
+    agreed on elsewhere: the id from MEMBERS_FIRST_GID to MEMBERS_MAX_GID, the area one
+    of MEMBER_AREAS or None (no shared memory). torch calls a backend on a new group's
+    members only, and its c10d backend agrees on both through torch's store, where every
+    such group's members and area are recorded (:func:`choose_area` over them). Every
+    member calls it with the same arguments; the other ranks never hear of the group.
+    Ids and areas are apart from new_group's, so the two kinds may be made in any
+    order."""
     s = current("members_group()")
     members = _check_ranks(ranks, s.config.world_size)
     if not MEMBERS_FIRST_GID <= gid <= MEMBERS_MAX_GID:
         raise ValueError(f"swarmfd.members_group: group id {gid} is out of range: expected "
                          f"{MEMBERS_FIRST_GID} <= id <= {MEMBERS_MAX_GID}")
+    if area is not None and area not in MEMBER_AREAS:
+        raise ValueError(f"swarmfd.members_group: area {area} is not one of the areas of "
+                         f"such groups ({MEMBER_AREAS[0]}-{MEMBER_AREAS[-1]}, or None)")
     if s.config.rank not in members:
         raise ValueError(f"swarmfd.members_group: this rank ({s.config.rank}) is not one of "
                          f"the members {members}; only members make the group")
@@ -708,7 +714,7 @@ def members_group(gid: int, ranks: Iterable[int]) -> Group:
         if gid in s.groups:
             raise ValueError(f"swarmfd.members_group: group id {gid} is taken already (by "
                              f"{s.groups[gid].name})")
-        g = Group(s, gid, members, f"group {gid}", None)
+        g = Group(s, gid, members, f"group {gid}", area)
         s.groups[gid] = g
         return g
 

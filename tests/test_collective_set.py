@@ -102,6 +102,10 @@ def test_a_group_made_by_its_members_checks_its_id_and_members() -> None:
         _group.members_group(_group.MEMBERS_MAX_GID + 1, [0])
     with pytest.raises(ValueError, match="out of range: expected 0 <= rank"):
         _group.members_group(_group.MEMBERS_FIRST_GID + 1, [1])
+    with pytest.raises(ValueError, match="area 2 is not one of the areas of such groups"):
+        _group.members_group(_group.MEMBERS_FIRST_GID + 1, [0], 2)
+    h = _group.members_group(_group.MEMBERS_FIRST_GID + 1, [0], _group.MEMBER_AREAS[0])
+    assert (g.area, h.area) == (None, _group.MEMBER_AREAS[0])
 
 
 @pytest.mark.usefixtures("alone")

@@ -43,6 +43,16 @@ def test_groups_without_a_member_in_common_may_share_an_area() -> None:
     assert _group.choose_area(made, [3]) == 2
 
 
+def test_groups_made_by_their_members_take_areas_of_their_own() -> None:
+    """members_group's areas (torch's sub-groups) are apart from new_group's: each kind
+    agrees on its own, so neither can take an area the other uses."""
+    assert not set(_group.MEMBER_AREAS) & set(_group.USER_AREAS)
+    assert 0 not in _group.MEMBER_AREAS and 1 not in _group.MEMBER_AREAS
+    made = _made(([0, 1], _group.MEMBER_AREAS[0]))
+    assert _group.choose_area(made, [1, 2], _group.MEMBER_AREAS) == _group.MEMBER_AREAS[1]
+    assert _group.choose_area(made, [2, 3], _group.MEMBER_AREAS) == _group.MEMBER_AREAS[0]
+
+
 def test_no_free_area_means_no_shared_memory() -> None:
     made = _made(*(([0, 1], a) for a in _group.USER_AREAS))
     assert _group.choose_area(made, [1, 2]) is None

@@ -674,6 +674,26 @@ def _c10d_subgroups_rank(rank: int, world: int, port: int) -> None:
     w = torch.full((2,), 1.0)
     dist.all_reduce(w)
     assert w.tolist() == [float(world)] * 2
+    # On one host the sub-groups run over shared memory, in areas of their own (they
+    # share rank 0), their rounds interleaved with the world's without a wrong result.
+    mine = [g for g in (ends, low) if rank in dist.get_process_group_ranks(g)]
+    for g in mine:
+        sg = g.swarmfd_group  # torch's group is the backend's ProcessGroupSwarmfd
+        assert sg.plane().kind == "shm" and sg.area in swarmfd.group.MEMBER_AREAS, sg.area
+    if rank == 0:
+        areas = [g.swarmfd_group.area for g in mine]
+        assert len(set(areas)) == 2, areas
+    wrong = 0
+    for _ in range(1500):
+        a = torch.full((256,), float(rank + 1))
+        dist.all_reduce(a)
+        wrong += int(not bool((a == 6.0).all()))
+        for g, want in ((ends, 4.0), (low, 3.0)):
+            if g in mine:
+                b = torch.full((256,), float(rank + 1))
+                dist.all_reduce(b, group=g)
+                wrong += int(not bool((b == want).all()))
+    assert wrong == 0, wrong
     made = sorted(fd.group.current("test").groups)
     assert made[0] == 0 and all(g >= fd.group.MEMBERS_FIRST_GID for g in made[2:]), made
     dist.destroy_process_group()
@@ -683,7 +703,8 @@ def test_torch_distributed_backend_sub_groups() -> None:
     """dist.new_group over swarmfd: torch makes a sub-group on its members only, and
     they run collectives and point-to-point messages in it (src/dst are world ranks)
     while the others do not take part; two sub-groups and the world keep their
-    traffic apart."""
+    traffic apart, and on one host the sub-groups run over shared memory in areas of
+    their own, interleaved with the world's calls without a wrong result."""
     run_ranks(_c10d_subgroups_rank, 3, free_port(), init=False, timeout=60)
 
 

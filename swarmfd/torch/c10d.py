@@ -25,14 +25,15 @@ Supported: ``all_reduce`` (sum, avg, product, min, max), ``broadcast``,
 by source and tag, in order), ``barrier``, their ``async_op`` forms and coalesced
 variants; bfloat16 is reduced in float32. Sub-groups (``dist.new_group``) are swarmfd
 groups made by their members alone (:func:`swarmfd.group.members_group`; torch calls a
-backend on a new group's members only), under an id the group's rank 0 takes from a
-counter in the job's store. Not yet: a receive from any source (``recv`` without
-``src``; it raises saying so). CPU tensors only.
+backend on a new group's members only), under an id and a shared-memory area the
+group's rank 0 chooses through the job's store. Not yet: a receive from any source
+(``recv`` without ``src``; it raises saying so). CPU tensors only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import queue
 import socket
@@ -54,8 +55,9 @@ from ._tensors import bits, check_cpu
 BACKEND = "swarmfd"
 #: Store keys of the rendezvous address rank 0 publishes (under torch's group prefix).
 _KEY_ADDR, _KEY_PORT = "swarmfd/master_addr", "swarmfd/master_port"
-#: The count of sub-groups made (in the job's store), and a sub-group's id (in its own).
-_KEY_GROUPS, _KEY_GID = "swarmfd/subgroups", "swarmfd/gid"
+#: The count of sub-groups made and each one's record (members, area) in the job's store;
+#: a sub-group's id and area in its own.
+_KEY_GROUPS, _KEY_RECORD, _KEY_GID = "swarmfd/subgroups", "swarmfd/subgroup", "swarmfd/gid"
 
 _OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "mean", dist.ReduceOp.PRODUCT: "prod",
         dist.ReduceOp.MIN: "min", dist.ReduceOp.MAX: "max"}
@@ -465,19 +467,30 @@ def _root_store(store: Any) -> Any:
 
 def _subgroup(opts: Any, rank: int, ranks: list[int]) -> Any:
     """The swarmfd group of a torch sub-group, made by its members (torch calls the
-    backend on them only): the group's rank 0 takes the next id from a counter in the
-    job's store and publishes it in the group's own (prefixed) store, where the others
-    read it."""
+    backend on them only). The group's rank 0 takes the next number from a counter in
+    the job's store, reads the members and shared-memory areas of the sub-groups made
+    before (each recorded there under its number, by its own rank 0, before it is
+    usable), picks an area no sub-group with a member in common uses
+    (:func:`swarmfd.group.choose_area`), records its own, and publishes its id and area
+    in the group's own (prefixed) store, where the others read them."""
     if rank == 0:
-        taken = int(_root_store(opts.store).add(_KEY_GROUPS, 1))
+        root = _root_store(opts.store)
+        taken = int(root.add(_KEY_GROUPS, 1))
         gid = _group.MEMBERS_FIRST_GID + taken - 1
         if gid > _group.MEMBERS_MAX_GID:
             raise ValueError("the swarmfd torch.distributed backend has made "
                              f"{taken - 1} sub-groups, the most one job can")
-        opts.store.set(_KEY_GID, str(gid))
+        made = []
+        for k in range(1, taken):
+            record = json.loads(root.get(f"{_KEY_RECORD}/{k}").decode())
+            made.append((frozenset(record["ranks"]), record["area"]))
+        area = _group.choose_area(made, ranks, _group.MEMBER_AREAS)
+        root.set(f"{_KEY_RECORD}/{taken}", json.dumps({"ranks": ranks, "area": area}))
+        opts.store.set(_KEY_GID, json.dumps({"gid": gid, "area": area}))
     else:
-        gid = int(opts.store.get(_KEY_GID).decode())
-    return _group.members_group(gid, ranks)
+        agreed = json.loads(opts.store.get(_KEY_GID).decode())
+        gid, area = int(agreed["gid"]), agreed["area"]
+    return _group.members_group(gid, ranks, area)
 
 
 def _create(opts: Any, backend_options: Any = None) -> ProcessGroupSwarmfd:

@@ -49,8 +49,10 @@ SEGMENT_BYTES = 1 << 20
 SLOTS = 3
 #: Areas per segment: groups with a member in common use different areas
 #: (swarmfd.group.choose_area), so one group's ranks never rewrite a slot another
-#: group's ranks still read.
-AREAS = 8
+#: group's ranks still read. The world's is area 0, the host groups' 1, new_group's
+#: groups take 2-7 and groups made by their members alone (torch's dist.new_group) 8-15.
+#: Pages are touched only by a group that runs, so an unused area costs address space.
+AREAS = 16
 #: Bytes of one area, and of one rank's segment.
 AREA_BYTES = SLOTS * SEGMENT_BYTES
 SEGMENT_SIZE = AREAS * AREA_BYTES
