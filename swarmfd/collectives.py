@@ -894,16 +894,10 @@ def all_to_all(x: Any, out: Any = None, *, in_splits: Any = None, out_splits: An
 _SECOND_PHASE_TAGS = 1 << 30
 
 
-def _counts_op(o: Op) -> Op:
-    """The op of a call's exchange of sizes before its data (tags from
-    _SECOND_PHASE_TAGS, apart from the data's)."""
-    return o.phase(_SECOND_PHASE_TAGS)
-
-
 def _exchange(o: Op, rows: np.ndarray) -> Any:
     """All-gather the small int64 ``rows`` (this rank's row filled) inside a call: sizes
-    before the data (see :func:`_counts_op`)."""
-    sub = _counts_op(o)
+    before the data, with tags from _SECOND_PHASE_TAGS (apart from the data's)."""
+    sub = o.phase(_SECOND_PHASE_TAGS)
     if o.plane.kind == "shm":
         yield from select.shm.all_gather(sub, rows)
     else:

@@ -551,6 +551,12 @@ def _read_part(data: Any, at: int, row_nbytes: int, limit: int) -> tuple[int, in
     return (n, end) if end <= len(data) else (-1, at)
 
 
+def _encode_part(count: int, flat: np.ndarray, limit: int) -> bytes:
+    """This rank's part as :func:`_read_part` reads it: its row count, then its rows when
+    they take at most ``limit`` bytes."""
+    return _COUNT.pack(count) + (flat.tobytes() if flat.nbytes <= limit else b"")
+
+
 def _part_error(op: Op, peer: int, got: int, limit: int,
                 parts: str = "its part") -> ProtocolError:
     """A message of an uneven all_gather's parts that breaks their rule (see
@@ -572,7 +578,7 @@ def all_gather_counts(op: Op, count: int, flat: np.ndarray, row_nbytes: int,
     a message that is neither the count alone of rows over ``limit`` nor the count and
     exactly that many rows is a protocol error."""
     N, me = op.size, op.me
-    mine = _COUNT.pack(count) + (flat.tobytes() if flat.nbytes <= limit else b"")
+    mine = _encode_part(count, flat, limit)
     for p in range(N):
         if p != me:
             op.send(p, 0, mine)
@@ -603,7 +609,7 @@ def all_gather_counts_doubling(op: Op, count: int, flat: np.ndarray, row_nbytes:
     fewer than the 2^k parts of the round, is a protocol error naming its sender."""
     N, me = op.size, op.me
     held: list[Any] = [b""] * N  # every rank's part as it travels (count, rows)
-    held[me] = _COUNT.pack(count) + (flat.tobytes() if flat.nbytes <= limit else b"")
+    held[me] = _encode_part(count, flat, limit)
     counts = [count] * N
     bit = 0
     while (1 << bit) < N:

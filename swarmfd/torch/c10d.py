@@ -224,11 +224,8 @@ class ProcessGroupSwarmfd(dist.ProcessGroup):
         if output.numel() != input.numel() * self.size():
             raise ValueError(f"all_gather_into_tensor: output has {output.numel()} elements, "
                              f"expected {self.size()} x {input.numel()}")
-        if output.is_contiguous():
-            return self._done.submit(self._gather_into(output, input), [output])
-        staging = torch.empty(output.shape, dtype=output.dtype)
-        return self._done.submit(_Then(self._gather_into(staging, input),
-                                       lambda: output.copy_(staging)), [output])
+        return self._contiguous_out(output, lambda target: self._gather_into(target, input),
+                                    [output])
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor], opts: Any = None) -> Any:
