@@ -514,7 +514,7 @@ def reduce(x: T, dst: int = 0, op: str = "sum", *, group: Any = None,
 
     def body(o: Op) -> Any:
         two = g.two_level()
-        hier = two and select.reduce_two_level(flat.nbytes, two[0])
+        hier = two and select.reduce_two_level(flat.nbytes, two[0], root)
         if hier:
             yield from hier(o, flat, root, _UFUNCS[rop], *two)
         else:
@@ -561,7 +561,7 @@ def all_gather(x: Any, out: Any = None, *, group: Any = None,
 
     def body(o: Op) -> Any:
         two = g.two_level()
-        hier = two and select.all_gather_two_level(flat.nbytes, two[0])
+        hier = two and select.all_gather_two_level(flat.nbytes, two[0], o.plane.name)
         if hier:
             return hier(o, rows, *two)
         return select.all_gather(o.plane.kind, flat.nbytes, o.size, o.plane.name)(o, rows)
@@ -603,7 +603,7 @@ def _all_gather_v(g: _group.Group, arr: np.ndarray, flat: np.ndarray, code: int,
         state["res"], state["counts"] = res, counts
         two = g.two_level()
         hier = (two and len(set(counts)) == 1
-                and select.all_gather_two_level(flat.nbytes, two[0]))
+                and select.all_gather_two_level(flat.nbytes, two[0], o.plane.name))
         if hier:  # every rank's part has the same size: the two-level all_gather
             rows = res.reshape(n, -1)
             rows[o.me] = flat

@@ -700,3 +700,69 @@ def test_flat_collectives_cross_each_host_link_as_few_times_as_their_order_allow
     assert calls["broadcast"] < 1.05, calls
     assert calls["reduce"] < 1.05, calls
     assert calls["all_reduce"] < 3.05, calls
+
+
+def test_a_small_reduce_stays_flat_where_only_the_roots_host_holds_several_ranks() -> None:
+    """Plain data: up to HIER_REDUCE_ALONE_MAX_BYTES, flat when every other host holds one
+    rank (each sends one copy over its link either way); above it, or when another host
+    holds several, two-level."""
+    from swarmfd.algorithms import select
+
+    small, large = select.HIER_REDUCE_ALONE_MAX_BYTES, select.HIER_REDUCE_ALONE_MAX_BYTES + 4
+    uneven = hier.layout_of(["a", "a", "a", "b"], 0)  # hosts (0, 1, 2) and (3,)
+    assert select.reduce_two_level(small, uneven, 0) is None
+    assert select.reduce_two_level(4096, uneven, 2) is None
+    assert select.reduce_two_level(small, uneven, 3) is hier.reduce  # host a's 3 would cross
+    assert select.reduce_two_level(large, uneven, 0) is hier.reduce
+    even = hier.layout_of(["a", "b", "a", "b"], 1)
+    assert select.reduce_two_level(4096, even, 0) is hier.reduce
+
+
+def test_the_flat_small_all_gathers_link_rows_counted_by_placement() -> None:
+    """Plain data: the rows the flat small all_gather carries into the busiest host,
+    direct exchange and recursive doubling, as their rounds send them."""
+    from swarmfd.algorithms import select
+
+    by_host = hier.layout_of(["a", "a", "b", "b"], 0)
+    spread = hier.layout_of(["a", "b", "a", "b"], 0)
+    # direct: each of a host's 2 ranks takes the other host's 2 rows
+    assert select.flat_gather_rows_in(by_host, False) == 4
+    assert select.flat_gather_rows_in(spread, False) == 4
+    # doubling: by host the second round crosses (2 rows to each rank), spread the first
+    assert select.flat_gather_rows_in(by_host, True) == 4
+    assert select.flat_gather_rows_in(spread, True) == 2
+    eight = hier.layout_of(["a"] * 4 + ["b"] * 4, 0)
+    assert select.flat_gather_rows_in(eight, True) == 16  # the last round: 4 rows to each
+    assert select.flat_gather_rows_in(hier.layout_of(["a", "b"] * 4, 0), True) == 4
+    # 3+1: the one-rank host takes the other 3 rows either way
+    assert select.flat_gather_rows_in(hier.layout_of(["a", "a", "a", "b"], 0), True) == 3
+    assert select.flat_gather_rows_in(hier.layout_of(["a", "a", "a", "b"], 0), False) == 3
+    # three hosts of two, direct: 2 ranks x 4 rows into each
+    assert select.flat_gather_rows_in(hier.layout_of(["a", "a", "b", "b", "c", "c"], 0),
+                                      False) == 8
+
+
+def test_a_small_all_gather_is_two_level_only_where_it_keeps_enough_off_the_link() -> None:
+    """Plain data: rows up to HIER_GATHER_FLAT_MAX_BYTES go two-level when that keeps more
+    than HIER_GATHER_SAVES_BYTES off the busiest link than the flat one (on the socket
+    plane: doubling where N is a power of two; on the zmq plane: the direct exchange);
+    larger rows always."""
+    from swarmfd.algorithms import select
+
+    saves = select.HIER_GATHER_SAVES_BYTES
+    eight = hier.layout_of(["a"] * 4 + ["b"] * 4, 0)  # flat: 16 rows in, two-level: 4
+    assert select.all_gather_two_level(saves // 12, eight, "socket") is None
+    assert select.all_gather_two_level(saves // 12 + 4, eight, "socket") is hier.all_gather
+    four = hier.layout_of(["a", "a", "b", "b"], 0)  # flat: 4 rows in, two-level: 2
+    assert select.all_gather_two_level(saves // 2, four, "socket") is None
+    assert select.all_gather_two_level(saves // 2 + 4, four, "zmq") is hier.all_gather
+    # spread at 2x2 over the socket plane: the doubling carries as little as two-level
+    most = select.HIER_GATHER_FLAT_MAX_BYTES
+    spread = hier.layout_of(["a", "b", "a", "b"], 0)
+    assert select.all_gather_two_level(most, spread, "socket") is None
+    assert select.all_gather_two_level(saves, spread, "zmq") is hier.all_gather  # direct: 4
+    uneven = hier.layout_of(["a", "a", "a", "b"], 3)
+    assert select.all_gather_two_level(most, uneven, "zmq") is None
+    # larger rows: two-level, whatever the placement
+    assert select.all_gather_two_level(most + 4, uneven, "socket") is hier.all_gather
+    assert select.all_gather_two_level(most + 4, spread, "socket") is hier.all_gather

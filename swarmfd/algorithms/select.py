@@ -11,6 +11,7 @@ every member), the ``*_two_level`` functions which one a call takes (None: flat)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,14 +19,34 @@ from ..comm import wire
 from ..comm.planes.shm import SEGMENT_BYTES
 from . import hier, shm, tcp
 
-__all__ = ["ALL_GATHER_V_INLINE_BYTES", "HIER_SCATTER_MIN_BYTES", "HIER_SMALL_BYTES",
-           "PAIR_MAX_BYTES", "SMALL_BYTES", "SMALL_MAX_WORLD", "all_gather",
-           "all_gather_counts",
-           "all_gather_two_level", "all_reduce",
-           "all_reduce_in_place", "all_reduce_two_level", "broadcast", "broadcast_two_level",
-           "gather", "reduce", "reduce_scatter",
-           "reduce_scatter_two_level", "reduce_two_level", "scatter", "split_rows",
-           "two_level_layout"]
+__all__ = [
+    "ALL_GATHER_V_INLINE_BYTES",
+    "HIER_GATHER_FLAT_MAX_BYTES",
+    "HIER_GATHER_SAVES_BYTES",
+    "HIER_REDUCE_ALONE_MAX_BYTES",
+    "HIER_SCATTER_MIN_BYTES",
+    "HIER_SMALL_BYTES",
+    "PAIR_MAX_BYTES",
+    "SMALL_BYTES",
+    "SMALL_MAX_WORLD",
+    "all_gather",
+    "all_gather_counts",
+    "all_gather_two_level",
+    "all_reduce",
+    "all_reduce_in_place",
+    "all_reduce_two_level",
+    "broadcast",
+    "broadcast_two_level",
+    "flat_gather_rows_in",
+    "gather",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_two_level",
+    "reduce_two_level",
+    "scatter",
+    "split_rows",
+    "two_level_layout",
+]
 
 #: Two ranks all-reduce up to this many bytes as one message each way (the pair
 #: exchange); above it the ring's pipelined pieces win (interleaved A/B over TCP:
@@ -221,7 +242,26 @@ def broadcast_two_level(nbytes: int, lay: hier.Layout, root: int) -> Algo | None
     return hier.broadcast
 
 
-def reduce_two_level(nbytes: int, lay: hier.Layout) -> Algo | None:
+#: Up to this many bytes a reduce whose root's host is the only one holding several of
+#: the group's ranks stays flat (the direct send: every other host's single rank sends
+#: one copy over its link either way, and the two-level reduce only adds the barrier
+#: inside the root's host). Measured with benchmarks/hierarchy.py (2026-12-04, root 0,
+#: 3+1 ranks at 5 Gbit/s; benchmarks/results/hierarchy-20261204-small.md), medians
+#: of 5 interleaved runs, flat / two-level ms: by host 0.51 / 0.62 at 4 KiB, 0.52 /
+#: 0.64 at 16 KiB, 0.58 / 0.67 at 64 KiB; spread (the root's host holds ranks 0, 2 and
+#: 3) 0.48 / 0.61, 0.51 / 0.51, 0.61 / 0.52. From 32 KiB the two placements disagree
+#: (3 runs at 32 KiB: by host 0.51 / 0.63, spread 0.54 / 0.50), so only up to 16 KiB.
+#: Where another host holds several ranks the two-level reduce was as fast or faster
+#: at every size (2x2, 2x4, 500 Mbit/s to 5 Gbit/s).
+HIER_REDUCE_ALONE_MAX_BYTES = 16 << 10
+
+
+def reduce_two_level(nbytes: int, lay: hier.Layout, root: int) -> Algo | None:
+    """The two-level reduce of ``nbytes`` to group rank ``root``, or None for the flat
+    one (see HIER_REDUCE_ALONE_MAX_BYTES)."""
+    if nbytes <= HIER_REDUCE_ALONE_MAX_BYTES and not any(
+            len(h) > 1 for h in lay.hosts if root not in h):
+        return None
     return hier.reduce
 
 
@@ -243,6 +283,61 @@ def reduce_scatter_two_level(nbytes: int, lay: hier.Layout) -> Algo | None:
     return None
 
 
-def all_gather_two_level(nbytes: int, lay: hier.Layout) -> Algo | None:
-    """``nbytes``: one rank's part."""
+#: An all_gather of rows up to HIER_GATHER_FLAT_MAX_BYTES runs two-level only when that
+#: keeps more than HIER_GATHER_SAVES_BYTES off the busiest host's link (into it, one
+#: way) than the flat one (:func:`flat_gather_rows_in`): below that the flat one's
+#: network round beats the two-level one's round plus its barrier inside the host,
+#: above it the link decides. Larger rows always run two-level. Measured with
+#: benchmarks/hierarchy.py (2026-12-04, 3-5 interleaved runs, medians;
+#: benchmarks/results/hierarchy-20261204-small.md), flat / two-level ms by row size:
+#: * 2x2 by host (the flat doubling carries 2 rows more into a host): 16 KiB 0.48 /
+#:   0.61 at 5 Gbit/s, 0.52 / 0.58 at 1 Gbit/s; 32 KiB 0.56 / 0.63 and 0.95 / 0.61;
+#: * 2x4 by host (12 rows more): 4 KiB 1.25 / 1.41 at 2 Gbit/s, 1.41 / 1.48 at 500
+#:   Mbit/s; 8 KiB 1.27 / 1.34 and 1.84 / 1.47; 16 KiB 1.82 / 1.45 and 4.12 / 1.57;
+#: * no row more (2x2 and 2x4 spread, where the doubling's first round crosses; 3+1,
+#:   whose one-rank host takes its 3 rows either way): 3+1 by host 0.34 / 0.45 at 4
+#:   KiB, 0.44 / 0.65 at 16 KiB, 0.47 / 0.67 at 32 KiB; 2x2 spread 0.34 / 0.52 and
+#:   0.48 / 0.55; 2x4 spread at 2 Gbit/s level to 32 KiB (1.29-1.59 against
+#:   1.32-1.58). At 64 KiB they disagree: 2x4 spread 2.34 / 1.97, 2x2 spread 0.66 /
+#:   0.69, 3+1 by host 0.69 / 0.77 (5 runs each).
+HIER_GATHER_FLAT_MAX_BYTES = 32 << 10
+HIER_GATHER_SAVES_BYTES = 48 << 10
+
+
+def flat_gather_rows_in(lay: hier.Layout, doubling: bool) -> int:
+    """Rows the flat small all_gather carries into the busiest host over its link: the
+    direct exchange sends every row to every rank; recursive doubling (rank r swaps its
+    block of k rows with rank r ^ k, k = 1, 2, 4, ...) only what its rounds cross."""
+    return _flat_gather_rows_in(lay.hosts, doubling)
+
+
+@functools.lru_cache(maxsize=64)
+def _flat_gather_rows_in(hosts: tuple[tuple[int, ...], ...], doubling: bool) -> int:
+    # (Cached: a group's calls ask again for the same hosts; the loops cost about as much
+    # as a small call's selection otherwise.)
+    host_of = {r: x for x, rs in enumerate(hosts) for r in rs}
+    n = len(host_of)
+    into = [0] * len(hosts)
+    if doubling:
+        k = 1
+        while k < n:
+            for r in range(n):
+                if host_of[r ^ k] != host_of[r]:
+                    into[host_of[r]] += k
+            k <<= 1
+    else:
+        for r in range(n):
+            into[host_of[r]] += n - len(hosts[host_of[r]])
+    return max(into)
+
+
+def all_gather_two_level(nbytes: int, lay: hier.Layout, plane: str = "") -> Algo | None:
+    """The two-level all_gather of parts of ``nbytes`` (one rank's), on the TCP plane
+    named ``plane``, or None for the flat one (see HIER_GATHER_FLAT_MAX_BYTES)."""
+    n = sum(len(h) for h in lay.hosts)
+    if nbytes <= HIER_GATHER_FLAT_MAX_BYTES and _direct(nbytes, n):
+        flat_in = flat_gather_rows_in(lay, _doubling(nbytes, n, plane))
+        two_in = n - min(len(h) for h in lay.hosts)  # each other host's rows, once
+        if (flat_in - two_in) * nbytes <= HIER_GATHER_SAVES_BYTES:
+            return None
     return hier.all_gather
