@@ -383,7 +383,7 @@ def _all_reduce_algo(o: Op, flat: np.ndarray | Parts, rop: ReduceOp, mean: bool,
     if kind == "shm":
         # Takes Parts, and divides a mean chunk by chunk while it is in cache.
         return select.shm.all_reduce(o, flat, ufunc, o.size if mean else 0)
-    hier = two and select.all_reduce_two_level(flat.nbytes, two[0])
+    hier = two and select.all_reduce_two_level(flat.nbytes, two[0], o.plane.name)
     if hier:
         assert isinstance(flat, np.ndarray)
         algo = hier(o, flat, ufunc, *two)
@@ -401,7 +401,7 @@ def _takes_parts(g: _group.Group, plane: Any, nbytes: int, count: int) -> bool:
     takes :class:`Parts` (see :func:`all_reduce_in_place`)."""
     if plane.kind != "shm":
         two = g.two_level()
-        if two and select.all_reduce_two_level(nbytes, two[0]):
+        if two and select.all_reduce_two_level(nbytes, two[0], plane.name):
             return False
     return select.all_reduce_in_place(plane.kind, nbytes, g.size, count, plane.name)
 

@@ -486,6 +486,8 @@ def test_public_calls_on_simulated_hosts(monkeypatch: pytest.MonkeyPatch) -> Non
         out: dict[str, Any] = {}
         big = sample_data(r, 300_001, np.float32)
         out["big"] = collectives.all_reduce(big)
+        # 32 KB: the small two-level all_reduce (up to 16 KiB a 3 + 1 world's is flat)
+        out["mid"] = collectives.all_reduce(sample_data(r, 8_000, np.float32))
         parts = [sample_data(r, 7, np.float64), sample_data(r, 1000, np.int32),
                  sample_data(r, 5, np.float64)]
         out["list"] = [p.copy() for p in collectives.all_reduce(parts)]
@@ -512,11 +514,13 @@ def test_public_calls_on_simulated_hosts(monkeypatch: pytest.MonkeyPatch) -> Non
 
     got = _World(monkeypatch).run(hosts, body)
     inputs = {k: [sample_data(r, c, dt) for r in range(n)] for k, c, dt in (
-        ("big", 300_001, np.float32), ("mean", 70_000, np.float64),
+        ("big", 300_001, np.float32), ("mid", 8_000, np.float32),
+        ("mean", 70_000, np.float64),
         ("async", 200_003, np.int64), ("async_max", 11, np.int64),
         ("b", 150_000, np.int16), ("x", 150_000, np.int64), ("gather", 70_001, np.float32),
         ("sub", 100_000, np.float64), ("sub_gather", 9, np.uint8))}
     _check_reduced([o["big"] for o in got], inputs["big"], np.float32)
+    _check_reduced([o["mid"] for o in got], inputs["mid"], np.float32)
     _check_reduced([o["async"] for o in got], inputs["async"], np.int64)
     assert all(np.array_equal(o["async_max"], np.max(inputs["async_max"], axis=0))
                for o in got)
@@ -766,3 +770,31 @@ def test_a_small_all_gather_is_two_level_only_where_it_keeps_enough_off_the_link
     # larger rows: two-level, whatever the placement
     assert select.all_gather_two_level(most + 4, uneven, "socket") is hier.all_gather
     assert select.all_gather_two_level(most + 4, spread, "socket") is hier.all_gather
+
+
+def test_a_small_all_reduce_stays_flat_where_a_rank_would_fan_out_beyond_the_doubling() -> None:
+    """Plain data: up to HIER_FAN_FLAT_MAX_BYTES, flat where the flat all_reduce is
+    recursive doubling (socket plane, N a power of two) and some rank of the two-level
+    small one would send its host partial to more peers than log2 N; else two-level."""
+    from swarmfd.algorithms import select
+
+    uneven = hier.layout_of(["a", "a", "a", "b"], 0)  # the rank of b sends to all 3 of a
+    assert select.small_fan(uneven) == 3
+    assert select.small_fan(hier.layout_of(["a", "b", "a", "b"], 0)) == 1
+    assert select.small_fan(hier.layout_of(["a"] * 6 + ["b"] * 2, 0)) == 3
+    assert select.small_fan(hier.layout_of(["a", "a", "b", "b", "c", "c"], 0)) == 2
+    most = select.HIER_FAN_FLAT_MAX_BYTES
+    assert select.all_reduce_two_level(most, uneven, "socket") is None
+    assert select.all_reduce_two_level(4096, uneven, "socket") is None
+    assert select.all_reduce_two_level(most + 4, uneven, "socket") is hier.all_reduce_small
+    assert select.all_reduce_two_level(4096, uneven, "zmq") is hier.all_reduce_small  # direct
+    # 6 + 2 ranks: a fan of 3, as many as the doubling's 3 rounds; 7 + 1: 7
+    six_two = hier.layout_of(["a"] * 6 + ["b"] * 2, 0)
+    assert select.all_reduce_two_level(4096, six_two, "socket") is hier.all_reduce_small
+    seven_one = hier.layout_of(["a"] * 7 + ["b"], 0)
+    assert select.all_reduce_two_level(4096, seven_one, "socket") is None
+    even = hier.layout_of(["a", "a", "b", "b"], 0)
+    assert select.all_reduce_two_level(4096, even, "socket") is hier.all_reduce_small
+    # 3 + 2 ranks: not a power of two, the flat one is the direct exchange
+    assert select.all_reduce_two_level(
+        4096, hier.layout_of(["a", "a", "a", "b", "b"], 0), "socket") is hier.all_reduce_small

@@ -21,6 +21,7 @@ from . import hier, shm, tcp
 
 __all__ = [
     "ALL_GATHER_V_INLINE_BYTES",
+    "HIER_FAN_FLAT_MAX_BYTES",
     "HIER_GATHER_FLAT_MAX_BYTES",
     "HIER_GATHER_SAVES_BYTES",
     "HIER_REDUCE_ALONE_MAX_BYTES",
@@ -44,6 +45,7 @@ __all__ = [
     "reduce_scatter_two_level",
     "reduce_two_level",
     "scatter",
+    "small_fan",
     "split_rows",
     "two_level_layout",
 ]
@@ -216,8 +218,36 @@ def two_level_layout(hosts: Sequence[str], domains: Sequence[int], me: int,
     return lay
 
 
-def all_reduce_two_level(nbytes: int, lay: hier.Layout) -> Algo | None:
-    """The two-level all_reduce of ``nbytes``, or None for the flat one."""
+#: Up to this many bytes an all_reduce runs flat where the flat one is recursive doubling
+#: (log2 N messages a rank) and the two-level small one would make some rank exchange
+#: host partials with more peers than that (:func:`small_fan`: a host of one rank
+#: beside a host of three exchanges with all three, and waits for them behind their
+#: barrier). Measured with benchmarks/hierarchy.py (2026-12-04, 5 interleaved runs;
+#: benchmarks/results/hierarchy-20261204-small.md), 3+1 ranks, two-level / flat time
+#: at 4 / 16 / 64 / 256 KiB: 5 Gbit/s by host 1.24 / 1.12 / 1.02 / 0.78, spread 1.46 /
+#: 1.10 / 0.90 / 0.70; 1 Gbit/s by host 1.10 / 1.20 / 0.94 / 0.34, spread 1.17 / 1.06 /
+#: 0.94 / 0.34. Where the fan is within log2 N (2x2, 2x4: 0.75-1.15 at 4 and 16 KiB)
+#: or the flat one is the direct exchange (2+1, 3+2, 4+1: 0.79-1.15, 4 runs),
+#: two-level.
+HIER_FAN_FLAT_MAX_BYTES = 16 << 10
+
+
+def small_fan(lay: hier.Layout) -> int:
+    """The most peers any rank sends its host partial to in the two-level small
+    all_reduce: local index i of a host of L ranks sends to the ranks k = i, i + L, ...
+    of every other host (local index 0 the most)."""
+    sizes = [len(rs) for rs in lay.hosts]
+    return max(sum(-(-other // size) for y, other in enumerate(sizes) if y != x)
+               for x, size in enumerate(sizes))
+
+
+def all_reduce_two_level(nbytes: int, lay: hier.Layout, plane: str = "") -> Algo | None:
+    """The two-level all_reduce of ``nbytes`` on the TCP plane named ``plane``, or None
+    for the flat one (see HIER_FAN_FLAT_MAX_BYTES)."""
+    if nbytes <= HIER_FAN_FLAT_MAX_BYTES:
+        n = sum(len(h) for h in lay.hosts)
+        if _doubling(nbytes, n, plane) and small_fan(lay) > n.bit_length() - 1:
+            return None
     if nbytes <= min(HIER_SMALL_BYTES, SEGMENT_BYTES):
         return hier.all_reduce_small
     return hier.all_reduce_large
