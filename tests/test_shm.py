@@ -176,6 +176,35 @@ def test_setup_gives_every_rank_every_segment_and_inbox() -> None:
     assert _open_fds() == before
 
 
+def test_region_views_are_kept_bounded_and_let_go_at_close(monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """A plane hands out the same view for the same region again (a small call's views
+    cost a third), a different one for any other offset, dtype or count, keeps at most
+    REGION_VIEWS of them, and drops them at close, so the segments unmap and no
+    descriptor stays open."""
+    from swarmfd.comm.planes import shm as shm_plane
+
+    before = _open_fds()
+    (_, p0), (_, p1) = _planes(_run_setups(2))
+    f32, i64 = np.dtype(np.float32), np.dtype(np.int64)
+    a = p0.region(1, 64, f32, 4)
+    assert p0.region(1, 64, f32, 4) is a
+    for other in (p0.region(1, 64, f32, 5), p0.region(1, 128, f32, 4),
+                  p0.region(1, 64, i64, 4), p0.region(0, 64, f32, 4)):
+        assert other is not a
+    p1.region(1, 64, f32, 4)[...] = [5, 6, 7, 8]  # the owner writes; the kept view sees it
+    assert list(a) == [5, 6, 7, 8]
+    monkeypatch.setattr(shm_plane, "REGION_VIEWS", 8)
+    for k in range(20):
+        p0.region(0, 8 * k, f32, 2)[...] = k
+        assert len(p0.regions) <= 8
+    assert [float(p0.region(0, 8 * k, f32, 2)[1]) for k in range(20)] == list(range(20))
+    del a, other  # (the test's own views would keep their segments mapped)
+    for p in (p0, p1):
+        p.close()
+    assert not p0.regions and _open_fds() == before
+
+
 @pytest.mark.waits  # bounds how long the loss takes to show
 def test_a_write_to_an_inbox_breaks_when_its_owner_is_gone() -> None:
     """The owner holds the only read end of its inbox: once it closed, a peer's write
