@@ -24,7 +24,7 @@ import numpy as np
 from . import group as _group
 from .algorithms import p2p as _p2p_algo
 from .algorithms import select
-from .algorithms.base import Op, Parts, run
+from .algorithms.base import Op, Parts, divide_by, run
 from .comm import wire
 from .comm.wire import Collective, ReduceOp, Signature
 from .engine import Work, completed, joined
@@ -420,7 +420,7 @@ def _divided(o: Op, algo: Any, flat: np.ndarray) -> Any:
     """``algo``, then ``flat`` divided by the group's size (a mean)."""
     yield from algo
     yield o.flush()  # pieces of flat may still be on their way to a peer
-    np.divide(flat, o.size, out=flat)
+    divide_by(flat, o.size)
 
 
 def all_reduce(x: T, op: str = "sum", *, group: Any = None, async_op: bool = False) -> T:
@@ -522,7 +522,7 @@ def reduce(x: T, dst: int = 0, op: str = "sum", *, group: Any = None,
                                                                         _UFUNCS[rop])
         if mean and o.me == root:
             yield o.flush()
-            np.divide(flat, o.size, out=flat)
+            divide_by(flat, o.size)
 
     return _run(g, _signature(Collective.REDUCE, [arr], code, ReduceOp.MEAN if mean else rop,
                               root),
@@ -737,7 +737,7 @@ def _reduce_scatter_run(g: _group.Group, src: np.ndarray | Parts, parts: list[tu
             flat = src if isinstance(src, np.ndarray) else np.concatenate(src.arrays)
             yield from hier(o, flat, parts, res_flat, ufunc, *two)
             if mean:
-                np.divide(res_flat, o.size, out=res_flat)
+                divide_by(res_flat, o.size)
             return
         # Every flat algorithm reads src (an array or Parts) where it is, and divides a
         # mean in this rank's part.

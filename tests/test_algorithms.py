@@ -968,3 +968,29 @@ def test_cross_memory_spans_and_reads_cut_at_every_boundary() -> None:
     assert np.array_equal(dst, src[1:])
     with pytest.raises(ValueError, match="unequal"):
         cma.read(os.getpid(), local, remote)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_a_means_division_is_bit_for_bit_numpys(dtype: Any) -> None:
+    """divide_by (every mean's last step) gives exactly np.divide(x, n)'s bits, for powers
+    of two (where it multiplies by 1 / n) and other n, normal and subnormal values,
+    zeros, infinities and NaNs alike."""
+    from swarmfd.algorithms.base import divide_by
+
+    rng = np.random.default_rng(7)
+    info = np.finfo(dtype)
+    x = np.concatenate([
+        rng.standard_normal(4000) * rng.choice([1e-3, 1.0, 1e3], 4000),
+        rng.uniform(0, 1, 500) * float(info.tiny) * 4,  # subnormal quotients
+        np.array([0.0, -0.0, np.inf, -np.inf, np.nan, float(info.max), -float(info.max),
+                  float(info.tiny), float(info.smallest_subnormal)]),
+    ]).astype(dtype)
+    for n in [*range(1, 18), 24, 32, 64, 100, 128, 1024, 2048, 3000, 4096]:
+        want = np.divide(x, n)
+        got = x.copy()
+        divide_by(got, n)
+        assert got.dtype == x.dtype
+        assert np.array_equal(got.view(f"u{x.itemsize}"), want.view(f"u{x.itemsize}")), n
+    ints = np.arange(10, dtype=np.float64)
+    divide_by(ints, 4)
+    assert list(ints) == [k / 4 for k in range(10)]

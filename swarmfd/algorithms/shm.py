@@ -38,7 +38,7 @@ import numpy as np
 from ..comm import cma
 from ..comm.planes.shm import SEGMENT_BYTES
 from ..errors import PeerLostError, ProtocolError
-from .base import Algorithm, Op, Parts, spans, split
+from .base import Algorithm, Op, Parts, divide_by, spans, split
 from .tcp import barrier
 
 __all__ = ["COUNT_BYTES", "SMALL_BYTES", "all_gather", "all_gather_counts", "all_gather_v",
@@ -127,7 +127,7 @@ def all_reduce(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
         for p in others[1:]:
             ufunc(mine, regions[p][ca:cb], out=mine)
         if divide:
-            np.divide(mine, divide, out=mine)
+            divide_by(mine, divide)
         for piece, u, v in spans(buf, a + ca, a + cb):
             piece[...] = mine[u:v]
         pending = (buf, a, regions, chunks)
@@ -195,7 +195,7 @@ def _all_reduce_cma(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
                 ufunc(piece, block[u:v], out=piece)
         if divide:
             for piece, _, _ in spans(buf, a, b):
-                np.divide(piece, divide, out=piece)
+                divide_by(piece, divide)
     yield from barrier(op, 1)
     for p in others:
         pa, pb = chunks[p]
@@ -211,7 +211,7 @@ def _reduce_all(buf: np.ndarray, regions: list[np.ndarray], ufunc: np.ufunc,
     for p in range(1, len(regions)):
         ufunc(buf, regions[p], out=buf)
     if divide:
-        np.divide(buf, divide, out=buf)
+        divide_by(buf, divide)
 
 
 def _copy_out(buf: np.ndarray | Parts, a: int, regions: list[np.ndarray],
@@ -313,7 +313,7 @@ def reduce_scatter(op: Op, buf: np.ndarray | Parts, parts: list[tuple[int, int]]
                     else:
                         ufunc(dst[u:v], piece, out=dst[u:v])
             if divide:
-                np.divide(dst, divide, out=dst)
+                divide_by(dst, divide)
 
 
 def all_to_all(op: Op, buf: np.ndarray, totals: list[int], mine_in: list[tuple[int, int]],

@@ -414,7 +414,7 @@ def reduce_scatter_direct(op: Op, buf: np.ndarray | Parts, parts: Sequence[tuple
         else:
             ufunc(out, arr, out=out)
     if divide:
-        np.divide(out, divide, out=out)
+        base.divide_by(out, divide)
 
 
 def reduce_scatter_ring(op: Op, buf: np.ndarray | Parts, parts: Sequence[tuple[int, int]],
@@ -455,7 +455,7 @@ def reduce_scatter_ring(op: Op, buf: np.ndarray | Parts, parts: Sequence[tuple[i
             if not last:
                 op.send(nxt, (k + 1) * P + j, acc)
             elif divide:
-                np.divide(acc, divide, out=acc)
+                base.divide_by(acc, divide)
     if N == 1:
         out[...] = base.take(buf, parts[0][0], parts[0][1])
 
