@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from .algorithms.base import divide_by
+
 __all__ = ["GradAccum"]
 
 
@@ -193,7 +195,8 @@ class GradAccum:
         # All checked before anything is written: a bad call leaves the gradients untouched.
         out: list[Any] = []
         for slot, (grad, view, shared) in zip(self._slots, targets, strict=True):
-            mean = np.divide(slot.buffer(), self._count, out=slot.buffer())
+            mean = slot.buffer()
+            divide_by(mean, self._count)
             if shared:
                 np.copyto(view, mean, casting="same_kind")
                 out.append(view)

@@ -81,6 +81,7 @@ ACK and SIG of :mod:`.tcp`); those inside a host a sub-op's from LOCAL_TAGS.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -172,6 +173,11 @@ class Layout:
     def locals(self) -> list[int]:
         """This host's ranks of the group (group ranks)."""
         return list(self.hosts[self.host])
+
+    @functools.cached_property
+    def size(self) -> int:
+        """The group's size: its ranks on every host."""
+        return sum(len(h) for h in self.hosts)
 
     @property
     def shards(self) -> int:

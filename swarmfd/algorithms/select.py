@@ -236,7 +236,13 @@ def small_fan(lay: hier.Layout) -> int:
     """The most peers any rank sends its host partial to in the two-level small
     all_reduce: local index i of a host of L ranks sends to the ranks k = i, i + L, ...
     of every other host (local index 0 the most)."""
-    sizes = [len(rs) for rs in lay.hosts]
+    return _small_fan(lay.hosts)
+
+
+@functools.lru_cache(maxsize=64)
+def _small_fan(hosts: tuple[tuple[int, ...], ...]) -> int:
+    # (Cached, as _flat_gather_rows_in: asked again by every small call of a group.)
+    sizes = [len(rs) for rs in hosts]
     return max(sum(-(-other // size) for y, other in enumerate(sizes) if y != x)
                for x, size in enumerate(sizes))
 
@@ -245,7 +251,7 @@ def all_reduce_two_level(nbytes: int, lay: hier.Layout, plane: str = "") -> Algo
     """The two-level all_reduce of ``nbytes`` on the TCP plane named ``plane``, or None
     for the flat one (see HIER_FAN_FLAT_MAX_BYTES)."""
     if nbytes <= HIER_FAN_FLAT_MAX_BYTES:
-        n = sum(len(h) for h in lay.hosts)
+        n = lay.size
         if _doubling(nbytes, n, plane) and small_fan(lay) > n.bit_length() - 1:
             return None
     if nbytes <= min(HIER_SMALL_BYTES, SEGMENT_BYTES):
@@ -266,7 +272,7 @@ def broadcast_two_level(nbytes: int, lay: hier.Layout, root: int) -> Algo | None
     0.97x by host and 0.91 / 0.89 / 1.11x spread; 2x2, where the direct send crosses the
     link twice, 1.06 / 1.22 / 1.31x by host and 0.97 / 1.01 / 1.16x spread.
     """
-    if _direct(nbytes, sum(len(h) for h in lay.hosts)) and not any(
+    if _direct(nbytes, lay.size) and not any(
             len(h) > 1 for h in lay.hosts if root not in h):
         return None
     return hier.broadcast
@@ -364,7 +370,7 @@ def _flat_gather_rows_in(hosts: tuple[tuple[int, ...], ...], doubling: bool) -> 
 def all_gather_two_level(nbytes: int, lay: hier.Layout, plane: str = "") -> Algo | None:
     """The two-level all_gather of parts of ``nbytes`` (one rank's), on the TCP plane
     named ``plane``, or None for the flat one (see HIER_GATHER_FLAT_MAX_BYTES)."""
-    n = sum(len(h) for h in lay.hosts)
+    n = lay.size
     if nbytes <= HIER_GATHER_FLAT_MAX_BYTES and _direct(nbytes, n):
         flat_in = flat_gather_rows_in(lay, _doubling(nbytes, n, plane))
         two_in = n - min(len(h) for h in lay.hosts)  # each other host's rows, once
