@@ -7,7 +7,8 @@ line of counters when it ends (SIGTERM or its duration). Modes:
 * ``flood PIDS``: find every TCP port the given processes listen on (except
   ``--skip`` ports) as soon as it appears (polling /proc every millisecond), open
   ``--silent`` connections to it at once and keep them silent, then open and drop
-  ``--rate`` new silent connections a second.
+  ``--rate`` new silent connections a second. Prints ``{"ready": true}`` when it starts
+  watching.
 * ``junk PORT``: open ``--count`` connections to PORT, each sending a ZMTP greeting
   and the start of one frame that announces ``--frame`` bytes, then ``--frame``
   bytes of junk, and hold them open (libzmq reads a frame before it can authenticate).
@@ -92,6 +93,9 @@ def flood(pids: list[int], skip: set[int], silent: int, rate: float, duration: f
     churn: list[socket.socket] = []
     end = time.monotonic() + duration
     next_new = time.monotonic()
+    # Watching from now: the caller may start the ranks (a late start, under CI load, found
+    # only rank 0's listener, the others' ranks having exited by then).
+    print(json.dumps({"ready": True}), flush=True)
     try:
         while not stop.is_set() and time.monotonic() < end:
             for pid in pids:

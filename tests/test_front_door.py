@@ -118,8 +118,9 @@ def _job_with_flood(transport_name: str, flood: bool) -> tuple[dict[int, Any], d
             ranks.release()
             return ranks.results(timeout=60), {}
         with Attacker("flood", *pids.values(), "--skip", ranks.port, "--silent", 100,
-                      "--rate", 300, "--duration", 40) as attacker:
-            # Rank 0 opens its listeners first; the attacker finds each within a few ms.
+                      "--rate", 300, "--duration", 40, wait_ready=True) as attacker:
+            # The attacker watches before the ranks start. Rank 0 opens its listeners first;
+            # the attacker finds each within a few ms.
             ranks.release()
             out = ranks.results(timeout=60)
         return out, attacker.result
