@@ -81,6 +81,7 @@ __all__ = [
     "ENV_MASTER_ADDR",
     "ENV_MASTER_PORT",
     "ENV_NODE",
+    "ENV_OMP_THREADS",
     "ENV_PORT",
     "ENV_RANK",
     "ENV_RESTART_COUNT",
@@ -156,6 +157,10 @@ ENV_CMA = "SWARMFD_CMA"
 ENV_TASK_SLOT = "SWARMFD_TASK_SLOT"
 #: How long the container entrypoint waits for MASTER_ADDR to resolve.
 ENV_RESOLVE_TIMEOUT = "SWARMFD_RESOLVE_TIMEOUT"
+#: OpenMP's thread count: torch's intra-op threads, and OpenBLAS's (numpy's) and MKL's
+#: when their own variables are unset. Not swarmfd's, but ``swarmfd run`` sets it for the
+#: ranks when it is unset (see swarmfd.launch.rank_threads).
+ENV_OMP_THREADS = "OMP_NUM_THREADS"
 #: SWARMFD_TRANSPORT: shared memory between the ranks of one host where possible, or TCP.
 TRANSPORTS = ("auto", "tcp")
 #: SWARMFD_HIERARCHY: two-level algorithms where they are faster, or the flat ones.

@@ -19,10 +19,23 @@ word ending in ``.py`` runs with the current Python, ``sys.executable``). Each c
 ``SWARMFD_RESTART_COUNT``  0 on the first attempt, then 1, 2, ... on each restart
 ``SWARMFD_SECRET_FILE``    the path of this run's job secret (see below)
 ``PYTHONUNBUFFERED``       1 (so Python ranks stream their output promptly)
+``OMP_NUM_THREADS``        when neither the launcher's environment nor ``-e`` sets it:
+                           this host's usable cores divided among the ranks, at least
+                           1 (:func:`rank_threads`)
 
 plus the launcher's own environment and any ``-e KEY=VALUE``. The contract
 variables cannot be set with ``-e``: the launcher owns them. Ranks read no
 input: their stdin is ``/dev/null``.
+
+Threads. torch, and numpy through OpenBLAS, start one compute thread per core in
+every process by default, and OpenBLAS's threads spin while they wait for work: N
+ranks on C cores then run N x C threads that take turns on the cores the ranks'
+collectives need. torchrun sets OMP_NUM_THREADS=1 for the same reason; this
+launcher gives each rank its share of the cores instead (one thread each when
+ranks are as many as cores or more). Measured here (2 cores; 3 interleaved runs, start
+to end): the README's ``swarmfd run -n 2 examples/train.py`` took 1.42-1.59 s without
+it and 0.74-0.76 s with it; ``-n 4``, 1.38-1.39 s and 1.24-1.32 s. A value the user
+gives, in the launcher's environment or with ``-e``, is passed through unchanged.
 
 Output. Every line a rank writes goes to the same stream (stdout or stderr) of
 the launcher, prefixed with ``[rank R] `` (unless ``prefix`` is off). Lines are
@@ -90,6 +103,7 @@ from .config import (
     ENV_LOCAL_WORLD_SIZE,
     ENV_MASTER_ADDR,
     ENV_MASTER_PORT,
+    ENV_OMP_THREADS,
     ENV_PORT,
     ENV_RANK,
     ENV_RESTART_COUNT,
@@ -110,6 +124,7 @@ __all__ = [
     "find_free_port",
     "find_free_ports",
     "launch",
+    "rank_threads",
     "resolve_command",
 ]
 
@@ -857,11 +872,26 @@ def _ports(config: LaunchConfig) -> tuple[int, int]:
     return master, own
 
 
+def rank_threads(nproc: int, cores: int | None = None) -> int:
+    """The OMP_NUM_THREADS that ``swarmfd run`` gives each of ``nproc`` ranks on this
+    host when the user gives none: ``cores`` (default: the CPUs this process may run
+    on, its affinity mask, which a container's cpuset narrows) divided among the
+    ranks, at least 1 (see the module docstring, "Threads")."""
+    if cores is None:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cores = os.cpu_count() or 1
+    return max(1, cores // max(1, nproc))
+
+
 def _rank_env(config: LaunchConfig, port: int, swarmfd_port: int, restart: int,
               secret_file: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     env.update(config.env)
+    if ENV_OMP_THREADS not in env:
+        env[ENV_OMP_THREADS] = str(rank_threads(config.nproc))
     env.update(
         WORLD_SIZE=str(config.nproc),
         LOCAL_WORLD_SIZE=str(config.nproc),

@@ -27,7 +27,14 @@ from click.testing import CliRunner
 
 import swarmfd
 from swarmfd.cli import main
-from swarmfd.launch import LaunchConfig, exit_code_of, find_free_port, launch, resolve_command
+from swarmfd.launch import (
+    LaunchConfig,
+    exit_code_of,
+    find_free_port,
+    launch,
+    rank_threads,
+    resolve_command,
+)
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="the launcher tests use /proc and PDEATHSIG"
@@ -89,19 +96,21 @@ class Runs:
         self.piddir = tmp_path / "pids"
         self.piddir.mkdir()
 
-    def start(self, *args: str) -> subprocess.Popen[bytes]:
+    def start(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         proc = subprocess.Popen(
             [sys.executable, "-m", "swarmfd", "run", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            env=env,
         )
         self.procs.append(proc)
         return proc
 
-    def run(self, *args: str, timeout: float = 30) -> tuple[int, bytes, bytes]:
-        proc = self.start(*args)
+    def run(self, *args: str, timeout: float = 30,
+            env: dict[str, str] | None = None) -> tuple[int, bytes, bytes]:
+        proc = self.start(*args, env=env)
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -188,6 +197,36 @@ def test_options_reach_the_ranks_env(runs: Runs) -> None:
         assert float(env["SWARMFD_TIMEOUT"]) == 7.5
         assert float(env["SWARMFD_INIT_TIMEOUT"]) == 600.0
         assert (env["FOO"], env["EMPTY"]) == ("bar=baz", "")
+
+
+def test_each_rank_gets_its_share_of_the_cores_unless_threads_are_given(runs: Runs) -> None:
+    """OMP_NUM_THREADS: unset, this host's usable cores divided among the ranks (at least
+    1); given in the launcher's environment or with -e, passed through unchanged."""
+    unset = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    cores = len(os.sched_getaffinity(0))
+    cases = [
+        (("-n", "1"), unset, str(cores)),
+        (("-n", "3"), unset, str(max(1, cores // 3))),
+        (("-n", "2"), {**unset, "OMP_NUM_THREADS": "5"}, "5"),
+        (("-n", "2", "-e", "OMP_NUM_THREADS=7"), unset, "7"),
+        (("-n", "2", "-e", "OMP_NUM_THREADS="), unset, ""),
+    ]
+    for args, env, want in cases:
+        code, out, err = runs.run(*args, WORKER, "env", "OMP_NUM_THREADS", env=env)
+        assert (code, err) == (0, b""), (args, err)
+        seen = [json.loads(lines[0])["OMP_NUM_THREADS"] for lines in by_rank(out).values()]
+        assert seen == [want] * int(args[1]), (args, seen)
+
+
+@pytest.mark.parametrize("nproc, cores, want", [(1, 1, 1), (2, 2, 1), (4, 2, 1), (3, 2, 1),
+                                                (1, 8, 8), (2, 8, 4), (3, 8, 2), (16, 8, 1)])
+def test_rank_threads_divides_the_cores_among_the_ranks(nproc: int, cores: int,
+                                                        want: int) -> None:
+    assert rank_threads(nproc, cores) == want
+
+
+def test_rank_threads_counts_the_cores_this_process_may_use() -> None:
+    assert rank_threads(1) == len(os.sched_getaffinity(0))
 
 
 def test_torch_and_swarmfd_get_two_distinct_free_ports(runs: Runs) -> None:
