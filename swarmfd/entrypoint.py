@@ -25,14 +25,21 @@ and this entrypoint, before it runs the command:
    ``LOCAL_RANK=0`` and ``LOCAL_WORLD_SIZE=1`` too) they are left as they are: unset,
    swarmfd derives them at rendezvous by grouping the ranks on ``SWARMFD_NODE``
    (``swarmfd.get_config().local_rank``);
-3. waits until ``MASTER_ADDR`` resolves, at most ``SWARMFD_RESOLVE_TIMEOUT`` seconds
+3. sets ``OMP_NUM_THREADS`` (torch's and numpy's compute threads) to the CPUs the
+   container may use, at least 1, when it is unset and the container has a CPU limit
+   (``swarmfd deploy --limit-cpu``, ``docker run --cpus``: the cgroup's CFS quota,
+   :func:`cpu_limit`). torch and OpenBLAS count the node's cores, not the limit, and
+   run that many threads in a container throttled to fewer (as ``swarmfd run`` gives
+   each local rank its share of the cores: swarmfd.launch). Without a limit the
+   entrypoint cannot know how many tasks share the node, and leaves it unset;
+4. waits until ``MASTER_ADDR`` resolves, at most ``SWARMFD_RESOLVE_TIMEOUT`` seconds
    (default: ``SWARMFD_INIT_TIMEOUT`` when set, else 60; exit code 3 on timeout),
    because rank 0's name exists in DNS only once its container has started. It is
    gone again once rank 0's task has ended: a command that never joins the group
    (``python -c "print(1)"``) can let rank 0 finish before a slower rank looks it up,
    and that rank then ends with exit code 3. A swarmfd program cannot hit this: rank 0
    waits in the rendezvous for every rank;
-4. replaces itself with the command (``os.execvp``), so signals from ``docker stop``
+5. replaces itself with the command (``os.execvp``), so signals from ``docker stop``
    or service removal reach the command directly (run the service with ``init=True``
    so that a PID-1 init forwards them). A first word ending in ``.py`` runs with this
    Python: ``train.py --epochs 3`` means ``python train.py --epochs 3``.
@@ -69,6 +76,7 @@ from .config import (
     ENV_LOCAL_WORLD_SIZE,
     ENV_MASTER_ADDR,
     ENV_NODE,
+    ENV_OMP_THREADS,
     ENV_RANK,
     ENV_RESOLVE_TIMEOUT,
     ENV_TASK_SLOT,
@@ -102,6 +110,7 @@ Environment (set by the service):
   SWARMFD_PORT             swarmfd's rendezvous port on rank 0 (default MASTER_PORT + 1)
   SWARMFD_NODE             node name; when set, LOCAL_RANK is derived per node at rendezvous
   {ENV_RESOLVE_TIMEOUT}  seconds to wait for MASTER_ADDR to resolve (default 60)
+  {ENV_OMP_THREADS}          when unset: the container's CPU limit (at least 1), if it has one
 """
 
 
@@ -112,14 +121,48 @@ _SLOT_HINT = (
 )
 
 
-def task_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """Return the environment the command should run with: ``environ`` plus the derived
-    ``RANK``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` (see the module docstring).
+def cpu_limit(cgroup: str = "/sys/fs/cgroup") -> float | None:
+    """The CPUs this process's cgroup may use, its CFS quota over its period (what
+    ``docker run --cpus`` and a Swarm service's ``NanoCPUs`` limit set), or None when
+    there is no limit or it cannot be read. cgroup v2 (``cpu.max``: ``QUOTA PERIOD`` or
+    ``max PERIOD``), else v1 (``cpu/cpu.cfs_quota_us``, -1 for none, and
+    ``cpu/cpu.cfs_period_us``; or under ``cpu,cpuacct``). A container with its own
+    cgroup namespace (Docker's default on cgroup v2) sees its own cgroup at the root;
+    so does one on cgroup v1 (Docker mounts its cgroup there)."""
+    try:
+        with open(os.path.join(cgroup, "cpu.max")) as f:
+            quota, _, period = f.read().strip().partition(" ")
+    except OSError:
+        for controller in ("cpu", "cpu,cpuacct"):
+            try:
+                with open(os.path.join(cgroup, controller, "cpu.cfs_quota_us")) as f:
+                    quota = f.read().strip()
+                with open(os.path.join(cgroup, controller, "cpu.cfs_period_us")) as f:
+                    period = f.read().strip()
+                break
+            except OSError:
+                continue
+        else:
+            return None
+    try:
+        q, p = int(quota), int(period)
+    except ValueError:
+        return None  # "max": no limit
+    return q / p if q > 0 and p > 0 else None
 
-    Pure: reads only ``environ`` and returns a new dict. Raises :class:`ConfigError`
+
+def task_env(environ: Mapping[str, str], cpus: float | None = None) -> dict[str, str]:
+    """Return the environment the command should run with: ``environ`` plus the derived
+    ``RANK``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE``, and ``OMP_NUM_THREADS`` from ``cpus``
+    (the container's CPU limit, :func:`cpu_limit`; None: no limit) when unset (see the
+    module docstring).
+
+    Pure: reads only its arguments and returns a new dict. Raises :class:`ConfigError`
     (a ``ValueError``) naming the variable when the task's place cannot be determined.
     """
     env = dict(environ)
+    if cpus is not None and ENV_OMP_THREADS not in env:
+        env[ENV_OMP_THREADS] = str(max(1, int(cpus)))
     slot = parse_env_int(env, ENV_TASK_SLOT, minimum=1, hint=_SLOT_HINT)
     world_size = parse_env_int(env, ENV_WORLD_SIZE, minimum=1)
     if slot is not None:
@@ -238,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         command = command_argv(args)
-        env = task_env(os.environ)
+        env = task_env(os.environ, cpu_limit())
         timeout = resolve_timeout(env)
     except ConfigError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

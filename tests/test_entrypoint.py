@@ -17,6 +17,7 @@ from swarmfd.entrypoint import (
     EXIT_UNRESOLVED,
     EXIT_USAGE,
     command_argv,
+    cpu_limit,
     resolve_timeout,
     task_env,
     wait_for_host,
@@ -131,6 +132,40 @@ def test_world_without_master_addr_is_rejected():
 def test_world_of_one_needs_no_master_addr():
     """A single replica needs no rendezvous address."""
     assert task_env({"SWARMFD_TASK_SLOT": "1", "WORLD_SIZE": "1"})["RANK"] == "0"
+
+
+@pytest.mark.parametrize("cpus, want", [(2.0, "2"), (1.5, "1"), (0.25, "1"), (8.0, "8")])
+def test_a_cpu_limit_sets_the_threads(cpus, want):
+    """A container limited to C CPUs runs floor(C) compute threads, at least 1."""
+    assert task_env(SWARM_ENV, cpus)["OMP_NUM_THREADS"] == want
+    assert task_env({**SWARM_ENV, "SWARMFD_NODE": "n"}, cpus)["OMP_NUM_THREADS"] == want
+
+
+def test_threads_the_user_set_or_no_limit_are_left_alone():
+    assert task_env({**SWARM_ENV, "OMP_NUM_THREADS": "3"}, 1.0)["OMP_NUM_THREADS"] == "3"
+    assert task_env({**SWARM_ENV, "OMP_NUM_THREADS": ""}, 1.0)["OMP_NUM_THREADS"] == ""
+    assert "OMP_NUM_THREADS" not in task_env(SWARM_ENV, None)
+    assert "OMP_NUM_THREADS" not in task_env(SWARM_ENV)
+
+
+@pytest.mark.parametrize("files, want", [
+    ({"cpu.max": "200000 100000\n"}, 2.0),
+    ({"cpu.max": "150000 100000\n"}, 1.5),
+    ({"cpu.max": "max 100000\n"}, None),
+    ({"cpu/cpu.cfs_quota_us": "50000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 0.5),
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ({"cpu,cpuacct/cpu.cfs_quota_us": "300000\n", "cpu,cpuacct/cpu.cfs_period_us": "100000"},
+     3.0),
+    ({"cpu/cpu.cfs_quota_us": "50000\n"}, None),  # no period: unknown
+    ({"cpu.max": "garbage"}, None),
+    ({}, None),
+])
+def test_cpu_limit_reads_the_cgroup_quota(tmp_path, files, want):
+    """cgroup v2's cpu.max, else v1's quota and period; None for no limit or unknown."""
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cpu_limit(str(tmp_path)) == want
 
 
 def test_bad_world_size_is_rejected():

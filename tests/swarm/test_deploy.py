@@ -232,7 +232,8 @@ CHATTY = (
     "print(f'out line 1 of rank {rank}', flush=True)\n"
     "print(f'err line of rank {rank}', file=sys.stderr, flush=True)\n"
     "time.sleep(1 + 3 * rank)\n"
-    "print(f'out line 2 of rank {rank} LOCAL_RANK={os.environ[\"LOCAL_RANK\"]}', flush=True)\n"
+    "print(f'out line 2 of rank {rank} LOCAL_RANK={os.environ[\"LOCAL_RANK\"]} '\n"
+    "      f'OMP_NUM_THREADS={os.environ.get(\"OMP_NUM_THREADS\")}', flush=True)\n"
     "if rank == 0:\n"
     "    print('options', os.getcwd(), os.environ['GREETING'], open('/data/hello.txt').read(),\n"
     "          fd.get_config().join_timeout, file=sys.stderr, flush=True)\n"
@@ -256,7 +257,7 @@ def test_detach_logs_ls_ps(swarm: Any, swarmfd_image: str, tmp_path: Path,
                        "-e", "GREETING=hi", "--workdir", "/scratch", "--init-timeout", "120",
                        "--mount", "type=tmpfs,dst=/scratch,tmpfs-size=16M",
                        "--mount", f"type=bind,src={tmp_path},dst=/data,readonly",
-                       "--limit-memory", "256M", "--reserve-cpu", "0.1",
+                       "--limit-memory", "256M", "--reserve-cpu", "0.1", "--limit-cpu", "1",
                        "--", "python", "-c", CHATTY, timeout=60)
         detach_seconds = time.monotonic() - started
         assert proc.returncode == 0, proc.stderr
@@ -266,13 +267,16 @@ def test_detach_logs_ls_ps(swarm: Any, swarmfd_image: str, tmp_path: Path,
         assert spec["TaskTemplate"]["ContainerSpec"]["Image"] == swarmfd_image
         assert spec["Labels"]["team"] == "test"
         assert spec["TaskTemplate"]["Resources"] == {
-            "Limits": {"MemoryBytes": 256 << 20}, "Reservations": {"NanoCPUs": 100_000_000}}
+            "Limits": {"MemoryBytes": 256 << 20, "NanoCPUs": 1_000_000_000},
+            "Reservations": {"NanoCPUs": 100_000_000}}
 
         follow = swarmfd("logs", "-f", name, timeout=90)
         assert follow.returncode == 0, follow.stderr
         out = rank_lines(follow.stdout)
-        assert out == {0: ["out line 1 of rank 0", "out line 2 of rank 0 LOCAL_RANK=0"],
-                       1: ["out line 1 of rank 1", "out line 2 of rank 1 LOCAL_RANK=0"]}
+        # The entrypoint gave each task the threads of its CPU limit (1 CPU).
+        assert out == {
+            0: ["out line 1 of rank 0", "out line 2 of rank 0 LOCAL_RANK=0 OMP_NUM_THREADS=1"],
+            1: ["out line 1 of rank 1", "out line 2 of rank 1 LOCAL_RANK=0 OMP_NUM_THREADS=1"]}
         assert rank_lines(follow.stderr) == {
             0: ["err line of rank 0", "options /scratch hi from-the-host 120.0"],
             1: ["err line of rank 1"]}
@@ -306,15 +310,14 @@ def test_detach_logs_ls_ps(swarm: Any, swarmfd_image: str, tmp_path: Path,
 
         logs = swarmfd("logs", name, "--rank", "1", timeout=60)
         assert logs.returncode == 0, logs.stderr
-        assert rank_lines(logs.stdout) == {1: ["out line 1 of rank 1",
-                                               "out line 2 of rank 1 LOCAL_RANK=0"]}
+        assert rank_lines(logs.stdout) == {1: out[1]}
         merged = swarmfd("logs", "--no-prefix", name, timeout=60)
         # Merged in time order: both first lines before rank 1's delayed second line.
         lines = merged.stdout.splitlines()
         assert lines.index("out line 1 of rank 1") < lines.index(
-            "out line 2 of rank 1 LOCAL_RANK=0")
-        assert lines.index("out line 2 of rank 0 LOCAL_RANK=0") < lines.index(
-            "out line 2 of rank 1 LOCAL_RANK=0")
+            "out line 2 of rank 1 LOCAL_RANK=0 OMP_NUM_THREADS=1")
+        assert lines.index("out line 2 of rank 0 LOCAL_RANK=0 OMP_NUM_THREADS=1") < lines.index(
+            "out line 2 of rank 1 LOCAL_RANK=0 OMP_NUM_THREADS=1")
         print(f"deploy --detach returned after {detach_seconds:.1f} s")
     finally:
         with contextlib.suppress(Exception):
