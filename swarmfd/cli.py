@@ -84,9 +84,9 @@ def run(
     MASTER_PORT (torch.distributed's), SWARMFD_PORT (swarmfd's rendezvous, another
     port, so a script may use both) and SWARMFD_SECRET_FILE (the path of a fresh
     job secret, private to this run and deleted at its end); a first word ending
-    in .py runs with this Python. Unless OMP_NUM_THREADS is set (in this shell or
-    with -e), each rank gets its share of this host's cores as OMP_NUM_THREADS
-    (torch's and numpy's compute threads), at least 1. Output
+    in .py runs with this Python. With several ranks, unless OMP_NUM_THREADS is set
+    (in this shell or with -e), each gets its share of this host's cores as
+    OMP_NUM_THREADS (torch's and numpy's compute threads), at least 1. Output
     lines are prefixed with the rank. The first failing rank stops the others
     and sets the exit code; Ctrl-C stops every rank (exit 130).
 

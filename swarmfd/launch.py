@@ -19,9 +19,9 @@ word ending in ``.py`` runs with the current Python, ``sys.executable``). Each c
 ``SWARMFD_RESTART_COUNT``  0 on the first attempt, then 1, 2, ... on each restart
 ``SWARMFD_SECRET_FILE``    the path of this run's job secret (see below)
 ``PYTHONUNBUFFERED``       1 (so Python ranks stream their output promptly)
-``OMP_NUM_THREADS``        when neither the launcher's environment nor ``-e`` sets it:
-                           this host's usable cores divided among the ranks, at least
-                           1 (:func:`rank_threads`)
+``OMP_NUM_THREADS``        with several ranks, when neither the launcher's environment
+                           nor ``-e`` sets it: this host's usable cores divided among
+                           the ranks, at least 1 (:func:`rank_threads`)
 
 plus the launcher's own environment and any ``-e KEY=VALUE``. The contract
 variables cannot be set with ``-e``: the launcher owns them. Ranks read no
@@ -35,7 +35,9 @@ launcher gives each rank its share of the cores instead (one thread each when
 ranks are as many as cores or more). Measured here (2 cores; 3 interleaved runs, start
 to end): the README's ``swarmfd run -n 2 examples/train.py`` took 1.42-1.59 s without
 it and 0.74-0.76 s with it; ``-n 4``, 1.38-1.39 s and 1.24-1.32 s. A value the user
-gives, in the launcher's environment or with ``-e``, is passed through unchanged.
+gives, in the launcher's environment or with ``-e``, is passed through unchanged; a
+single rank is left to the libraries' own defaults (torch's counts physical cores, where
+the affinity mask counts hyperthreads), as torchrun does.
 
 Output. Every line a rank writes goes to the same stream (stdout or stderr) of
 the launcher, prefixed with ``[rank R] `` (unless ``prefix`` is off). Lines are
@@ -890,7 +892,7 @@ def _rank_env(config: LaunchConfig, port: int, swarmfd_port: int, restart: int,
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     env.update(config.env)
-    if ENV_OMP_THREADS not in env:
+    if config.nproc > 1 and ENV_OMP_THREADS not in env:
         env[ENV_OMP_THREADS] = str(rank_threads(config.nproc))
     env.update(
         WORLD_SIZE=str(config.nproc),

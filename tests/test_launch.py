@@ -200,12 +200,14 @@ def test_options_reach_the_ranks_env(runs: Runs) -> None:
 
 
 def test_each_rank_gets_its_share_of_the_cores_unless_threads_are_given(runs: Runs) -> None:
-    """OMP_NUM_THREADS: unset, this host's usable cores divided among the ranks (at least
-    1); given in the launcher's environment or with -e, passed through unchanged."""
+    """OMP_NUM_THREADS: unset, this host's usable cores divided among several ranks (at
+    least 1), and left unset for a single rank (the libraries' defaults, as torchrun);
+    given in the launcher's environment or with -e, passed through unchanged."""
     unset = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     cores = len(os.sched_getaffinity(0))
     cases = [
-        (("-n", "1"), unset, str(cores)),
+        (("-n", "1"), unset, None),
+        (("-n", "2"), unset, str(max(1, cores // 2))),
         (("-n", "3"), unset, str(max(1, cores // 3))),
         (("-n", "2"), {**unset, "OMP_NUM_THREADS": "5"}, "5"),
         (("-n", "2", "-e", "OMP_NUM_THREADS=7"), unset, "7"),
