@@ -994,3 +994,30 @@ def test_a_means_division_is_bit_for_bit_numpys(dtype: Any) -> None:
     ints = np.arange(10, dtype=np.float64)
     divide_by(ints, 4)
     assert list(ints) == [k / 4 for k in range(10)]
+
+
+@pytest.mark.parametrize("ufunc", [np.add, np.multiply, np.minimum, np.maximum])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.int32, np.bool_])
+def test_reduce_in_order_gives_the_bits_of_copying_the_first_in(ufunc: Any, dtype: Any) -> None:
+    """reduce_in_order (shared memory's reductions) combines operands 0 and 1 straight
+    into ``out``: the same bits as copying operand 0 in and reducing the others into it,
+    in order, for 1 to 5 operands, NaNs and infinities included; ``out`` shares no
+    memory with them and they are left as they were."""
+    from swarmfd.algorithms.base import reduce_in_order
+
+    rng = np.random.default_rng(11)
+    for n in range(1, 6):
+        ops = [(rng.standard_normal(1000) * 100).astype(dtype) for _ in range(n)]
+        if np.dtype(dtype).kind == "f":
+            for k, special in enumerate([np.nan, np.inf, -np.inf, -0.0]):
+                ops[k % n][k] = special
+        before = [o.copy() for o in ops]
+        want = ops[0].copy()
+        out = np.empty_like(ops[0])
+        with np.errstate(all="ignore"):  # float16 products overflow, as they may in a call
+            for o in ops[1:]:
+                ufunc(want, o, out=want)
+            reduce_in_order(out, ops, ufunc)
+        u = f"u{np.dtype(dtype).itemsize}"
+        assert np.array_equal(out.view(u), want.view(u)), n
+        assert all(np.array_equal(a.view(u), b.view(u)) for a, b in zip(ops, before, strict=True))

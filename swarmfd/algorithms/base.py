@@ -29,8 +29,8 @@ from ..comm.channel import Channel
 from ..comm.plane import Plane
 
 __all__ = ["FLUSH", "SMALL_SPAN_BYTES", "Algorithm", "Op", "Parts", "Recv", "divide_by",
-           "even_pieces", "num_pieces", "put", "reduce_into", "ring_pieces", "run", "spans",
-           "split", "take"]
+           "even_pieces", "num_pieces", "put", "reduce_in_order", "reduce_into", "ring_pieces",
+           "run", "spans", "split", "take"]
 
 #: A receive an algorithm waits for: (op, group rank, tag, nbytes, into), or for a
 #: point-to-point piece ("key", op, key, signature, nbytes, into). A request names its op,
@@ -307,6 +307,20 @@ def divide_by(x: np.ndarray, n: int) -> None:
         np.multiply(x, x.dtype.type(1.0 / n), out=x)
     else:
         np.divide(x, x.dtype.type(n), out=x)
+
+
+def reduce_in_order(out: np.ndarray, operands: Sequence[np.ndarray], ufunc: np.ufunc) -> None:
+    """``out`` = ((operands[0] op operands[1]) op operands[2]) ..., the operands in the
+    order given (rank order: every rank that reduces gets the same bits). The first two
+    are combined straight into ``out``: one pass over it fewer than copying the first
+    operand in and adding the rest (64 KiB on shared memory, N=2: see
+    benchmarks/results/session-20261204-e.md)."""
+    if len(operands) == 1:
+        np.copyto(out, operands[0])
+        return
+    ufunc(operands[0], operands[1], out=out)
+    for x in operands[2:]:
+        ufunc(out, x, out=out)
 
 
 def reduce_into(buf: np.ndarray | Parts, a: int, b: int, theirs: np.ndarray,

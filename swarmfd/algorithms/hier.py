@@ -90,7 +90,7 @@ from typing import Any
 import numpy as np
 
 from ..comm.planes.shm import SEGMENT_BYTES, SLOTS
-from .base import Algorithm, Op, num_pieces, split
+from .base import Algorithm, Op, num_pieces, reduce_in_order, split
 from .tcp import ACK, SIG, barrier
 
 __all__ = [
@@ -221,9 +221,7 @@ def all_reduce_small(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout,
         regions = [local.region(p, slot, buf.dtype, buf.size) for p in range(L)]
         regions[i][...] = buf
         yield from barrier(local, 0)
-        np.copyto(buf, regions[0])
-        for p in range(1, L):
-            ufunc(buf, regions[p], out=buf)
+        reduce_in_order(buf, regions, ufunc)
     H = len(hosts)
     # Local index j sends to the ranks k of host g with k mod L == j, and receives
     # from local index j mod L_g of host g.

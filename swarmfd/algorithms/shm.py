@@ -38,7 +38,7 @@ import numpy as np
 from ..comm import cma
 from ..comm.planes.shm import SEGMENT_BYTES
 from ..errors import PeerLostError, ProtocolError
-from .base import Algorithm, Op, Parts, divide_by, spans, split
+from .base import Algorithm, Op, Parts, divide_by, reduce_in_order, spans, split
 from .tcp import barrier
 
 __all__ = ["COUNT_BYTES", "SMALL_BYTES", "all_gather", "all_gather_counts", "all_gather_v",
@@ -207,9 +207,7 @@ def _all_reduce_cma(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
 def _reduce_all(buf: np.ndarray, regions: list[np.ndarray], ufunc: np.ufunc,
                 divide: int) -> None:
     """``buf`` = every member's region reduced in rank order (divided by ``divide``)."""
-    np.copyto(buf, regions[0])
-    for p in range(1, len(regions)):
-        ufunc(buf, regions[p], out=buf)
+    reduce_in_order(buf, regions, ufunc)
     if divide:
         divide_by(buf, divide)
 
@@ -253,10 +251,7 @@ def reduce(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc) -> Algorithm:
         regions[op.me][...] = buf[a:b]
         yield from barrier(op, r)
         if op.me == root:
-            seg = buf[a:b]
-            np.copyto(seg, regions[0])
-            for p in range(1, op.size):
-                ufunc(seg, regions[p], out=seg)
+            reduce_in_order(buf[a:b], regions, ufunc)
 
 
 def all_gather(op: Op, out: np.ndarray) -> Algorithm:
