@@ -145,6 +145,14 @@ def _ddp_rank(rank: int, world: int, overlap: bool | None = None) -> dict[str, A
     ref = mlp(seed=0)
     assert torch.equal(flat_params(model), flat_params(ref))
     _train_like_one_process(ddp, ref, X, Y, mine, steps, "parameters", momentum=0.9)
+    # The calls one backward issues: where no rank overlaps and every bucket is reduced
+    # in place, one all_reduce for every bucket; else one a bucket.
+    from swarmfd import group as _grp
+
+    world_group = _grp.resolve_group(None, "the test")
+    before = world_group.seq
+    loss_fn(ddp(X[0, mine]), Y[0, mine]).backward()
+    calls = world_group.seq - before
 
     # A bucket big enough for the TCP ring (337 KB, 3 ranks): its gradients are
     # reduced where they are there too (pieces of one gradient, and small ones together).
@@ -205,7 +213,7 @@ def _ddp_rank(rank: int, world: int, overlap: bool | None = None) -> dict[str, A
     probe = np.full(3, float(rank))
     fd.all_reduce(probe)
     assert (probe == sum(range(world))).all()
-    return {"buckets": len(ddp._buckets), "overlap": ddp._overlap,
+    return {"buckets": len(ddp._buckets), "overlap": ddp._overlap, "calls": calls,
             "in_place": [ddp._direct(b.index) for b in ddp._buckets],
             "wide_in_place": [ddpw._direct(b.index) for b in ddpw._buckets]}
 
@@ -219,7 +227,8 @@ def test_ddp_equals_one_process_on_the_global_batch(ranks, transport: str,
     shared memory the gradients are reduced in place, over TCP through buckets below
     the ring's sizes and in place from them; on
     a host with fewer than two cores a rank they are reduced at the end of backward
-    (unless told to overlap), else during it."""
+    (unless told to overlap), else during it; at the end, in place, in one call for every
+    bucket."""
     # 3 ranks: the mean's 1/3 is inexact, and the buckets need padding.
     out = ranks(_ddp_rank, 3, overlap, timeout=120, env=transport_env(transport))
     assert all(o["buckets"] >= 3 for o in out)
@@ -228,6 +237,8 @@ def test_ddp_equals_one_process_on_the_global_batch(ranks, transport: str,
     spare = len(os.sched_getaffinity(0)) >= 2 * 3
     want = overlap if overlap is not None else spare
     assert all(o["overlap"] == want for o in out), out
+    one_call = not want and transport == "shm"
+    assert all(o["calls"] == (1 if one_call else o["buckets"]) for o in out), out
 
 
 def _hooks_rank(rank: int, world: int) -> None:
