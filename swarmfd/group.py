@@ -267,10 +267,18 @@ class _State:
     shm_domains: list[int] | None = None
     #: SWARMFD_HIERARCHY of this process (init checks that every rank has the same).
     hierarchy: str = "auto"
+    #: Failures of groups this rank has not made yet (group id -> error, first failed
+    #: call), applied when it makes them: see _group_error.
+    early_errors: dict[int, tuple[BaseException, int]] = dataclasses.field(
+        default_factory=dict)
+    #: The new_group ids of groups this rank is not a member of.
+    outside: set[int] = dataclasses.field(default_factory=set)
 
 
 _state: _State | None = None
 _lock = threading.Lock()
+#: Guards a group's making against its failure arriving at the same time (_group_error).
+_early_lock = threading.Lock()
 #: Environment variables init set (see _export_local_ranks); cleanup removes them.
 _exported: list[str] = []
 
@@ -480,14 +488,53 @@ def _make_groups(state: _State) -> None:
 
 def _group_error(state: _State, gid: int, exc: BaseException, first: int) -> None:
     """Another group's abort or mismatch, seen while this rank waited elsewhere, or an
-    abort of a later call of this group: the group fails from its call ``first`` on."""
+    abort of a later call of this group: the group fails from its call ``first`` on.
+
+    The group may not be made here yet: making one needs no message, so a peer may make
+    it, fail its first call and abort it while this rank is still busy before its own
+    new_group. The failure is then kept until this rank makes the group (dropped, this
+    rank would wait in that call for the peer that left it, until the timeout: 1 run in
+    about 15 of a mismatch test under load, 2026-12-04)."""
     g = state.groups.get(gid)
     if g is None:
-        return
+        # Not _lock: init holds it while its transport may read messages.
+        with _early_lock:
+            g = state.groups.get(gid)
+            if g is None:
+                if _made_later(state, gid):
+                    early = state.early_errors.get(gid)
+                    state.early_errors[gid] = (
+                        (exc, first) if early is None else (early[0], min(early[1], first)))
+                return
+    _break(g, exc, first)
+
+
+def _break(g: Group, exc: BaseException, first: int) -> None:
+    """``g`` fails with ``exc`` from its call ``first`` on (the earliest such call wins)."""
     if g.broken is None:
         g.broken, g.broken_from = exc, first
     else:
         g.broken_from = min(g.broken_from, first)
+
+
+def _made_later(state: _State, gid: int) -> bool:
+    """Whether this rank may still make group ``gid`` (it has not, see _group_error): a
+    new_group id but of a group it is not a member of, or a members_group id (made by its
+    members alone, whenever they agree)."""
+    if FIRST_USER_GID <= gid <= MAX_GID:
+        return gid not in state.outside
+    return MEMBERS_FIRST_GID <= gid <= MEMBERS_MAX_GID
+
+
+def _made(state: _State, g: Group) -> Group:
+    """Record the group ``g`` this rank just made (under _lock), with a failure its peers
+    announced before (see _group_error)."""
+    with _early_lock:
+        state.groups[g.gid] = g
+        early = state.early_errors.pop(g.gid, None)
+    if early is not None:
+        _break(g, *early)
+    return g
 
 
 def _engine(state: _State) -> Any:
@@ -652,15 +699,16 @@ def new_group(ranks: Iterable[int] | None = None) -> Any:
         area = choose_area(s.made, members)
         s.made.append((frozenset(members), area))
         if s.config.rank not in members:
+            with _early_lock:
+                s.outside.add(gid)
+                s.early_errors.pop(gid, None)
             return NON_GROUP_MEMBER
         if area is None and s.transport is not None and s.transport.shm is not None:
             logging.getLogger("swarmfd").warning(
                 "swarmfd.new_group(%s): each of the %d shared-memory areas for groups is in "
                 "use by a group with a member in common; this group's calls go over TCP",
                 members, len(USER_AREAS))
-        g = Group(s, gid, members, f"group {gid}", area)
-        s.groups[gid] = g
-        return g
+        return _made(s, Group(s, gid, members, f"group {gid}", area))
 
 
 #: The areas of the shared-memory segments new_group's groups take: the world's (0) and the
@@ -714,9 +762,7 @@ def members_group(gid: int, ranks: Iterable[int], area: int | None = None) -> Gr
         if gid in s.groups:
             raise ValueError(f"swarmfd.members_group: group id {gid} is taken already (by "
                              f"{s.groups[gid].name})")
-        g = Group(s, gid, members, f"group {gid}", area)
-        s.groups[gid] = g
-        return g
+        return _made(s, Group(s, gid, members, f"group {gid}", area))
 
 
 def _check_ranks(ranks: Iterable[int], world: int) -> list[int]:

@@ -14,6 +14,7 @@ gather, scatter, uneven all_gather, send/recv, broadcast_object/all_gather_objec
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -281,6 +282,41 @@ def _battery(rank: int, world: int) -> list[str]:
                 problems.append(f"rank 1: recv of the wrong size: {exc}")
     fd.barrier()
     return problems
+
+
+def _abort_before_the_group(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 waits in group h for rank 0 while ranks 0 and 2 make group g and fail its
+    first call (rank 2 gathers to another root, which rank 0 finds in g's next call and
+    aborts g); only then does rank 1 make g and call the gather, whose part from rank 2
+    will never come."""
+    h = fd.new_group([0, 1])
+    if rank == 1:
+        fd.barrier(group=h)  # rank 0 comes after g failed; g's abort arrives meanwhile
+    g = fd.new_group([0, 1, 2])
+    t0 = time.monotonic()
+    error = ""
+    try:
+        fd.gather(np.zeros(2), dst=0 if rank == 2 else 1, group=g)
+        fd.barrier(group=g)
+    except fd.CollectiveError as exc:
+        error = type(exc).__name__
+    took = time.monotonic() - t0
+    if rank == 0:
+        fd.barrier(group=h)
+    fd.barrier()
+    return {"error": error, "took": took}
+
+
+@pytest.mark.parametrize("transport", ["tcp", "zmq", "shm"])
+def test_an_abort_of_a_group_not_made_yet_reaches_its_first_call(transport: str) -> None:
+    """Making a group needs no message, so a peer may make it, fail its first call and
+    abort it before this rank made it: the abort, read while this rank waits in another
+    group, fails the group's first call here at once (it was dropped, and the call waited
+    for the timeout: 1 run in about 15 of the mismatch battery under load)."""
+    out = run_ranks(_abort_before_the_group, 3, env=transport_env(transport), timeout=60,
+                    group_timeout=20.0)
+    assert all(o["error"] for o in out), out
+    assert out[1]["error"] == "AbortedMismatchError" and out[1]["took"] < 5, out
 
 
 @pytest.mark.parametrize(("transport", "world"),
