@@ -101,9 +101,11 @@ def _open_fds() -> set[int]:
     return {int(n) for n in os.listdir("/proc/self/fd")}
 
 
-def _run_setups(n: int, hostkey: str = "test",
+def _run_setups(n: int, hostkey: str = f"test-{os.getpid()}",
                 timeout: float = 5.0) -> list[Any]:
-    """Run the setup of ``n`` ranks as threads of this process; agreement by a barrier."""
+    """Run the setup of ``n`` ranks as threads of this process; agreement by a barrier.
+    The host key is this process's: two test runs at once (the same test in two
+    sessions) would otherwise meet at one setup socket."""
     barrier = threading.Barrier(n)
     rows: list[np.ndarray] = [shm.encode_reason("")] * n
     out: list[Any] = [None] * n
