@@ -117,6 +117,7 @@ __all__ = [
     "shm_dir",
     "spin_mode",
     "transport_mode",
+    "usable_cores",
 ]
 
 #: MASTER_PORT when unset: torch.distributed's default, so both read the same port.
@@ -657,3 +658,13 @@ def require_secret(world_size: int, secret: str | bytes | None = None,
             f"{DEFAULT_SECRET_FILE} does not exist; {_SECRET_HINT}"
         )
     return loaded
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity mask (which a container's cpuset
+    narrows), else the machine's count. What the spin policy, ``swarmfd run``'s threads
+    per rank and DDP's overlap rule divide among the ranks of a host."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1

@@ -114,6 +114,7 @@ from .config import (
     ENV_WORLD_SIZE,
     check_int,
     check_seconds,
+    usable_cores,
 )
 
 __all__ = [
@@ -880,10 +881,7 @@ def rank_threads(nproc: int, cores: int | None = None) -> int:
     on, its affinity mask, which a container's cpuset narrows) divided among the
     ranks, at least 1 (see the module docstring, "Threads")."""
     if cores is None:
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            cores = os.cpu_count() or 1
+        cores = usable_cores()
     return max(1, cores // max(1, nproc))
 
 

@@ -34,9 +34,10 @@ running when a wait polls there, so the misses turn polling off.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
+
+from ..config import usable_cores
 
 __all__ = ["MAX_MISSES", "RETRY", "SPIN_SECONDS", "Spinner", "configure", "enabled"]
 
@@ -60,10 +61,7 @@ def configure(mode: str, local_ranks: int, cores: int | None = None,
     them per rank, has a core). Returns the decision."""
     global ENABLED
     if cores is None:
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            cores = os.cpu_count() or 1
+        cores = usable_cores()
     on = mode == "on" or (mode == "auto" and local_ranks * threads_per_rank <= cores)
     ENABLED = int(on)
     return on

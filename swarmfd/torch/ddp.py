@@ -63,7 +63,6 @@ forward; ``state_dict()`` has the inner module's keys (no ``module.`` prefix).
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -74,6 +73,7 @@ from torch.autograd import Variable
 
 import swarmfd as fd
 from swarmfd import collectives as _fd_collectives
+from swarmfd.config import usable_cores
 
 from . import _buckets
 from ._tensors import FLOAT_DTYPES, bits, check_cpu
@@ -241,7 +241,7 @@ class DistributedDataParallel(torch.nn.Module):
             for ok, b in zip(one, buckets, strict=True)]
         self._in_place_zero = one
         if overlap is None:
-            overlap = 2 * fd.host_group().size <= _cores()
+            overlap = 2 * fd.host_group().size <= usable_cores()
         self._overlap = bool(overlap)
         # Whether no rank of the group overlaps (each decides for its own host): then
         # the end of backward may reduce every bucket in one call (_issue_rest), since
@@ -560,14 +560,6 @@ class _Done:
 
     def wait(self) -> Any:
         return self.value
-
-
-def _cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def _hook_result(result: Any, buf: torch.Tensor) -> torch.Tensor:
