@@ -439,8 +439,7 @@ class DistributedDataParallel(torch.nn.Module):
                 or not all(self._direct(b.index) for b in buckets)):
             self._issue_ready()
             return
-        grads = [s.param.grad if self._ready[self._slot_index[id(s)]]
-                 else torch.zeros_like(s.param) for b in buckets for s in b.slots]
+        grads = [g for b in buckets for g in self._bucket_grads(b)]
         done = _Done(fd.all_reduce(grads, op="mean", group=self._group))
         self._works.extend(done for _ in buckets)
         self._next = len(buckets)
@@ -453,12 +452,16 @@ class DistributedDataParallel(torch.nn.Module):
             return _Done(self._collective(b, zero, async_op=False))
         return self._collective(b, zero, async_op=True)
 
+    def _bucket_grads(self, b: _buckets.Bucket) -> list[torch.Tensor]:
+        """The gradients of bucket ``b``, reduced where they are. A parameter without a
+        gradient (an error at the end of this backward) takes part with zeros, so this
+        rank issues what its peers do."""
+        return [s.param.grad if self._ready[self._slot_index[id(s)]]
+                else torch.zeros_like(s.param) for s in b.slots]
+
     def _collective(self, b: _buckets.Bucket, zero: Any, async_op: bool) -> Any:
         if self._direct(b.index):
-            # A parameter without a gradient (an error at the end of this backward)
-            # takes part with zeros, so this rank issues what its peers do.
-            grads = [s.param.grad if self._ready[self._slot_index[id(s)]]
-                     else torch.zeros_like(s.param) for s in b.slots]
+            grads = self._bucket_grads(b)
             if zero is not None:
                 out = zero._shard_grad(b.index)
                 return _fd_collectives.reduce_scatter_parts(
