@@ -267,7 +267,9 @@ def _signature(coll: Collective, arrays: Sequence[np.ndarray], code: int, op: Re
     """The call's signature (cached: training loops repeat the same calls)."""
     key = (coll, op, code, root, arrays[0].shape) if len(arrays) == 1 else \
         (coll, op, code, root, *(a.shape for a in arrays))
-    return _cached(key, lambda: _make_signature(coll, arrays, code, op, root))
+    sig = _SIGNATURES.get(key)  # (_cached, written out: every call passes here)
+    return sig if sig is not None else \
+        _cached(key, lambda: _make_signature(coll, arrays, code, op, root))
 
 
 def _cached(key: tuple[Any, ...], make: Callable[[], Signature]) -> Signature:
@@ -438,9 +440,8 @@ def all_reduce(x: T, op: str = "sum", *, group: Any = None, async_op: bool = Fal
     def body(o: Op, flat: np.ndarray) -> Any:
         return _all_reduce_algo(o, flat, rop, mean, g.two_level())
 
-    items = _items(x)
-    if items is not None:
-        parts = _fused(g, items, "all_reduce", Collective.ALL_REDUCE, wire_op, wire.NO_ROOT,
+    if isinstance(x, (list, tuple)):  # (_items)
+        parts = _fused(g, x, "all_reduce", Collective.ALL_REDUCE, wire_op, wire.NO_ROOT,
                        body, lambda a: _check_op_dtype(rop, mean, a.dtype, "all_reduce"),
                        async_op, lambda o, nbytes, count: _takes_parts(g, o.plane, nbytes, count))
         return _fused_result(x, parts, "all_reduce", async_op)
@@ -449,7 +450,8 @@ def all_reduce(x: T, op: str = "sum", *, group: Any = None, async_op: bool = Fal
     _check_op_dtype(rop, mean, arr.dtype, "all_reduce")
     flat, write_back = _flat(arr)
     return _run(g, _signature(Collective.ALL_REDUCE, [arr], code, wire_op),
-                lambda o: body(o, flat), _returns(x, write_back), async_op)
+                lambda o: _all_reduce_algo(o, flat, rop, mean, g.two_level()),
+                _returns(x, write_back), async_op)
 
 
 def _returns(x: Any, write_back: Callable[[], None] | None) -> Callable[[Any], Any]:

@@ -176,16 +176,17 @@ def run(op: Op, algo: Algorithm) -> Any:
     try:
         req = send(None)
         while True:
-            if req is FLUSH:
+            if len(req) == 5:  # a group rank's message: the common request first
+                o, frm, tag, nbytes, into = req
+                req = send(o.channel.recv_key(
+                    o.plane, (o.gid, o.ranks[frm], o.seq & 0xFFFFFFFF, o.tag_base + tag),
+                    o.sig, nbytes, into))
+            elif req is FLUSH:
                 op.channel.flush()
                 req = send(None)
-            elif req[0] == "key":
+            else:
                 o = req[1]
                 req = send(o.channel.recv_key(o.plane, req[2], req[3], req[4], req[5]))
-            else:
-                o, frm, tag, nbytes, into = req
-                key = (o.gid, o.ranks[frm], o.seq & 0xFFFFFFFF, o.tag_base + tag)
-                req = send(o.channel.recv_key(o.plane, key, o.sig, nbytes, into))
     except StopIteration as stop:
         return stop.value
 

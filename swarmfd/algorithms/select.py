@@ -62,11 +62,16 @@ SMALL_MAX_WORLD = 8
 
 Algo = Callable[..., Any]
 
+#: The choices below are pure functions of their arguments, asked again by every call:
+#: cached, each call's choice costs one C-level lookup instead of several Python calls.
+_memo = functools.lru_cache(maxsize=1024)
+
 
 def _direct(nbytes: int, size: int) -> bool:
     return nbytes <= SMALL_BYTES and size <= SMALL_MAX_WORLD
 
 
+@_memo
 def all_reduce(kind: str, nbytes: int, size: int, count: int, plane: str = "") -> Algo:
     """The all_reduce of ``count`` items (``nbytes``) among ``size`` ranks, on the plane
     named ``plane`` of kind ``kind``.
@@ -112,12 +117,14 @@ def _doubling(nbytes: int, size: int, plane: str) -> bool:
             and size // 2 * nbytes <= wire.MAX_PAYLOAD)
 
 
+@_memo
 def broadcast(kind: str, nbytes: int, size: int) -> Algo:
     if kind == "shm":
         return shm.broadcast
     return tcp.broadcast_direct if _direct(nbytes, size) else tcp.broadcast_chain
 
 
+@_memo
 def reduce(kind: str, nbytes: int, size: int) -> Algo:
     if kind == "shm":
         return shm.reduce
@@ -131,6 +138,7 @@ def split_rows(rows: int, parts: int) -> list[tuple[int, int]]:
     return split(rows, parts)
 
 
+@_memo
 def reduce_scatter(kind: str, nbytes: int, size: int) -> Algo:
     """``nbytes``: the whole input (every rank's part of it together)."""
     if kind == "shm":
@@ -153,6 +161,7 @@ def scatter(kind: str) -> Algo:
 ALL_GATHER_V_INLINE_BYTES = 64 << 10
 
 
+@_memo
 def all_gather_counts(size: int, plane: str = "") -> Algo:
     """The one-round exchange of an uneven all_gather's counts (with the rows that fit)
     over messages: recursive doubling where the even all_gather takes it (a
@@ -169,6 +178,7 @@ def all_gather_counts(size: int, plane: str = "") -> Algo:
     return tcp.all_gather_counts
 
 
+@_memo
 def all_gather(kind: str, nbytes: int, size: int, plane: str = "") -> Algo:
     """``nbytes``: one rank's part; ``plane``: the plane's name (see :func:`all_reduce`
     for recursive doubling; measured for all_gather on the socket plane, N=4, 5

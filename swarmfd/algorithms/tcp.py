@@ -125,9 +125,10 @@ def reduce_in_rank_order(op: Op, buf: np.ndarray, ufunc: np.ufunc) -> Algorithm:
     """
     acc: np.ndarray | None = None
     nbytes, dtype, count = buf.nbytes, buf.dtype, buf.size
+    me = op.me
     for p in range(op.size):
-        # (Op.recv_array, written out: one generator less per small message.)
-        arr = buf if p == op.me else np.frombuffer((yield op.recv(p, 0, nbytes)), dtype, count)
+        # (Op.recv_array and Op.recv, written out: a small call's every step counts.)
+        arr = buf if p == me else np.frombuffer((yield (op, p, 0, nbytes, None)), dtype, count)
         if acc is None:
             acc = arr.copy()
         else:
@@ -174,8 +175,9 @@ def _gather_doubling(op: Op, rows: np.ndarray, order: Sequence[int], pos: int) -
 
 def all_reduce_direct(op: Op, buf: np.ndarray, ufunc: np.ufunc) -> Algorithm:
     """Every rank sends its buffer to every other; each reduces all N in rank order."""
+    me = op.me
     for p in range(op.size):
-        if p != op.me:
+        if p != me:
             op.send(p, 0, buf)
     acc = yield from reduce_in_rank_order(op, buf, ufunc)
     yield op.flush()  # buf may still be on its way out (zero-copy) before it is overwritten
@@ -346,12 +348,15 @@ def reduce_chain(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc,
 
 def all_gather_direct(op: Op, out: np.ndarray) -> Algorithm:
     """Every rank sends its row of ``out`` (N x count, its own filled) to every other."""
+    me = op.me
+    mine = out[me]
+    nbytes = mine.nbytes
     for p in range(op.size):
-        if p != op.me:
-            op.send(p, 0, out[op.me])
+        if p != me:
+            op.send(p, 0, mine)
     for p in range(op.size):
-        if p != op.me:
-            yield op.recv_into(p, 0, out[p])
+        if p != me:
+            yield (op, p, 0, nbytes, out[p] if nbytes else None)  # (Op.recv_into)
 
 
 def all_gather_doubling(op: Op, out: np.ndarray) -> Algorithm:

@@ -102,6 +102,9 @@ _now = time.monotonic
 #: lookup each time).
 _DATA = int(wire.Kind.DATA)
 _P2P = int(wire.Kind.P2P)
+_P2P_COLL = int(wire.Collective.P2P)
+_P2P_KEYS = wire.P2P_KEYS
+_MAX_PAYLOAD = wire.MAX_PAYLOAD
 
 
 class _Cutoff(Exception):
@@ -233,13 +236,9 @@ class Channel:
         before the collective returns), unless ``copy``: then the caller may overwrite
         its buffer as soon as this returns.
         """
-        if nbytes is not None:
-            size = nbytes
-        elif isinstance(payload, bytes):
-            size = len(payload)
-        else:
-            size = memoryview(payload).nbytes
-        if size > wire.MAX_PAYLOAD:
+        size = nbytes if nbytes is not None else (
+            len(payload) if type(payload) is bytes else memoryview(payload).nbytes)
+        if size > _MAX_PAYLOAD:
             raise ValueError(f"swarmfd bug: a message of {size} bytes exceeds the limit of "
                              f"{wire.MAX_PAYLOAD}; collectives must cut buffers into pieces")
         plane.send(dst, kind, sig, seq, tag, payload, size, copy, group)
@@ -315,22 +314,22 @@ class Channel:
         ``src`` disconnects, :class:`MismatchError` when a peer's signature differs,
         :class:`AbortedError` when a peer failed.
         """
-        group, src, seq = key[0] & 0xFFFF, key[1], key[2]
-        p2p = bool(key[0] & wire.P2P_KEYS)
-        if p2p:
-            # While a recv waits, the group's collective messages are judged against its
-            # last call (finished: none of its messages may still come).
-            seq = (self.calls.get(group, 0) + 1) & 0xFFFFFFFF
         stashed = self.stash.pop(key, None)
         if stashed is not None:
-            payload = stashed[1]
-            if not stashed[0].matches(sig):
-                raise wire.mismatch_error(self.rank, sig, stashed[0])
-            self._check_size(stashed[0], nbytes)
+            hdr, payload = stashed
+            if not hdr.matches(sig):
+                raise wire.mismatch_error(self.rank, sig, hdr)
+            if hdr.nbytes != nbytes:
+                self._check_size(hdr, nbytes)
             if into is None:
                 return payload
             memoryview(into).cast("B")[:] = payload
             return None
+        group, src, seq = key[0] & 0xFFFF, key[1], key[2]
+        if key[0] & _P2P_KEYS:
+            # While a recv waits, the group's collective messages are judged against its
+            # last call (finished: none of its messages may still come).
+            seq = (self.calls.get(group, 0) + 1) & 0xFFFFFFFF
         last_check = _now()
         deadline = last_check + self.timeout
         self.waiting_for = src
@@ -419,6 +418,17 @@ class Channel:
                between: Callable[[], None]) -> None:
         """Handle a message that is not the one being waited for."""
         payload = plane.read_payload(hdr, None, between, keep=True)
+        src = hdr.src
+        if (hdr.kind == _DATA and hdr.group == self._group and src != self.rank
+                and 0 <= src < self.world_size):
+            # The common case, decided here in full: a peer's message of the group
+            # waited on, for this call or one at most MAX_CALLS_AHEAD later (a small
+            # call's peers send in any order). Anything else takes the general path below.
+            ahead = (hdr.seq - seq) & 0xFFFFFFFF
+            if (ahead <= MAX_CALLS_AHEAD if ahead else
+                    sig.coll == _P2P_COLL or hdr.matches(sig)):
+                self.stash[(hdr.group, src, hdr.seq, hdr.tag)] = (hdr, payload)
+                return
         if self._elsewhere(hdr, payload):
             return
         if hdr.kind == wire.Kind.ABORT:

@@ -425,6 +425,9 @@ def pack_header(kind: int, sig: Signature, src: int, seq: int, tag: int, nbytes:
     )
 
 
+_new_header = tuple.__new__
+
+
 def unpack_header(data: bytes | memoryview) -> Header:
     """Decode and validate one header; raises :class:`ProtocolError` on garbage.
 
@@ -441,12 +444,13 @@ def unpack_header(data: bytes | memoryview) -> Header:
             f"peer speaks swarmfd wire protocol version {version}, this process speaks "
             f"version {PROTOCOL_VERSION}"
         )
-    inline = bool(flags & FLAG_INLINE)
+    inline = flags & FLAG_INLINE != 0
     if len(data) != (HEADER_SIZE + nbytes if inline else HEADER_SIZE):
         raise ProtocolError(f"frame of {len(data)} bytes does not match its header "
                             f"({nbytes} payload bytes, inline={inline})")
-    return Header(kind, coll, op, dtype, src, root, seq, tag, count, shape, nbytes, inline,
-                  group, bool(flags & FLAG_LIST))
+    # (Header(...) without its Python-level __new__: one per message.)
+    return _new_header(Header, (kind, coll, op, dtype, src, root, seq, tag, count, shape,
+                                nbytes, inline, group, flags & FLAG_LIST != 0))
 
 
 # -- error messages shared by the channels (TCP and shared memory) ----------------------

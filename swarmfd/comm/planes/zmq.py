@@ -97,6 +97,10 @@ _SNDMORE = int(zmq.SNDMORE)
 #: a send (100-byte frames, 3 runs).
 _send = zmq.backend.Socket.send
 _recv = zmq.backend.Socket.recv
+_unpack_header = wire.unpack_header
+_pack_header = wire.pack_header
+_FLAG_INLINE = wire.FLAG_INLINE
+_join = b"".join
 #: The DEALER monitor's events, as a refused connection's story tells them.
 _EVENT_NAMES = {zmq.EVENT_HANDSHAKE_SUCCEEDED: "authenticated",
                 zmq.EVENT_DISCONNECTED: "closed",
@@ -394,10 +398,14 @@ class ZmqPlane:
             self.t.lost.setdefault(dst, _now())  # its connection is gone
             return
         if size <= INLINE_MAX_BYTES:
-            # One frame: header and payload together (one send, one receive).
-            _send(router, wire.pack_header(kind, sig, self.rank, seq, tag, size,
-                                           wire.FLAG_INLINE, group)
-                  + (payload if type(payload) is bytes else memoryview(payload).tobytes()))
+            # One frame: header and payload together (one send, one receive), joined in
+            # one copy (a non-contiguous payload, which join refuses, is copied first).
+            header = _pack_header(kind, sig, self.rank, seq, tag, size, _FLAG_INLINE, group)
+            try:
+                frame = _join((header, payload))
+            except TypeError:
+                frame = header + memoryview(payload).tobytes()
+            _send(router, frame)
             return
         _send(router, wire.pack_header(kind, sig, self.rank, seq, tag, size, 0, group),
               _SNDMORE)
@@ -488,7 +496,7 @@ class ZmqPlane:
         # Whether a frame follows, as libzmq reported it with this one (no getsockopt).
         self.more = more = frame.more
         try:
-            hdr = wire.unpack_header(raw)
+            hdr = _unpack_header(raw)
             if hdr.src != peer:
                 raise ProtocolError(f"a header claims source rank {hdr.src}")
             if hdr.inline and more:
