@@ -539,6 +539,7 @@ def scatter_direct(op: Op, chunks: np.ndarray | None, out: np.ndarray, root: int
 
 #: The row count that leads every message of :func:`all_gather_counts`.
 _COUNT = struct.Struct("<q")
+_ANY_SIZE = wire.ANY_SIZE
 
 
 def _read_part(data: Any, at: int, row_nbytes: int, limit: int) -> tuple[int, int]:
@@ -593,7 +594,7 @@ def all_gather_counts(op: Op, count: int, flat: np.ndarray, row_nbytes: int,
     for p in range(N):
         if p == me:
             continue
-        data = yield op.recv(p, 0, wire.ANY_SIZE)
+        data = yield (op, p, 0, _ANY_SIZE, None)  # (Op.recv)
         n, end = _read_part(data, 0, row_nbytes, limit)
         if n < 0 or end != len(data):
             raise _part_error(op, p, len(data), limit)

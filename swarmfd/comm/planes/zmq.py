@@ -492,7 +492,7 @@ class ZmqPlane:
             self._drain()
             self.unknown += 1
             return None
-        raw = frame.buffer
+        raw = memoryview(frame)  # (not frame.buffer: 0.10 against 0.17 us here)
         # Whether a frame follows, as libzmq reported it with this one (no getsockopt).
         self.more = more = frame.more
         try:
