@@ -89,6 +89,9 @@ __all__ = [
     "new_group",
 ]
 
+_SLOTS = _shm.SLOTS
+_SEGMENT_BYTES = _shm.SEGMENT_BYTES
+
 #: Seconds a failed group's sockets may take at cleanup to deliver the abort messages.
 ABORT_LINGER = 0.5
 #: Group ids: the world, every host's group (hosts' groups have no member in common, so
@@ -143,6 +146,8 @@ class Group:
         #: choose_area); None: the group never uses shared memory. By default the one its
         #: id picks (the world's 0, the host groups' 1, init's own groups').
         self.area: int | None = gid % _shm.AREAS if area == -1 else area
+        #: Byte offset of the area in every member's segment (next_slot's start).
+        self._area_at = 0 if self.area is None else _shm.area_of(self.area)
         self.ranks: tuple[int, ...] = tuple(ranks)
         self.size = len(self.ranks)
         self.rank = self.ranks.index(state.config.rank)
@@ -227,9 +232,9 @@ class Group:
         """Byte offset of the shared-memory slot of the next round (the same on every
         member: each group rotates over the slots of its own area)."""
         assert self.area is not None, "a group without a shared-memory area (a bug)"
-        slot = _shm.area_of(self.area) + (self.shm_round % _shm.SLOTS) * _shm.SEGMENT_BYTES
-        self.shm_round += 1
-        return slot
+        r = self.shm_round
+        self.shm_round = r + 1
+        return self._area_at + (r % _SLOTS) * _SEGMENT_BYTES
 
     def scratch(self, dtype: np.dtype, count: int) -> np.ndarray:
         """A reusable flat buffer (for fusing lists of arrays) of at least ``count`` items."""

@@ -43,6 +43,8 @@ Algorithm = Generator[Recv, Any, Any]
 
 #: Target size of one wire message (see wire.PIECE_BYTES).
 PIECE_BYTES = wire.PIECE_BYTES
+_MAX_PAYLOAD = wire.MAX_PAYLOAD
+_DATA = int(wire.Kind.DATA)
 
 
 class Op:
@@ -87,9 +89,15 @@ class Op:
                   self.sig, shm, next_slot, tag_base)
 
     def send(self, to: int, tag: int, payload: Any = b"", *, copy: bool = False) -> None:
-        """Queue a message to group rank ``to``; never blocks."""
-        self.channel.send(self.plane, self.ranks[to], self.sig, self.gid, self.seq,
-                          self.tag_base + tag, payload, copy=copy)
+        """Queue a message to group rank ``to``; never blocks (see :meth:`Channel.send`,
+        whose checks this is, written out: a small call's messages pass here, and a
+        barrier's on shared memory are many)."""
+        size = len(payload) if type(payload) is bytes else memoryview(payload).nbytes
+        if size > _MAX_PAYLOAD:
+            raise ValueError(f"swarmfd bug: a message of {size} bytes exceeds the limit of "
+                             f"{_MAX_PAYLOAD}; collectives must cut buffers into pieces")
+        self.plane.send(self.ranks[to], _DATA, self.sig, self.seq, self.tag_base + tag,
+                        payload, size, copy, self.gid)
 
     def recv(self, frm: int, tag: int, nbytes: int, into: Any = None) -> Recv:
         """The receive to ``yield``: returns the payload, or None when it landed ``into``."""

@@ -392,9 +392,10 @@ def all_gather_ring(op: Op, out: np.ndarray, ring: Sequence[int] | None = None) 
 def barrier(op: Op, tag: int = 0) -> Algorithm:
     """Dissemination: ceil(log2 N) rounds of empty messages (tags tag<<8 | round)."""
     d, step = 1, 0
-    while d < op.size:
-        op.send((op.me + d) % op.size, (tag << 8) | step, b"")
-        yield op.recv((op.me - d) % op.size, (tag << 8) | step, 0)
+    me, size = op.me, op.size
+    while d < size:
+        op.send((me + d) % size, (tag << 8) | step, b"")
+        yield (op, (me - d) % size, (tag << 8) | step, 0, None)  # (Op.recv)
         d, step = d * 2, step + 1
 
 

@@ -62,6 +62,12 @@ SEGMENT_SIZE = AREAS * AREA_BYTES
 REGION_VIEWS = 1024
 #: Longest record written to an inbox (POSIX guarantees atomic writes up to PIPE_BUF).
 MAX_RECORD = 4096
+_pack_header = wire.pack_header
+_unpack_header = wire.unpack_header
+_HEADER_SIZE = wire.HEADER_SIZE
+_join = b"".join
+
+
 def area_of(group: int) -> int:
     """Byte offset of the area a group uses in every member's segment."""
     return (group % AREAS) * AREA_BYTES
@@ -187,16 +193,29 @@ class ShmPlane:
     def send(self, dst: int, kind: int, sig: wire.Signature, seq: int, tag: int, payload: Any,
              size: int, copy: bool, group: int = 0) -> None:
         """Write one record to ``dst``'s inbox (queued while the pipe is full)."""
-        body = payload if isinstance(payload, bytes) else memoryview(payload).tobytes()
-        record = wire.pack_header(kind, sig, self.rank, seq, tag, size, 0, group) + body
+        header = _pack_header(kind, sig, self.rank, seq, tag, size, 0, group)
+        try:
+            record = _join((header, payload))  # one copy
+        except TypeError:  # a non-contiguous payload, which join refuses
+            record = header + memoryview(payload).tobytes()
         if len(record) > MAX_RECORD:
             raise ValueError(f"swarmfd bug: a shared-memory record of {len(record)} bytes "
                              f"exceeds {MAX_RECORD}")
-        queue = self.queued.get(dst)
-        if queue:
-            queue.append(record)
-            self._push(dst)
-            return
+        if self.queued:  # a pipe was full: records to ``dst`` keep their order
+            queue = self.queued.get(dst)
+            if queue:
+                queue.append(record)
+                self._push(dst)
+                return
+        else:
+            # (_write's usual case, written out: a barrier's messages are many.)
+            fd = self.outboxes.get(dst)
+            if fd is not None and dst not in self.owner.lost:
+                try:
+                    os.write(fd, record)
+                    return
+                except OSError:
+                    pass  # full or gone: _write sorts it out
         self._write(dst, record)
 
     def _write(self, dst: int, record: bytes) -> bool:
@@ -279,18 +298,19 @@ class ShmPlane:
             data = os.read(self.inbox, 65536)
         except (BlockingIOError, InterruptedError):
             return bool(self.records)
-        self.buffer += data
-        buf = self.buffer
-        while len(buf) >= wire.HEADER_SIZE:
+        buf = self.buffer + data if self.buffer else data
+        n, at = len(buf), 0
+        while n - at >= _HEADER_SIZE:
             # Only this host's ranks of this job can write here (see shm_setup): a bad
             # header is a bug, a ProtocolError that reaches the caller.
-            hdr = wire.unpack_header(buf[: wire.HEADER_SIZE])
-            end = wire.HEADER_SIZE + hdr.nbytes
-            if len(buf) < end:
+            body = at + _HEADER_SIZE
+            hdr = _unpack_header(buf[at:body])
+            end = body + hdr.nbytes
+            if n < end:
                 break
-            self.records.append((hdr, buf[wire.HEADER_SIZE:end]))
-            buf = buf[end:]
-        self.buffer = buf
+            self.records.append((hdr, buf[body:end]))
+            at = end
+        self.buffer = buf[at:] if at else buf
         return bool(self.records)
 
     def _take(self) -> wire.Header:
