@@ -291,6 +291,25 @@ def test_compare_script_runs_swarmfd(tmp_path: os.PathLike) -> None:
     assert all(int(r["wrong"]) == 0 and float(r["latency_us"]) > 0 for r in rows)
 
 
+@pytest.mark.skipif(not _launcher_available(), reason="`swarmfd run` (launch.py) not there yet")
+def test_steps_script_counts_a_calls_python_steps() -> None:
+    """benchmarks/steps.py counts the bytecodes and Python calls of a collective in every
+    rank of a real job, per function, and names the layers a call passes through."""
+    root = os.path.join(os.path.dirname(__file__), os.pardir)
+    script = os.path.join(root, "benchmarks", "steps.py")
+    env = {k: v for k, v in os.environ.items() if k not in CONTRACT_VARS}
+    cmd = [sys.executable, script, "--tree", f"here={root}", "-n", "2", "--plane", "socket",
+           "--call", "all_reduce", "--warmup", "2", "--calls", "3", "--top", "40",
+           "--timeout", "90"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    (total,) = [line for line in proc.stdout.splitlines() if line.startswith("  here: ")]
+    bytecodes = int(total.split()[1])
+    assert 100 < bytecodes < 100_000, total
+    for layer in ("collectives.py:all_reduce", "channel.py:recv_key", "socket.py:send"):
+        assert layer in proc.stdout, proc.stdout
+
+
 def _compare_module():
     import importlib.util
 
