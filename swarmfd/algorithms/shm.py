@@ -76,7 +76,9 @@ def rounds(nbytes: int, itemsize: int) -> list[tuple[int, int]]:
 
 
 def _regions(op: Op, slot: int, dtype: np.dtype, count: int) -> list[np.ndarray]:
-    return [op.region(p, slot, dtype, count) for p in range(op.size)]
+    """Every member's region at ``slot`` (Op.region of each, written out)."""
+    region = op.shm.region
+    return [region(r, slot, dtype, count) for r in op.ranks]
 
 
 def all_reduce(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
