@@ -40,6 +40,17 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 CALLS = ("all_reduce", "broadcast", "all_gather", "all_gather_out")
 
+#: Each call of CALLS as a rank's code writes it, on ``x`` (``out``: N rows of x's size).
+#: Also benchmarks/steps.py's.
+CALL_TABLE = r"""
+calls = {
+    "all_reduce": lambda: fd.all_reduce(x),
+    "broadcast": lambda: fd.broadcast(x, src=0),
+    "all_gather": lambda: fd.all_gather(x),
+    "all_gather_out": lambda: fd.all_gather(x, out=out),
+}
+"""
+
 #: The rank's side: times every call and prints one JSON line on rank 0.
 WORKER = r"""
 import json, os, sys, time
@@ -50,12 +61,7 @@ rank, n = fd.get_rank(), fd.get_world_size()
 nbytes, iters = int(sys.argv[1]), int(sys.argv[2])
 x = np.ones(nbytes // 4, np.float32)
 out = np.empty((n, x.size), np.float32)
-calls = {
-    "all_reduce": lambda: fd.all_reduce(x),
-    "broadcast": lambda: fd.broadcast(x, src=0),
-    "all_gather": lambda: fd.all_gather(x),
-    "all_gather_out": lambda: fd.all_gather(x, out=out),
-}
+""" + CALL_TABLE + r"""
 loop = sys.argv[4] == "loop"
 
 

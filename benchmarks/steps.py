@@ -28,23 +28,21 @@ import sys
 import tempfile
 from pathlib import Path
 
-#: Every rank: warm up, trace ``calls`` calls, write its counts to a JSON file.
+from calls import CALL_TABLE, CALLS, plane_env  # this script's folder is first on sys.path
+
+#: Every rank: warm up, trace ``traced`` calls, write its counts to a JSON file.
 WORKER = r"""
 import collections, json, os, sys
 import numpy as np
 import swarmfd as fd
 getattr(fd, "init_from_env", fd.init)()
 rank, n = fd.get_rank(), fd.get_world_size()
-call_name, nbytes, warmup, calls, out_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \
+call_name, nbytes, warmup, traced, out_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \
     int(sys.argv[4]), sys.argv[5]
 x = np.zeros(max(1, nbytes // 4), np.float32)
 out = np.empty((n, x.size), np.float32)
-call = {
-    "all_reduce": lambda: fd.all_reduce(x),
-    "broadcast": lambda: fd.broadcast(x, src=0),
-    "all_gather": lambda: fd.all_gather(x),
-    "all_gather_out": lambda: fd.all_gather(x, out=out),
-}[call_name]
+""" + CALL_TABLE + r"""
+call = calls[call_name]
 for _ in range(warmup):
     call()
 fd.barrier()
@@ -64,24 +62,15 @@ def trace(frame, event, arg):
 
 
 sys.settrace(trace)
-for _ in range(calls):
+for _ in range(traced):
     call()
 sys.settrace(None)
 fd.barrier()
 with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
-    json.dump({"ops": {k: v / calls for k, v in ops.items()},
-               "calls": {k: v / calls for k, v in fns.items()}}, f)
+    json.dump({"ops": {k: v / traced for k, v in ops.items()},
+               "calls": {k: v / traced for k, v in fns.items()}}, f)
 fd.cleanup()
 """
-
-CALLS = ("all_reduce", "broadcast", "all_gather", "all_gather_out")
-
-
-def plane_env(plane: str) -> dict[str, str]:
-    """The environment of a plane: shared memory (one host's default) or a TCP plane."""
-    if plane == "shm":
-        return {"SWARMFD_TRANSPORT": "auto"}
-    return {"SWARMFD_TRANSPORT": "tcp", "SWARMFD_DATA_PLANE": plane}
 
 
 def count(tree: Path, plane: str, n: int, call: str, nbytes: int, warmup: int,
