@@ -206,9 +206,9 @@ def _run(g: _group.Group, sig: Signature, make: Callable[[Op], Any] | None,
         return completed(result, _label(g, sig)) if async_op else result
     ch = g.channel
     op = Op(ch, plane, g.ranks, g.rank, g.gid, g.seq, sig,
-            plane if plane.kind == "shm" else None, g.next_slot, ring=g.ring)
+            plane if plane.kind == "shm" else None, g.next_slot, 0, g.ring)
     engine = g._state.engine
-    if not async_op and engine.idle():
+    if not async_op and not engine.queues and not engine.p2p:  # (engine.idle())
         with engine.lock:  # the progress thread may be finishing its last step
             return _inline(g, op, make, finish, _Label(sig.coll, g, g.seq))
     work = engine.submit(g, op, make(op), _label(g, sig), finish)
@@ -437,12 +437,11 @@ def all_reduce(x: T, op: str = "sum", *, group: Any = None, async_op: bool = Fal
     rop, mean = _parse_op(op, "all_reduce")
     wire_op = ReduceOp.MEAN if mean else rop
 
-    def body(o: Op, flat: np.ndarray) -> Any:
-        return _all_reduce_algo(o, flat, rop, mean, g.two_level())
+    if isinstance(x, (list, tuple)):  # (_items)
+        def body(o: Op, flat: np.ndarray) -> Any:
+            return _all_reduce_algo(o, flat, rop, mean, g.two_level())
 
-    items = _items(x)
-    if items is not None:
-        parts = _fused(g, items, "all_reduce", Collective.ALL_REDUCE, wire_op, wire.NO_ROOT,
+        parts = _fused(g, x, "all_reduce", Collective.ALL_REDUCE, wire_op, wire.NO_ROOT,
                        body, lambda a: _check_op_dtype(rop, mean, a.dtype, "all_reduce"),
                        async_op, lambda o, nbytes, count: _takes_parts(g, o.plane, nbytes, count))
         return _fused_result(x, parts, "all_reduce", async_op)
@@ -451,7 +450,8 @@ def all_reduce(x: T, op: str = "sum", *, group: Any = None, async_op: bool = Fal
     _check_op_dtype(rop, mean, arr.dtype, "all_reduce")
     flat, write_back = _flat(arr)
     return _run(g, _signature(Collective.ALL_REDUCE, [arr], code, wire_op),
-                lambda o: body(o, flat), _returns(x, write_back), async_op)
+                lambda o: _all_reduce_algo(o, flat, rop, mean, g.two_level()),
+                _returns(x, write_back), async_op)
 
 
 def _returns(x: Any, write_back: Callable[[], None] | None) -> Callable[[Any], Any]:

@@ -43,8 +43,8 @@ Algorithm = Generator[Recv, Any, Any]
 
 #: Target size of one wire message (see wire.PIECE_BYTES).
 PIECE_BYTES = wire.PIECE_BYTES
+_MAX_PAYLOAD = wire.MAX_PAYLOAD
 _DATA = int(wire.Kind.DATA)
-_message_size = wire.message_size
 
 
 class Op:
@@ -89,11 +89,15 @@ class Op:
                   self.sig, shm, next_slot, tag_base)
 
     def send(self, to: int, tag: int, payload: Any = b"", *, copy: bool = False) -> None:
-        """Queue a message to group rank ``to``; never blocks (:meth:`Channel.send`, to
-        the plane directly: a small call's messages pass here, and a barrier's on shared
-        memory are many)."""
+        """Queue a message to group rank ``to``; never blocks (see :meth:`Channel.send`,
+        whose checks this is, written out: a small call's messages pass here, and a
+        barrier's on shared memory are many)."""
+        size = len(payload) if type(payload) is bytes else memoryview(payload).nbytes
+        if size > _MAX_PAYLOAD:
+            raise ValueError(f"swarmfd bug: a message of {size} bytes exceeds the limit of "
+                             f"{_MAX_PAYLOAD}; collectives must cut buffers into pieces")
         self.plane.send(self.ranks[to], _DATA, self.sig, self.seq, self.tag_base + tag,
-                        payload, _message_size(payload), copy, self.gid)
+                        payload, size, copy, self.gid)
 
     def recv(self, frm: int, tag: int, nbytes: int, into: Any = None) -> Recv:
         """The receive to ``yield``: returns the payload, or None when it landed ``into``."""
@@ -153,12 +157,6 @@ class Op:
     def region(self, member: int, slot: int, dtype: np.dtype, count: int) -> np.ndarray:
         """``count`` items of ``dtype`` at ``slot`` of group rank ``member``'s segment."""
         return self.shm.region(self.ranks[member], slot, dtype, count)
-
-    def regions(self, slot: int, dtype: np.dtype, count: int) -> list[np.ndarray]:
-        """Every member's region at ``slot``, in group-rank order (:meth:`region` of each,
-        written out: a small call makes one such list)."""
-        region = self.shm.region
-        return [region(r, slot, dtype, count) for r in self.ranks]
 
 
 def request(req: Recv) -> tuple[Op, tuple[int, int, int, int], wire.Signature, int, Any]:

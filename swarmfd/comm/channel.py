@@ -104,6 +104,7 @@ _DATA = int(wire.Kind.DATA)
 _P2P = int(wire.Kind.P2P)
 _P2P_COLL = int(wire.Collective.P2P)
 _P2P_KEYS = wire.P2P_KEYS
+_MAX_PAYLOAD = wire.MAX_PAYLOAD
 
 
 class _Cutoff(Exception):
@@ -235,8 +236,12 @@ class Channel:
         before the collective returns), unless ``copy``: then the caller may overwrite
         its buffer as soon as this returns.
         """
-        plane.send(dst, kind, sig, seq, tag, payload, wire.message_size(payload, nbytes), copy,
-                   group)
+        size = nbytes if nbytes is not None else (
+            len(payload) if type(payload) is bytes else memoryview(payload).nbytes)
+        if size > _MAX_PAYLOAD:
+            raise ValueError(f"swarmfd bug: a message of {size} bytes exceeds the limit of "
+                             f"{wire.MAX_PAYLOAD}; collectives must cut buffers into pieces")
+        plane.send(dst, kind, sig, seq, tag, payload, size, copy, group)
 
     def flush(self) -> None:
         """Wait until no plane reads any buffer handed to :meth:`send` any more.

@@ -43,7 +43,7 @@ import operator
 import struct
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -77,7 +77,6 @@ __all__ = [
     "finished_call_error",
     "list_repr",
     "message_key",
-    "message_size",
     "mismatch_error",
     "p2p_key",
     "pack_header",
@@ -86,7 +85,6 @@ __all__ = [
     "shape_hash",
     "timeout_error",
     "unpack_header",
-    "with_payload",
 ]
 
 MAGIC = b"SWFD"
@@ -428,27 +426,6 @@ def pack_header(kind: int, sig: Signature, src: int, seq: int, tag: int, nbytes:
 
 
 _new_header = tuple.__new__
-_join = b"".join
-
-
-def message_size(payload: Any, nbytes: int | None = None) -> int:
-    """The bytes a message of ``payload`` (bytes or a buffer) carries, ``nbytes`` when
-    given; a ValueError above MAX_PAYLOAD (collectives cut buffers into pieces first)."""
-    size = nbytes if nbytes is not None else (
-        len(payload) if type(payload) is bytes else memoryview(payload).nbytes)
-    if size > MAX_PAYLOAD:
-        raise ValueError(f"swarmfd bug: a message of {size} bytes exceeds the limit of "
-                         f"{MAX_PAYLOAD}; collectives must cut buffers into pieces")
-    return size
-
-
-def with_payload(header: bytes, payload: Any) -> bytes:
-    """``header`` followed by ``payload`` (bytes or a buffer) as one bytes object, in one
-    copy (a non-contiguous payload, which bytes.join refuses, is made contiguous first)."""
-    try:
-        return _join((header, payload))
-    except TypeError:
-        return header + memoryview(payload).tobytes()
 
 
 def unpack_header(data: bytes | memoryview) -> Header:

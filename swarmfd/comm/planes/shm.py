@@ -65,7 +65,7 @@ MAX_RECORD = 4096
 _pack_header = wire.pack_header
 _unpack_header = wire.unpack_header
 _HEADER_SIZE = wire.HEADER_SIZE
-_with_payload = wire.with_payload
+_join = b"".join
 
 
 def area_of(group: int) -> int:
@@ -193,16 +193,29 @@ class ShmPlane:
     def send(self, dst: int, kind: int, sig: wire.Signature, seq: int, tag: int, payload: Any,
              size: int, copy: bool, group: int = 0) -> None:
         """Write one record to ``dst``'s inbox (queued while the pipe is full)."""
-        record = _with_payload(_pack_header(kind, sig, self.rank, seq, tag, size, 0, group),
-                               payload)
+        header = _pack_header(kind, sig, self.rank, seq, tag, size, 0, group)
+        try:
+            record = _join((header, payload))  # one copy
+        except TypeError:  # a non-contiguous payload, which join refuses
+            record = header + memoryview(payload).tobytes()
         if len(record) > MAX_RECORD:
             raise ValueError(f"swarmfd bug: a shared-memory record of {len(record)} bytes "
                              f"exceeds {MAX_RECORD}")
-        queue = self.queued.get(dst)
-        if queue:
-            queue.append(record)
-            self._push(dst)
-            return
+        if self.queued:  # a pipe was full: records to ``dst`` keep their order
+            queue = self.queued.get(dst)
+            if queue:
+                queue.append(record)
+                self._push(dst)
+                return
+        else:
+            # (_write's usual case, written out: a barrier's messages are many.)
+            fd = self.outboxes.get(dst)
+            if fd is not None and dst not in self.owner.lost:
+                try:
+                    os.write(fd, record)
+                    return
+                except OSError:
+                    pass  # full or gone: _write sorts it out
         self._write(dst, record)
 
     def _write(self, dst: int, record: bytes) -> bool:

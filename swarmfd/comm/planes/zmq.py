@@ -100,7 +100,7 @@ _recv = zmq.backend.Socket.recv
 _unpack_header = wire.unpack_header
 _pack_header = wire.pack_header
 _FLAG_INLINE = wire.FLAG_INLINE
-_with_payload = wire.with_payload
+_join = b"".join
 #: The DEALER monitor's events, as a refused connection's story tells them.
 _EVENT_NAMES = {zmq.EVENT_HANDSHAKE_SUCCEEDED: "authenticated",
                 zmq.EVENT_DISCONNECTED: "closed",
@@ -398,10 +398,14 @@ class ZmqPlane:
             self.t.lost.setdefault(dst, _now())  # its connection is gone
             return
         if size <= INLINE_MAX_BYTES:
-            # One frame: header and payload together (one send, one receive).
-            _send(router, _with_payload(
-                _pack_header(kind, sig, self.rank, seq, tag, size, _FLAG_INLINE, group),
-                payload))
+            # One frame: header and payload together (one send, one receive), joined in
+            # one copy (a non-contiguous payload, which join refuses, is copied first).
+            header = _pack_header(kind, sig, self.rank, seq, tag, size, _FLAG_INLINE, group)
+            try:
+                frame = _join((header, payload))
+            except TypeError:
+                frame = header + memoryview(payload).tobytes()
+            _send(router, frame)
             return
         _send(router, wire.pack_header(kind, sig, self.rank, seq, tag, size, 0, group),
               _SNDMORE)
