@@ -90,12 +90,11 @@ class Op:
 
     def send(self, to: int, tag: int, payload: Any = b"", *, copy: bool = False) -> None:
         """Queue a message to group rank ``to``; never blocks (see :meth:`Channel.send`,
-        whose checks this is, written out: a small call's messages pass here, and a
-        barrier's on shared memory are many)."""
+        whose size and check this is, written out: a call each costs a small call 2 %
+        on shared memory, and a barrier's messages are many)."""
         size = len(payload) if type(payload) is bytes else memoryview(payload).nbytes
         if size > _MAX_PAYLOAD:
-            raise ValueError(f"swarmfd bug: a message of {size} bytes exceeds the limit of "
-                             f"{_MAX_PAYLOAD}; collectives must cut buffers into pieces")
+            raise wire.too_large(size)
         self.plane.send(self.ranks[to], _DATA, self.sig, self.seq, self.tag_base + tag,
                         payload, size, copy, self.gid)
 
@@ -157,6 +156,12 @@ class Op:
     def region(self, member: int, slot: int, dtype: np.dtype, count: int) -> np.ndarray:
         """``count`` items of ``dtype`` at ``slot`` of group rank ``member``'s segment."""
         return self.shm.region(self.ranks[member], slot, dtype, count)
+
+    def regions(self, slot: int, dtype: np.dtype, count: int) -> list[np.ndarray]:
+        """Every member's region at ``slot``, in group-rank order (:meth:`region` of each,
+        written out: a small call makes one such list)."""
+        region = self.shm.region
+        return [region(r, slot, dtype, count) for r in self.ranks]
 
 
 def request(req: Recv) -> tuple[Op, tuple[int, int, int, int], wire.Signature, int, Any]:

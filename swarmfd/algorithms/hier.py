@@ -218,7 +218,7 @@ def all_reduce_small(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout,
     local = _local_op(op, lay, shm)
     if local is not None:
         slot = op.next_slot()
-        regions = [local.region(p, slot, buf.dtype, buf.size) for p in range(L)]
+        regions = local.regions(slot, buf.dtype, buf.size)
         regions[i][...] = buf
         yield from barrier(local, 0)
         reduce_in_order(buf, regions, ufunc)
@@ -279,7 +279,7 @@ def all_reduce_large(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout, shm:
     def reduce_mine(t: int, slot: int, offs: list[int], n: int) -> None:
         """This rank's pieces of round t, reduced over the host into ``buf``."""
         assert local is not None
-        regions = [local.region(p, slot, buf.dtype, n) for p in range(L)]
+        regions = local.regions(slot, buf.dtype, n)
         for q in mine:
             a, b = pieces[q][t]
             seg = buf[a:b]
@@ -298,7 +298,7 @@ def all_reduce_large(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout, shm:
     def gather_out(t: int, slot: int, offs: list[int], n: int) -> None:
         """Copy the locals' results of round t into ``buf``."""
         assert local is not None
-        regions = [local.region(p, slot, buf.dtype, n) for p in range(L)]
+        regions = local.regions(slot, buf.dtype, n)
         for q in range(K):
             if owner[q] != i:
                 a, b = pieces[q][t]
@@ -488,7 +488,7 @@ def _slot_views(local: Op | None, dtype: np.dtype, n: int) -> Any:
         got = views.get(slot)
         if got is None:
             assert local is not None
-            got = views[slot] = [local.region(p, slot, dtype, n) for p in range(local.size)]
+            got = views[slot] = local.regions(slot, dtype, n)
         return got
 
     return at
@@ -641,7 +641,7 @@ def reduce(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc, lay: Layout,
         part = seg if scratch is None else scratch[:b - a]
         if local is not None:
             slot = op.next_slot()
-            regions = [local.region(p, slot, buf.dtype, b - a) for p in range(L)]
+            regions = local.regions(slot, buf.dtype, b - a)
             if not lead:
                 regions[i][...] = seg
             yield from barrier(local, t)

@@ -75,12 +75,6 @@ def rounds(nbytes: int, itemsize: int) -> list[tuple[int, int]]:
     return [(a, min(a + per, count)) for a in range(0, count, per)]
 
 
-def _regions(op: Op, slot: int, dtype: np.dtype, count: int) -> list[np.ndarray]:
-    """Every member's region at ``slot`` (Op.region of each, written out)."""
-    region = op.shm.region
-    return [region(r, slot, dtype, count) for r in op.ranks]
-
-
 def all_reduce(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
                divide: int = 0) -> Algorithm:
     """See the module docstring (``divide``: divide the result by it, a mean)."""
@@ -88,7 +82,7 @@ def all_reduce(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
     if buf.nbytes <= SMALL_BYTES or buf.size < N:
         # One round; every rank reduces all of it in rank order: identical everywhere.
         slot = op.next_slot()
-        regions = _regions(op, slot, buf.dtype, buf.size)
+        regions = op.regions(slot, buf.dtype, buf.size)
         if type(buf) is np.ndarray:  # no views of the regions to make: the latency path
             regions[me][...] = buf
             yield from barrier(op, 0)
@@ -109,7 +103,7 @@ def all_reduce(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
     parts = rounds(buf.nbytes, buf.itemsize)
     for r, (a, b) in enumerate(parts):
         slot = op.next_slot()
-        regions = _regions(op, slot, buf.dtype, b - a)
+        regions = op.regions(slot, buf.dtype, b - a)
         chunks = split(b - a, N)
         ca, cb = chunks[me]
         # The others need every chunk of this rank's but its own (which only it reduces).
@@ -249,7 +243,7 @@ def reduce(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc) -> Algorithm:
     """See the module docstring."""
     for r, (a, b) in enumerate(rounds(buf.nbytes, buf.itemsize)):
         slot = op.next_slot()
-        regions = _regions(op, slot, buf.dtype, b - a)
+        regions = op.regions(slot, buf.dtype, b - a)
         regions[op.me][...] = buf[a:b]
         yield from barrier(op, r)
         if op.me == root:
@@ -260,7 +254,7 @@ def all_gather(op: Op, out: np.ndarray) -> Algorithm:
     """See the module docstring (``out``: N x count, this rank's row filled)."""
     flat = out[op.me]
     if flat.nbytes <= SEGMENT_BYTES:  # one round (the latency path: no bounds to make)
-        regions = _regions(op, op.next_slot(), flat.dtype, flat.size)
+        regions = op.regions(op.next_slot(), flat.dtype, flat.size)
         regions[op.me][...] = flat
         yield from barrier(op, 0)
         for p in range(op.size):
@@ -269,7 +263,7 @@ def all_gather(op: Op, out: np.ndarray) -> Algorithm:
         return
     for r, (a, b) in enumerate(rounds(flat.nbytes, flat.itemsize)):
         slot = op.next_slot()
-        regions = _regions(op, slot, flat.dtype, b - a)
+        regions = op.regions(slot, flat.dtype, b - a)
         regions[op.me][...] = flat[a:b]
         yield from barrier(op, r)
         for p in range(op.size):
@@ -292,7 +286,7 @@ def reduce_scatter(op: Op, buf: np.ndarray | Parts, parts: list[tuple[int, int]]
     me = op.me
     for r, (a, b) in enumerate(rounds(buf.nbytes, buf.itemsize)):
         slot = op.next_slot()
-        regions = _regions(op, slot, buf.dtype, b - a)
+        regions = op.regions(slot, buf.dtype, b - a)
         x, y = max(pa, a), min(pb, b)
         # This rank's own part is read from buf, never copied in.
         for lo, hi in ((a, x), (y, b)) if x < y else ((a, b),):
@@ -339,7 +333,7 @@ def gather(op: Op, flat: np.ndarray, out: np.ndarray | None, root: int) -> Algor
     """Everyone copies in; the root copies every member's rows out (``out``: N x count)."""
     for r, (a, b) in enumerate(rounds(flat.nbytes, flat.itemsize)):
         slot = op.next_slot()
-        regions = _regions(op, slot, flat.dtype, b - a)
+        regions = op.regions(slot, flat.dtype, b - a)
         regions[op.me][...] = flat[a:b]
         yield from barrier(op, r)
         if op.me == root:

@@ -239,8 +239,7 @@ class Channel:
         size = nbytes if nbytes is not None else (
             len(payload) if type(payload) is bytes else memoryview(payload).nbytes)
         if size > _MAX_PAYLOAD:
-            raise ValueError(f"swarmfd bug: a message of {size} bytes exceeds the limit of "
-                             f"{wire.MAX_PAYLOAD}; collectives must cut buffers into pieces")
+            raise wire.too_large(size)
         plane.send(dst, kind, sig, seq, tag, payload, size, copy, group)
 
     def flush(self) -> None:

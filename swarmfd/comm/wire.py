@@ -84,6 +84,7 @@ __all__ = [
     "rows_repr",
     "shape_hash",
     "timeout_error",
+    "too_large",
     "unpack_header",
 ]
 
@@ -426,6 +427,13 @@ def pack_header(kind: int, sig: Signature, src: int, seq: int, tag: int, nbytes:
 
 
 _new_header = tuple.__new__
+
+
+def too_large(size: int) -> ValueError:
+    """The error for a message of ``size`` bytes over MAX_PAYLOAD: a bug, since
+    collectives cut buffers into pieces first."""
+    return ValueError(f"swarmfd bug: a message of {size} bytes exceeds the limit of "
+                      f"{MAX_PAYLOAD}; collectives must cut buffers into pieces")
 
 
 def unpack_header(data: bytes | memoryview) -> Header:
