@@ -168,7 +168,8 @@ TRANSPORTS = ("auto", "tcp")
 HIERARCHIES = ("auto", "off")
 #: SWARMFD_MALLOC: init tunes glibc's malloc thresholds, or leaves them to the system.
 MALLOCS = ("tuned", "system")
-#: SWARMFD_SPIN: poll when every rank of the host has a core, always, or never.
+#: SWARMFD_SPIN: poll where the host's busy threads have cores enough (yielding the core
+#: where two share one), always, or never.
 SPIN_MODES = ("auto", "on", "off")
 #: The data planes of the TCP path: plain sockets (the default, see swarmfd/lanes.py) or
 #: ZeroMQ (required for SWARMFD_ENCRYPT=1: CURVE).
@@ -520,9 +521,10 @@ def malloc_mode(environ: Mapping[str, str] | None = None) -> str:
 
 
 def spin_mode(environ: Mapping[str, str] | None = None) -> str:
-    """``SWARMFD_SPIN``: 'auto' (poll before blocking when every rank of the host has its
-    own core; the default), 'on' (1/on/true/yes: always) or 'off' (0/off/false/no: never
-    poll, every wait blocks at once, the least CPU time)."""
+    """``SWARMFD_SPIN``: 'auto' (poll before blocking when every busy thread of the host's
+    ranks has its own core, and poll yielding the core when at most two share one; the
+    default: :mod:`swarmfd.comm.spin`), 'on' (1/on/true/yes: always) or 'off'
+    (0/off/false/no: never poll, every wait blocks at once, the least CPU time)."""
     env = os.environ if environ is None else environ
     raw = (env.get(ENV_SPIN) or "").strip().lower()
     if raw in ("", "auto"):
@@ -531,8 +533,8 @@ def spin_mode(environ: Mapping[str, str] | None = None) -> str:
         return "on" if _parse_env_switch(env, ENV_SPIN, True, "") else "off"
     except ConfigError:
         raise ConfigError(f"environment variable {ENV_SPIN}={env.get(ENV_SPIN)!r} is invalid: "
-                          "expected 'auto' (poll before blocking when every rank of the host "
-                          "has a core, the default), 1 (always) or 0 (never: every wait "
+                          "expected 'auto' (poll before blocking where the host's ranks "
+                          "have cores enough, the default), 1 (always) or 0 (never: every wait "
                           "blocks at once)") from None
 
 

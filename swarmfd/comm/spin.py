@@ -8,43 +8,75 @@ catches its message without any wake-up. Polling burns CPU time that training ne
 though, and when ranks outnumber cores it steals the very CPU the peer needs to send.
 So:
 
-* waits poll for at most :data:`SPIN_SECONDS` before they block;
-* only when every rank of the host can have its own core (``auto``, the default:
-  :func:`configure` is told how many ranks share the host) or when forced on. A rank
-  whose data goes through ZeroMQ has a second busy thread, libzmq's I/O thread, which
-  moves every byte: it needs a core too (``threads_per_rank=2``), or the polling waits
-  take the very CPU that brings their messages;
+* waits poll for at most :data:`SPIN_SECONDS` before they block, when every busy
+  thread of the host's ranks has a core of its own (``auto``, the default:
+  :func:`configure` is told how many ranks share the host). A rank whose data goes
+  through ZeroMQ has a second busy thread, libzmq's I/O thread, which moves every
+  byte: it counts too (``threads_per_rank=2``);
+* when the busy threads outnumber the cores, but by at most
+  :data:`MAX_THREADS_PER_CORE` to one, a wait still polls (for at most
+  :data:`YIELD_SECONDS`), but gives its core away before every poll
+  (``os.sched_yield``): a peer that shares the core runs, sends, and the wait finds
+  its message without sleeping and being woken. Beyond that ratio waits block at once;
 * and adaptively: after :data:`MAX_MISSES` consecutive polls that caught nothing a
   :class:`Spinner` blocks at once, trying a poll again every :data:`RETRY` waits (a
   busy machine, or a peer that is slow anyway: large messages, compute between calls).
 
 ``SWARMFD_SPIN=0`` turns polling off everywhere (every wait blocks at once),
-``SWARMFD_SPIN=1`` forces it on (still adaptive), ``auto`` (or unset) decides per job.
+``SWARMFD_SPIN=1`` forces it on (still adaptive; yielding where threads outnumber
+cores), ``auto`` (or unset) decides per job.
 
 Measured: on a quieter machine (benchmarks/compare.py, 5 interleaved runs, load
 average 1-2, 2026-12-01 20:18, benchmarks/results/compare-20261201-201758.*), at N=2
 (polling on under ``auto``) every wait blocking at once (``SWARMFD_SPIN=0``) took
 1.11-1.16x the time of the 4 KiB and 64 KiB all_reduce on shared memory and on the
-socket plane (medians; 0.99-1.14x for broadcast); at N=4 (polling off under ``auto``
-on 2 cores) the two are the same code, and measured 0.90-1.16x, which is the noise.
-Under a load average of 4-5 from other work (ab.py, 100 calls a size, 17:10) the ratios
-were 0.92-1.06 on every plane, CPU time per call equal within 3%: the peers are rarely
-running when a wait polls there, so the misses turn polling off.
+socket plane (medians; 0.99-1.14x for broadcast). Under a load average of 4-5 from
+other work (ab.py, 100 calls a size, 17:10) the ratios were 0.92-1.06 on every plane,
+CPU time per call equal within 3%: the peers are rarely running when a wait polls
+there, so the misses turn polling off.
+
+Yielding polls where two busy threads share a core, against blocking at once
+(2026-12-04, benchmarks/calls.py --loop, 3000 back-to-back 4 KiB all_reduces, 8
+alternated runs each; benchmarks/results/session-20261204-g.md): N=4 on 2 cores,
+shared memory 0.67-0.89x the time (every run faster), main-thread CPU a call 123-143
+against 127-147 us; socket plane 0.81-1.04x; zmq plane at N=2 (two ranks, two I/O
+threads) 0.77-0.96x. At four busy threads a core (the zmq plane at N=4) yielding
+polls took 0.99-1.13x the time and 20-30 % more CPU (the I/O threads need the cores
+the polls give away only now and then): those waits block at once, as before. A DDP
+step at N=4 on shared memory (benchmarks/train.py): the same within the noise.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
 from ..config import usable_cores
 
-__all__ = ["MAX_MISSES", "RETRY", "SPIN_SECONDS", "Spinner", "configure", "enabled"]
+__all__ = [
+    "MAX_MISSES",
+    "MAX_THREADS_PER_CORE",
+    "RETRY",
+    "SPIN_SECONDS",
+    "YIELD_SECONDS",
+    "Spinner",
+    "configure",
+    "enabled",
+    "yielding",
+]
 
 #: How long a wait polls before it blocks. A peer on another core usually answers within
 #: microseconds; 50 us catches a loopback TCP round trip here (20-40 us for a 1-byte
 #: ping-pong) and a shared-memory record, and bounds what a fruitless poll costs.
 SPIN_SECONDS = 50e-6
+#: How long a wait polls before it blocks when busy threads outnumber cores: each poll
+#: gives the core away first (os.sched_yield, 1.6 us here), so the wait's polls are
+#: fewer and a peer's turn on the core counts into it.
+YIELD_SECONDS = 200e-6
+#: Busy threads a core may have (the host's ranks, and their libzmq I/O threads) for
+#: waits to poll, yielding, rather than block at once (see the module docstring).
+MAX_THREADS_PER_CORE = 2
 #: Consecutive fruitless polls after which waits block at once for a while.
 MAX_MISSES = 8
 #: While blocking at once, a poll is tried again every RETRY waits.
@@ -52,24 +84,36 @@ RETRY = 32
 #: Whether waits poll at all (set by :func:`configure`; 1 or 0, a constant benchmarks/ab.py
 #: can switch per iteration).
 ENABLED = 0
+#: Whether a polling wait gives its core away before each poll (set by :func:`configure`:
+#: the host's busy threads outnumber its cores).
+YIELD = 0
+_sched_yield = os.sched_yield
 
 
 def configure(mode: str, local_ranks: int, cores: int | None = None,
               threads_per_rank: int = 1) -> bool:
-    """Decide whether this process's waits poll: ``mode`` 'on', 'off' or 'auto' (poll when
-    each busy thread of the ``local_ranks`` ranks of this host, ``threads_per_rank`` of
-    them per rank, has a core). Returns the decision."""
-    global ENABLED
+    """Decide how this process's waits poll: ``mode`` 'on', 'off' or 'auto', for
+    ``local_ranks`` ranks on this host with ``threads_per_rank`` busy threads each and
+    ``cores`` usable cores (see the module docstring). Returns whether waits poll;
+    :func:`yielding` tells whether they give the core away before each poll."""
+    global ENABLED, YIELD
     if cores is None:
         cores = usable_cores()
-    on = mode == "on" or (mode == "auto" and local_ranks * threads_per_rank <= cores)
+    busy = local_ranks * threads_per_rank
+    on = mode == "on" or (mode == "auto" and busy <= MAX_THREADS_PER_CORE * cores)
     ENABLED = int(on)
+    YIELD = int(on and busy > cores)
     return on
 
 
 def enabled() -> bool:
     """Whether waits poll before they block (see :func:`configure`)."""
     return bool(ENABLED)
+
+
+def yielding() -> bool:
+    """Whether polling waits give the core away before each poll (see :func:`configure`)."""
+    return bool(ENABLED and YIELD)
 
 
 class Spinner:
@@ -90,7 +134,7 @@ class Spinner:
             if self.waits % RETRY:
                 return 0.0
             self.misses = MAX_MISSES // 2  # a few polls again; misses block once more
-        return SPIN_SECONDS
+        return YIELD_SECONDS if YIELD else SPIN_SECONDS
 
     def spin(self, ready: Callable[[], bool]) -> bool:
         """Call ``ready`` until it is true (True) or the budget ran out (False)."""
@@ -99,6 +143,16 @@ class Spinner:
             return False
         clock = time.perf_counter
         end = clock() + budget
+        if YIELD:  # (a loop of its own: the common one stays without the check)
+            give = _sched_yield
+            while True:
+                if ready():
+                    self.misses = 0
+                    return True
+                if clock() > end:
+                    self.misses += 1
+                    return False
+                give()
         while True:
             if ready():
                 self.misses = 0
