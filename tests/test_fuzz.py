@@ -52,7 +52,7 @@ from swarmfd.comm import wire
 from swarmfd.comm.channel import TIMEOUT_GRACE
 
 from .harness import RankCtx, Ranks, allowed, error_info, record, stall_meter
-from .robust_fuzz import ZMTP_READY, Fuzzer, zmtp_handshake
+from .robust_fuzz import ZMTP_READY, Fuzzed, fuzz_in_a_process, zmtp_handshake
 
 SWARMFD = Path(fd.__file__).parent
 #: The data-port fuzz runs against the zmq data plane and shared-memory groups (whose TCP
@@ -270,7 +270,7 @@ def _fuzzed_job(ctx: RankCtx) -> dict[str, Any]:
 
 
 def _run_fuzzed_job(transport: str, kinds: tuple[str, ...], seed: int,
-                    seconds: float = FUZZ_SECONDS) -> tuple[dict[int, Any], Fuzzer]:
+                    seconds: float = FUZZ_SECONDS) -> tuple[dict[int, Any], Fuzzed]:
     world = 3
     with Ranks(_fuzzed_job, world, group_timeout=60.0, transport=transport) as ranks:
         ports = ranks.wait("port")
@@ -278,14 +278,12 @@ def _run_fuzzed_job(transport: str, kinds: tuple[str, ...], seed: int,
         # The rendezvous port gets its share of the fuzz: its listener closed when init
         # returned, which is what that share checks (not a port nobody ever bound).
         assert not _listening(ranks.port), f"rendezvous port {ranks.port} still listens"
-        fuzzer = Fuzzer([ports[r] for r in range(world)], ranks.port, world, seed, kinds)
-        try:
-            fuzzer.run(seconds, at_least=FUZZ_PAYLOADS, limit=4 * seconds)
-        finally:
-            fuzzer.close()
+        fuzzed = fuzz_in_a_process([ports[r] for r in range(world)], ranks.port, world, seed,
+                                   kinds, seconds=seconds, at_least=FUZZ_PAYLOADS,
+                                   limit=4 * seconds)
         ranks.release()
         out = ranks.results(timeout=60)
-    return out, fuzzer
+    return out, fuzzed
 
 
 def _auth(monkeypatch: pytest.MonkeyPatch, auth: str) -> None:
@@ -296,11 +294,12 @@ def _auth(monkeypatch: pytest.MonkeyPatch, auth: str) -> None:
         monkeypatch.delenv("SWARMFD_AUTH", raising=False)
 
 
-def _check_fuzzed_job(name: str, transport: str, out: dict[int, Any], fuzzer: Fuzzer,
+def _check_fuzzed_job(name: str, transport: str, out: dict[int, Any], fuzzer: Fuzzed,
                       auth: str = "on") -> None:
     total = sum(fuzzer.sent.values())
     growth = {r: (v["rss1"] - v["rss0"]) >> 20 for r, v in out.items()}
     record(name, sent=dict(fuzzer.sent), mib_sent=fuzzer.bytes >> 20,
+           attackers_aborted_by_libzmq=len(fuzzer.aborted),
            iters_during_fuzz={r: v["during"] for r, v in out.items()},
            rss_mib_before={r: v["rss0"] >> 20 for r, v in out.items()},
            rss_mib_after={r: v["rss1"] >> 20 for r, v in out.items()},
@@ -359,17 +358,14 @@ def test_random_traffic_at_the_rendezvous_port_does_not_stop_rendezvous() -> Non
     listening first) gets thousands of random payloads."""
     with Ranks(_late_joiners, 3, init=False, group_timeout=60.0) as ranks:
         _wait_listening(ranks.port)
-        fuzzer = Fuzzer([], ranks.port, 3, seed=7, kinds=("raw", "zmtp", "dealer"),
-                        max_frame=1 << 14)
-        try:
-            sent = fuzzer.run(6.0, at_least=1000, limit=24.0)
-        finally:
-            fuzzer.close()
+        fuzzed = fuzz_in_a_process([], ranks.port, 3, 7, ("raw", "zmtp", "dealer"), 1 << 14,
+                                   seconds=6.0, at_least=1000, limit=24.0)
         ranks.release()
         out = ranks.results(timeout=60)
+    sent = fuzzed.sent
     assert sum(sent.values()) >= 1000, sent
     assert all(v == [6] * 5 for v in out.values()), out
-    record("rendezvous-fuzz", sent=dict(sent))
+    record("rendezvous-fuzz", sent=dict(sent), attackers_aborted_by_libzmq=len(fuzzed.aborted))
 
 
 HOSTILE_HELLOS = [
@@ -417,6 +413,37 @@ def test_fuzz_with_forged_headers_does_not_disturb_a_job(
     out, fuzzer = _run_fuzzed_job(transport, ("raw", "zmtp", "push", "dealer", "forged"),
                                   seed=2)
     _check_fuzzed_job(f"fuzz-all[{transport},auth={auth}]", transport, out, fuzzer, auth)
+
+
+def _attacker_aborted_twice(data_ports: list[int], master_port: int | None, world: int,
+                            seed: int, kinds: tuple[str, ...], max_frame: int, end: float,
+                            stop: float, at_least: int, pause: float, shared: Any) -> None:
+    """A stand-in attacker: counts 10 payloads of its first kind and 100 bytes, then the
+    first two (seeds 100 and 101) abort as libzmq does, and seed 103 raises."""
+    import os
+
+    shared[0] += 10
+    shared[len(kinds)] += 100
+    if seed in (100, 101):
+        os.abort()
+    if seed == 103:
+        raise RuntimeError("an attacker's own bug")
+
+
+@pytest.mark.parametrize("seed", [100, 103])
+def test_an_attacker_that_libzmq_aborts_is_replaced_and_its_payloads_count(seed: int) -> None:
+    """fuzz_in_a_process: attackers that end with SIGABRT (libzmq's assertion, in the
+    attacker's own process) are replaced by the next seed, and what they sent counts; an
+    attacker that fails otherwise fails the run."""
+    if seed == 103:
+        with pytest.raises(AssertionError, match="exit code 1 after 0 libzmq abort"):
+            fuzz_in_a_process([], None, 2, seed, ("raw",), seconds=0.1,
+                              attacker=_attacker_aborted_twice)
+        return
+    fuzzed = fuzz_in_a_process([], None, 2, seed, ("raw", "dealer"), seconds=0.1,
+                               attacker=_attacker_aborted_twice)
+    assert fuzzed.aborted == [-signal.SIGABRT] * 2
+    assert fuzzed.sent == {"raw": 30} and fuzzed.bytes == 300
 
 
 # -- targeted reproductions -----------------------------------------------------------------
