@@ -45,6 +45,7 @@ import os
 import queue
 import random
 import secrets
+import select
 import shutil
 import signal
 import socket
@@ -286,10 +287,47 @@ def _adopt(test_pid: int, env: dict[str, str]) -> None:
         os.close(target)
 
 
+def _die_with(test_pid: int) -> None:
+    """In a rank: end this process at once when the test process is gone.
+
+    A rank's parent is the fork server, not the test; when a test process died (a pytest
+    worker killed by an abort in the test's own code, 2026-12-04), its ranks lived on:
+    three ranks of a fuzzed job went on all-reducing with each other, waiting for a
+    ``go`` nobody would set, and took a core from the rest of the CI run for 12 minutes.
+    A thread waits on the test process's pidfd (it becomes readable when that process
+    exits) and then ends this one, as a reaped rank would have ended."""
+    def alive() -> bool:
+        try:
+            os.kill(test_pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+    try:
+        pidfd = os.pidfd_open(test_pid)
+    except (AttributeError, OSError):  # no pidfd here, or the test is already gone
+        if not alive():
+            os._exit(70)
+        pidfd = -1
+
+    def watch() -> None:
+        if pidfd >= 0:
+            select.select([pidfd], [], [])
+        else:
+            while alive():
+                time.sleep(1.0)
+        os._exit(70)
+
+    threading.Thread(target=watch, name="swarmfd-test-parent-watch", daemon=True).start()
+
+
 def _child(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...],
            init: bool, group_timeout: float, transport: str | None, env: dict[str, str],
            plain: bool, test_pid: int, events: Any, go: Any, mark: Any, stack_dir: str,
            start: Any, init_timeout: float | None = None) -> None:
+    _die_with(test_pid)
     _adopt(test_pid, env)
     arm_stack_dump(stack_dir, rank)
     if transport is not None:
