@@ -164,21 +164,6 @@ class Fuzzer:
         self.sent[kind] += 1
         return kind
 
-    def run(self, seconds: float, pause: float = 0.002, at_least: int = 0,
-            limit: float | None = None) -> Counter[str]:
-        """Fuzz for ``seconds`` (pausing ``pause`` between payloads), and on until
-        ``at_least`` payloads were sent, but not beyond ``limit`` seconds in all: a
-        fuzzer slowed by a busy machine still sends its share. Returns counts by kind."""
-        start = time.monotonic()
-        end = start + seconds
-        stop = start + max(seconds, limit if limit is not None else seconds)
-        while True:
-            now = time.monotonic()
-            if now >= stop or (now >= end and sum(self.sent.values()) >= at_least):
-                return self.sent
-            self.step()
-            time.sleep(pause)
-
     def close(self) -> None:
         for sock in self.pushers:
             sock.close(linger=1000)  # let the last queued messages out
@@ -227,12 +212,15 @@ def fuzz_in_a_process(data_ports: list[int], master_port: int | None, world: int
                       max_frame: int = 1 << 18, *, seconds: float, at_least: int = 0,
                       limit: float | None = None, pause: float = 0.002,
                       attacker: Any = None) -> Fuzzed:
-    """:meth:`Fuzzer.run` in a process of its own (see the module docstring): an attacker
-    that libzmq aborts (SIGABRT) is replaced by one with the next seed, which goes on
-    until the same deadlines; any other end of an attacker (an exception: its traceback
-    is on stderr), more than MAX_ABORTS aborts, or an attacker that outlives its
-    deadline by 30 s is an AssertionError. ``attacker``: the process's function (default
-    :func:`_fuzz_child`; its arguments), for the tests of this runner."""
+    """A :class:`Fuzzer` in a process of its own (see the module docstring): it sends for
+    ``seconds`` (pausing ``pause`` between payloads), and on until ``at_least`` payloads
+    were sent, but not beyond ``limit`` seconds in all: a fuzzer slowed by a busy
+    machine still sends its share. An attacker that libzmq aborts (SIGABRT) is replaced
+    by one with the next seed, which goes on until the same deadlines; any other end of
+    an attacker (an exception: its traceback is on stderr), more than MAX_ABORTS aborts,
+    or an attacker that outlives its deadline by 30 s is an AssertionError.
+    ``attacker``: the process's function (default :func:`_fuzz_child`; its arguments),
+    for the tests of this runner."""
     ctx = mp.get_context("forkserver")
     start = time.monotonic()
     end = start + seconds
