@@ -124,14 +124,28 @@ def completed(result: Any, name: str, error: BaseException | None = None) -> Wor
 
 
 class _Joined(Work):
-    """One Work for several (a list of arrays of several dtypes: one op per dtype)."""
+    """One Work for several (a list of arrays of several dtypes: one op per dtype).
+
+    It completes when its last part does: ``completed_at`` is that part's, read from
+    the parts, not the time somebody first asked (a list all_reduce that completed in
+    the background during a backward pass must not seem to end at its ``wait()``).
+    """
 
     __slots__ = ("parts", "then")
 
     def __init__(self, parts: list[Work], name: str, then: Callable[[], Any]) -> None:
-        super().__init__(None, name)
         self.parts = parts
+        super().__init__(None, name)
         self.then = then
+
+    @property  # type: ignore[override]
+    def completed_at(self) -> float | None:
+        times = [p.completed_at for p in self.parts]
+        return None if None in times else max(times)  # type: ignore[type-var]
+
+    @completed_at.setter
+    def completed_at(self, value: float | None) -> None:
+        pass  # derived from the parts (Work.__init__ and _finish assign it)
 
     def _check(self) -> None:
         if not self._done and all(p.is_completed() for p in self.parts):

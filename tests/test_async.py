@@ -1,8 +1,8 @@
 """Async operations (fd.Work) and the full collective set, on real ranks.
 
-* Progress without the caller: an async 16 MiB all_reduce completes while the caller
-  sleeps without calling into swarmfd (its Work records when), on shared memory and on
-  TCP.
+* Progress without the caller: an async 16 MiB all_reduce, of an array or of a list,
+  completes while the caller sleeps without calling into swarmfd (its Work records
+  when), on shared memory and on TCP.
 * (Overlap with compute is a benchmark, not a timed test: benchmarks/overlap.py.)
 * A stress run of random mixes of async and blocking ops (every collective, p2p,
   several groups) at N=2..4: exact integers and bitwise-identical floats everywhere.
@@ -30,10 +30,12 @@ from .robust_harness import RankCtx, Ranks, error_info
 TRANSPORTS = ["shm", "tcp", "zmq"]
 
 
-def _progress(rank: int, world: int) -> dict[str, Any]:
+def _progress(rank: int, world: int, kind: str = "array") -> dict[str, Any]:
     x = np.full(4 << 20, rank + 1.0, np.float32)  # 16 MiB
     fd.barrier()
-    w = fd.all_reduce(x, async_op=True)
+    # A list is one Work joined from its calls (one a dtype; two halves reduced where
+    # they are, as DDP's buckets are): it completes when they do, not when asked.
+    w = fd.all_reduce(x if kind == "array" else [x[:1 << 21], x[1 << 21:]], async_op=True)
     # The caller sleeps and never calls into swarmfd until the Work has completed (it
     # reads ``completed_at``, a plain attribute the progress engine sets) or a generous
     # deadline passes: the op must finish without the caller's help. Not a race against
@@ -47,9 +49,11 @@ def _progress(rank: int, world: int) -> dict[str, Any]:
             "ok": bool((x == world * (world + 1) / 2).all())}
 
 
+@pytest.mark.parametrize("kind", ["array", "list"])
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_an_async_all_reduce_progresses_while_the_caller_sleeps(transport: str) -> None:
-    for r in run_ranks(_progress, 2, env=transport_env(transport)):
+def test_an_async_all_reduce_progresses_while_the_caller_sleeps(transport: str,
+                                                                kind: str) -> None:
+    for r in run_ranks(_progress, 2, kind, env=transport_env(transport)):
         assert r["ok"]
         assert r["done_at"] is not None and r["done_at"] <= r["end_of_sleep"], r
 
