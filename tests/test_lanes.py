@@ -463,6 +463,45 @@ def test_messages_are_matched_by_source_call_and_tag(pair: list[Endpoint]) -> No
             assert bytes(into) == blobs[tag]
 
 
+def test_a_payload_that_trickles_in_wakes_its_reader_a_few_times_not_per_segment(
+        pair: list[Endpoint]) -> None:
+    """A piece that arrives 16 KiB at a time (a link slower than the CPU) is read after
+    a few wake-ups, not one a segment (SO_RCVLOWAT, see lanes.LOWAT_BYTES), every byte
+    in place; the socket wakes for every byte again afterwards."""
+    t0, t1 = pair
+    n, chunk = wire.PIECE_BYTES, 16 << 10
+    payload = np.random.default_rng(7).integers(0, 255, n, np.uint8).tobytes()
+    header = wire.pack_header(wire.Kind.DATA, SIG, 1, 4, 0, n)
+    sock = _lane_sock(t1, 0)
+
+    def trickle() -> None:
+        sock.sendall(header + payload[:chunk])
+        for a in range(chunk, n, chunk):
+            time.sleep(0.002)
+            sock.sendall(payload[a:a + chunk])
+
+    ch = t0.ch
+    woken = []
+    select = ch._select
+
+    def counted(wait: float) -> bool:
+        progress = select(wait)
+        woken.append(progress)
+        return progress
+
+    ch._select = counted  # type: ignore[method-assign]
+    writer = threading.Thread(target=trickle)
+    writer.start()
+    got = bytearray(n)
+    t0.recv(1, SIG, 4, 0, n, into=got)
+    writer.join(10)
+    assert bytes(got) == payload
+    # Without SO_RCVLOWAT: about one wake-up a chunk (64).
+    assert sum(woken) <= 8, f"{sum(woken)} wake-ups for {n // chunk} chunks"
+    lane_sock = _lane_sock(t0, 1)
+    assert lane_sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
+
+
 @pytest.mark.waits  # a rank waits for the loss
 def test_a_closed_peer_is_a_lost_peer_after_its_data(pair: list[Endpoint]) -> None:
     """Data sent before the connection closed is still delivered, then the loss shows."""
