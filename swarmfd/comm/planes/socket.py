@@ -84,12 +84,13 @@ SMALL_SEND = 64 << 10
 #: queued: on a link slower than the CPU (another host) the rest of a piece trickles in
 #: one segment at a time, and a wake-up for each cost a select, a recv and the Python
 #: around them. Non-blocking reads still take what is there, and a closed or failed
-#: connection wakes the select at once. Measured on two simulated hosts at 5 Gbit/s
-#: (benchmarks/netsim.py, one rank each, 16 MiB all_reduce, 3 alternated runs,
-#: 2026-12-04): CPU a call per rank 17.2-21.3 ms against 24.2-24.7 before, the same time
-#: a call (30.6-31.7 ms, the link's); on loopback (compare.py, calls.py --loop, N=2 and
-#: N=4, 1-16 MiB) the same time and CPU within the noise. 256 KiB and 1 MiB measured
-#: alike.
+#: connection wakes the select at once. Measured on two simulated hosts at 5 Gbit/s, one
+#: rank each (benchmarks/hierarchy.py --shape 2x1@5gbit, 4 interleaved runs,
+#: 2026-12-04; benchmarks/results/session-20261204-h.md): CPU a call per rank 0.76 /
+#: 3.23 / 14.9 ms at 1 / 4 / 16 MiB against 1.39 / 4.93 / 22.4 before, the same time a
+#: call (the link's); 2x2 ranks spread, flat ring: 4-11 % less CPU; on loopback
+#: (compare.py, calls.py --loop, N=2 and N=4, 1-16 MiB) the same time and CPU within
+#: the noise. 256 KiB and 1 MiB measured alike.
 LOWAT_BYTES = 512 << 10
 #: Smaller remainders block as before (a small message's latency is untouched).
 LOWAT_MIN = 64 << 10
