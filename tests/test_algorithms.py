@@ -863,23 +863,28 @@ def test_point_to_point_eager_and_rendezvous_in_order_per_tag() -> None:
 
 def test_shm_all_reduce_reads_the_peers_memory_where_the_planes_agreed_it_works(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """With cross-memory attach on, a large all_reduce reads the peers' buffers (and
-    gives the sum); a small one, and planes without it, never do."""
+    """With cross-memory attach on, a large all_reduce reads the peers' buffers and
+    writes its reduced chunk into them (and gives the sum); a small one, and planes
+    without it, never do."""
     from swarmfd.comm import cma
 
     reads: list[int] = []
-    real = cma.read
+    writes: list[int] = []
 
-    def counting(pid: int, local: Any, remote: Any) -> None:
-        if sum(n for _, n in local) > 16:  # not a probe (16 bytes, when planes start)
-            reads.append(pid)
-        real(pid, local, remote)
+    def counting(real: Any, into: list[int]) -> Any:
+        def copy(pid: int, local: Any, remote: Any) -> None:
+            if sum(n for _, n in local) > 16:  # not a probe (16 bytes, when planes start)
+                into.append(pid)
+            real(pid, local, remote)
+        return copy
 
-    monkeypatch.setattr(cma, "read", counting)
+    monkeypatch.setattr(cma, "read", counting(cma.read, reads))
+    monkeypatch.setattr(cma, "write", counting(cma.write, writes))
     n = 3
     for plane, count, want_reads in (("shm-cma", 1 << 17, True), ("shm-cma", 1000, False),
                                      ("shm", 1 << 17, False)):
         reads.clear()
+        writes.clear()
         inputs = [sample_data(r, count, np.int64) for r in range(n)]
 
         def make(op: Op, inputs: list[np.ndarray] = inputs) -> Any:
@@ -890,18 +895,21 @@ def test_shm_all_reduce_reads_the_peers_memory_where_the_planes_agreed_it_works(
         for r in range(n):
             assert np.array_equal(got[r], sum(inputs)), (plane, count, r)
         assert bool(reads) is want_reads, (plane, count, len(reads))
+        assert bool(writes) is want_reads, (plane, count, len(writes))
         if want_reads:
-            assert set(reads) == {os.getpid()}  # thread-ranks: one process
+            assert set(reads) == set(writes) == {os.getpid()}  # thread-ranks: one process
 
 
-def test_a_failed_read_of_a_peers_memory_names_the_peer(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A peer whose memory cannot be read any more (it exited): PeerLostError naming it,
-    not a bare OSError."""
+@pytest.mark.parametrize("which", ["read", "write"])
+def test_a_failed_read_of_a_peers_memory_names_the_peer(monkeypatch: pytest.MonkeyPatch,
+                                                        which: str) -> None:
+    """A peer whose memory cannot be read or written any more (it exited): PeerLostError
+    naming it, not a bare OSError."""
     from swarmfd.comm import cma
 
     from .memplane import ThreadFailure
 
-    real = cma.read
+    real = getattr(cma, which)
 
     def gone(pid: int, local: Any, remote: Any) -> None:
         if sum(n for _, n in local) <= 16:
@@ -909,7 +917,7 @@ def test_a_failed_read_of_a_peers_memory_names_the_peer(monkeypatch: pytest.Monk
         else:
             raise OSError(errno.ESRCH, os.strerror(errno.ESRCH))
 
-    monkeypatch.setattr(cma, "read", gone)
+    monkeypatch.setattr(cma, which, gone)
 
     def make(op: Op) -> Any:
         buf = np.ones(1 << 17, np.float32)
@@ -918,12 +926,14 @@ def test_a_failed_read_of_a_peers_memory_names_the_peer(monkeypatch: pytest.Monk
     with pytest.raises(ThreadFailure) as info:
         run_algorithm(2, make, plane="shm-cma", timeout=20)
     text = str(info.value)
-    assert "PeerLostError" in text and "reading rank" in text and "No such process" in text
+    assert "PeerLostError" in text and f"{which}ing rank" in text and "No such process" in text
 
 
-def test_the_probe_refuses_a_pid_that_is_not_the_peers() -> None:
+def test_the_probe_refuses_a_pid_that_is_not_the_peers(monkeypatch: pytest.MonkeyPatch) -> None:
     """check_probes: a peer's published pid that names another process (another pid
-    namespace) is refused, and so is one the kernel will not let this rank read."""
+    namespace) is refused, and so is one the kernel will not let this rank read, or
+    write (the all_reduce writes its peers' buffers)."""
+    from swarmfd.comm import cma
     from swarmfd.comm.channel import Channel
 
     from .memplane import shm_planes
@@ -934,6 +944,13 @@ def test_the_probe_refuses_a_pid_that_is_not_the_peers() -> None:
         for pl in planes:
             pl.publish_probe()
         assert [pl.check_probes() for pl in planes] == ["", ""]
+        with monkeypatch.context() as m:
+            def refused(pid: int, local: Any, remote: Any) -> None:
+                raise OSError(errno.EPERM, os.strerror(errno.EPERM))
+
+            m.setattr(cma, "write", refused)
+            assert "writing rank 1's memory failed" in planes[0].check_probes()
+        assert planes[0].check_probes() == ""
         row = planes[1]._probe_row(1)
         row[0] = os.getppid()  # the same address in another process: other bytes
         verdict = planes[0].check_probes()

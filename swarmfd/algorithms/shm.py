@@ -52,7 +52,13 @@ SMALL_BYTES = 1 << 18
 #: allows it (:func:`_all_reduce_cma`). Measured against the segments (compare.py, 4
 #: interleaved runs each, 2026-12-03; time ratios at N=2 / N=4): 1 MiB 1.26 / 1.39,
 #: 2 MiB 1.10 / 1.16, 3 MiB 1.03 / 1.08, 4 MiB 0.82 / 0.88, 16 MiB 0.66 / 0.67,
-#: 64 MiB 0.87 / 0.69 (each read pins the peer's pages; three barriers a call).
+#: 64 MiB 0.87 / 0.69 (each read pins the peer's pages; three barriers a call then).
+#: Since the reduced chunks are written into the peers' buffers (two barriers a call,
+#: about a fifth less memory traffic; 2026-12-04, a machine whose process_vm_readv of
+#: 16 MiB took 1.6x a memcpy), against the reading version: compare.py 4-5 interleaved
+#: runs, medians of the per-run ratios N=2 0.9-1.0 at 4-16 MiB and 0.9 at 64 MiB, N=4
+#: 0.9-1.1 at 4 MiB and 0.8-0.95 from 16 MiB; 1 MiB stays slower than the segments
+#: (1.4-3x there); benchmarks/results/session-20261204-h.md.
 CMA_MIN_BYTES = 4 << 20
 #: The block of a peer's chunk read into scratch and reduced at once (stays in cache:
 #: this machine's L2 is 2 MiB a core). 512 KiB against 256 KiB (compare.py, 10
@@ -140,13 +146,16 @@ def _layout(buf: np.ndarray | Parts) -> list[tuple[int, int]]:
 
 def _all_reduce_cma(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
                     divide: int) -> Algorithm:
-    """all_reduce reading the peers' buffers where they are (cross-memory attach, see
-    the module docstring): each rank publishes its arrays' addresses in its slot; each
-    reduces its own 1/N chunk in its buffer, block by block, reading the others' chunk
-    into a block of scratch (its own operand first, then the others in rank order, as
-    the segment algorithm: the same bits); barrier; each reads the others' reduced
-    chunks straight into its buffer; a last barrier keeps every buffer unchanged until
-    nobody reads it any more."""
+    """all_reduce reading and writing the peers' buffers where they are (cross-memory
+    attach, see the module docstring): each rank publishes its arrays' addresses in its
+    slot; barrier; each reduces its own 1/N chunk in its buffer, block by block, reading
+    the others' chunk into a block of scratch (its own operand first, then the others in
+    rank order, as the segment algorithm: the same bits), and writes each reduced block,
+    still in cache, straight into every peer's buffer; a last barrier tells that every
+    rank's buffer is complete. Chunk c of every buffer is read and written by rank c
+    only, so nothing races. Against reading the others' reduced chunks after a second
+    barrier (the earlier version: three barriers, and the reduced chunks read back from
+    memory): see CMA_MIN_BYTES."""
     N, me = op.size, op.me
     pids = op.shm.cma_pids
     itemsize = buf.itemsize
@@ -172,32 +181,32 @@ def _all_reduce_cma(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
     per = max(1, CMA_BLOCK_BYTES // itemsize)
     scratch = np.empty(min(per, max(cb - ca, 1)), buf.dtype)
 
-    def read(p: int, local: list[tuple[int, int]], a: int, b: int) -> None:
-        """Elements [a, b) of group rank ``p``'s buffer into ``local``."""
+    def copy(p: int, local: list[tuple[int, int]], a: int, b: int, out: bool) -> None:
+        """Elements [a, b) of group rank ``p``'s buffer into ``local``, or (``out``)
+        ``local`` into them."""
+        remote = cma.spans(layouts[p], starts[p], a * itemsize, b * itemsize)
         try:
-            cma.read(pids[world[p]], local,
-                     cma.spans(layouts[p], starts[p], a * itemsize, b * itemsize))
+            (cma.write if out else cma.read)(pids[world[p]], local, remote)
         except OSError as exc:
-            raise PeerLostError(f"{op.channel.activity}: reading rank {world[p]}'s memory "
-                                f"failed ({exc.strerror or exc}): it exited or failed"
-                                ) from None
+            raise PeerLostError(
+                f"{op.channel.activity}: {'writing' if out else 'reading'} rank "
+                f"{world[p]}'s memory failed ({exc.strerror or exc}): it exited or failed"
+            ) from None
 
     for a in range(ca, cb, per):
         b = min(a + per, cb)
         block = scratch[:b - a]
         for p in others:
-            read(p, [(block.ctypes.data, block.nbytes)], a, b)
+            copy(p, [(block.ctypes.data, block.nbytes)], a, b, False)
             for piece, u, v in spans(buf, a, b):
                 ufunc(piece, block[u:v], out=piece)
         if divide:
             for piece, _, _ in spans(buf, a, b):
                 divide_by(piece, divide)
+        result = cma.spans(mine, starts[me], a * itemsize, b * itemsize)
+        for p in others:
+            copy(p, result, a, b, True)
     yield from barrier(op, 1)
-    for p in others:
-        pa, pb = chunks[p]
-        if pb > pa:
-            read(p, cma.spans(mine, starts[me], pa * itemsize, pb * itemsize), pa, pb)
-    yield from barrier(op, 2)
 
 
 def _reduce_all(buf: np.ndarray, regions: list[np.ndarray], ufunc: np.ufunc,

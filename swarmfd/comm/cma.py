@@ -1,5 +1,6 @@
-"""Single-copy reads of another process's memory: Linux cross-memory attach
-(``process_vm_readv(2)``), as Open MPI's shared-memory transport uses it.
+"""Single-copy reads and writes of another process's memory: Linux cross-memory attach
+(``process_vm_readv(2)``, ``process_vm_writev(2)``), as Open MPI's shared-memory
+transport uses it.
 
 Through shared memory every byte is copied twice: into a segment, then out of it.
 With cross-memory attach a rank reads its peer's buffer straight into its own (one
@@ -12,8 +13,9 @@ the peer): the shared-memory plane's probe finds out
 when every rank of the host could read every other (:mod:`swarmfd.group` agrees on that
 at init).
 
-Nothing here parses peer data: a read copies bytes between buffers whose addresses
-the ranks of one host published to each other in their shared segments.
+Nothing here parses peer data: a read or a write copies bytes between buffers whose
+addresses the ranks of one host published to each other in their shared segments (the
+kernel checks the same permission for both).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import ctypes.util
 import os
 from collections.abc import Sequence
 
-__all__ = ["IOV_MAX", "available", "offsets", "read", "spans"]
+__all__ = ["IOV_MAX", "available", "offsets", "read", "spans", "write"]
 
 #: Most iovecs one process_vm_readv takes (Linux's UIO_MAXIOV).
 IOV_MAX = 1024
@@ -34,10 +36,10 @@ class _Iovec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
-def _load() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def _load(name: str) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        fn = libc.process_vm_readv
+        fn = getattr(libc, name)
     except (OSError, AttributeError):
         return None
     fn.restype = ctypes.c_ssize_t
@@ -46,12 +48,14 @@ def _load() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     return fn
 
 
-_READV = _load()
+_READV = _load("process_vm_readv")
+_WRITEV = _load("process_vm_writev")
 
 
 def available() -> bool:
-    """Whether this C library has process_vm_readv (the kernel may still refuse it)."""
-    return _READV is not None
+    """Whether this C library has process_vm_readv and process_vm_writev (the kernel may
+    still refuse them)."""
+    return _READV is not None and _WRITEV is not None
 
 
 def offsets(layout: Sequence[tuple[int, int]]) -> list[int]:
@@ -85,11 +89,22 @@ def read(pid: int, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int,
     process's ``local`` ones, which hold as many bytes. Raises OSError when the kernel
     refuses (EPERM), the process is gone (ESRCH) or an address is not mapped (EFAULT),
     and also when fewer bytes were copied than asked."""
-    if _READV is None:
-        raise OSError(0, "process_vm_readv is not available in this C library")
+    _transfer(_READV, "process_vm_readv", pid, local, remote)
+
+
+def write(pid: int, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]]) -> None:
+    """Copy this process's ``local`` pieces (address, length) into process ``pid``'s
+    ``remote`` ones, which hold as many bytes; raises as :func:`read` does."""
+    _transfer(_WRITEV, "process_vm_writev", pid, local, remote)
+
+
+def _transfer(fn: ctypes._CFuncPtr | None, name: str, pid: int,  # type: ignore[name-defined]
+              local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]]) -> None:
+    if fn is None:
+        raise OSError(0, f"{name} is not available in this C library")
     total = sum(n for _, n in local)
     if total != sum(n for _, n in remote):
-        raise ValueError("swarmfd bug: a cross-memory read of unequal sides")
+        raise ValueError("swarmfd bug: a cross-memory copy of unequal sides")
     # Cut both sides at the union of their boundaries, so that each batch of at most
     # IOV_MAX pieces holds the same bytes on both.
     pairs: list[tuple[int, int, int]] = []  # (local address, remote address, length)
@@ -112,7 +127,7 @@ def read(pid: int, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int,
         lv = (_Iovec * len(batch))(*[(la, n) for la, _, n in batch])
         rv = (_Iovec * len(batch))(*[(ra, n) for _, ra, n in batch])
         want = sum(n for _, _, n in batch)
-        got = _READV(pid, lv, len(batch), rv, len(batch), 0)
+        got = fn(pid, lv, len(batch), rv, len(batch), 0)
         if got < 0:
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err))

@@ -158,10 +158,11 @@ class ShmPlane:
         row[2:4] = self._probe
 
     def check_probes(self) -> str:
-        """Read every peer's probe bytes from its memory (after every rank published):
+        """Read every peer's probe bytes from its memory, and write them back unchanged
+        (after every rank published):
         "" when all matched, else why not (the kernel refused, another pid namespace)."""
         if not cma.available():
-            return "the C library has no process_vm_readv"
+            return "the C library has no process_vm_readv/process_vm_writev"
         got = np.zeros(2, np.int64)
         self._pids = {self.rank: os.getpid()}
         for r in self.ranks:
@@ -175,6 +176,10 @@ class ShmPlane:
                 return f"reading rank {r}'s memory failed: {exc.strerror or exc}"
             if not np.array_equal(got, row[2:4]):
                 return f"rank {r}'s pid names another process here (another pid namespace?)"
+            try:  # the same bytes back: the all_reduce also writes peers' buffers
+                cma.write(int(row[0]), [(got.ctypes.data, 16)], [(int(row[1]), 16)])
+            except OSError as exc:
+                return f"writing rank {r}'s memory failed: {exc.strerror or exc}"
         return ""
 
     def enable_cma(self, on: bool) -> None:
