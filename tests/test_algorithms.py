@@ -926,7 +926,8 @@ def test_a_failed_read_of_a_peers_memory_names_the_peer(monkeypatch: pytest.Monk
     with pytest.raises(ThreadFailure) as info:
         run_algorithm(2, make, plane="shm-cma", timeout=20)
     text = str(info.value)
-    assert "PeerLostError" in text and f"{which}ing rank" in text and "No such process" in text
+    doing = {"read": "reading", "write": "writing"}[which]
+    assert "PeerLostError" in text and f"{doing} rank" in text and "No such process" in text
 
 
 def test_the_probe_refuses_a_pid_that_is_not_the_peers(monkeypatch: pytest.MonkeyPatch) -> None:
