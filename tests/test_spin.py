@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
-from swarmfd.comm import spin
+from swarmfd.comm import security, spin, transport, wire
 
 from .harness import run_ranks_raw
+from .test_shm import _planes, _run_setups
+from .threadranks import connect_transports
 
 
 @pytest.fixture(autouse=True)
@@ -83,6 +89,120 @@ def test_a_spinner_blocks_at_once_after_fruitless_polls_and_retries_now_and_then
     for _ in range(spin.MAX_MISSES - 1):
         fresh.spin(lambda: False)
     assert fresh.spin(lambda: True) and fresh.misses == 0  # a catch starts over
+
+
+def test_a_wait_late_by_little_is_no_miss_and_ends_blocking_at_once() -> None:
+    """A wait that blocked but had its message within LATE_SECONDS of giving up does not
+    count as a miss (two ranks that both block at once would otherwise stay so: each
+    one's retry poll waits for a peer that must be woken first), and a spinner that was
+    blocking at once polls again from the next wait; a wait that blocked for longer
+    changes nothing."""
+    spin.configure("on", 1, 1)
+    s = spin.Spinner()
+    # Polling: each wait gives up, blocks and has its message soon after. Never a miss.
+    for _ in range(3 * spin.MAX_MISSES):
+        assert not s.spin(lambda: False)
+        s.woke()
+    assert s.misses == 0 and s.budget() == spin.SPIN_SECONDS
+    # Messages that come late: misses, then blocking at once.
+    for _ in range(spin.MAX_MISSES):
+        assert not s.spin(lambda: False)
+        s.gave_up -= 2 * spin.LATE_SECONDS  # (as if the wait had blocked that long)
+        s.woke()
+    assert s.misses == spin.MAX_MISSES and s.budget() == 0.0
+    s.waits = 0
+    polled: list[int] = []
+    assert not s.spin(lambda: polled.append(1) is None and False)  # blocks at once
+    assert not polled and s.gave_up > 0.0
+    s.woke()  # ... and its message came at once: the next wait polls
+    assert s.misses < spin.MAX_MISSES and s.budget() == spin.SPIN_SECONDS
+    assert s.gave_up == 0.0
+    s.woke()  # nothing given up since: nothing to count
+    assert s.misses == spin.MAX_MISSES // 2
+    assert s.spin(lambda: True) and s.misses == 0
+
+
+def test_a_spinner_that_never_polls_keeps_no_time() -> None:
+    spin.configure("off", 1, 64)
+    s = spin.Spinner()
+    assert not s.spin(lambda: True)
+    assert s.gave_up == 0.0
+    s.woke()
+    assert s.misses == 0
+
+
+def test_where_polls_give_their_core_away_a_blocked_wait_is_a_miss_however_short(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four ranks on 2 cores: polls yield, and a wait that blocked counts as a miss
+    even when its message came at once (polling on would take the peers' CPU)."""
+    monkeypatch.setattr(spin, "_sched_yield", lambda: None)
+    spin.configure("auto", 4, 2)
+    assert spin.yielding()
+    s = spin.Spinner()
+    for k in range(1, spin.MAX_MISSES + 1):
+        assert not s.spin(lambda: False)
+        s.woke()
+        assert s.misses == k
+    s.waits = 0
+    assert not s.spin(lambda: True)  # blocks at once
+    s.woke()
+    assert s.misses == spin.MAX_MISSES and s.budget() == 0.0
+
+
+SECRET = b"s" * 40
+SIG = wire.Signature(wire.Collective.ALL_REDUCE, wire.ReduceOp.SUM, 5, wire.NO_ROOT, 1, 0)
+
+
+@contextlib.contextmanager
+def _pair(plane: str) -> Iterator[tuple[Callable[[], Any], Callable[[], None], Any]]:
+    """Two ranks of ``plane`` in this process: (receive rank 1's message on rank 0,
+    send it from rank 1, rank 0's data plane)."""
+    if plane == "shm":
+        (h0, p0), (h1, p1) = _planes(_run_setups(2))
+        try:
+            yield (lambda: h0.recv(p0, 1, SIG, 0, 7, 3, 5),
+                   lambda: h1.send(p1, 0, SIG, 0, 7, 3, b"hello"), p0)
+        finally:
+            p0.close()
+            p1.close()
+        return
+    sec = security.Security.from_secret(SECRET, False)
+    ts = [transport.Transport(r, 2, 10.0, "127.0.0.1", sec, plane) for r in range(2)]
+    try:
+        connect_transports(ts, 10.0)
+        t0, t1 = ts
+        # One message first: what setup left queued is read then, not in the test's wait.
+        t1.channel.send(t1.tcp, 0, SIG, 0, 6, 3, b"first")
+        assert bytes(t0.channel.recv(t0.tcp, 1, SIG, 0, 6, 3, 5)) == b"first"
+        yield (lambda: t0.channel.recv(t0.tcp, 1, SIG, 0, 7, 3, 5),
+               lambda: t1.channel.send(t1.tcp, 0, SIG, 0, 7, 3, b"hello"), t0.tcp)
+    finally:
+        for t in ts:
+            t.close(linger=0)
+
+
+@pytest.mark.parametrize("late", [False, True])
+@pytest.mark.parametrize("plane", ["shm", "socket", "zmq"])
+def test_a_plane_tells_its_spinner_when_a_blocked_wait_got_its_message(
+        plane: str, late: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank whose waits block at once (its polls kept missing) waits for a message
+    that comes 0.3 s later: if that counts as soon after giving up (LATE_SECONDS
+    stretched for the test), its next wait polls again; if not, it keeps blocking at
+    once (no retry poll meanwhile). Every plane's receive reports the blocked wait's end
+    (Spinner.woke)."""
+    spin.configure("on", 1, 64)
+    monkeypatch.setattr(spin, "LATE_SECONDS", 0.0 if late else 60.0)
+    monkeypatch.setattr(spin, "RETRY", 1 << 30)  # no retry poll meanwhile
+    with _pair(plane) as (receive, send, data_plane):
+        s = data_plane.spinner
+        s.misses, s.waits = spin.MAX_MISSES, 0
+        sender = threading.Timer(0.3, send)
+        sender.start()
+        try:
+            assert bytes(receive()) == b"hello"
+        finally:
+            sender.join(10)
+        assert (s.misses >= spin.MAX_MISSES) is late, s.misses
 
 
 def _polls(rank: int, world: int) -> tuple[bool, bool]:

@@ -21,6 +21,17 @@ So:
 * and adaptively: after :data:`MAX_MISSES` consecutive polls that caught nothing a
   :class:`Spinner` blocks at once, trying a poll again every :data:`RETRY` waits (a
   busy machine, or a peer that is slow anyway: large messages, compute between calls).
+  Where every busy thread has a core of its own, a wait that blocked but had its
+  message within :data:`LATE_SECONDS` of giving up (:meth:`Spinner.woke`) was late by
+  little: it is no miss, and a spinner that blocked at once polls again. Without that,
+  two ranks that both came to block at once (a slow start: imports, setup) stayed so:
+  each one's retry poll waited for a peer that had to be woken first, longer than the
+  poll lasts, and missed again. Measured
+  (2026-12-05, N=2, 4 KiB all_reduce on shared memory, 300 calls after a barrier each,
+  as ``swarmfd bench`` times them): in 4 of 20 jobs both ranks blocked at once
+  throughout, 117-119 us a call against 28-31 us (compare.py's medians of that cell read
+  30-116 us across 5 runs); with :meth:`Spinner.woke`, none of 48 jobs (28-61 us;
+  benchmarks/results/session-20261205.md).
 
 ``SWARMFD_SPIN=0`` turns polling off everywhere (every wait blocks at once),
 ``SWARMFD_SPIN=1`` forces it on (still adaptive; yielding where threads outnumber
@@ -55,6 +66,7 @@ from collections.abc import Callable
 from ..config import usable_cores
 
 __all__ = [
+    "LATE_SECONDS",
     "MAX_MISSES",
     "MAX_THREADS_PER_CORE",
     "RETRY",
@@ -77,6 +89,17 @@ YIELD_SECONDS = 200e-6
 #: Busy threads a core may have (the host's ranks, and their libzmq I/O threads) for
 #: waits to poll, yielding, rather than block at once (see the module docstring).
 MAX_THREADS_PER_CORE = 2
+#: A wait whose message came within this many seconds after its poll gave up (or after
+#: it blocked at once) was late by little: the peer keeps up, and the wake-ups cost the
+#: time (tens of microseconds each here, a peer that must be woken first adds its own).
+#: Such a wait is no miss (:meth:`Spinner.woke`). Four polls' budget: a wait that blocks
+#: for longer waits for a peer that is busy, and polling would burn the CPU it needs.
+#: Not where busy threads share cores (yielding polls), where a poll takes CPU time from
+#: the peers: its one A/B at N=4 on 2 cores (compare.py, 6 interleaved runs, 2026-12-05)
+#: read 0.77-0.87x the time at 4-64 KiB and 1.13-1.20x at 1 MiB (7-27 % more CPU a
+#: call), but two identical trees differed there by 0.80-1.26x a run: nothing shown
+#: either way, so those waits keep the policy as it was.
+LATE_SECONDS = 4 * SPIN_SECONDS
 #: Consecutive fruitless polls after which waits block at once for a while.
 MAX_MISSES = 8
 #: While blocking at once, a poll is tried again every RETRY waits.
@@ -119,11 +142,14 @@ def yielding() -> bool:
 class Spinner:
     """The adaptive part of the policy, kept per wait site (a plane): see module docstring."""
 
-    __slots__ = ("misses", "waits")
+    __slots__ = ("gave_up", "misses", "waits")
 
     def __init__(self) -> None:
         self.misses = 0
         self.waits = 0
+        #: When the last wait stopped polling (or blocked at once) under the adaptive
+        #: policy; 0.0: none since the last :meth:`woke`.
+        self.gave_up = 0.0
 
     def budget(self) -> float:
         """Seconds the next wait may poll before it blocks (0: block at once)."""
@@ -139,20 +165,43 @@ class Spinner:
     def spin(self, ready: Callable[[], bool]) -> bool:
         """Call ``ready`` until it is true (True) or the budget ran out (False)."""
         budget = self.budget()
-        if budget <= 0.0:
-            return False
         clock = time.perf_counter
+        if budget <= 0.0:
+            if ENABLED and not YIELD:  # blocking at once for a while (misses): see woke
+                self.gave_up = clock()
+            return False
         end = clock() + budget
         give = _sched_yield if YIELD else None  # (a local test a poll: tens of ns)
         while True:
             if ready():
                 self.misses = 0
                 return True
-            if clock() > end:
+            now = clock()
+            if now > end:
                 self.misses += 1
+                if give is None:  # (see woke)
+                    self.gave_up = now
                 return False
             if give is not None:
                 give()
+
+    def woke(self) -> None:
+        """The wait that :meth:`spin` gave up on (or did not poll for) got its message by
+        blocking. If that came within LATE_SECONDS the wait was late by little: not a
+        miss, and where waits were blocking at once they poll again from the next one.
+        Only where every busy thread has a core of its own: where polls give their core
+        away (:func:`yielding`) they take CPU time from the peers, and a blocked wait
+        counts as a miss, as before (see LATE_SECONDS)."""
+        t = self.gave_up
+        if not t:
+            return
+        self.gave_up = 0.0
+        if time.perf_counter() - t > LATE_SECONDS:
+            return
+        if self.misses >= MAX_MISSES:
+            self.misses = MAX_MISSES // 2
+        elif self.misses:
+            self.misses -= 1
 
     def caught(self) -> None:
         """A wait's message was there before it polled at all: the peer keeps up."""

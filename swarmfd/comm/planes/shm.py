@@ -294,6 +294,7 @@ class ShmPlane:
         if self.spinner.spin(self._read):
             return self._take()
         if self.poller.poll(max(0, int(timeout * 1000))) and self._read():
+            self.spinner.woke()
             return self._take()
         return None
 

@@ -663,6 +663,7 @@ class SocketPlane:
         """Drive sends and receives until a header is ready (returned), ``timeout`` s
         passed or, ``until_sent``, the send queues are empty (None)."""
         end = _now() + timeout
+        blocked = False
         while not self.ready:
             self._push_all()
             if until_sent and not self.unsent():
@@ -673,6 +674,9 @@ class SocketPlane:
             if not until_sent and self.spinner.spin(self._poll):
                 break
             self._select(wait)
+            blocked = True
+        if blocked and not until_sent:
+            self.spinner.woke()
         return self._take()
 
     def _poll(self) -> bool:

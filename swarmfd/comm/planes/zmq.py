@@ -453,9 +453,13 @@ class ZmqPlane:
                 return None
             if not self.spinner.spin(lambda: bool(rx.get(_EVENTS) & _POLLIN)):
                 if timeout == WAIT_SLICE:
-                    return self._recv_frame(0)
+                    frame = self._recv_frame(0)
+                    if frame is not None:
+                        self.spinner.woke()
+                    return frame
                 if not rx.poll(int(timeout * 1000)):
                     return None
+                self.spinner.woke()
         else:
             self.spinner.caught()
         return self._recv_frame(_NOBLOCK)
