@@ -62,6 +62,11 @@ def _parse_env_items(items: tuple[str, ...]) -> dict[str, str]:
               help="Restart the whole group up to K times when a rank fails.")
 @click.option("--grace", type=float, default=3.0, show_default=True, metavar="SECONDS",
               help="Time between SIGTERM (or a forwarded Ctrl-C) and SIGKILL when stopping ranks.")
+@click.option("--bind-cores/--no-bind-cores", default=None,
+              help="Run each rank only on its own share of this host's cores, as Open MPI's "
+                   "--bind-to core (steadier small collectives; its threads, libzmq's I/O "
+                   "thread too, share them). Off by default: two jobs at once would pin to "
+                   "the same cores.  [default: on if SWARMFD_BIND_CORES=1]")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="[--] COMMAND...")
 @click.pass_context
 def run(
@@ -76,6 +81,7 @@ def run(
     no_prefix: bool,
     max_restarts: int,
     grace: float,
+    bind_cores: bool | None,
     command: tuple[str, ...],
 ) -> None:
     """Start N local ranks of COMMAND and supervise them.
@@ -95,7 +101,7 @@ def run(
       swarmfd run -n 4 train.py --epochs 3
       swarmfd run -n 2 --max-restarts 2 -e OMP_NUM_THREADS=1 -- python -m mypkg.train
     """
-    from .launch import LaunchConfig, launch
+    from .launch import LaunchConfig, bind_cores_from_env, launch
 
     if not command:
         raise click.UsageError(
@@ -111,6 +117,7 @@ def run(
             prefix=not no_prefix,
             max_restarts=max_restarts,
             grace=grace,
+            bind_cores=bind_cores if bind_cores is not None else bind_cores_from_env(),
             master_port=master_port,
             swarmfd_port=swarmfd_port,
             **({"master_addr": master_addr} if master_addr is not None else {}),

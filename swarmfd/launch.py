@@ -39,6 +39,20 @@ gives, in the launcher's environment or with ``-e``, is passed through unchanged
 single rank is left to the libraries' own defaults (torch's counts physical cores, where
 the affinity mask counts hyperthreads), as torchrun does.
 
+Cores. With ``bind_cores`` (``--bind-cores``, or ``SWARMFD_BIND_CORES=1`` in the
+launcher's environment) each rank runs only on its own share of the cores this launcher
+may use (:func:`core_sets`: rank r on the r-th run of cores // N of them; ranks take
+cores in turn when they outnumber them), set between fork and exec, so every thread the
+rank starts inherits it: libzmq's I/O thread then shares its rank's core, where a
+message hand-off between the two costs no wake-up on another core. As Open MPI's
+``--bind-to core`` and DeepSpeed's ``--bind_cores_to_rank``, it is off by default: two
+jobs at once on one host would pin their ranks to the same cores, and a pinned rank
+cannot move away from other work on its core. Measured here (2 cores, N=2, median of
+300 calls after a barrier each, alternated jobs, 2026-12-05): the zmq plane's
+all_reduce took 91-133 us pinned against 90-231 (median 170) at 4 KiB, 432-595 against
+405-840 at 1 MiB, 9.3-10.1 against 10.2-12.4 ms at 16 MiB; shared memory and the socket
+plane took the same time, steadier at 4 KiB (shared memory 29-32 against 29-48 us).
+
 Output. Every line a rank writes goes to the same stream (stdout or stderr) of
 the launcher, prefixed with ``[rank R] `` (unless ``prefix`` is off). Lines are
 written whole, under one lock, so ranks never interleave mid-line. A final line
@@ -120,9 +134,12 @@ from .config import (
 __all__ = [
     "DEFAULT_GRACE",
     "DEFAULT_MASTER_ADDR",
+    "ENV_BIND_CORES",
     "RESERVED_ENV",
     "InterruptFilter",
     "LaunchConfig",
+    "bind_cores_from_env",
+    "core_sets",
     "exit_code_of",
     "find_free_port",
     "find_free_ports",
@@ -133,6 +150,9 @@ __all__ = [
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_GRACE = 3.0
+#: ``SWARMFD_BIND_CORES=1`` in the launcher's environment: ``bind_cores`` by default
+#: (``swarmfd run --bind-cores``; see the module docstring, "Cores").
+ENV_BIND_CORES = "SWARMFD_BIND_CORES"
 
 #: Variables the launcher sets for every rank; ``-e`` may not override them.
 RESERVED_ENV = frozenset(
@@ -170,7 +190,8 @@ class LaunchConfig:
     is ``master_port + 1``, as a rank would derive it (the two always differ);
     ``grace`` is how long ranks get between SIGTERM (or a forwarded Ctrl-C) and
     SIGKILL; ``timeout`` (seconds) becomes ``SWARMFD_TIMEOUT`` for the ranks, and
-    ``init_timeout`` ``SWARMFD_INIT_TIMEOUT``.
+    ``init_timeout`` ``SWARMFD_INIT_TIMEOUT``; ``bind_cores`` runs each rank on its own
+    share of the cores (:func:`core_sets`).
     """
 
     nproc: int
@@ -184,6 +205,7 @@ class LaunchConfig:
     init_timeout: float | None = None
     max_restarts: int = 0
     grace: float = DEFAULT_GRACE
+    bind_cores: bool = False
 
     def __post_init__(self) -> None:
         _check_int("nproc", self.nproc, minimum=1, what="the number of ranks to start")
@@ -259,6 +281,8 @@ class LaunchConfig:
             _check_seconds("init_timeout", self.init_timeout, allow_zero=False)
         if not isinstance(self.prefix, bool):
             raise TypeError(f"prefix must be a bool, got {self.prefix!r}")
+        if not isinstance(self.bind_cores, bool):
+            raise TypeError(f"bind_cores must be a bool, got {self.bind_cores!r}")
         _check_int("max_restarts", self.max_restarts, minimum=0, what="a number of restarts")
         _check_seconds("grace", self.grace, allow_zero=True)
 
@@ -542,23 +566,29 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
-def _make_preexec() -> Callable[[], None] | None:
-    """A ``preexec_fn`` asking the kernel to SIGKILL the rank when the launcher dies."""
+def _make_preexec(cpus: Sequence[int] | None = None) -> Callable[[], None] | None:
+    """A ``preexec_fn`` asking the kernel to SIGKILL the rank when the launcher dies,
+    and running it on ``cpus`` (when given)."""
     if not sys.platform.startswith("linux"):
         return None
+    prctl: Any = None
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
+        prctl.restype = ctypes.c_int
     except (OSError, AttributeError):
-        return None
-    prctl.restype = ctypes.c_int
+        if cpus is None:
+            return None
     pr_set_pdeathsig = 1
     sigkill = int(signal.SIGKILL)
     launcher = os.getpid()
 
     def preexec() -> None:  # runs in the child between fork and exec: keep it tiny
-        prctl(pr_set_pdeathsig, sigkill, 0, 0, 0)
-        if os.getppid() != launcher:  # the launcher died before prctl took effect
-            os.kill(os.getpid(), sigkill)
+        if prctl is not None:
+            prctl(pr_set_pdeathsig, sigkill, 0, 0, 0)
+            if os.getppid() != launcher:  # the launcher died before prctl took effect
+                os.kill(os.getpid(), sigkill)
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
 
     return preexec
 
@@ -727,9 +757,15 @@ class _Attempt:
             self._cleanup()
 
     def _spawn(self) -> None:
-        preexec = _make_preexec()
         n = self.config.nproc
+        cores = None
+        if self.config.bind_cores:
+            if not hasattr(os, "sched_setaffinity"):
+                raise ValueError("bind_cores (--bind-cores) needs sched_setaffinity, which "
+                                 "this system does not have (Linux has it)")
+            cores = core_sets(n, sorted(os.sched_getaffinity(0)))
         for rank in range(n):
+            preexec = _make_preexec(cores[rank] if cores is not None else None)
             env = dict(self.env)
             env.update(RANK=str(rank), LOCAL_RANK=str(rank))
             # Reader threads start only after every rank is spawned: preexec_fn
@@ -873,6 +909,31 @@ def _ports(config: LaunchConfig) -> tuple[int, int]:
         return find_free_ports(config.master_addr, 1, avoid=(own,))[0], own
     master, own = find_free_ports(config.master_addr, 2)
     return master, own
+
+
+def bind_cores_from_env(environ: Mapping[str, str] | None = None) -> bool:
+    """``bind_cores``'s default: ENV_BIND_CORES (``SWARMFD_BIND_CORES``) in ``environ``
+    (default this process's), 1 or 0; empty or unset is 0."""
+    value = (os.environ if environ is None else environ).get(ENV_BIND_CORES, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{ENV_BIND_CORES}={value!r}: expected 1 (pin each rank to its "
+                         "own cores) or 0")
+    return value == "1"
+
+
+def core_sets(nproc: int, cores: Sequence[int]) -> list[list[int]]:
+    """The cores each of ``nproc`` ranks runs on under ``bind_cores``: ``cores`` (the
+    launcher's usable CPUs, in order) cut into runs of len(cores) // nproc, rank r on
+    the r-th (the cores left over stay unused: :func:`rank_threads` gives each rank that
+    many threads). Ranks that outnumber the cores take one each in turn (rank r on
+    cores[r % len(cores)])."""
+    if nproc < 1 or not cores:
+        raise ValueError(f"core_sets needs ranks and cores, got nproc={nproc}, "
+                         f"cores={list(cores)}")
+    per = len(cores) // nproc
+    if per == 0:
+        return [[cores[r % len(cores)]] for r in range(nproc)]
+    return [list(cores[r * per:(r + 1) * per]) for r in range(nproc)]
 
 
 def rank_threads(nproc: int, cores: int | None = None) -> int:

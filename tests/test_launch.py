@@ -29,6 +29,8 @@ import swarmfd
 from swarmfd.cli import main
 from swarmfd.launch import (
     LaunchConfig,
+    bind_cores_from_env,
+    core_sets,
     exit_code_of,
     find_free_port,
     launch,
@@ -229,6 +231,61 @@ def test_rank_threads_divides_the_cores_among_the_ranks(nproc: int, cores: int,
 
 def test_rank_threads_counts_the_cores_this_process_may_use() -> None:
     assert rank_threads(1) == len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize("nproc, cores, want", [
+    (1, [0, 1], [[0, 1]]),
+    (2, [0, 1], [[0], [1]]),
+    (2, [2, 3, 5, 7], [[2, 3], [5, 7]]),
+    (3, [0, 1, 2, 3, 4, 5, 6, 7], [[0, 1], [2, 3], [4, 5]]),  # 6, 7 unused: 2 threads each
+    (4, [0, 1], [[0], [1], [0], [1]]),  # more ranks than cores: in turn
+    (3, [4, 6], [[4], [6], [4]]),
+])
+def test_core_sets_give_each_rank_its_own_run_of_cores(nproc: int, cores: list[int],
+                                                        want: list[list[int]]) -> None:
+    got = core_sets(nproc, cores)
+    assert got == want
+    assert all(len(c) == rank_threads(nproc, len(cores)) for c in got)
+
+
+def test_core_sets_refuse_no_ranks_or_no_cores() -> None:
+    for nproc, cores in ((0, [0]), (2, [])):
+        with pytest.raises(ValueError, match="core_sets needs ranks and cores"):
+            core_sets(nproc, cores)
+
+
+def test_bind_cores_from_the_environment_is_1_or_0() -> None:
+    assert bind_cores_from_env({}) is False
+    assert bind_cores_from_env({"SWARMFD_BIND_CORES": ""}) is False
+    assert bind_cores_from_env({"SWARMFD_BIND_CORES": "0"}) is False
+    assert bind_cores_from_env({"SWARMFD_BIND_CORES": " 1 "}) is True
+    with pytest.raises(ValueError, match=r"SWARMFD_BIND_CORES='yes': expected 1"):
+        bind_cores_from_env({"SWARMFD_BIND_CORES": "yes"})
+    with pytest.raises(TypeError, match="bind_cores must be a bool"):
+        LaunchConfig(nproc=1, command=["true"], bind_cores="1")  # type: ignore[arg-type]
+
+
+def test_bind_cores_pins_each_rank_and_its_threads_to_its_share(runs: Runs) -> None:
+    """--bind-cores (or SWARMFD_BIND_CORES=1): each rank, and a thread it starts, runs
+    only on core_sets' share of the launcher's cores; without it (and with
+    --no-bind-cores over the variable) every rank keeps the launcher's mask. A bad
+    variable is a usage error naming it."""
+    mask = sorted(os.sched_getaffinity(0))
+    unset = {k: v for k, v in os.environ.items() if k != "SWARMFD_BIND_CORES"}
+    for n in (2, 3):
+        cases = [(("--bind-cores",), unset, core_sets(n, mask)),
+                 ((), {**unset, "SWARMFD_BIND_CORES": "1"}, core_sets(n, mask)),
+                 ((), unset, [mask] * n),
+                 (("--no-bind-cores",), {**unset, "SWARMFD_BIND_CORES": "1"}, [mask] * n)]
+        for flags, env, want in cases:
+            code, out, err = runs.run("-n", str(n), *flags, WORKER, "affinity", env=env)
+            assert (code, err) == (0, b""), (flags, err)
+            got = {r: json.loads(lines[0]) for r, lines in by_rank(out).items()}
+            assert [got[r]["cpus"] for r in range(n)] == want, (flags, got)
+            assert [got[r]["thread"] for r in range(n)] == want, (flags, got)
+    code, _, err = runs.run("-n", "2", WORKER, "affinity",
+                            env={**unset, "SWARMFD_BIND_CORES": "yes"})
+    assert code == 2 and b"SWARMFD_BIND_CORES='yes'" in err, err
 
 
 def test_torch_and_swarmfd_get_two_distinct_free_ports(runs: Runs) -> None:

@@ -141,6 +141,18 @@ def mode_leave_child(piddir: str) -> None:
     record(piddir, child=True)
 
 
+def mode_affinity() -> None:
+    """Print the CPUs this rank, and a thread it starts, may run on, as one JSON line."""
+    import threading
+
+    seen: list[list[int]] = []
+    t = threading.Thread(target=lambda: seen.append(sorted(os.sched_getaffinity(0))))
+    t.start()
+    t.join()
+    print(json.dumps({"rank": RANK, "cpus": sorted(os.sched_getaffinity(0)),
+                      "thread": seen[0], "omp": os.environ.get("OMP_NUM_THREADS")}))
+
+
 def mode_spam(count: str) -> None:
     """Write ``count`` lines to stdout (for a reader that goes away)."""
     for i in range(int(count)):
