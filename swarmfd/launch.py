@@ -47,11 +47,12 @@ rank starts inherits it: libzmq's I/O thread then shares its rank's core, where 
 message hand-off between the two costs no wake-up on another core. As Open MPI's
 ``--bind-to core`` and DeepSpeed's ``--bind_cores_to_rank``, it is off by default: two
 jobs at once on one host would pin their ranks to the same cores, and a pinned rank
-cannot move away from other work on its core. Measured here (2 cores, N=2, median of
-300 calls after a barrier each, alternated jobs, 2026-12-05): the zmq plane's
-all_reduce took 91-133 us pinned against 90-231 (median 170) at 4 KiB, 432-595 against
-405-840 at 1 MiB, 9.3-10.1 against 10.2-12.4 ms at 16 MiB; shared memory and the socket
-plane took the same time, steadier at 4 KiB (shared memory 29-32 against 29-48 us).
+cannot move away from other work on its core. Measured here (2 cores, compare.py, 5
+interleaved runs, 2026-12-05, benchmarks/results/session-20261205.md), pinned against
+not: the zmq plane's all_reduce at N=2 0.91x the time at 4 KiB (92-111 us against
+94-257), 0.80x at 16 MiB, but 1.22x at 1 MiB (per run 0.96-1.28); at N=4 0.83-0.97x;
+the socket plane at N=4 0.91-0.96x; shared memory and the socket plane at N=2 the same
+within the noise (0.95-1.12x).
 
 Output. Every line a rank writes goes to the same stream (stdout or stderr) of
 the launcher, prefixed with ``[rank R] `` (unless ``prefix`` is off). Lines are
