@@ -44,10 +44,11 @@ launcher's environment) each rank runs only on its own share of the cores this l
 may use (:func:`core_sets`: rank r on the r-th run of cores // N of them; ranks take
 cores in turn when they outnumber them), set between fork and exec, so every thread the
 rank starts inherits it: libzmq's I/O thread then shares its rank's core, where a
-message hand-off between the two costs no wake-up on another core. As Open MPI's
-``--bind-to core`` and DeepSpeed's ``--bind_cores_to_rank``, it is off by default: two
-jobs at once on one host would pin their ranks to the same cores, and a pinned rank
-cannot move away from other work on its core. Measured here (2 cores, compare.py, 5
+message hand-off between the two costs no wake-up on another core (Open MPI's
+``--bind-to core``, DeepSpeed's ``--bind_cores_to_rank``). It is off by default, as in
+torchrun (Open MPI binds by default, DeepSpeed on request): two jobs at once on one host
+would pin their ranks to the same cores, and a pinned rank cannot move away from other
+work on its core. Measured here (2 cores, compare.py, 5
 interleaved runs, 2026-12-05, benchmarks/results/session-20261205.md), pinned against
 not: the zmq plane's all_reduce at N=2 0.91x the time at 4 KiB (92-111 us against
 94-257), 0.80x at 16 MiB, but 1.22x at 1 MiB (per run 0.96-1.28); at N=4 0.83-0.97x;
