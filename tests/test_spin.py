@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -186,7 +187,7 @@ def _pair(plane: str) -> Iterator[tuple[Callable[[], Any], Callable[[], None], A
 def test_a_plane_tells_its_spinner_when_a_blocked_wait_got_its_message(
         plane: str, late: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A rank whose waits block at once (its polls kept missing) waits for a message
-    that comes 0.3 s later: if that counts as soon after giving up (LATE_SECONDS
+    that comes 0.3 s after it blocked: if that counts as soon after giving up (LATE_SECONDS
     stretched for the test), its next wait polls again; if not, it keeps blocking at
     once (no retry poll meanwhile). Every plane's receive reports the blocked wait's end
     (Spinner.woke)."""
@@ -196,12 +197,21 @@ def test_a_plane_tells_its_spinner_when_a_blocked_wait_got_its_message(
     with _pair(plane) as (receive, send, data_plane):
         s = data_plane.spinner
         s.misses, s.waits = spin.MAX_MISSES, 0
-        sender = threading.Timer(0.3, send)
+
+        def send_once_blocked() -> None:
+            # Only once the receiver blocks (under load it may start late), then 0.3 s on.
+            deadline = time.monotonic() + 30
+            while not s.gave_up and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.3)
+            send()
+
+        sender = threading.Thread(target=send_once_blocked)
         sender.start()
         try:
             assert bytes(receive()) == b"hello"
         finally:
-            sender.join(10)
+            sender.join(40)
         assert (s.misses >= spin.MAX_MISSES) is late, s.misses
 
 
