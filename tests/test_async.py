@@ -37,7 +37,8 @@ def _progress(rank: int, world: int, kind: str = "array") -> dict[str, Any]:
     # they are, as DDP's buckets are): it completes when they do, not when asked.
     w = fd.all_reduce(x if kind == "array" else [x[:1 << 21], x[1 << 21:]], async_op=True)
     # The caller sleeps and never calls into swarmfd until the Work has completed (it
-    # reads ``completed_at``, a plain attribute the progress engine sets) or a generous
+    # reads ``completed_at``, which the progress engine sets, for a list on each of its
+    # parts; reading it drives nothing) or a generous
     # deadline passes: the op must finish without the caller's help. Not a race against
     # a fixed sleep, which a loaded machine can lose however well progress works.
     deadline = time.monotonic() + 30.0
