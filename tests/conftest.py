@@ -80,6 +80,7 @@ WAITS = (
     "tests/test_channel.py::test_a_vanished_peer_is_lost_after_the_grace",
     "tests/test_shm.py::test_a_write_to_an_inbox_breaks_when_its_owner_is_gone",
     "tests/test_shm.py::test_an_inbox_never_reads_end_of_file",
+    "tests/test_shm.py::test_a_sleeping_rank_is_woken_by_a_record",
     "tests/test_shm.py::test_hub_refuses_bad_proofs_and_strangers_then_admits_the_rank",
     "tests/test_shm.py::test_hub_bounds_connections_in_a_handshake",
     "tests/test_lanes.py::test_a_peer_that_refuses_the_handshake_is_an_authentication_error",

@@ -228,6 +228,135 @@ def test_a_write_to_an_inbox_breaks_when_its_owner_is_gone() -> None:
             p.close()
 
 
+# -- the record rings (swarmfd.comm.planes.shm, x86-64) ----------------------------------
+
+_SIG = wire.Signature(wire.Collective.BARRIER)
+
+
+def _send(ch: Channel, plane: ShmPlane, dst: int, tag: int, payload: bytes = b"") -> None:
+    ch.send(plane, dst, _SIG, 0, 1, tag, payload)
+
+
+def _recv(ch: Channel, plane: ShmPlane, src: int, tag: int, nbytes: int = 0) -> Any:
+    return ch.recv(plane, src, _SIG, 0, 1, tag, nbytes)
+
+
+def test_ring_slots_follow_the_hosts_rank_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank of a host computes the same ring size from the host's rank count: the
+    most a ring holds for a few ranks, fewer as they share the ring space, none (pipes)
+    beyond what the control block counts or below MIN_RING_SLOTS a ring."""
+    from swarmfd.comm.planes import shm as plane
+    monkeypatch.setattr(plane, "RINGS", True)
+    space = plane.RING_BYTES - plane.RING_CONTROL_BYTES
+    assert plane.ring_slots(2) == plane.ring_slots(8) == plane.RING_SLOTS
+    assert plane.ring_slots(64) == space // (64 * plane.MAX_RECORD) < plane.RING_SLOTS
+    assert plane.ring_slots(space // (plane.MIN_RING_SLOTS * plane.MAX_RECORD) + 1) == 0
+    assert plane.ring_slots(plane.RING_MAX_RANKS + 1) == 0
+    # Every counter has a cache line of its own inside the control block.
+    assert (1 + 2 * plane.RING_MAX_RANKS) * 64 <= plane.RING_CONTROL_BYTES
+    monkeypatch.setattr(plane, "RINGS", False)
+    assert plane.ring_slots(2) == 0
+
+
+@pytest.mark.parametrize("rings", [True, False], ids=["rings", "pipes"])
+def test_records_keep_their_order_past_a_full_ring(monkeypatch: pytest.MonkeyPatch,
+                                                   rings: bool) -> None:
+    """More records than a ring (or pipe) holds, sent before the peer reads any: the
+    sender keeps the rest (sends never block), pushes them as the peer reads, and the
+    peer gets every record, payload intact, in order; then the rings keep working
+    around their wrap."""
+    from swarmfd.comm.planes import shm as plane
+    monkeypatch.setattr(plane, "RINGS", rings)
+    planes = _planes(_run_setups(2))
+    try:
+        (h0, p0), (h1, p1) = planes
+        assert (p0.ring_slots > 0) is rings and p1.ring_slots == p0.ring_slots
+        count = 3 * max(p0.ring_slots, 16) + 5
+        bodies = [bytes([i % 251]) * (1 + i * 97 % 3000) for i in range(count)]
+        for i, body in enumerate(bodies):
+            _send(h0, p0, 1, i, body)
+        if rings:  # the ring is full: the rest waits in order
+            assert p0.unsent() == [1] and len(p0.queued[1]) == count - p0.ring_slots
+        for i, body in enumerate(bodies):
+            assert _recv(h1, p1, 0, i, len(body)) == body
+            if i % 7 == 0 and p0.unsent():
+                p0.wait(0.01)  # the sender pushes on (as its waits and flushes do)
+        assert p0.unsent() == []
+        for round_ in range(3 * max(p0.ring_slots, 1)):  # around the wrap, both ways
+            _send(h1, p1, 0, round_, b"x" * round_)
+            assert _recv(h0, p0, 1, round_, round_) == b"x" * round_
+    finally:
+        for _, p in planes:
+            p.close()
+
+
+@pytest.mark.waits  # bounds how long a sleeping rank takes to wake
+def test_a_sleeping_rank_is_woken_by_a_record() -> None:
+    """A rank that gives up polling marks itself SLEEPING and blocks in its inbox; a peer
+    that adds a record sees the mark and writes a byte there, so the wait ends with the
+    record at once, not after its timeout. The mark is cleared afterwards."""
+    from swarmfd.comm.planes import shm as plane
+    planes = _planes(_run_setups(2))
+    try:
+        (h0, p0), (_, p1) = planes
+        if not p1.ring_slots:
+            pytest.skip("records travel through the pipes on this machine")
+        got: list[Any] = []
+        waiter = threading.Thread(target=lambda: got.append(p1.next_header(10.0)))
+        t0 = time.monotonic()
+        waiter.start()
+        deadline = time.monotonic() + 5
+        while p1.words[0] != plane.SLEEPING and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert p1.words[0] == plane.SLEEPING, "the waiting rank never marked itself asleep"
+        time.sleep(0.2)
+        _send(h0, p0, 1, 7, b"abc")
+        waiter.join(5)
+        assert not waiter.is_alive()
+        elapsed = time.monotonic() - t0
+        assert got and got[0] is not None and got[0].tag == 7 and elapsed < 5.0, (got, elapsed)
+        assert p1.words[0] == 0
+    finally:
+        for _, p in planes:
+            p.close()
+
+
+def test_a_bad_record_in_a_ring_is_a_protocol_error() -> None:
+    """A ring holds only its owner's records: one that claims another sender, or more
+    bytes than a record has, is a ProtocolError naming the ring (a bug, never read as
+    data); so is a counter that claims more records than the ring holds."""
+    from swarmfd.comm.planes import shm as plane
+    from swarmfd.errors import ProtocolError
+    planes = _planes(_run_setups(2))
+    try:
+        (_, p0), (_, p1) = planes
+        if not p0.ring_slots:
+            pytest.skip("records travel through the pipes on this machine")
+        ring = p0.outgoing[1]
+
+        def forge(src: int, nbytes: int) -> None:
+            header = wire.pack_header(int(wire.Kind.DATA), _SIG, src, 1, 0, nbytes, 0, 0)
+            at = ring.at + (ring.count % p0.ring_slots) * plane.MAX_RECORD
+            p0.data[at:at + len(header)] = header
+            ring.count += 1
+            p0.words[ring.counter] = ring.count
+
+        forge(src=2, nbytes=0)
+        with pytest.raises(ProtocolError, match="ring to rank 1 claims 0 bytes from rank 2"):
+            p1.next_header(0)
+        p1.records.clear()
+        p1.incoming[0].count = ring.count  # past the bad record
+        forge(src=0, nbytes=plane.MAX_RECORD)
+        with pytest.raises(ProtocolError, match=f"claims {plane.MAX_RECORD} bytes"):
+            p1.next_header(0)
+        p0.words[ring.counter] = ring.count + p0.ring_slots + 1
+        with pytest.raises(ProtocolError, match=r"counts \d+ records after"):
+            p1.next_header(0)
+    finally:
+        for _, p in planes:
+            p.close()
+
+
 @pytest.mark.waits  # bounds how long a read waits
 def test_an_inbox_never_reads_end_of_file() -> None:
     """The owner keeps a write end of its own inbox: when every peer has closed its
