@@ -29,9 +29,13 @@ ranks get each other's descriptors is :mod:`swarmfd.comm.shm_setup`.
 This module implements :class:`swarmfd.comm.plane.Plane` (records only: no payload
 larger than a record); the message semantics are the channel's, as on every plane.
 
-The rings against the pipes (measured 2026-12-05, N=2, 4 KiB all_reduce back to back,
-4 alternated jobs each): 25.0-27.3 against 27.2-30.1 us a call: a pipe's write and
-read are a system call each (about 1 us here), and a poll of an empty pipe raises.
+The rings against the pipes (2026-12-05; a pipe's write and read are a system call
+each, about 1 us here, and a poll of an empty pipe raises): compare.py, 8 interleaved
+runs, medians of the per-run time ratios: all_reduce N=2 0.94 at 4 KiB, 0.96 at 64 KiB,
+0.98 at 1 MiB, N=4 0.89, 0.89 and 0.92; broadcast N=2 0.94, 0.92 and 1.03, N=4 0.86,
+0.89 and 0.95
+(benchmarks/results/compare-20261205-015916-rings-ab.*). Back to back at N=2, 4 KiB
+all_reduce: 25.0-27.3 against 27.2-30.1 us a call (4 alternated jobs each).
 """
 
 from __future__ import annotations
