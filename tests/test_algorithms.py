@@ -193,6 +193,49 @@ def test_shm_all_reduce_of_parts_is_that_of_the_fused_buffer(n: int, counts: lis
     assert np.allclose(got_cma[0], total / n if divide else total)
 
 
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int64])
+def test_shm_all_reduce_now_meets_the_generator_with_the_same_bits(n: int,
+                                                                   dtype: Any) -> None:
+    """The blocking small all_reduce without generators (shm.all_reduce_now) sends the
+    generator's records: ranks that run either, call by call, meet, and every rank
+    gets the generator's bits (sum and mean; barriers of 1 to 3 rounds)."""
+    sizes = [n, 1000, shm.SMALL_BYTES // np.dtype(dtype).itemsize]
+    inputs = [[sample_data(r, count, dtype, seed=i) for i, count in enumerate(sizes)]
+              for r in range(n)]
+    sig = wire.Signature(wire.Collective.ALL_REDUCE)
+
+    def fn(r: int, channel: Channel, plane: Any, mixed: bool) -> list[np.ndarray]:
+        rounds = [0]
+
+        def next_slot() -> int:
+            rounds[0] += 1
+            return (rounds[0] % 3) * SEGMENT_BYTES
+
+        out = []
+        for call, x in enumerate(inputs[r] * 2):
+            buf = x.copy()
+            divide = n if call >= len(sizes) and buf.dtype.kind == "f" else 0
+            seq = call + 1
+            op = Op(channel, plane, list(range(n)), r, 0, seq, sig, plane, next_slot)
+            if mixed and (r + call) % 2:
+                shm.all_reduce_now(channel, plane, list(range(n)), r, 0, seq, sig,
+                                   next_slot(), buf, np.add, divide)
+            else:
+                run(op, shm.all_reduce(op, buf, np.add, divide))
+            channel.flush()
+            out.append(buf)
+        return out
+
+    want = run_threads(fn, n, False, plane="shm")
+    got = run_threads(fn, n, True, plane="shm")
+    for r in range(n):
+        for call, (a, b) in enumerate(zip(got[r], want[0], strict=True)):
+            assert a.tobytes() == b.tobytes(), f"rank {r}, call {call}"
+    if dtype is not np.float16:  # (whose sums of the samples lose too much to compare)
+        assert np.allclose(want[0][1], sum(inputs[r][1] for r in range(n)))
+
+
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("counts", [[3, 3], [700, 1, 299, 1],
                                     [300000, 17, 3, 200000, 9000, 1, 131072]])

@@ -35,15 +35,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..comm import cma
-from ..comm.planes.shm import SEGMENT_BYTES
+from ..comm import cma, wire
+from ..comm.channel import Channel
+from ..comm.planes.shm import SEGMENT_BYTES, ShmPlane
 from ..errors import PeerLostError, ProtocolError
 from .base import Algorithm, Op, Parts, divide_by, reduce_in_order, spans, split
 from .tcp import barrier
 
 __all__ = ["COUNT_BYTES", "SMALL_BYTES", "all_gather", "all_gather_counts", "all_gather_v",
-           "all_reduce", "all_to_all", "broadcast", "gather", "reduce", "reduce_scatter",
-           "rounds", "scatter"]
+           "all_reduce", "all_reduce_now", "all_to_all", "broadcast", "gather", "reduce",
+           "reduce_scatter", "rounds", "scatter"]
 
 #: Up to this many bytes every rank reduces the whole round itself (one barrier); above
 #: it each rank reduces its 1/N and copies the rest (two barriers' worth of rounds).
@@ -70,6 +71,7 @@ CMA_BLOCK_BYTES = 1 << 19
 #: The most arrays whose addresses a slot holds (a count, then an address and a length
 #: each, as int64).
 CMA_MAX_ARRAYS = (SEGMENT_BYTES // 8 - 1) // 2
+_DATA = int(wire.Kind.DATA)
 
 
 def rounds(nbytes: int, itemsize: int) -> list[tuple[int, int]]:
@@ -136,6 +138,29 @@ def all_reduce(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
     yield from barrier(op, len(parts))
     assert pending is not None
     _copy_out(*pending, me)
+
+
+def all_reduce_now(channel: Channel, plane: ShmPlane, ranks: list[int], me: int, gid: int,
+                   seq: int, sig: wire.Signature, slot: int, buf: np.ndarray, ufunc: np.ufunc,
+                   divide: int = 0) -> None:
+    """:func:`all_reduce`'s one-barrier path run straight on the caller's thread, for a
+    blocking call of a small array (``buf.nbytes`` <= SMALL_BYTES, at least an item per
+    member): the same slot, records, tags and bits as the generator's, without a
+    generator, an Op or a function per step (see ``swarmfd.collectives._all_reduce_now``
+    for what that saves). ``ranks``: the group's world ranks; ``me``: this rank's group
+    rank; ``slot``: the round's (Op.next_slot). A member that runs the generator meets
+    one that runs this. The barrier is :func:`.tcp.barrier`'s dissemination, written
+    out: each round sends an empty record and waits for one, tags ``0 << 8 | round``."""
+    region = plane.region
+    dtype, count = buf.dtype, buf.size
+    regions = [region(r, slot, dtype, count) for r in ranks]
+    regions[me][...] = buf
+    size, d, step, wait = len(ranks), 1, 0, channel.recv_key
+    while d < size:
+        plane.send(ranks[(me + d) % size], _DATA, sig, seq, step, b"", 0, False, gid)
+        wait(plane, (gid, ranks[(me - d) % size], seq & 0xFFFFFFFF, step), sig, 0, None)
+        d, step = d * 2, step + 1
+    _reduce_all(buf, regions, ufunc, divide)
 
 
 def _layout(buf: np.ndarray | Parts) -> list[tuple[int, int]]:
