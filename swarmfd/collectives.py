@@ -254,35 +254,35 @@ def _failed(g: _group.Group, ch: Any, exc: BaseException, collective: bool) -> N
     ch.abort(exc, g.gid, g.seq - 1 if collective else g.seq)
 
 
-def _shm_now(g: _group.Group) -> Any:
-    """The group's shared-memory plane when its next call, blocking, may run straight on
-    the caller's thread (:func:`_all_reduce_now`), else None: the group is whole, has
-    peers, all on this host, and nothing else is pending."""
+def _plane_now(g: _group.Group, shm: bool = False) -> Any:
+    """The group's plane when its next call, blocking, may run straight on the caller's
+    thread (:func:`_run_now`), else None: the group is whole and has peers (``shm``:
+    all on this host), and nothing else is pending."""
     if g.size == 1 or (g.broken is not None and g.seq + 1 >= g.broken_from):
         return None
     plane = g.plane()
-    if plane is None or plane.kind != "shm":
+    if plane is None or (shm and plane.kind != "shm"):
         return None
     engine = g._state.engine
     return plane if not engine.queues and not engine.p2p else None
 
 
-def _all_reduce_now(g: _group.Group, plane: Any, sig: Signature, flat: np.ndarray,
-                    ufunc: np.ufunc, divide: int) -> None:
-    """The group's next call, a small all_reduce on shared memory (``plane`` from
-    :func:`_shm_now`), run without generators: :func:`swarmfd.algorithms.shm.
-    all_reduce_now`; the rest as :func:`_run`'s blocking call. Such a call's time is
-    mostly Python steps, and those of the generic path (the call's Op, its algorithm's
-    generators and the loop that drives them, a function each) were a fifth of it: 4 KiB
-    at N=2 back to back, 18.6-21.9 us a call against 25.3-28.5 us (6 alternated jobs,
-    2026-12-05)."""
+def _run_now(g: _group.Group, plane: Any, sig: Signature, body: Callable[..., None],
+             *args: Any) -> None:
+    """The group's next call on ``plane`` (from :func:`_plane_now`) as ``body(channel,
+    plane, ranks, me, gid, seq, sig, *args)``, a function that sends and waits for its
+    messages at once; the rest (the group's call count, the channel's state, failures)
+    as :func:`_run`'s blocking call. For the small calls whose time is mostly Python
+    steps: those of the generic path (the call's Op, its algorithm's generators and
+    the loop that drives them, a function each) were a fifth of a 4 KiB all_reduce on
+    shared memory at N=2, back to back 18.6-21.9 us a call against 25.3-28.5 us (6
+    alternated jobs, 2026-12-05)."""
     g.seq += 1
     ch = g.channel
     with g._state.engine.lock:  # the progress thread may be finishing its last step
         _begin(g, ch, plane, _Label(sig.coll, g, g.seq), True)
         try:
-            select.shm.all_reduce_now(ch, plane, g.ranks, g.rank, g.gid, g.seq, sig,
-                                      g.next_slot(), flat, ufunc, divide)
+            body(ch, plane, g.ranks, g.rank, g.gid, g.seq, sig, *args)
             ch.flush()
         except BaseException as exc:
             _failed(g, ch, exc, True)
@@ -499,9 +499,10 @@ def all_reduce(x: T, op: str = "sum", *, group: Any = None, async_op: bool = Fal
     flat, write_back = _flat(arr)
     sig = _signature(Collective.ALL_REDUCE, [arr], code, wire_op)
     if not async_op and flat.nbytes <= _SMALL_SHM and flat.size >= g.size:
-        plane = _shm_now(g)
+        plane = _plane_now(g, shm=True)
         if plane is not None:
-            _all_reduce_now(g, plane, sig, flat, _UFUNCS[rop], g.size if mean else 0)
+            _run_now(g, plane, sig, select.shm.all_reduce_now, g.next_slot, flat, _UFUNCS[rop],
+                     g.size if mean else 0)
             if write_back is not None:
                 write_back()
             return x
@@ -510,7 +511,7 @@ def all_reduce(x: T, op: str = "sum", *, group: Any = None, async_op: bool = Fal
 
 
 #: Up to this many bytes a blocking all_reduce on shared memory runs without generators
-#: (:func:`_all_reduce_now`): one round after one barrier, as the algorithm's.
+#: (:func:`_run_now`): one round after one barrier, as the algorithm's.
 _SMALL_SHM = select.shm.SMALL_BYTES
 
 
@@ -723,8 +724,15 @@ def barrier(*, group: Any = None, async_op: bool = False) -> Work | None:
     """Block until every rank of the group has called barrier() (``async_op``: a Work
     that completes then)."""
     g = _group.resolve_group(group, "barrier()")
-    return _run(g, Signature(Collective.BARRIER), lambda o: select.tcp.barrier(o, 0),
-                None, async_op)
+    if not async_op:
+        plane = _plane_now(g)
+        if plane is not None:
+            _run_now(g, plane, _BARRIER, select.tcp.barrier_now)
+            return None
+    return _run(g, _BARRIER, lambda o: select.tcp.barrier(o, 0), None, async_op)
+
+
+_BARRIER = Signature(Collective.BARRIER)
 
 
 # -- reduce_scatter ---------------------------------------------------------------------

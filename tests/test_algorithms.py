@@ -193,6 +193,35 @@ def test_shm_all_reduce_of_parts_is_that_of_the_fused_buffer(n: int, counts: lis
     assert np.allclose(got_cma[0], total / n if divide else total)
 
 
+@pytest.mark.parametrize("plane", ["memory", "shm"])
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_barrier_now_meets_the_generator(plane: str, n: int) -> None:
+    """The blocking barrier without a generator (tcp.barrier_now) sends the generator's
+    messages: ranks that run either, call by call, meet on every plane; and neither
+    lets a rank through before every member arrived (the last rank sets a flag before
+    its barrier that every rank reads after its own)."""
+    sig = wire.Signature(wire.Collective.BARRIER)
+    arrived = [0] * 6
+
+    def fn(r: int, channel: Channel, pl: Any) -> list[bool]:
+        seen = []
+        for call in range(6):
+            if r == n - 1:
+                time.sleep(0.01)
+                arrived[call] = 1
+            seq = call + 1
+            if (r + call) % 2:
+                tcp.barrier_now(channel, pl, list(range(n)), r, 0, seq, sig)
+            else:
+                op = Op(channel, pl, list(range(n)), r, 0, seq, sig)
+                run(op, tcp.barrier(op, 0))
+            channel.flush()
+            seen.append(bool(arrived[call]))
+        return seen
+
+    assert run_threads(fn, n, plane=plane) == [[True] * 6] * n
+
+
 @pytest.mark.parametrize("n", [2, 3, 4, 5])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int64])
 def test_shm_all_reduce_now_meets_the_generator_with_the_same_bits(n: int,
@@ -220,7 +249,7 @@ def test_shm_all_reduce_now_meets_the_generator_with_the_same_bits(n: int,
             op = Op(channel, plane, list(range(n)), r, 0, seq, sig, plane, next_slot)
             if mixed and (r + call) % 2:
                 shm.all_reduce_now(channel, plane, list(range(n)), r, 0, seq, sig,
-                                   next_slot(), buf, np.add, divide)
+                                   next_slot, buf, np.add, divide)
             else:
                 run(op, shm.all_reduce(op, buf, np.add, divide))
             channel.flush()

@@ -33,6 +33,8 @@ that is, after everyone finished reading it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from ..comm import cma, wire
@@ -40,7 +42,7 @@ from ..comm.channel import Channel
 from ..comm.planes.shm import SEGMENT_BYTES, ShmPlane
 from ..errors import PeerLostError, ProtocolError
 from .base import Algorithm, Op, Parts, divide_by, reduce_in_order, spans, split
-from .tcp import barrier
+from .tcp import barrier, barrier_now
 
 __all__ = ["COUNT_BYTES", "SMALL_BYTES", "all_gather", "all_gather_counts", "all_gather_v",
            "all_reduce", "all_reduce_now", "all_to_all", "broadcast", "gather", "reduce",
@@ -71,7 +73,6 @@ CMA_BLOCK_BYTES = 1 << 19
 #: The most arrays whose addresses a slot holds (a count, then an address and a length
 #: each, as int64).
 CMA_MAX_ARRAYS = (SEGMENT_BYTES // 8 - 1) // 2
-_DATA = int(wire.Kind.DATA)
 
 
 def rounds(nbytes: int, itemsize: int) -> list[tuple[int, int]]:
@@ -141,25 +142,20 @@ def all_reduce(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
 
 
 def all_reduce_now(channel: Channel, plane: ShmPlane, ranks: list[int], me: int, gid: int,
-                   seq: int, sig: wire.Signature, slot: int, buf: np.ndarray, ufunc: np.ufunc,
-                   divide: int = 0) -> None:
+                   seq: int, sig: wire.Signature, next_slot: Callable[[], int],
+                   buf: np.ndarray, ufunc: np.ufunc, divide: int = 0) -> None:
     """:func:`all_reduce`'s one-barrier path run straight on the caller's thread, for a
     blocking call of a small array (``buf.nbytes`` <= SMALL_BYTES, at least an item per
     member): the same slot, records, tags and bits as the generator's, without a
-    generator, an Op or a function per step (see ``swarmfd.collectives._all_reduce_now``
+    generator, an Op or a function per step (see ``swarmfd.collectives._run_now``
     for what that saves). ``ranks``: the group's world ranks; ``me``: this rank's group
-    rank; ``slot``: the round's (Op.next_slot). A member that runs the generator meets
-    one that runs this. The barrier is :func:`.tcp.barrier`'s dissemination, written
-    out: each round sends an empty record and waits for one, tags ``0 << 8 | round``."""
-    region = plane.region
+    rank; ``next_slot``: the group's (Op.next_slot). A member that runs the generator
+    meets one that runs this."""
+    region, slot = plane.region, next_slot()
     dtype, count = buf.dtype, buf.size
     regions = [region(r, slot, dtype, count) for r in ranks]
     regions[me][...] = buf
-    size, d, step, wait = len(ranks), 1, 0, channel.recv_key
-    while d < size:
-        plane.send(ranks[(me + d) % size], _DATA, sig, seq, step, b"", 0, False, gid)
-        wait(plane, (gid, ranks[(me - d) % size], seq & 0xFFFFFFFF, step), sig, 0, None)
-        d, step = d * 2, step + 1
+    barrier_now(channel, plane, ranks, me, gid, seq, sig, 0)
     _reduce_all(buf, regions, ufunc, divide)
 
 

@@ -53,6 +53,8 @@ from typing import Any
 import numpy as np
 
 from ..comm import wire
+from ..comm.channel import Channel
+from ..comm.plane import Plane
 from ..errors import ProtocolError
 from . import base
 from .base import Algorithm, Op, Parts, num_pieces, ring_pieces, split
@@ -72,6 +74,7 @@ __all__ = [
     "all_reduce_ring",
     "all_to_all_pairwise",
     "barrier",
+    "barrier_now",
     "broadcast_chain",
     "broadcast_direct",
     "gather_direct",
@@ -82,6 +85,8 @@ __all__ = [
     "scatter_direct",
     "signature_ring",
 ]
+
+_DATA = int(wire.Kind.DATA)
 
 #: Tags of the acknowledgement that ends broadcast and reduce, and of the signature every
 #: rank shows its successor in them (message tags count up from 0).
@@ -396,6 +401,21 @@ def barrier(op: Op, tag: int = 0) -> Algorithm:
     while d < size:
         op.send((me + d) % size, (tag << 8) | step, b"")
         yield (op, (me - d) % size, (tag << 8) | step, 0, None)  # (Op.recv)
+        d, step = d * 2, step + 1
+
+
+def barrier_now(channel: Channel, plane: Plane, ranks: Sequence[int], me: int, gid: int,
+                seq: int, sig: wire.Signature, tag: int = 0) -> None:
+    """:func:`barrier` run straight on the caller's thread, waiting for each message at
+    once: the same messages and tags, without a generator or an Op (the blocking calls
+    whose time is mostly Python steps; see ``swarmfd.collectives._run_now``). A member
+    that runs the generator meets one that runs this. ``ranks``: the group's world
+    ranks; ``me``: this rank's group rank; ``seq``: the call's."""
+    size, d, step, wait = len(ranks), 1, 0, channel.recv_key
+    while d < size:
+        t = (tag << 8) | step
+        plane.send(ranks[(me + d) % size], _DATA, sig, seq, t, b"", 0, False, gid)
+        wait(plane, (gid, ranks[(me - d) % size], seq & 0xFFFFFFFF, t), sig, 0, None)
         d, step = d * 2, step + 1
 
 
