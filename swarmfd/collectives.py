@@ -498,11 +498,15 @@ def all_reduce(x: T, op: str = "sum", *, group: Any = None, async_op: bool = Fal
     _check_op_dtype(rop, mean, arr.dtype, "all_reduce")
     flat, write_back = _flat(arr)
     sig = _signature(Collective.ALL_REDUCE, [arr], code, wire_op)
-    if not async_op and flat.nbytes <= _SMALL_SHM and flat.size >= g.size:
-        plane = _plane_now(g, shm=True)
-        if plane is not None:
-            _run_now(g, plane, sig, select.shm.all_reduce_now, g.next_slot, flat, _UFUNCS[rop],
-                     g.size if mean else 0)
+    if not async_op and flat.nbytes <= _SMALL_NOW and flat.size >= g.size:
+        plane = _plane_now(g)
+        if plane is not None and (plane.kind == "shm" or g.size == 2):
+            if plane.kind == "shm":
+                _run_now(g, plane, sig, select.shm.all_reduce_now, g.next_slot, flat,
+                         _UFUNCS[rop], g.size if mean else 0)
+            else:  # two ranks, each on its host (no hierarchy): the pair exchange
+                _run_now(g, plane, sig, select.tcp.all_reduce_pair_now, flat, _UFUNCS[rop],
+                         2 if mean else 0)
             if write_back is not None:
                 write_back()
             return x
@@ -510,9 +514,11 @@ def all_reduce(x: T, op: str = "sum", *, group: Any = None, async_op: bool = Fal
                 _returns(x, write_back), async_op)
 
 
-#: Up to this many bytes a blocking all_reduce on shared memory runs without generators
-#: (:func:`_run_now`): one round after one barrier, as the algorithm's.
-_SMALL_SHM = select.shm.SMALL_BYTES
+#: Up to this many bytes a blocking all_reduce runs without generators (:func:`_run_now`)
+#: on shared memory (one round after one barrier, as the algorithm's) and between two
+#: ranks over TCP (the pair exchange, which the selection table takes up to
+#: select.PAIR_MAX_BYTES): the calls whose time is mostly Python steps.
+_SMALL_NOW = min(select.shm.SMALL_BYTES, select.PAIR_MAX_BYTES)
 
 
 def _returns(x: Any, write_back: Callable[[], None] | None) -> Callable[[Any], Any]:

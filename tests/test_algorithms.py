@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from swarmfd.algorithms import select, shm, tcp
-from swarmfd.algorithms.base import Op, Parts, run
+from swarmfd.algorithms.base import Op, Parts, divide_by, run
 from swarmfd.comm import wire
 from swarmfd.comm.channel import Channel
 from swarmfd.comm.planes.shm import SEGMENT_BYTES
@@ -191,6 +191,43 @@ def test_shm_all_reduce_of_parts_is_that_of_the_fused_buffer(n: int, counts: lis
     total = sum(np.concatenate(inputs[r]) for r in range(n))
     assert np.allclose(got[0], total / n if divide else total)
     assert np.allclose(got_cma[0], total / n if divide else total)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int64])
+def test_all_reduce_pair_now_meets_the_generator_with_the_same_bits(dtype: Any) -> None:
+    """The blocking pair exchange without a generator (tcp.all_reduce_pair_now) sends
+    the generator's message: two ranks that run either, call by call, meet, and both
+    get the generator's bits, then a mean divided as the generic path divides it."""
+    sizes = [2, 1000, 70000]
+    inputs = [[sample_data(r, count, dtype, seed=i) for i, count in enumerate(sizes)]
+              for r in range(2)]
+    sig = wire.Signature(wire.Collective.ALL_REDUCE)
+
+    def fn(r: int, channel: Channel, plane: Any, mixed: bool) -> list[np.ndarray]:
+        out = []
+        for call, x in enumerate(inputs[r] * 2):
+            buf = x.copy()
+            divide = 2 if call >= len(sizes) and buf.dtype.kind == "f" else 0
+            seq = call + 1
+            if mixed and (r + call) % 2:
+                tcp.all_reduce_pair_now(channel, plane, [0, 1], r, 0, seq, sig, buf, np.add,
+                                        divide)
+            else:
+                op = Op(channel, plane, [0, 1], r, 0, seq, sig)
+                run(op, tcp.all_reduce_pair(op, buf, np.add))
+                if divide:
+                    divide_by(buf, divide)
+            channel.flush()
+            out.append(buf)
+        return out
+
+    want = run_threads(fn, 2, False)
+    got = run_threads(fn, 2, True)
+    for r in range(2):
+        for call, (a, b) in enumerate(zip(got[r], want[0], strict=True)):
+            assert a.tobytes() == b.tobytes(), f"rank {r}, call {call}"
+    if dtype is not np.float16:
+        assert np.allclose(want[0][1], inputs[0][1] + inputs[1][1])
 
 
 @pytest.mark.parametrize("plane", ["memory", "shm"])

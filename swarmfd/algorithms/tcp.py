@@ -71,6 +71,7 @@ __all__ = [
     "all_reduce_direct",
     "all_reduce_doubling",
     "all_reduce_pair",
+    "all_reduce_pair_now",
     "all_reduce_ring",
     "all_to_all_pairwise",
     "barrier",
@@ -120,6 +121,26 @@ def all_reduce_pair(op: Op, buf: np.ndarray, ufunc: np.ufunc) -> Algorithm:
         ufunc(buf, theirs, out=buf)
     else:
         ufunc(theirs, buf, out=buf)
+
+
+def all_reduce_pair_now(channel: Channel, plane: Plane, ranks: Sequence[int], me: int,
+                        gid: int, seq: int, sig: wire.Signature, buf: np.ndarray,
+                        ufunc: np.ufunc, divide: int = 0) -> None:
+    """:func:`all_reduce_pair` run straight on the caller's thread, for a blocking call:
+    the same message and bits, without a generator or an Op (see
+    ``swarmfd.collectives._run_now``); then ``buf`` divided by ``divide`` (a mean) as
+    the generator's caller divides it. A member that runs the generator meets one that
+    runs this."""
+    peer = ranks[1 - me]
+    plane.send(peer, _DATA, sig, seq, 0, buf, buf.nbytes, True, gid)  # copied: see above
+    theirs = np.frombuffer(channel.recv_key(plane, (gid, peer, seq & 0xFFFFFFFF, 0), sig,
+                                            buf.nbytes, None), buf.dtype, buf.size)
+    if me == 0:
+        ufunc(buf, theirs, out=buf)
+    else:
+        ufunc(theirs, buf, out=buf)
+    if divide:
+        base.divide_by(buf, divide)
 
 
 def reduce_in_rank_order(op: Op, buf: np.ndarray, ufunc: np.ufunc) -> Algorithm:
