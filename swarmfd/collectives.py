@@ -275,8 +275,11 @@ def _run_now(g: _group.Group, plane: Any, sig: Signature, body: Callable[..., No
     as :func:`_run`'s blocking call. For the small calls whose time is mostly Python
     steps: those of the generic path (the call's Op, its algorithm's generators and
     the loop that drives them, a function each) were a fifth of a 4 KiB all_reduce on
-    shared memory at N=2, back to back 18.6-21.9 us a call against 25.3-28.5 us (6
-    alternated jobs, 2026-12-05)."""
+    shared memory at N=2: back to back 20.0-22.9 us a call against 27.5-29.9 us (5
+    alternated jobs, 2026-12-05); compare.py, 6 interleaved runs, medians of the
+    per-run time ratios: shared memory N=2 0.84, 0.77 and 0.86 at 4, 64 and 256 KiB,
+    N=4 0.69 at 64 KiB; two ranks over TCP 0.95, 0.93 and 0.76
+    (benchmarks/results/session-20261205-b.md)."""
     g.seq += 1
     ch = g.channel
     with g._state.engine.lock:  # the progress thread may be finishing its last step
