@@ -254,14 +254,14 @@ def _failed(g: _group.Group, ch: Any, exc: BaseException, collective: bool) -> N
     ch.abort(exc, g.gid, g.seq - 1 if collective else g.seq)
 
 
-def _plane_now(g: _group.Group, shm: bool = False) -> Any:
+def _plane_now(g: _group.Group) -> Any:
     """The group's plane when its next call, blocking, may run straight on the caller's
-    thread (:func:`_run_now`), else None: the group is whole and has peers (``shm``:
-    all on this host), and nothing else is pending."""
+    thread (:func:`_run_now`), else None: the group is whole and has peers, and nothing
+    else is pending (the progress engine runs no call and no point-to-point message)."""
     if g.size == 1 or (g.broken is not None and g.seq + 1 >= g.broken_from):
         return None
     plane = g.plane()
-    if plane is None or (shm and plane.kind != "shm"):
+    if plane is None:
         return None
     engine = g._state.engine
     return plane if not engine.queues and not engine.p2p else None

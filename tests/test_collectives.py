@@ -151,6 +151,55 @@ def test_every_collective_dtype_shape_and_root(world: int, transport: str) -> No
         assert results[r] == results[0], f"rank {r} ended with different bytes than rank 0"
 
 
+def _now_paths(rank: int, world: int) -> dict[str, int]:
+    """Small blocking calls through the public API, counting the generator-free paths
+    they take (swarmfd.collectives._run_now); each result checked."""
+    from swarmfd.algorithms import shm as shm_algo
+    from swarmfd.algorithms import tcp as tcp_algo
+
+    counts = {"all_reduce_now": 0, "all_reduce_pair_now": 0, "barrier_now": 0}
+
+    def counting(name: str, fn: Any) -> Any:
+        def count(*args: Any) -> Any:
+            counts[name] += 1
+            return fn(*args)
+        return count
+
+    for module, name in ((shm_algo, "all_reduce_now"), (tcp_algo, "all_reduce_pair_now"),
+                         (tcp_algo, "barrier_now")):
+        setattr(module, name, counting(name, getattr(module, name)))
+    total = sum(range(1, world + 1))
+    x = np.arange(10, dtype=np.float32) * (rank + 1)
+    np.testing.assert_array_equal(fd.all_reduce(x), np.arange(10) * total)
+    m = np.full(6, float(rank), np.float64)
+    np.testing.assert_array_equal(fd.all_reduce(m, op="mean"), np.full(6, (world - 1) / 2))
+    grid = np.ones((4, 6), np.int64) * (rank + 1)
+    view = grid[:, ::2]  # not contiguous: reduced in a copy, written back
+    fd.all_reduce(view)
+    assert (grid[:, ::2] == total).all() and (grid[:, 1::2] == rank + 1).all()
+    fd.barrier()
+    seen = dict(counts)
+    fd.all_reduce(np.ones(4), async_op=True).wait()
+    fd.barrier(async_op=True).wait()
+    big = np.ones((1 << 20) // 8)  # 1 MiB: above the generator-free size
+    np.testing.assert_array_equal(fd.all_reduce(big), np.full(big.size, float(world)))
+    assert counts == seen, (counts, seen)
+    return counts
+
+
+@pytest.mark.parametrize(("world", "transport"), _worlds_and_transports(2, 3))
+def test_small_blocking_calls_run_without_generators(world: int, transport: str) -> None:
+    """A small blocking all_reduce runs without generators on shared memory and between
+    two ranks over TCP, a blocking barrier on every plane; async calls, larger buffers
+    and other all_reduces over TCP take the algorithms' generators. Every result is
+    checked (sum, mean, a non-contiguous array written back)."""
+    got = run_ranks(_now_paths, world, timeout=120, env=transport_env(transport))
+    shm = transport == "auto"
+    want = {"all_reduce_now": 3 if shm else 0,
+            "all_reduce_pair_now": 3 if not shm and world == 2 else 0, "barrier_now": 1}
+    assert got == [want] * world
+
+
 def _big(rank: int, world: int, mib: int) -> list[str]:
     n = (mib << 20) // 4
     rng = np.random.default_rng(1234 + rank)
