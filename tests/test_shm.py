@@ -290,6 +290,34 @@ def test_records_keep_their_order_past_a_full_ring(monkeypatch: pytest.MonkeyPat
             p.close()
 
 
+def test_an_abort_to_a_full_ring_follows_the_records_before_it() -> None:
+    """An abort (send_all) to a peer whose ring is full is kept after the records queued
+    before it, not dropped, and reaches the peer last once the peer reads."""
+    planes = _planes(_run_setups(2))
+    try:
+        (h0, p0), (_, p1) = planes
+        if not p0.ring_slots:
+            pytest.skip("records travel through the pipes on this machine")
+        count = p0.ring_slots + 3
+        for i in range(count):
+            _send(h0, p0, 1, i)
+        p0.send_all(int(wire.Kind.ABORT), _SIG, b"{}", 0)
+        assert len(p0.queued[1]) == 4
+        got = []
+        deadline = time.monotonic() + 5
+        while len(got) < count + 1 and time.monotonic() < deadline:
+            hdr = p1.next_header(0.01)
+            if hdr is not None:
+                p1.read_payload(hdr, None, lambda: None)
+                got.append((hdr.kind, hdr.tag))
+            p0.wait(0.001)
+        assert got == [(int(wire.Kind.DATA), i) for i in range(count)] + [
+            (int(wire.Kind.ABORT), 0)]
+    finally:
+        for _, p in planes:
+            p.close()
+
+
 @pytest.mark.waits  # bounds how long a sleeping rank takes to wake
 def test_a_sleeping_rank_is_woken_by_a_record() -> None:
     """A rank that gives up polling marks itself SLEEPING and blocks in its inbox; a peer

@@ -421,12 +421,18 @@ class ShmPlane:
         """Best effort: ``body`` to every peer's inbox (aborts, reports); never blocks."""
         record = wire.pack_header(kind, sig, self.rank, 0, 0, len(body), 0, group) + body
         if self.ring_slots:
+            # After the records queued for a peer (a full ring), in their order: they go
+            # out as the peer reads, while this rank waits (its failure's abort also goes
+            # through the TCP plane).
             record = record[:MAX_RECORD]
             for dst in self.outgoing:
                 with contextlib.suppress(Exception):
-                    if not self.queued.get(dst):
-                        self._put(dst, record[:_HEADER_SIZE], record[_HEADER_SIZE:],
-                                  len(record) - _HEADER_SIZE)
+                    if self.queued.get(dst):
+                        self._push(dst)
+                    if self.queued.get(dst):
+                        self.queued[dst].append(record)
+                    else:
+                        self._write(dst, record)
             return
         for fd in self.outboxes.values():
             with contextlib.suppress(OSError):
