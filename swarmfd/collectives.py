@@ -210,48 +210,47 @@ def _run(g: _group.Group, sig: Signature, make: Callable[[Op], Any] | None,
     engine = g._state.engine
     if not async_op and not engine.queues and not engine.p2p:  # (engine.idle())
         with engine.lock:  # the progress thread may be finishing its last step
-            return _inline(g, op, make, finish, _Label(sig.coll, g, g.seq))
+            return _blocking(g, ch, plane, _Label(sig.coll, g, g.seq), True, finish, _drive,
+                             op, make)
     work = engine.submit(g, op, make(op), _label(g, sig), finish)
     return work if async_op else work.wait()
 
 
-def _inline(g: _group.Group, op: Op, make: Callable[[Op], Any],
-            finish: Callable[[Any], Any] | None, label: Any, collective: bool = True) -> Any:
-    """A blocking call on the caller's thread (nothing else pending); ``collective``:
-    the group's next call (a point-to-point message is not one)."""
-    ch = op.channel
-    _begin(g, ch, op.plane, label, collective)
+def _blocking(g: _group.Group, ch: Any, plane: Any, label: Any, collective: bool,
+              finish: Callable[[Any], Any] | None, body: Callable[..., Any],
+              *args: Any) -> Any:
+    """A blocking call on the caller's thread (nothing else pending): ``body(*args)``
+    runs the call on ``plane``, then ``finish`` of its result gives the call's result;
+    ``collective``: the group's next call (a point-to-point message is not one). A
+    failure breaks the group, and the peers hear of it. Both the algorithms driven here
+    (:func:`_drive`) and the calls run without generators (:func:`_run_now`) pass."""
+    if collective:
+        ch.calls[g.gid] = g.seq  # ch.begin(g.gid, g.seq), without the call
+    ch._group = g.gid  # ch.set_group(g.gid)
+    ch.activity = label
+    ch.p2p = not collective
     try:
-        result = run(op, make(op))
+        if len(ch.planes) > 1:
+            # Aborts may come on another plane than this call's: now and then read what
+            # waits there (a wait reads every plane between its slices anyway).
+            ch.service_others(plane)
+        result = body(*args)
         ch.flush()
         return finish(result) if finish is not None else result
     except BaseException as exc:
-        _failed(g, ch, exc, collective)
+        g.broken, g.broken_from = exc, 0
+        # The last call this rank finished: the one before a failed collective, the
+        # latest one before a failed point-to-point message.
+        ch.abort(exc, g.gid, g.seq - 1 if collective else g.seq)
         raise
     finally:
         ch.activity = "idle"
         ch.p2p = False
 
 
-def _begin(g: _group.Group, ch: Any, plane: Any, label: Any, collective: bool) -> None:
-    """The channel's state for a blocking call of ``g`` on the caller's thread."""
-    if collective:
-        ch.calls[g.gid] = g.seq  # ch.begin(g.gid, g.seq), without the call
-    ch._group = g.gid  # ch.set_group(g.gid)
-    ch.activity = label
-    ch.p2p = not collective
-    if len(ch.planes) > 1:
-        # Aborts may come on another plane than this call's: now and then read what
-        # waits there (a wait reads every plane between its slices anyway).
-        ch.service_others(plane)
-
-
-def _failed(g: _group.Group, ch: Any, exc: BaseException, collective: bool) -> None:
-    """A blocking call of ``g`` failed with ``exc``: the group breaks, and the peers hear."""
-    g.broken, g.broken_from = exc, 0
-    # The last call this rank finished: the one before a failed collective, the latest
-    # one before a failed point-to-point message.
-    ch.abort(exc, g.gid, g.seq - 1 if collective else g.seq)
+def _drive(op: Op, make: Callable[[Op], Any]) -> Any:
+    """Drive the algorithm ``make(op)`` gives on the caller's thread; its result."""
+    return run(op, make(op))
 
 
 def _plane_now(g: _group.Group) -> Any:
@@ -272,10 +271,10 @@ def _run_now(g: _group.Group, plane: Any, sig: Signature, body: Callable[..., No
     """The group's next call on ``plane`` (from :func:`_plane_now`) as ``body(channel,
     plane, ranks, me, gid, seq, sig, *args)``, a function that sends and waits for its
     messages at once; the rest (the group's call count, the channel's state, failures)
-    as :func:`_run`'s blocking call. For the small calls whose time is mostly Python
-    steps: those of the generic path (the call's Op, its algorithm's generators and
-    the loop that drives them, a function each) were a fifth of a 4 KiB all_reduce on
-    shared memory at N=2: back to back 20.0-22.9 us a call against 27.5-29.9 us (5
+    as :func:`_run`'s blocking call (:func:`_blocking`). For the small calls whose time
+    is mostly Python steps: those of the generic path (the call's Op, its algorithm's
+    generators and the loop that drives them, a function each) were a fifth of a 4 KiB
+    all_reduce on shared memory at N=2: back to back 20.0-22.9 us a call against 27.5-29.9 us (5
     alternated jobs, 2026-12-05); compare.py, 6 interleaved runs, medians of the
     per-run time ratios: shared memory N=2 0.84, 0.77 and 0.86 at 4, 64 and 256 KiB,
     N=4 0.69 at 64 KiB; two ranks over TCP 0.95, 0.93 and 0.76
@@ -283,16 +282,8 @@ def _run_now(g: _group.Group, plane: Any, sig: Signature, body: Callable[..., No
     g.seq += 1
     ch = g.channel
     with g._state.engine.lock:  # the progress thread may be finishing its last step
-        _begin(g, ch, plane, _Label(sig.coll, g, g.seq), True)
-        try:
-            body(ch, plane, g.ranks, g.rank, g.gid, g.seq, sig, *args)
-            ch.flush()
-        except BaseException as exc:
-            _failed(g, ch, exc, True)
-            raise
-        finally:
-            ch.activity = "idle"
-            ch.p2p = False
+        _blocking(g, ch, plane, _Label(sig.coll, g, g.seq), True, None, body, ch, plane,
+                  g.ranks, g.rank, g.gid, g.seq, sig, *args)
 
 
 def _broken(g: _group.Group) -> BaseException:
@@ -1115,7 +1106,7 @@ def _p2p(g: _group.Group, x: Any, peer: int, tag: Any, sending: bool,
     engine = g._state.engine
     if not async_op and engine.idle():
         with engine.lock:
-            return _inline(g, op, lambda _: gen, finish, label, collective=False)
+            return _blocking(g, op.channel, op.plane, label, False, finish, run, op, gen)
     work = engine.submit(g, op, gen, label, finish, p2p=True)
     return work if async_op else work.wait()
 

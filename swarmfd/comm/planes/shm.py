@@ -308,13 +308,15 @@ class ShmPlane:
             if size > MAX_RECORD - _HEADER_SIZE:
                 raise ValueError(f"swarmfd bug: a shared-memory record of "
                                  f"{size + _HEADER_SIZE} bytes exceeds {MAX_RECORD}")
-            if (not self.queued or not self.queued.get(dst)) and self._put(dst, header, payload,
-                                                                           size):
+            queue = self.queued.get(dst)
+            if not queue and self._put(dst, header, payload, size):
                 return
-            # The ring is full (the peer is behind): keep the record, in order.
+            # The ring is full (the peer is behind): keep the record, in order, and push
+            # what waited before it (a ring that was just found full is not tried again).
             self.queued.setdefault(dst, collections.deque()).append(
                 header + _contiguous(payload).tobytes())
-            self._push(dst)
+            if queue:
+                self._push(dst)
             return
         try:
             record = _join((header, payload))  # one copy
