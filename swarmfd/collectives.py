@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from . import group as _group
+from . import prepared as _prepared
 from .algorithms import p2p as _p2p_algo
 from .algorithms import select
 from .algorithms.base import Op, Parts, divide_by, run
@@ -476,6 +477,10 @@ def all_reduce(x: T, op: str = "sum", *, group: Any = None, async_op: bool = Fal
     ``async_op=True`` returns a :class:`swarmfd.Work` whose ``wait()`` returns ``x``.
     """
     g = _group.resolve_group(group, "all_reduce()")
+    if not async_op and type(x) is np.ndarray and type(op) in _PREPARED_OPS:
+        lane = g.prepared.get((x.shape, x.dtype, op))  # (see swarmfd.prepared)
+        if lane is not None and lane.run(x):
+            return x
     rop, mean = _parse_op(op, "all_reduce")
     wire_op = ReduceOp.MEAN if mean else rop
 
@@ -503,10 +508,18 @@ def all_reduce(x: T, op: str = "sum", *, group: Any = None, async_op: bool = Fal
                          2 if mean else 0)
             if write_back is not None:
                 write_back()
+            elif type(x) is np.ndarray and type(op) in _PREPARED_OPS:
+                _prepared.keep(g, (x.shape, x.dtype, op), _prepared.for_all_reduce(
+                    g, plane, sig, _Label(sig.coll, g, 0), x, _UFUNCS[rop],
+                    g.size if mean else 0))
             return x
     return _run(g, sig, lambda o: _all_reduce_algo(o, flat, rop, mean, g.two_level()),
                 _returns(x, write_back), async_op)
 
+
+#: The types of op a prepared call is kept for (the op is part of its key; see
+#: swarmfd.prepared).
+_PREPARED_OPS = frozenset((str, ReduceOp))
 
 #: Up to this many bytes a blocking all_reduce runs without generators (:func:`_run_now`)
 #: on shared memory (one round after one barrier, as the algorithm's) and between two
@@ -725,9 +738,14 @@ def barrier(*, group: Any = None, async_op: bool = False) -> Work | None:
     that completes then)."""
     g = _group.resolve_group(group, "barrier()")
     if not async_op:
+        lane = g.prepared.get(_BARRIER)  # (see swarmfd.prepared)
+        if lane is not None and lane.run(None):
+            return None
         plane = _plane_now(g)
         if plane is not None:
             _run_now(g, plane, _BARRIER, select.tcp.barrier_now)
+            _prepared.keep(g, _BARRIER, _prepared.for_barrier(g, plane, _BARRIER,
+                                                        _Label(_BARRIER.coll, g, 0)))
             return None
     return _run(g, _BARRIER, lambda o: select.tcp.barrier(o, 0), None, async_op)
 

@@ -178,6 +178,8 @@ class Group:
         for g in range(self.size):
             self.by_host.setdefault(hosts[self.ranks[g]], []).append(g)
         self._two_level: Any = None  # (layout, shm plane) or False, once known
+        #: The group's prepared small calls (swarmfd.prepared), by the call's key.
+        self.prepared: dict[Any, Any] = {}
 
     def __repr__(self) -> str:
         return (f"swarmfd.Group({self.name}, rank {self.rank} of {self.size}, "
@@ -235,6 +237,12 @@ class Group:
         r = self.shm_round
         self.shm_round = r + 1
         return self._area_at + (r % _SLOTS) * _SEGMENT_BYTES
+
+    def slot_offset(self, k: int) -> int:
+        """Byte offset of slot ``k`` (modulo the slots) of the group's shared-memory area:
+        round r's is slot r (see :meth:`next_slot`)."""
+        assert self.area is not None, "a group without a shared-memory area (a bug)"
+        return self._area_at + (k % _SLOTS) * _SEGMENT_BYTES
 
     def scratch(self, dtype: np.dtype, count: int) -> np.ndarray:
         """A reusable flat buffer (for fusing lists of arrays) of at least ``count`` items."""
@@ -845,6 +853,8 @@ def cleanup() -> None:
         return
     if s.engine is not None:
         s.engine.close()
+    for g in s.groups.values():
+        g.prepared.clear()  # their views of the segments, which close now
     t = s.transport
     if any(g.broken is not None for g in s.groups.values()):
         # A failed group: give the abort messages queued behind unsent data a moment to

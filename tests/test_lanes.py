@@ -1,4 +1,5 @@
-"""The socket data plane (swarmfd/lanes.py): selection, setup, handshake, framing, flow.
+"""The socket data plane (swarmfd/comm/planes/socket.py): selection, setup, handshake,
+framing, flow.
 
 Most tests build two :class:`Transport` objects in this process (one thread
 connects each, as two ranks would) and talk to them directly, so that a test can

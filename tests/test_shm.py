@@ -42,7 +42,7 @@ from swarmfd.comm import shm_setup as shm
 from swarmfd.comm import wire
 from swarmfd.comm.channel import LOST_PEER_GRACE, Channel
 from swarmfd.comm.planes.shm import ShmPlane
-from swarmfd.errors import CollectiveTimeout, PeerLostError
+from swarmfd.errors import CollectiveTimeout, MismatchError, PeerLostError
 
 from .robust_harness import RankCtx, Ranks, error_info, record
 
@@ -1177,3 +1177,50 @@ def test_a_bad_swarmfd_cma_fails_init_at_once_naming_it(monkeypatch: pytest.Monk
     with pytest.raises(ConfigError, match="SWARMFD_CMA"):
         fd.init(world_size=2, rank=0, master_addr="127.0.0.1", master_port=1,
                 secret="0123456789abcdef" * 3)
+
+
+def test_a_bare_header_goes_through_the_rings_in_a_few_steps_or_not_at_all() -> None:
+    """put_header adds a record of no payload that the peer's receive reads as a send's;
+    take_header takes the peer's next record only when it is the one expected, byte for
+    byte, and otherwise leaves it (and everything else) for the channel's receive: a
+    record of another call, a signature that differs, records read already, an empty
+    ring; put_header refuses a full ring (the record then goes through send)."""
+    planes = _planes(_run_setups(2))
+    try:
+        (h0, p0), (h1, p1) = planes
+        if not p0.ring_slots:
+            pytest.skip("records travel through the pipes on this machine")
+
+        def header(src: int, seq: int, sig: wire.Signature = _SIG) -> bytes:
+            return wire.pack_header(int(wire.Kind.DATA), sig, src, seq, 0, 0, 0, 0)
+
+        # A put record is what the channel's receive expects from a send.
+        assert p0.put_header(1, header(0, 1))
+        assert _recv(h1, p1, 0, 0) == b""
+        # The expected record is taken; the ring is then empty (a few polls, then False).
+        assert p0.put_header(1, header(0, 2))
+        assert p1.take_header(0, header(0, 2), 0)
+        assert not p1.take_header(0, header(0, 3), 50)
+        assert p1.next_header(0) is None
+        # Another call's record, or the same call under another signature, stays put,
+        # and the channel's receive reads it as what it is.
+        other = wire.Signature(wire.Collective.ALL_REDUCE, wire.ReduceOp.SUM, 1, count=4)
+        assert p0.put_header(1, header(0, 1, other))
+        assert not p1.take_header(0, header(0, 2), 10)
+        assert not p1.take_header(0, header(0, 1), 10)
+        with pytest.raises(MismatchError, match="all_reduce"):
+            _recv(h1, p1, 0, 0)
+        # Records read already come first: take_header leaves them to the receive.
+        _send(h0, p0, 1, 5)
+        assert p0.put_header(1, header(0, 1))
+        p1.next_header(0)  # reads both, takes the first
+        assert p1.records and not p1.take_header(0, header(0, 1), 10)
+        p1.records.clear()
+        # A full ring: put_header refuses, and send keeps the record in order.
+        for _ in range(p0.ring_slots):
+            assert p0.put_header(1, header(0, 9))
+        assert not p0.put_header(1, header(0, 9))
+        assert not p0.queued and p0.outgoing[1].count - p1.incoming[0].count == p0.ring_slots
+    finally:
+        for _, p in planes:
+            p.close()

@@ -182,6 +182,7 @@ class ShmPlane:
         self.ring_slots = ring_slots(len(self.ranks))
         self.outgoing: dict[int, _Ring] = {}
         self.incoming: list[_Ring] = []
+        self.incoming_from: dict[int, _Ring] = {}
         self._buffers: list[memoryview] = []
         if self.ring_slots:
             self._rings()
@@ -229,6 +230,7 @@ class ShmPlane:
             self.incoming.append(_Ring(r, ring_at(me), head, data[r],
                                        _LINE_WORDS * (1 + RING_MAX_RANKS + i), words[r],
                                        _LINE_WORDS * (1 + me)))
+            self.incoming_from[r] = self.incoming[-1]
 
     # -- segments -----------------------------------------------------------------------
 
@@ -366,6 +368,61 @@ class ShmPlane:
         _fence()
         if ring.peer_words[0]:
             self._wake(dst)
+        return True
+
+    def put_header(self, dst: int, header: bytes) -> bool:
+        """Add a record of no payload, ``header`` (packed), to the ring towards ``dst``
+        at once, as :meth:`send` would (a prepared call's, :mod:`swarmfd.prepared`);
+        False, having done nothing, where :meth:`send` must sort it out: no ring, records
+        waiting before it (a ring was full), a full ring, a peer gone."""
+        if self.queued or dst in self.owner.lost:
+            return False
+        ring = self.outgoing.get(dst)
+        if ring is None:
+            return False
+        count = ring.count
+        slots = self.ring_slots
+        if count - ring.seen >= slots:
+            ring.seen = ring.peer_words[ring.peer_counter]
+            if count - ring.seen >= slots:
+                return False
+        at = ring.at + (count % slots) * MAX_RECORD
+        self.data[at:at + _HEADER_SIZE] = header
+        ring.count = count + 1
+        self.words[ring.counter] = count + 1
+        _fence()
+        if ring.peer_words[0]:
+            self._wake(dst)
+        return True
+
+    def take_header(self, src: int, expected: bytes, polls: int) -> bool:
+        """Take ``src``'s next record when it is the record of no payload ``expected``
+        (a packed header, byte for byte), looking up to ``polls`` more times while its
+        ring is empty: what the channel's receive of that message would do, in a few
+        steps (a prepared call's, :mod:`swarmfd.prepared`). False, having taken nothing,
+        otherwise: records read already and not yet taken, an empty ring, another
+        record (another call's, a mismatch, an abort: the channel's receive handles it),
+        a counter out of bounds (the receive reports it)."""
+        if self.records:
+            return False
+        ring = self.incoming_from.get(src)
+        if ring is None:
+            return False
+        count = ring.count
+        words, pc = ring.peer_words, ring.peer_counter
+        end = words[pc]
+        while end == count:
+            polls -= 1
+            if polls < 0:
+                return False
+            end = words[pc]
+        if not 0 < end - count <= self.ring_slots:
+            return False
+        at = ring.at + (count % self.ring_slots) * MAX_RECORD
+        if ring.data[at:at + _HEADER_SIZE] != expected:
+            return False
+        ring.count = count + 1
+        self.words[ring.counter] = count + 1
         return True
 
     def _wake(self, dst: int) -> None:
@@ -588,7 +645,7 @@ class ShmPlane:
         self.closed = True
         if self.ring_slots:
             self.words[0] = GONE  # peers that add a record now write to the closed inbox
-            self.outgoing, self.incoming = {}, []
+            self.outgoing, self.incoming, self.incoming_from = {}, [], {}
             self.data = self.words = None  # type: ignore[assignment]
             for buf in self._buffers:
                 buf.release()

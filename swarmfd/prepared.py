@@ -1,0 +1,227 @@
+"""Prepared calls: a group's small blocking calls, worked out once, then run in a few steps.
+
+A training loop repeats the same small calls thousands of times (a loss's all_reduce, a
+metric's, a barrier), and on shared memory such a call's time is the ranks' own Python:
+at N=2 a 4 KiB all_reduce took 20-23 us back to back (2026-12-05) where the steps it
+needs (copy in, publish, wait for the peer, add) take 4.8 us in a bare two-process loop.
+The rest was working out, call after call, what the previous call had worked out: the
+op, the signature, the plane, the slot's views, the records' headers, and the layers
+that pass them on.
+
+A prepared call is made when such a call first ran by the general path
+(:func:`swarmfd.collectives._run_now`), and the group keeps it under the call's key (the
+array's shape and dtype and the op as given). It holds the call's signature, its ufunc,
+the views of every member's slots and its barrier's records, packed but for the call's
+number. :meth:`Prepared.run` checks that it still applies (the group whole, nothing pending
+on the progress engine, the array contiguous and writable), and then does the steps.
+
+The messages are the general path's byte for byte (the same records, tags, slots and
+bits): a member that runs a prepared call meets one that runs the generators, call by call.
+Anything unusual goes the general way, which reports it as always:
+
+* a record that is not the one expected (another call's, a signature that differs, an
+  abort) stays in its ring for the channel's receive, which raises the mismatch or the
+  abort, or keeps another call's record for later;
+* a full ring, or records already queued, and the record goes through ``plane.send``
+  (and the call flushes);
+* a rank that polled a ring in vain for a few microseconds waits in the channel's
+  receive: it polls, then sleeps, with the call's timeout and the peers' liveness
+  checked as for any call.
+
+Between two ranks over TCP (the socket and zmq planes) a prepared call skips the
+preparation
+only: the exchange is the general path's function.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .algorithms import tcp as _tcp
+from .algorithms.base import divide_by, reduce_in_order
+from .comm import spin as _spin
+from .comm import wire
+from .comm.planes.shm import SLOTS
+
+if TYPE_CHECKING:
+    from .group import Group
+
+__all__ = ["MAX_PREPARED", "POLLS", "NowCall", "Prepared", "ShmCall", "for_all_reduce",
+           "for_barrier", "keep"]
+
+#: Prepared calls a group keeps (then it forgets them all): a training loop's small calls
+#: take a few shapes; a loop over many shapes gains little from them anyway.
+MAX_PREPARED = 64
+#: Looks at a peer's ring for its record before the call waits in the channel's receive
+#: (which polls on, then sleeps). A look costs about 0.07 us here: these are 10-20 us,
+#: what a peer that runs the same call a step behind needs to catch up.
+POLLS = 200
+_DATA = wire.Kind.DATA
+#: Where a header carries the call's number (wire.HEADER: magic, version, kind, coll,
+#: op, dtype, flags, src, root, then seq).
+_SEQ_AT = 14
+_SEQ_END = _SEQ_AT + 4
+
+
+class Prepared:
+    """A prepared blocking call of one group on one plane (see module docstring): the
+    group's call count, the channel's state and failures as
+    ``swarmfd.collectives._blocking``'s; the call itself is :meth:`body`."""
+
+    __slots__ = ("channel", "engine", "group", "label", "others", "plane", "sig")
+
+    def __init__(self, group: Group, plane: Any, sig: wire.Signature, label: Any) -> None:
+        self.group = group
+        self.plane = plane
+        self.sig = sig
+        self.engine = group._state.engine
+        self.channel = group.channel
+        #: Whether aborts may come on another plane (read now and then, as every call).
+        self.others = len(self.channel.planes) > 1
+        #: What the call is for error messages (a swarmfd.collectives._Label, its seq
+        #: set by each run: it is formatted only while the call runs).
+        self.label = label
+
+    def run(self, x: np.ndarray | None) -> bool:
+        """Run the call on ``x`` (None: a barrier); False, having done nothing, when the
+        prepared call does not apply now: the caller runs the call the general way."""
+        g, engine = self.group, self.engine
+        if g.broken is not None or engine.queues or engine.p2p or g._plane[2] is not self.plane:
+            return False
+        if x is not None:
+            flags = x.flags
+            if not (flags.c_contiguous and flags.writeable):
+                return False
+        g.seq = seq = g.seq + 1
+        ch, gid = self.channel, g.gid
+        self.label.seq = seq
+        with engine.lock:  # the progress thread may be finishing its last step
+            ch.calls[gid] = seq  # (swarmfd.collectives._blocking, written out)
+            ch._group = gid
+            ch.activity = self.label
+            ch.p2p = False
+            try:
+                if self.others:
+                    ch.service_others(self.plane)
+                self.body(x, seq)
+            except BaseException as exc:
+                g.broken, g.broken_from = exc, 0
+                ch.abort(exc, gid, seq - 1)
+                raise
+            finally:
+                ch.activity = "idle"
+        return True
+
+    def body(self, x: np.ndarray | None, seq: int) -> None:
+        """The call number ``seq`` on ``x``."""
+        raise NotImplementedError
+
+
+class ShmCall(Prepared):
+    """all_reduce (``x`` of the shape and dtype it was made for) or barrier
+    (``x`` None) on the shared-memory plane's record rings: the one-barrier path of
+    :func:`swarmfd.algorithms.shm.all_reduce_now`, whose slots, records and bits these
+    are."""
+
+    __slots__ = ("divide", "me", "regions", "rounds", "ufunc")
+
+    def __init__(self, group: Group, plane: Any, sig: wire.Signature, label: Any,
+                 like: np.ndarray | None = None, ufunc: np.ufunc | None = None,
+                 divide: int = 0) -> None:
+        super().__init__(group, plane, sig, label)
+        self.me, self.ufunc, self.divide = group.rank, ufunc, divide
+        #: Every member's view of each slot of the group's area, shaped like ``like``
+        #: (slot k: the rounds r with r % SLOTS == k, as Group.next_slot).
+        self.regions: list[list[np.ndarray]] = [] if like is None else [
+            [plane.region(r, group.slot_offset(k), like.dtype, like.size).reshape(like.shape)
+             for r in group.ranks] for k in range(SLOTS)]
+        #: The dissemination barrier's rounds (algorithms.tcp.barrier): peer to send to,
+        #: peer to hear from, tag, and the two records' headers cut around the call's
+        #: number.
+        self.rounds: list[tuple[int, int, int, bytes, bytes, bytes, bytes]] = []
+        world, n, me, gid = group.ranks, group.size, group.rank, group.gid
+        d, step = 1, 0
+        while d < n:
+            dst, src = world[(me + d) % n], world[(me - d) % n]
+            out = wire.pack_header(_DATA, sig, world[me], 0, step, 0, 0, gid)
+            into = wire.pack_header(_DATA, sig, src, 0, step, 0, 0, gid)
+            self.rounds.append((dst, src, step, out[:_SEQ_AT], out[_SEQ_END:],
+                                into[:_SEQ_AT], into[_SEQ_END:]))
+            d, step = d * 2, step + 1
+
+    def body(self, x: np.ndarray | None, seq: int) -> None:
+        plane, g = self.plane, self.group
+        if x is not None:
+            r = g.shm_round  # (Group.next_slot, written out)
+            g.shm_round = r + 1
+            regions = self.regions[r % SLOTS]
+            regions[self.me][...] = x
+        number = (seq & 0xFFFFFFFF).to_bytes(4, "little")
+        polls = POLLS if (_spin.ENABLED and not _spin.YIELD
+                          and plane.spinner.misses < _spin.MAX_MISSES) else 0
+        queued = False
+        for dst, src, tag, out_head, out_tail, in_head, in_tail in self.rounds:
+            if not plane.put_header(dst, out_head + number + out_tail):
+                plane.send(dst, _DATA, self.sig, seq, tag, b"", 0, False, g.gid)
+                queued = True
+            if not plane.take_header(src, in_head + number + in_tail, polls):
+                self.channel.recv_key(plane, (g.gid, src, seq & 0xFFFFFFFF, tag), self.sig,
+                                      0, None)
+        if queued:
+            self.channel.flush()
+        if x is not None:
+            reduce_in_order(x, regions, self.ufunc)  # type: ignore[arg-type]
+            if self.divide:
+                divide_by(x, self.divide)
+
+
+class NowCall(Prepared):
+    """all_reduce of two ranks over TCP (``x`` as it was made for), or a barrier
+    on a plane without record rings (``ufunc`` None): the general path's functions
+    (:func:`swarmfd.algorithms.tcp.all_reduce_pair_now`, ``barrier_now``), without the
+    preparation."""
+
+    __slots__ = ("divide", "ufunc")
+
+    def __init__(self, group: Group, plane: Any, sig: wire.Signature, label: Any,
+                 ufunc: np.ufunc | None = None, divide: int = 0) -> None:
+        super().__init__(group, plane, sig, label)
+        self.ufunc, self.divide = ufunc, divide
+
+    def body(self, x: np.ndarray | None, seq: int) -> None:
+        g, ch = self.group, self.channel
+        if x is None:
+            _tcp.barrier_now(ch, self.plane, g.ranks, g.rank, g.gid, seq, self.sig)
+        else:
+            _tcp.all_reduce_pair_now(ch, self.plane, g.ranks, g.rank, g.gid, seq, self.sig,
+                                     x.reshape(-1), self.ufunc, self.divide)
+        ch.flush()
+
+
+def for_all_reduce(group: Group, plane: Any, sig: wire.Signature, label: Any,
+                   like: np.ndarray, ufunc: np.ufunc, divide: int) -> Prepared | None:
+    """The prepared call for a blocking all_reduce of arrays like ``like`` on ``plane`` (one the
+    general path runs without generators), or None where none applies."""
+    if plane.kind == "shm":
+        return ShmCall(group, plane, sig, label, like, ufunc, divide) \
+            if plane.ring_slots else None
+    return NowCall(group, plane, sig, label, ufunc, divide) if group.size == 2 else None
+
+
+def for_barrier(group: Group, plane: Any, sig: wire.Signature, label: Any) -> Prepared:
+    """The prepared call for a blocking barrier on ``plane``."""
+    if plane.kind == "shm" and plane.ring_slots:
+        return ShmCall(group, plane, sig, label)
+    return NowCall(group, plane, sig, label)
+
+
+def keep(group: Group, key: Any, call: Prepared | None) -> None:
+    """Keep ``call`` for the group's calls of ``key`` (at most MAX_PREPARED)."""
+    if call is None:
+        return
+    prepared = group.prepared
+    if len(prepared) >= MAX_PREPARED:
+        prepared.clear()
+    prepared[key] = call

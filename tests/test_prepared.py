@@ -1,0 +1,211 @@
+"""Prepared small calls (swarmfd/prepared.py) on real ranks: taken where they apply and
+only there, the general path's bits, members on different paths in one call, a
+mismatch and a lost peer reported as on the general path."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import swarmfd as fd
+
+from .harness import allowed, error_info, run_ranks, run_ranks_raw, stall_meter, transport_env
+
+#: Planes: shared memory (one host), the socket plane, the zmq plane.
+TRANSPORTS = ["shm", "tcp", "zmq"]
+#: (dtype, shape, op): the dtype groups, 0-d to 2-d, every op.
+CASES = [
+    (np.float32, (1000,), "sum"),
+    (np.float64, (3, 5), "mean"),
+    (np.float16, (7,), "max"),
+    (np.int64, (), "sum"),
+    (np.int32, (64, 64), "prod"),
+    (np.uint8, (33,), "min"),
+    (np.complex64, (4,), "sum"),
+]
+#: Repetitions of each call: the first runs the general path and prepares the rest.
+REPEATS = 4
+
+
+def _count_prepared() -> dict[str, int]:
+    """Count the prepared calls' runs in this rank (by class)."""
+    from swarmfd import prepared
+
+    counts = {"ShmCall": 0, "NowCall": 0}
+    for cls in (prepared.ShmCall, prepared.NowCall):
+        def counting(self: Any, x: Any, seq: int, _body: Any = cls.body,
+                     _name: str = cls.__name__) -> None:
+            counts[_name] += 1
+            _body(self, x, seq)
+        cls.body = counting  # type: ignore[method-assign]
+    return counts
+
+
+def _value(rank: int, rep: int, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
+    rng = np.random.default_rng([rank, rep, len(shape)])
+    if np.dtype(dtype).kind in "fc":
+        x = rng.standard_normal(shape) * 3
+        if np.dtype(dtype).kind == "c":
+            x = x + 1j * rng.standard_normal(shape)
+    else:
+        x = rng.integers(1, 4, size=shape)
+    return np.asarray(x).astype(dtype)
+
+
+def _expected(world: int, rep: int, dtype: Any, shape: tuple[int, ...], op: str) -> np.ndarray:
+    """Every rank's value reduced in rank order (as every plane's all_reduce does)."""
+    ufunc = {"sum": np.add, "mean": np.add, "prod": np.multiply, "max": np.maximum,
+             "min": np.minimum}[op]
+    acc = _value(0, rep, dtype, shape).copy()
+    for r in range(1, world):
+        acc = ufunc(acc, _value(r, rep, dtype, shape)).astype(dtype)
+    if op == "mean":
+        acc = (acc / np.asarray(world, dtype)).astype(dtype)
+    return acc
+
+
+def _paths(rank: int, world: int) -> dict[str, Any]:
+    """Each case REPEATS times, then barriers: every result checked against the rank-order
+    reduction and against the general path's (a list of the one array takes it)."""
+    counts = _count_prepared()
+    digest = hashlib.sha256()
+    for dtype, shape, op in CASES:
+        for rep in range(REPEATS):
+            x = _value(rank, rep, dtype, shape)
+            general = [x.copy()]
+            assert fd.all_reduce(x, op=op) is x
+            fd.all_reduce(general, op=op)
+            assert x.tobytes() == general[0].tobytes(), (dtype, shape, op, rep)
+            want = _expected(world, rep, dtype, shape, op)
+            if op == "mean":
+                np.testing.assert_allclose(x, want, rtol=1e-3)
+            else:
+                np.testing.assert_array_equal(x, want)
+            digest.update(x.tobytes())
+    for _ in range(REPEATS):
+        fd.barrier()
+    return {**counts, "digest": digest.hexdigest()}
+
+
+@pytest.mark.parametrize(("world", "transport"),
+                         [(2, "shm"), (3, "shm"), (4, "shm"), (2, "tcp"), (3, "tcp"),
+                          (2, "zmq")])
+def test_prepared_calls_run_where_they_apply_with_the_general_paths_bits(
+        world: int, transport: str) -> None:
+    """After its first call, a repeated small blocking all_reduce runs prepared on shared
+    memory and between two ranks over TCP, a barrier on every plane; the results are
+    the general path's, bit for bit, identical on every rank."""
+    got = run_ranks(_paths, world, timeout=180, env=transport_env(transport))
+    assert len({g["digest"] for g in got}) == 1
+    # (An array of fewer items than ranks is not a small call: the general path only.)
+    repeated = sum(REPEATS - 1 for _, shape, _ in CASES if int(np.prod(shape)) >= world)
+    shm = transport == "shm"
+    want = {"ShmCall": repeated + REPEATS - 1 if shm else 0,
+            "NowCall": 0 if shm else (repeated if world == 2 else 0) + REPEATS - 1}
+    assert [{k: g[k] for k in want} for g in got] == [want] * world
+
+
+def test_without_polling_prepared_calls_wait_as_any_call() -> None:
+    """SWARMFD_SPIN=0: a prepared call that finds no record at once waits in the channel's
+    receive, which blocks at once; results as ever."""
+    got = run_ranks(_paths, 3, timeout=180, env={**transport_env("shm"), "SWARMFD_SPIN": "0"})
+    assert len({g["digest"] for g in got}) == 1 and got[0]["ShmCall"] > 0
+
+
+def _mixed(rank: int, world: int) -> dict[str, Any]:
+    """Call by call, one member takes the general path (a non-contiguous array, written
+    back; or an async call, driven by the progress engine), the others a prepared call:
+    the same messages, so they meet; every result checked."""
+    counts = _count_prepared()
+    n = 300
+    base = np.arange(n, dtype=np.float32)
+    for i in range(60):
+        odd = i % world == rank
+        x = base * (rank + 1) + i
+        if odd and i % 2:
+            grid = np.zeros((n, 2), np.float32)
+            grid[:, 0] = x
+            view = grid[:, 0]  # not contiguous: the general path, written back
+            fd.all_reduce(view)
+            got = grid[:, 0]
+        elif odd:
+            got = fd.all_reduce(x, async_op=True).wait()
+        else:
+            got = fd.all_reduce(x)
+        want = base * sum(range(1, world + 1)) + world * i
+        np.testing.assert_array_equal(got, want)
+        if i % 5 == 0:
+            if odd:
+                fd.barrier(async_op=True).wait()
+            else:
+                fd.barrier()
+    return counts
+
+
+@pytest.mark.parametrize(("world", "transport"), [(2, "shm"), (4, "shm"), (2, "tcp"),
+                                                  (2, "zmq")])
+def test_members_on_the_general_path_meet_members_on_prepared_calls(world: int,
+                                                                    transport: str) -> None:
+    got = run_ranks(_mixed, world, timeout=180, env=transport_env(transport))
+    key = "ShmCall" if transport == "shm" else "NowCall"
+    assert all(g[key] > 20 for g in got), got
+
+
+def _mismatch(rank: int, world: int) -> str:
+    """Both ops prepared on every rank, then rank 0 sums where the others take the max."""
+    x = np.ones(16, np.float32)
+    for _ in range(3):
+        fd.all_reduce(x, op="sum")
+        fd.all_reduce(x, op="max")
+    try:
+        fd.all_reduce(x, op="sum" if rank == 0 else "max")
+    except fd.MismatchError as exc:
+        return str(exc)
+    raise AssertionError("a mismatched prepared call returned")
+
+
+@pytest.mark.parametrize(("world", "transport"), [(2, "shm"), (3, "shm"), (2, "tcp")])
+def test_a_mismatch_between_prepared_calls_is_reported_on_every_rank(world: int,
+                                                                     transport: str) -> None:
+    got = run_ranks(_mismatch, world, timeout=120, env=transport_env(transport))
+    for message in got:
+        assert "op=sum" in message and "op=max" in message, message
+
+
+def _lost(rank: int, world: int) -> dict[str, Any]:
+    """Prepared on both ranks; then rank 1 dies and rank 0 calls again."""
+    x = np.ones(256, np.float32)
+    for _ in range(5):
+        fd.all_reduce(x)
+    fd.barrier()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.2)  # (the kill lands while rank 0 waits, or before)
+    start = time.monotonic()
+    try:
+        fd.all_reduce(x)
+        fd.all_reduce(x)
+    except Exception as exc:
+        return {**error_info(exc, start), "start": start}
+    raise AssertionError("all_reduce with a killed peer returned")
+
+
+@pytest.mark.waits  # bounds how long the loss takes to show
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_peer_killed_under_a_prepared_call_is_reported_fast(transport: str) -> None:
+    """A prepared all_reduce whose peer is killed raises a PeerLostError naming it within
+    2 s (the group timeout is 60 s), as the general path does."""
+    stall_meter()
+    out = run_ranks_raw(_lost, 2, timeout=120, group_timeout=60.0,
+                        env=transport_env(transport))
+    ok, info = out[0]
+    assert ok, info
+    assert "PeerLostError" in info["mro"] and "rank 1" in info["message"], info
+    limit, stalled = allowed(2.0, info["start"], info["t"])
+    assert info["elapsed"] < limit, f"{info['elapsed']:.2f} s{stalled}: {info['message']}"
