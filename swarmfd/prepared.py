@@ -48,12 +48,16 @@ from .comm.planes.shm import SLOTS
 if TYPE_CHECKING:
     from .group import Group
 
-__all__ = ["MAX_PREPARED", "POLLS", "NowCall", "Prepared", "ShmCall", "for_all_reduce",
-           "for_barrier", "keep"]
+__all__ = ["MAX_PREPARED", "POLLS", "TCP_POLLS", "NowCall", "PairCall", "Prepared",
+           "ShmCall", "for_all_reduce", "for_barrier", "keep"]
 
 #: Prepared calls a group keeps (then it forgets them all): a training loop's small calls
 #: take a few shapes; a loop over many shapes gains little from them anyway.
 MAX_PREPARED = 64
+#: Reads of a peer's connection that found nothing, before the call waits in the
+#: channel's receive (a read that finds nothing costs about 1.5 us here, an exception:
+#: these are 15-25 us, what a 4 KiB message over loopback takes to come).
+TCP_POLLS = 16
 #: Looks at a peer's ring for its record before the call waits in the channel's receive
 #: (which polls on, then sleeps). A look costs about 0.07 us here: these are 10-20 us,
 #: what a peer that runs the same call a step behind needs to catch up.
@@ -200,6 +204,53 @@ class NowCall(Prepared):
         ch.flush()
 
 
+class PairCall(Prepared):
+    """all_reduce of two ranks on the socket plane (``x`` as it was made for): the pair
+    exchange of :func:`swarmfd.algorithms.tcp.all_reduce_pair_now`, whose message and
+    bits these are, with the headers packed but for the call's number, and the peer's
+    payload reduced where it arrived (:meth:`SocketPlane.take_message`) when it is
+    there whole; otherwise the channel's receive."""
+
+    __slots__ = ("divide", "in_head", "in_tail", "nbytes", "out_head", "out_tail", "peer",
+                 "ufunc")
+
+    def __init__(self, group: Group, plane: Any, sig: wire.Signature, label: Any,
+                 like: np.ndarray, ufunc: np.ufunc, divide: int = 0) -> None:
+        super().__init__(group, plane, sig, label)
+        self.ufunc, self.divide, self.nbytes = ufunc, divide, like.nbytes
+        me = group.ranks[group.rank]
+        self.peer = group.ranks[1 - group.rank]
+        out = wire.pack_header(_DATA, sig, me, 0, 0, like.nbytes, 0, group.gid)
+        into = wire.pack_header(_DATA, sig, self.peer, 0, 0, like.nbytes, 0, group.gid)
+        self.out_head, self.out_tail = out[:_SEQ_AT], out[_SEQ_END:]
+        self.in_head, self.in_tail = into[:_SEQ_AT], into[_SEQ_END:]
+
+    def body(self, x: np.ndarray | None, seq: int) -> None:
+        assert x is not None
+        plane, peer, n = self.plane, self.peer, self.nbytes
+        number = (seq & 0xFFFFFFFF).to_bytes(4, "little")
+        flat = x.reshape(-1)
+        # Copied when the kernel does not take it all (copy=True): the peer may read it
+        # after this rank has written its result into x.
+        plane.send_packed(peer, self.out_head + number + self.out_tail, flat, n, True)
+        polls = TCP_POLLS if (_spin.ENABLED and not _spin.YIELD
+                              and plane.spinner.misses < _spin.MAX_MISSES) else 0
+        theirs: Any = plane.take_message(peer, self.in_head + number + self.in_tail, n, polls)
+        if theirs is None:
+            g = self.group
+            theirs = self.channel.recv_key(plane, (g.gid, peer, seq & 0xFFFFFFFF, 0),
+                                           self.sig, n, None)
+        other = np.frombuffer(theirs, flat.dtype, flat.size)
+        if self.group.rank == 0:  # rank order: the same bits on both
+            self.ufunc(flat, other, out=flat)
+        else:
+            self.ufunc(other, flat, out=flat)
+        if self.divide:
+            divide_by(flat, self.divide)
+        if plane.pending_bytes():
+            self.channel.flush()
+
+
 def for_all_reduce(group: Group, plane: Any, sig: wire.Signature, label: Any,
                    like: np.ndarray, ufunc: np.ufunc, divide: int) -> Prepared | None:
     """The prepared call for a blocking all_reduce of arrays like ``like`` on ``plane`` (one the
@@ -207,7 +258,11 @@ def for_all_reduce(group: Group, plane: Any, sig: wire.Signature, label: Any,
     if plane.kind == "shm":
         return ShmCall(group, plane, sig, label, like, ufunc, divide) \
             if plane.ring_slots else None
-    return NowCall(group, plane, sig, label, ufunc, divide) if group.size == 2 else None
+    if group.size != 2:
+        return None
+    if plane.name == "socket":
+        return PairCall(group, plane, sig, label, like, ufunc, divide)
+    return NowCall(group, plane, sig, label, ufunc, divide)
 
 
 def for_barrier(group: Group, plane: Any, sig: wire.Signature, label: Any) -> Prepared:

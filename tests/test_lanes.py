@@ -798,3 +798,42 @@ def test_a_plane_never_listens_on_a_port_the_launcher_reserved(plane: str) -> No
         assert _free_now(avoid.first), "the avoided port is still bound"
     finally:
         t.close(linger=0)
+
+
+def test_take_message_takes_only_the_expected_message_whole(pair: list[Endpoint]) -> None:
+    """send_packed sends what send would; take_message gives the payload of the peer's
+    next message only when its header is the one expected, byte for byte, and all of it
+    is here (reading what the kernel holds), and otherwise takes nothing: the
+    channel's receive then reads it as always (here: a mismatch, then the message)."""
+    t0, t1 = pair
+    p0, p1 = t0.ch, t1.ch
+
+    def header(src: int, seq: int, n: int, sig: wire.Signature = SIG) -> bytes:
+        return wire.pack_header(int(wire.Kind.DATA), sig, src, seq, 0, n, 0, 0)
+
+    body = os.urandom(5000)
+    p0.send_packed(1, header(0, 1, len(body)), body, len(body), False)
+    t0.flush()
+    got = None
+    for _ in range(1000):  # (loopback: here within microseconds)
+        got = p1.take_message(0, header(0, 1, len(body)), len(body), 10)
+        if got is not None:
+            break
+    assert got is not None and bytes(got) == body
+    assert p1.take_message(0, header(0, 2, 4), 4, 5) is None  # nothing sent
+    # Another call's header, or another signature: left for the receive.
+    other = wire.Signature(wire.Collective.ALL_REDUCE, wire.ReduceOp.SUM, 1, count=4)
+    p0.send_packed(1, header(0, 2, 4, other), b"abcd", 4, False)
+    t0.flush()
+    time.sleep(0.05)
+    assert p1.take_message(0, header(0, 3, 4), 4, 5) is None
+    assert p1.take_message(0, header(0, 2, 4), 4, 5) is None
+    with pytest.raises(MismatchError, match="all_reduce"):
+        t1.recv(0, SIG, 2, 0, 4)
+    # A message sent by send is taken alike; one too large for the buffer never is.
+    t0.send(1, SIG, 3, 0, b"wxyz")
+    t0.flush()
+    time.sleep(0.05)
+    assert p1.take_message(0, header(0, 3, 4), 4, 5) == b"wxyz"
+    big = lanes.RECV_BUFFER
+    assert p1.take_message(0, header(0, 4, big), big, 0) is None

@@ -37,8 +37,8 @@ def _count_prepared() -> dict[str, int]:
     """Count the prepared calls' runs in this rank (by class)."""
     from swarmfd import prepared
 
-    counts = {"ShmCall": 0, "NowCall": 0}
-    for cls in (prepared.ShmCall, prepared.NowCall):
+    counts = {"ShmCall": 0, "PairCall": 0, "NowCall": 0}
+    for cls in (prepared.ShmCall, prepared.PairCall, prepared.NowCall):
         def counting(self: Any, x: Any, seq: int, _body: Any = cls.body,
                      _name: str = cls.__name__) -> None:
             counts[_name] += 1
@@ -99,15 +99,18 @@ def _paths(rank: int, world: int) -> dict[str, Any]:
 def test_prepared_calls_run_where_they_apply_with_the_general_paths_bits(
         world: int, transport: str) -> None:
     """After its first call, a repeated small blocking all_reduce runs prepared on shared
-    memory and between two ranks over TCP, a barrier on every plane; the results are
-    the general path's, bit for bit, identical on every rank."""
+    memory (ShmCall) and between two ranks over TCP (PairCall on the socket plane,
+    NowCall on the zmq plane), a barrier on every plane; the results are the general
+    path's, bit for bit, identical on every rank."""
     got = run_ranks(_paths, world, timeout=180, env=transport_env(transport))
     assert len({g["digest"] for g in got}) == 1
     # (An array of fewer items than ranks is not a small call: the general path only.)
     repeated = sum(REPEATS - 1 for _, shape, _ in CASES if int(np.prod(shape)) >= world)
-    shm = transport == "shm"
-    want = {"ShmCall": repeated + REPEATS - 1 if shm else 0,
-            "NowCall": 0 if shm else (repeated if world == 2 else 0) + REPEATS - 1}
+    barriers = REPEATS - 1
+    pair = repeated if world == 2 else 0
+    want = {"shm": {"ShmCall": repeated + barriers, "PairCall": 0, "NowCall": 0},
+            "tcp": {"ShmCall": 0, "PairCall": pair, "NowCall": barriers},
+            "zmq": {"ShmCall": 0, "PairCall": 0, "NowCall": pair + barriers}}[transport]
     assert [{k: g[k] for k in want} for g in got] == [want] * world
 
 
@@ -153,7 +156,7 @@ def _mixed(rank: int, world: int) -> dict[str, Any]:
 def test_members_on_the_general_path_meet_members_on_prepared_calls(world: int,
                                                                     transport: str) -> None:
     got = run_ranks(_mixed, world, timeout=180, env=transport_env(transport))
-    key = "ShmCall" if transport == "shm" else "NowCall"
+    key = {"shm": "ShmCall", "tcp": "PairCall", "zmq": "NowCall"}[transport]
     assert all(g[key] > 20 for g in got), got
 
 

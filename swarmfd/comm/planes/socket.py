@@ -564,10 +564,17 @@ class SocketPlane:
     def send(self, dst: int, kind: int, sig: wire.Signature, seq: int, tag: int,
              payload: Any, size: int, copy: bool, group: int = 0) -> None:
         """Send one message to ``dst`` now, or queue what the kernel did not take."""
+        self.send_packed(dst, wire.pack_header(kind, sig, self.rank, seq, tag, size, 0, group),
+                         payload, size, copy)
+
+    def send_packed(self, dst: int, header: bytes, payload: Any, size: int,
+                    copy: bool) -> None:
+        """:meth:`send` of a message whose header is packed already (``header``: this
+        rank's, announcing ``size`` payload bytes; a prepared call's,
+        :mod:`swarmfd.prepared`)."""
         lane = self.lanes[dst]
         if lane.dead:
             return  # the receive side reports the loss
-        header = wire.pack_header(kind, sig, self.rank, seq, tag, size, 0, group)
         view = memoryview(payload).cast("B") if size else None
         if lane.out:
             lane.out.append([memoryview(header), False])
@@ -658,6 +665,46 @@ class SocketPlane:
             if lane.hdr is None and not lane.busy and not lane.dead:
                 self._pump(lane)
         return self._progress(timeout, until_sent=False)
+
+    def take_message(self, src: int, expected: bytes, nbytes: int,
+                     polls: int) -> memoryview | None:
+        """``src``'s next message when its header is ``expected`` (packed, byte for byte)
+        and its ``nbytes`` of payload fit the connection's buffer: a view of the payload
+        there, valid until this plane reads again; what the channel's receive of that
+        message would give, in a few steps (a prepared call's, :mod:`swarmfd.prepared`).
+        Reads what the kernel holds, up to ``polls`` more times while nothing came. None,
+        having taken nothing, otherwise: headers parsed already and not yet taken, a
+        payload being read, another message first (another call's, a mismatch, an
+        abort), a lost connection, not all of it here yet. What it read stays in the
+        buffer, where the channel's receive parses it as always."""
+        lane = self.lanes.get(src)
+        need = wire.HEADER_SIZE + nbytes
+        if (lane is None or self.ready or lane.hdr is not None or lane.busy or lane.dead
+                or need > RECV_BUFFER):
+            return None
+        start = lane.rstart
+        while lane.rend - start < need:
+            if RECV_BUFFER - start < need:  # room for all of it: the start of the buffer
+                left = lane.rend - start
+                lane.rview[:left] = lane.rview[start:lane.rend]
+                lane.rstart, lane.rend, start = 0, left, 0
+            try:
+                n = lane.sock.recv_into(lane.rview[lane.rend:])
+            except (BlockingIOError, InterruptedError):
+                polls -= 1
+                if polls < 0:
+                    return None
+                continue
+            except OSError:
+                return None  # the receive finds the connection lost
+            if n == 0:
+                return None  # (end of file: the receive reads it again and reports it)
+            lane.rend += n
+        body = start + wire.HEADER_SIZE
+        if lane.rview[start:body] != expected:
+            return None
+        lane.rstart = start + need
+        return lane.rview[body:start + need]
 
     def _progress(self, timeout: float, until_sent: bool) -> wire.Header | None:
         """Drive sends and receives until a header is ready (returned), ``timeout`` s
