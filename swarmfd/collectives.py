@@ -513,8 +513,15 @@ def all_reduce(x: T, op: str = "sum", *, group: Any = None, async_op: bool = Fal
                     g, plane, sig, _Label(sig.coll, g, 0), x, _UFUNCS[rop],
                     g.size if mean else 0))
             return x
-    return _run(g, sig, lambda o: _all_reduce_algo(o, flat, rop, mean, g.two_level()),
-                _returns(x, write_back), async_op)
+    result = _run(g, sig, lambda o: _all_reduce_algo(o, flat, rop, mean, g.two_level()),
+                  _returns(x, write_back), async_op)
+    if (not async_op and write_back is None and type(x) is np.ndarray
+            and type(op) in _PREPARED_OPS and flat.size >= g.size):
+        plane = _plane_now(g)
+        if plane is not None and plane.kind == "shm":  # (one round of its large path)
+            _prepared.keep(g, (x.shape, x.dtype, op), _prepared.for_all_reduce(
+                g, plane, sig, _Label(sig.coll, g, 0), x, _UFUNCS[rop], g.size if mean else 0))
+    return result
 
 
 #: The types of op a prepared call is kept for (the op is part of its key; see

@@ -39,17 +39,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .algorithms import shm as _shm_algo
 from .algorithms import tcp as _tcp
-from .algorithms.base import divide_by, reduce_in_order
+from .algorithms.base import divide_by, reduce_in_order, split
 from .comm import spin as _spin
 from .comm import wire
-from .comm.planes.shm import SLOTS
+from .comm.planes.shm import SEGMENT_BYTES, SLOTS
 
 if TYPE_CHECKING:
     from .group import Group
 
 __all__ = ["MAX_PREPARED", "POLLS", "TCP_POLLS", "NowCall", "PairCall", "Prepared",
-           "ShmCall", "for_all_reduce", "for_barrier", "keep"]
+           "ShmCall", "SplitCall", "for_all_reduce", "for_barrier", "keep"]
 
 #: Prepared calls a group keeps (then it forgets them all): a training loop's small calls
 #: take a few shapes; a loop over many shapes gains little from them anyway.
@@ -133,52 +134,112 @@ class ShmCall(Prepared):
 
     def __init__(self, group: Group, plane: Any, sig: wire.Signature, label: Any,
                  like: np.ndarray | None = None, ufunc: np.ufunc | None = None,
-                 divide: int = 0) -> None:
+                 divide: int = 0, shape: tuple[int, ...] | None = None) -> None:
         super().__init__(group, plane, sig, label)
         self.me, self.ufunc, self.divide = group.rank, ufunc, divide
         #: Every member's view of each slot of the group's area, shaped like ``like``
-        #: (slot k: the rounds r with r % SLOTS == k, as Group.next_slot).
+        #: (or ``shape``) (slot k: the rounds r with r % SLOTS == k, as Group.next_slot).
         self.regions: list[list[np.ndarray]] = [] if like is None else [
-            [plane.region(r, group.slot_offset(k), like.dtype, like.size).reshape(like.shape)
-             for r in group.ranks] for k in range(SLOTS)]
-        #: The dissemination barrier's rounds (algorithms.tcp.barrier): peer to send to,
-        #: peer to hear from, tag, and the two records' headers cut around the call's
-        #: number.
-        self.rounds: list[tuple[int, int, int, bytes, bytes, bytes, bytes]] = []
-        world, n, me, gid = group.ranks, group.size, group.rank, group.gid
-        d, step = 1, 0
-        while d < n:
-            dst, src = world[(me + d) % n], world[(me - d) % n]
-            out = wire.pack_header(_DATA, sig, world[me], 0, step, 0, 0, gid)
-            into = wire.pack_header(_DATA, sig, src, 0, step, 0, 0, gid)
-            self.rounds.append((dst, src, step, out[:_SEQ_AT], out[_SEQ_END:],
-                                into[:_SEQ_AT], into[_SEQ_END:]))
-            d, step = d * 2, step + 1
+            [plane.region(r, group.slot_offset(k), like.dtype, like.size).reshape(
+                like.shape if shape is None else shape) for r in group.ranks]
+            for k in range(SLOTS)]
+        #: The barrier's rounds (see _barrier_rounds).
+        self.rounds = _barrier_rounds(group, sig, 0)
 
     def body(self, x: np.ndarray | None, seq: int) -> None:
-        plane, g = self.plane, self.group
-        if x is not None:
-            r = g.shm_round  # (Group.next_slot, written out)
-            g.shm_round = r + 1
-            regions = self.regions[r % SLOTS]
-            regions[self.me][...] = x
+        if x is None:
+            self._barrier(self.rounds, seq)
+            return
+        g = self.group
+        r = g.shm_round  # (Group.next_slot, written out)
+        g.shm_round = r + 1
+        regions = self.regions[r % SLOTS]
+        regions[self.me][...] = x
+        self._barrier(self.rounds, seq)
+        reduce_in_order(x, regions, self.ufunc)  # type: ignore[arg-type]
+        if self.divide:
+            divide_by(x, self.divide)
+
+    def _barrier(self, rounds: list[tuple[int, int, int, bytes, bytes, bytes, bytes]],
+                 seq: int) -> None:
+        """The dissemination barrier of the call ``seq`` (algorithms.tcp.barrier_now's
+        records, through the rings where they can go at once)."""
+        plane, gid = self.plane, self.group.gid
         number = (seq & 0xFFFFFFFF).to_bytes(4, "little")
         polls = POLLS if (_spin.ENABLED and not _spin.YIELD
                           and plane.spinner.misses < _spin.MAX_MISSES) else 0
         queued = False
-        for dst, src, tag, out_head, out_tail, in_head, in_tail in self.rounds:
+        for dst, src, tag, out_head, out_tail, in_head, in_tail in rounds:
             if not plane.put_header(dst, out_head + number + out_tail):
-                plane.send(dst, _DATA, self.sig, seq, tag, b"", 0, False, g.gid)
+                plane.send(dst, _DATA, self.sig, seq, tag, b"", 0, False, gid)
                 queued = True
             if not plane.take_header(src, in_head + number + in_tail, polls):
-                self.channel.recv_key(plane, (g.gid, src, seq & 0xFFFFFFFF, tag), self.sig,
+                self.channel.recv_key(plane, (gid, src, seq & 0xFFFFFFFF, tag), self.sig,
                                       0, None)
         if queued:
             self.channel.flush()
-        if x is not None:
-            reduce_in_order(x, regions, self.ufunc)  # type: ignore[arg-type]
-            if self.divide:
-                divide_by(x, self.divide)
+
+
+class SplitCall(ShmCall):
+    """all_reduce on shared memory of more than SMALL_BYTES in one round (up to
+    SEGMENT_BYTES, below the cross-memory-attach size): the one-round case of
+    :func:`swarmfd.algorithms.shm.all_reduce`, whose slots, records and bits these are.
+    Copy in all but this rank's chunk, barrier, reduce this rank's chunk (its own operand
+    first, then the others in rank order) into its slot and its array, barrier, copy
+    the others' reduced chunks out."""
+
+    __slots__ = ("chunks", "last", "others")
+
+    def __init__(self, group: Group, plane: Any, sig: wire.Signature, label: Any,
+                 like: np.ndarray, ufunc: np.ufunc, divide: int = 0) -> None:
+        super().__init__(group, plane, sig, label, like, ufunc, divide, (like.size,))
+        self.chunks = split(like.size, group.size)
+        self.others = [p for p in range(group.size) if p != group.rank]
+        #: The barrier after the round (the general path's barrier(op, len(parts))).
+        self.last = _barrier_rounds(group, sig, 1)
+
+    def body(self, x: np.ndarray | None, seq: int) -> None:
+        assert x is not None
+        g, me = self.group, self.me
+        r = g.shm_round  # (Group.next_slot, written out)
+        g.shm_round = r + 1
+        regions = self.regions[r % SLOTS]
+        flat = x.reshape(-1)
+        ca, cb = self.chunks[me]
+        slot = regions[me]
+        slot[:ca] = flat[:ca]
+        slot[cb:] = flat[cb:]
+        self._barrier(self.rounds, seq)
+        mine, others, ufunc = slot[ca:cb], self.others, self.ufunc
+        ufunc(flat[ca:cb], regions[others[0]][ca:cb], out=mine)
+        for p in others[1:]:
+            ufunc(mine, regions[p][ca:cb], out=mine)
+        if self.divide:
+            divide_by(mine, self.divide)
+        flat[ca:cb] = mine
+        self._barrier(self.last, seq)
+        for p in others:
+            pa, pb = self.chunks[p]
+            flat[pa:pb] = regions[p][pa:pb]
+
+
+def _barrier_rounds(group: Group, sig: wire.Signature,
+                    tag: int) -> list[tuple[int, int, int, bytes, bytes, bytes, bytes]]:
+    """The rounds of the dissemination barrier ``tag`` (algorithms.tcp.barrier): peer to
+    send to, peer to hear from, the records' tag, and the two records' headers cut
+    around the call's number."""
+    rounds = []
+    world, n, me, gid = group.ranks, group.size, group.rank, group.gid
+    d, step = 1, 0
+    while d < n:
+        t = (tag << 8) | step
+        dst, src = world[(me + d) % n], world[(me - d) % n]
+        out = wire.pack_header(_DATA, sig, world[me], 0, t, 0, 0, gid)
+        into = wire.pack_header(_DATA, sig, src, 0, t, 0, 0, gid)
+        rounds.append((dst, src, t, out[:_SEQ_AT], out[_SEQ_END:], into[:_SEQ_AT],
+                       into[_SEQ_END:]))
+        d, step = d * 2, step + 1
+    return rounds
 
 
 class NowCall(Prepared):
@@ -256,8 +317,14 @@ def for_all_reduce(group: Group, plane: Any, sig: wire.Signature, label: Any,
     """The prepared call for a blocking all_reduce of arrays like ``like`` on ``plane`` (one the
     general path runs without generators), or None where none applies."""
     if plane.kind == "shm":
-        return ShmCall(group, plane, sig, label, like, ufunc, divide) \
-            if plane.ring_slots else None
+        if not plane.ring_slots:
+            return None
+        if like.nbytes <= _shm_algo.SMALL_BYTES:
+            return ShmCall(group, plane, sig, label, like, ufunc, divide)
+        if like.nbytes <= SEGMENT_BYTES and (plane.cma_pids is None
+                                             or like.nbytes < _shm_algo.CMA_MIN_BYTES):
+            return SplitCall(group, plane, sig, label, like, ufunc, divide)
+        return None
     if group.size != 2:
         return None
     if plane.name == "socket":
