@@ -1,36 +1,50 @@
-"""Prepared calls: a group's small blocking calls, worked out once, then run in a few steps.
+"""Prepared calls: a group's repeated blocking calls, worked out once, then run in a few
+steps.
 
 A training loop repeats the same small calls thousands of times (a loss's all_reduce, a
 metric's, a barrier), and on shared memory such a call's time is the ranks' own Python:
 at N=2 a 4 KiB all_reduce took 20-23 us back to back (2026-12-05) where the steps it
-needs (copy in, publish, wait for the peer, add) take 4.8 us in a bare two-process loop.
-The rest was working out, call after call, what the previous call had worked out: the
-op, the signature, the plane, the slot's views, the records' headers, and the layers
-that pass them on.
+needs (copy in, publish, wait for the peer, add) take 4.3-4.8 us in a bare two-process
+loop. The rest was working out, call after call, what the previous call had worked out
+(the op, the signature, the plane, the slot's views, the records' headers) and the
+layers that pass it on: 69 Python function calls a call, 19 prepared.
 
-A prepared call is made when such a call first ran by the general path
-(:func:`swarmfd.collectives._run_now`), and the group keeps it under the call's key (the
-array's shape and dtype and the op as given). It holds the call's signature, its ufunc,
-the views of every member's slots and its barrier's records, packed but for the call's
-number. :meth:`Prepared.run` checks that it still applies (the group whole, nothing pending
-on the progress engine, the array contiguous and writable), and then does the steps.
+A prepared call is made when such a call first ran by the general path, and the group
+keeps it under the call's key (the array's shape and dtype and the op as given). It
+holds the call's signature, its ufunc, the views of every member's slots, and its
+records' headers packed but for the call's number. :meth:`Prepared.run` checks that it
+still applies (the group whole, nothing pending on the progress engine, the array
+contiguous and writable), and then does the steps. Where:
+
+* shared memory, all_reduce up to SMALL_BYTES (one barrier: :class:`ShmCall`) and up
+  to one round of the large path (two barriers, each rank reducing its chunk:
+  :class:`SplitCall`), and barrier: the records go straight into the rings
+  (``ShmPlane.put_header``, ``take_header``);
+* the socket plane, all_reduce of two ranks up to 256 KiB (:class:`PairCall`): the
+  packed header and the array go out in one ``sendmsg``, and the peer's payload is
+  reduced where it arrived in the connection's buffer (``SocketPlane.take_message``);
+* the zmq plane's two-rank all_reduce, and barriers over TCP (:class:`NowCall`): the
+  general path's function, without the preparation.
 
 The messages are the general path's byte for byte (the same records, tags, slots and
-bits): a member that runs a prepared call meets one that runs the generators, call by call.
-Anything unusual goes the general way, which reports it as always:
+bits): a member that runs a prepared call meets one that runs the generators, call by
+call. Anything unusual goes the general way, which reports it as always:
 
-* a record that is not the one expected (another call's, a signature that differs, an
-  abort) stays in its ring for the channel's receive, which raises the mismatch or the
-  abort, or keeps another call's record for later;
+* a record or message that is not the one expected (another call's, a signature that
+  differs, an abort) stays where it is for the channel's receive, which raises the
+  mismatch or the abort, or keeps another call's message for later;
 * a full ring, or records already queued, and the record goes through ``plane.send``
   (and the call flushes);
-* a rank that polled a ring in vain for a few microseconds waits in the channel's
-  receive: it polls, then sleeps, with the call's timeout and the peers' liveness
-  checked as for any call.
+* a rank that looked in vain for a few microseconds (a message not yet here, or not
+  whole) waits in the channel's receive: it polls, then sleeps, with the call's
+  timeout and the peers' liveness checked as for any call.
 
-Between two ranks over TCP (the socket and zmq planes) a prepared call skips the
-preparation
-only: the exchange is the general path's function.
+Measured (compare.py, interleaved runs, medians of the per-run time ratios; see
+benchmarks/results/session-20261205-c.md): shared memory N=2 0.30x the time at 4 KiB,
+0.40x at 64 KiB, 0.70x at 256 KiB, N=4 0.75-0.81x; one round of the large path 0.71-0.75x
+at 512 KiB and 1 MiB, N=2 and N=4; the socket plane N=2 at 4 and 64 KiB 0.80x and
+0.87x for the preparation skipped (NowCall), then 0.81x and 0.88x of that for
+PairCall's exchange.
 """
 
 from __future__ import annotations
