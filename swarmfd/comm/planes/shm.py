@@ -373,27 +373,9 @@ class ShmPlane:
     def put_header(self, dst: int, header: bytes) -> bool:
         """Add a record of no payload, ``header`` (packed), to the ring towards ``dst``
         at once, as :meth:`send` would (a prepared call's, :mod:`swarmfd.prepared`);
-        False, having done nothing, where :meth:`send` must sort it out: no ring, records
-        waiting before it (a ring was full), a full ring, a peer gone."""
-        if self.queued or dst in self.owner.lost:
-            return False
-        ring = self.outgoing.get(dst)
-        if ring is None:
-            return False
-        count = ring.count
-        slots = self.ring_slots
-        if count - ring.seen >= slots:
-            ring.seen = ring.peer_words[ring.peer_counter]
-            if count - ring.seen >= slots:
-                return False
-        at = ring.at + (count % slots) * MAX_RECORD
-        self.data[at:at + _HEADER_SIZE] = header
-        ring.count = count + 1
-        self.words[ring.counter] = count + 1
-        _fence()
-        if ring.peer_words[0]:
-            self._wake(dst)
-        return True
+        False, having done nothing, where :meth:`send` must sort it out: records waiting
+        before it (a ring was full), a full ring."""
+        return not self.queued and self._put(dst, header, b"", 0)
 
     def take_header(self, src: int, expected: bytes, polls: int) -> bool:
         """Take ``src``'s next record when it is the record of no payload ``expected``
