@@ -518,7 +518,7 @@ def all_reduce(x: T, op: str = "sum", *, group: Any = None, async_op: bool = Fal
     if (not async_op and write_back is None and type(x) is np.ndarray
             and type(op) in _PREPARED_OPS and flat.size >= g.size):
         plane = _plane_now(g)
-        if plane is not None and plane.kind == "shm":  # (one round of its large path)
+        if plane is not None:  # (shared memory's large path, recursive doubling)
             _prepared.keep(g, (x.shape, x.dtype, op), _prepared.for_all_reduce(
                 g, plane, sig, _Label(sig.coll, g, 0), x, _UFUNCS[rop], g.size if mean else 0))
     return result

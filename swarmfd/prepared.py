@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .algorithms import select as _select
 from .algorithms import shm as _shm_algo
 from .algorithms import tcp as _tcp
 from .algorithms.base import divide_by, reduce_in_order, split
@@ -63,8 +64,8 @@ from .comm.planes.shm import SEGMENT_BYTES, SLOTS
 if TYPE_CHECKING:
     from .group import Group
 
-__all__ = ["MAX_PREPARED", "POLLS", "TCP_POLLS", "NowCall", "PairCall", "Prepared",
-           "ShmCall", "SplitCall", "for_all_reduce", "for_barrier", "keep"]
+__all__ = ["MAX_PREPARED", "POLLS", "TCP_POLLS", "DoublingCall", "NowCall", "PairCall",
+           "Prepared", "ShmCall", "SplitCall", "for_all_reduce", "for_barrier", "keep"]
 
 #: Prepared calls a group keeps (then it forgets them all): a training loop's small calls
 #: take a few shapes; a loop over many shapes gains little from them anyway.
@@ -326,10 +327,76 @@ class PairCall(Prepared):
             self.channel.flush()
 
 
+class DoublingCall(Prepared):
+    """all_reduce of a small array in a power-of-two group of 4 or more on the socket
+    plane: the recursive doubling of :func:`swarmfd.algorithms.tcp.all_reduce_doubling`,
+    whose messages, ring order and bits these are. Each round's headers are packed but
+    for the call's number and its rows are views of one buffer kept for the calls; each
+    peer's rows are copied from where they arrived in the connection's buffer when they
+    are there whole (:meth:`SocketPlane.take_message`), else received into place."""
+
+    __slots__ = ("divide", "held", "pos", "rounds", "rows", "ufunc")
+
+    def __init__(self, group: Group, plane: Any, sig: wire.Signature, label: Any,
+                 like: np.ndarray, ufunc: np.ufunc, divide: int = 0) -> None:
+        super().__init__(group, plane, sig, label)
+        self.ufunc, self.divide = ufunc, divide
+        n, order = group.size, list(group.ring)
+        self.pos = pos = order.index(group.rank)
+        #: Row i: the array of group rank order[i] (this rank's at pos).
+        self.held = held = np.empty((n, like.size), like.dtype)
+        row = {r: i for i, r in enumerate(order)}
+        #: The rows in group rank order (the reduction's).
+        self.rows = [held[row[r]] for r in range(n)]
+        me = group.ranks[group.rank]
+        #: Each round: peer (world rank), tag, bytes, the rows sent and received, the
+        #: headers out and in cut around the call's number.
+        self.rounds: list[tuple[Any, ...]] = []
+        bit = 0
+        while (1 << bit) < n:
+            width = 1 << bit
+            mine = pos & ~(width - 1)
+            theirs = mine ^ width
+            peer = group.ranks[order[pos ^ width]]
+            size = width * like.nbytes
+            out = wire.pack_header(_DATA, sig, me, 0, bit, size, 0, group.gid)
+            into = wire.pack_header(_DATA, sig, peer, 0, bit, size, 0, group.gid)
+            self.rounds.append((peer, bit, size, held[mine:mine + width],
+                                held[theirs:theirs + width], out[:_SEQ_AT], out[_SEQ_END:],
+                                into[:_SEQ_AT], into[_SEQ_END:]))
+            bit += 1
+
+    def body(self, x: np.ndarray | None, seq: int) -> None:
+        assert x is not None
+        plane, ch, gid = self.plane, self.channel, self.group.gid
+        flat = x.reshape(-1)
+        self.held[self.pos] = flat
+        number = (seq & 0xFFFFFFFF).to_bytes(4, "little")
+        polls = TCP_POLLS if (_spin.ENABLED and not _spin.YIELD
+                              and plane.spinner.misses < _spin.MAX_MISSES) else 0
+        for peer, tag, size, sent, into, out_head, out_tail, in_head, in_tail in self.rounds:
+            plane.send_packed(peer, out_head + number + out_tail, sent, size, False)
+            got = plane.take_message(peer, in_head + number + in_tail, size, polls)
+            if got is None:
+                ch.recv_key(plane, (gid, peer, seq & 0xFFFFFFFF, tag), self.sig, size, into)
+            else:
+                memoryview(into).cast("B")[:] = got
+        if plane.pending_bytes():
+            ch.flush()  # rows still on their way out (zero-copy) before they are rewritten
+        rows, ufunc = self.rows, self.ufunc
+        ufunc(rows[0], rows[1], out=flat)  # rank order: the same bits on every rank
+        for other in rows[2:]:
+            ufunc(flat, other, out=flat)
+        if self.divide:
+            divide_by(flat, self.divide)
+
+
 def for_all_reduce(group: Group, plane: Any, sig: wire.Signature, label: Any,
                    like: np.ndarray, ufunc: np.ufunc, divide: int) -> Prepared | None:
-    """The prepared call for a blocking all_reduce of arrays like ``like`` on ``plane`` (one the
-    general path runs without generators), or None where none applies."""
+    """The prepared call for a blocking all_reduce of arrays like ``like`` on ``plane``,
+    one the general path just ran: the same algorithm, or None where none is prepared
+    (the TCP ring, the direct exchange, the two-level algorithms, more than one round
+    of shared memory)."""
     if plane.kind == "shm":
         if not plane.ring_slots:
             return None
@@ -339,11 +406,19 @@ def for_all_reduce(group: Group, plane: Any, sig: wire.Signature, label: Any,
                                              or like.nbytes < _shm_algo.CMA_MIN_BYTES):
             return SplitCall(group, plane, sig, label, like, ufunc, divide)
         return None
-    if group.size != 2:
+    if like.nbytes > _select.SMALL_BYTES:
         return None
-    if plane.name == "socket":
-        return PairCall(group, plane, sig, label, like, ufunc, divide)
-    return NowCall(group, plane, sig, label, ufunc, divide)
+    two = group.two_level()
+    if two and _select.all_reduce_two_level(like.nbytes, two[0], plane.name):
+        return None
+    algo = _select.all_reduce(plane.kind, like.nbytes, group.size, like.size, plane.name)
+    if algo is _tcp.all_reduce_pair:
+        if plane.name == "socket":
+            return PairCall(group, plane, sig, label, like, ufunc, divide)
+        return NowCall(group, plane, sig, label, ufunc, divide)
+    if algo is _tcp.all_reduce_doubling and plane.name == "socket":
+        return DoublingCall(group, plane, sig, label, like, ufunc, divide)
+    return None
 
 
 def for_barrier(group: Group, plane: Any, sig: wire.Signature, label: Any) -> Prepared:
