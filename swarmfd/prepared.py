@@ -64,8 +64,9 @@ from .comm.planes.shm import SEGMENT_BYTES, SLOTS
 if TYPE_CHECKING:
     from .group import Group
 
-__all__ = ["MAX_PREPARED", "POLLS", "TCP_POLLS", "DoublingCall", "NowCall", "PairCall",
-           "Prepared", "ShmCall", "SplitCall", "for_all_reduce", "for_barrier", "keep"]
+__all__ = ["MAX_PREPARED", "POLLS", "TCP_POLLS", "DirectCall", "DoublingCall", "NowCall",
+           "PairCall", "Prepared", "ShmCall", "SplitCall", "for_all_reduce", "for_barrier",
+           "keep"]
 
 #: Prepared calls a group keeps (then it forgets them all): a training loop's small calls
 #: take a few shapes; a loop over many shapes gains little from them anyway.
@@ -391,12 +392,68 @@ class DoublingCall(Prepared):
             divide_by(flat, self.divide)
 
 
+class DirectCall(Prepared):
+    """all_reduce of a small array on the socket plane where the direct exchange runs (a
+    group of 3 or more that is not a power of two): every rank sends its array to every
+    other and reduces all of them in rank order, as
+    :func:`swarmfd.algorithms.tcp.all_reduce_direct` does (its messages and bits), with
+    the headers packed but for the call's number and the peers' arrays copied from where
+    they arrived when they are there whole."""
+
+    __slots__ = ("divide", "held", "ins", "me", "out_head", "out_tail", "peers", "ufunc")
+
+    def __init__(self, group: Group, plane: Any, sig: wire.Signature, label: Any,
+                 like: np.ndarray, ufunc: np.ufunc, divide: int = 0) -> None:
+        super().__init__(group, plane, sig, label)
+        self.ufunc, self.divide, self.me = ufunc, divide, group.rank
+        #: Row p: group rank p's array (this rank's copied in: the result overwrites it).
+        self.held = np.empty((group.size, like.size), like.dtype)
+        me = group.ranks[group.rank]
+        out = wire.pack_header(_DATA, sig, me, 0, 0, like.nbytes, 0, group.gid)
+        self.out_head, self.out_tail = out[:_SEQ_AT], out[_SEQ_END:]
+        self.peers = [r for r in group.ranks if r != me]
+        #: Per peer, in group rank order: its world rank, row, and header cut around
+        #: the call's number.
+        self.ins: list[tuple[int, np.ndarray, bytes, bytes]] = []
+        for p, r in enumerate(group.ranks):
+            if r != me:
+                into = wire.pack_header(_DATA, sig, r, 0, 0, like.nbytes, 0, group.gid)
+                self.ins.append((r, self.held[p], into[:_SEQ_AT], into[_SEQ_END:]))
+
+    def body(self, x: np.ndarray | None, seq: int) -> None:
+        assert x is not None
+        plane, ch, gid = self.plane, self.channel, self.group.gid
+        flat, n = x.reshape(-1), x.nbytes
+        number = (seq & 0xFFFFFFFF).to_bytes(4, "little")
+        header = self.out_head + number + self.out_tail
+        for peer in self.peers:
+            plane.send_packed(peer, header, flat, n, False)
+        held = self.held
+        held[self.me] = flat
+        polls = TCP_POLLS if (_spin.ENABLED and not _spin.YIELD
+                              and plane.spinner.misses < _spin.MAX_MISSES) else 0
+        for peer, row, in_head, in_tail in self.ins:
+            got = plane.take_message(peer, in_head + number + in_tail, n, polls)
+            if got is None:
+                ch.recv_key(plane, (gid, peer, seq & 0xFFFFFFFF, 0), self.sig, n, row)
+            else:
+                memoryview(row).cast("B")[:] = got
+        if plane.pending_bytes():
+            ch.flush()  # x may still be on its way out (zero-copy) before it is rewritten
+        ufunc = self.ufunc
+        ufunc(held[0], held[1], out=flat)  # rank order: the same bits on every rank
+        for p in range(2, len(held)):
+            ufunc(flat, held[p], out=flat)
+        if self.divide:
+            divide_by(flat, self.divide)
+
+
 def for_all_reduce(group: Group, plane: Any, sig: wire.Signature, label: Any,
                    like: np.ndarray, ufunc: np.ufunc, divide: int) -> Prepared | None:
     """The prepared call for a blocking all_reduce of arrays like ``like`` on ``plane``,
     one the general path just ran: the same algorithm, or None where none is prepared
-    (the TCP ring, the direct exchange, the two-level algorithms, more than one round
-    of shared memory)."""
+    (the TCP ring, the zmq plane's direct exchange and doubling, the two-level
+    algorithms, more than one round of shared memory)."""
     if plane.kind == "shm":
         if not plane.ring_slots:
             return None
@@ -418,6 +475,8 @@ def for_all_reduce(group: Group, plane: Any, sig: wire.Signature, label: Any,
         return NowCall(group, plane, sig, label, ufunc, divide)
     if algo is _tcp.all_reduce_doubling and plane.name == "socket":
         return DoublingCall(group, plane, sig, label, like, ufunc, divide)
+    if algo is _tcp.all_reduce_direct and plane.name == "socket":
+        return DirectCall(group, plane, sig, label, like, ufunc, divide)
     return None
 
 

@@ -40,9 +40,9 @@ def _count_prepared() -> dict[str, int]:
     """Count the prepared calls' runs in this rank (by class)."""
     from swarmfd import prepared
 
-    counts = {"ShmCall": 0, "PairCall": 0, "DoublingCall": 0, "NowCall": 0}
+    counts = {"ShmCall": 0, "PairCall": 0, "DoublingCall": 0, "DirectCall": 0, "NowCall": 0}
     for cls in (prepared.ShmCall, prepared.SplitCall, prepared.PairCall,
-                prepared.DoublingCall, prepared.NowCall):
+                prepared.DoublingCall, prepared.DirectCall, prepared.NowCall):
         def counting(self: Any, x: Any, seq: int, _body: Any = cls.body,
                      _name: str = cls.__name__) -> None:
             counts["ShmCall" if _name == "SplitCall" else _name] += 1
@@ -106,10 +106,10 @@ def test_prepared_calls_run_where_they_apply_with_the_general_paths_bits(
         world: int, transport: str) -> None:
     """After its first call, a repeated small blocking all_reduce runs prepared on shared
     memory (ShmCall, SplitCall), between two ranks over TCP (PairCall on the socket
-    plane, NowCall on the zmq plane) and by recursive doubling in a power-of-two group
-    on the socket plane (DoublingCall), a barrier on every plane; not where the
-    direct exchange runs (N=3 over TCP). The results are the general path's, bit for
-    bit, identical on every rank."""
+    plane, NowCall on the zmq plane), and on the socket plane by recursive doubling in
+    a power-of-two group (DoublingCall) and by the direct exchange in others
+    (DirectCall); a barrier on every plane. The results are the general path's, bit
+    for bit, identical on every rank."""
     got = run_ranks(_paths, world, timeout=180, env=transport_env(transport))
     assert len({g["digest"] for g in got}) == 1
     # (An array of fewer items than ranks is not a small call: the general path only;
@@ -121,11 +121,12 @@ def test_prepared_calls_run_where_they_apply_with_the_general_paths_bits(
     barriers = REPEATS - 1
     pair = small if world == 2 else 0
     doubling = small if world == 4 else 0
+    direct = small if world == 3 else 0
     want = {"shm": {"ShmCall": repeated + barriers, "PairCall": 0, "DoublingCall": 0,
-                    "NowCall": 0},
+                    "DirectCall": 0, "NowCall": 0},
             "tcp": {"ShmCall": 0, "PairCall": pair, "DoublingCall": doubling,
-                    "NowCall": barriers},
-            "zmq": {"ShmCall": 0, "PairCall": 0, "DoublingCall": 0,
+                    "DirectCall": direct, "NowCall": barriers},
+            "zmq": {"ShmCall": 0, "PairCall": 0, "DoublingCall": 0, "DirectCall": 0,
                     "NowCall": pair + barriers}}[transport]
     assert [{k: g[k] for k in want} for g in got] == [want] * world
 
@@ -168,16 +169,17 @@ def _mixed(rank: int, world: int, n: int) -> dict[str, Any]:
 
 @pytest.mark.parametrize(("world", "transport", "n"),
                          [(2, "shm", 300), (4, "shm", 300), (2, "shm", 1 << 18),
-                          (3, "shm", 1 << 18), (2, "tcp", 300), (4, "tcp", 300),
-                          (4, "tcp", 20_000), (2, "zmq", 300)])
+                          (3, "shm", 1 << 18), (2, "tcp", 300), (3, "tcp", 300),
+                          (3, "tcp", 20_000), (4, "tcp", 300), (4, "tcp", 20_000),
+                          (2, "zmq", 300)])
 def test_members_on_the_general_path_meet_members_on_prepared_calls(world: int,
                                                                     transport: str,
                                                                     n: int) -> None:
     """(n = 2**18: 1 MiB, shared memory's large path in one round, SplitCall; n = 20,000
-    at N=4 over TCP: 160 KiB rows in the doubling's last round, more than a
-    connection's buffer, received into place.)"""
+    over TCP: 80 KiB arrays, sent without a copy, and at N=4 160 KiB in the doubling's
+    last round, more than a connection's buffer, received into place.)"""
     got = run_ranks(_mixed, world, n, timeout=180, env=transport_env(transport))
-    key = {"shm": "ShmCall", "tcp": "PairCall" if world == 2 else "DoublingCall",
+    key = {"shm": "ShmCall", "tcp": {2: "PairCall", 3: "DirectCall", 4: "DoublingCall"}[world],
            "zmq": "NowCall"}[transport]
     assert all(g[key] > 20 for g in got), got
 
@@ -196,7 +198,7 @@ def _mismatch(rank: int, world: int) -> str:
 
 
 @pytest.mark.parametrize(("world", "transport"), [(2, "shm"), (3, "shm"), (2, "tcp"),
-                                                  (4, "tcp")])
+                                                  (3, "tcp"), (4, "tcp")])
 def test_a_mismatch_between_prepared_calls_is_reported_on_every_rank(world: int,
                                                                      transport: str) -> None:
     got = run_ranks(_mismatch, world, timeout=120, env=transport_env(transport))
