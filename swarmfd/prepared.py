@@ -20,9 +20,11 @@ contiguous and writable), and then does the steps. Where:
   to one round of the large path (two barriers, each rank reducing its chunk:
   :class:`SplitCall`), and barrier: the records go straight into the rings
   (``ShmPlane.put_header``, ``take_header``);
-* the socket plane, all_reduce of two ranks up to 256 KiB (:class:`PairCall`): the
+* the socket plane, all_reduce up to 256 KiB: of two ranks (:class:`PairCall`), the
   packed header and the array go out in one ``sendmsg``, and the peer's payload is
   reduced where it arrived in the connection's buffer (``SocketPlane.take_message``);
+  of a power-of-two group from 4, recursive doubling (:class:`DoublingCall`); of
+  other groups, the direct exchange (:class:`DirectCall`);
 * the zmq plane's two-rank all_reduce, and barriers over TCP (:class:`NowCall`): the
   general path's function, without the preparation.
 
@@ -44,7 +46,8 @@ benchmarks/results/session-20261205-c.md): shared memory N=2 0.30x the time at 4
 0.40x at 64 KiB, 0.70x at 256 KiB, N=4 0.75-0.81x; one round of the large path 0.71-0.75x
 at 512 KiB and 1 MiB, N=2 and N=4; the socket plane N=2 at 4 and 64 KiB 0.80x and
 0.87x for the preparation skipped (NowCall), then 0.81x and 0.88x of that for
-PairCall's exchange.
+PairCall's exchange; at N=4 (DoublingCall) 0.79x at 4 KiB, 0.74x at 64 KiB and 0.56x
+at 256 KiB.
 """
 
 from __future__ import annotations
