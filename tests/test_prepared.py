@@ -15,7 +15,15 @@ import pytest
 
 import swarmfd as fd
 
-from .harness import allowed, error_info, run_ranks, run_ranks_raw, stall_meter, transport_env
+from .harness import (
+    allowed,
+    error_info,
+    free_port,
+    run_ranks,
+    run_ranks_raw,
+    stall_meter,
+    transport_env,
+)
 
 #: Planes: shared memory (one host), the socket plane, the zmq plane.
 TRANSPORTS = ["shm", "tcp", "zmq"]
@@ -237,3 +245,38 @@ def test_a_peer_killed_under_a_prepared_call_is_reported_fast(transport: str) ->
     assert "PeerLostError" in info["mro"] and "rank 1" in info["message"], info
     limit, stalled = allowed(2.0, info["start"], info["t"])
     assert info["elapsed"] < limit, f"{info['elapsed']:.2f} s{stalled}: {info['message']}"
+
+
+def _bounded(rank: int, world: int, port: int) -> dict[str, Any]:
+    """More shapes than a group keeps prepared calls for; then cleanup and a new init:
+    the new world prepares its own calls, results as ever."""
+    from swarmfd import group as _group
+    from swarmfd import prepared
+
+    world_group = _group.resolve_group(None, "test")
+    most = 0
+    for n in range(world, world + prepared.MAX_PREPARED + 6):
+        for _ in range(2):
+            x = np.full(n, rank + 1, np.int64)
+            fd.all_reduce(x)
+            assert (x == world * (world + 1) // 2).all()
+        most = max(most, len(world_group.prepared))
+    fd.cleanup()
+    kept_after_cleanup = len(world_group.prepared)
+    fd.init(world, rank, master_addr="127.0.0.1", master_port=port, timeout=20)
+    counts = _count_prepared()
+    for _ in range(3):
+        x = np.full(8, rank + 1, np.float32)
+        fd.all_reduce(x)
+        assert (x == world * (world + 1) // 2).all()
+    return {"most": most, "after_cleanup": kept_after_cleanup, "counts": counts}
+
+
+def test_a_group_keeps_a_bounded_number_and_cleanup_lets_them_go() -> None:
+    got = run_ranks(_bounded, 2, free_port(), timeout=120, env=transport_env("shm"))
+    from swarmfd import prepared
+
+    for g in got:
+        assert 0 < g["most"] <= prepared.MAX_PREPARED, g
+        assert g["after_cleanup"] == 0, g  # (their views of the closed segments let go)
+        assert g["counts"]["ShmCall"] == 2, g  # a new world prepares its own
