@@ -837,3 +837,12 @@ def test_take_message_takes_only_the_expected_message_whole(pair: list[Endpoint]
     assert p1.take_message(0, header(0, 3, 4), 4, 5) == b"wxyz"
     big = lanes.RECV_BUFFER
     assert p1.take_message(0, header(0, 4, big), big, 0) is None
+    # A message caught by polling resets the spinner's misses (the peer keeps up).
+    p1.spinner.misses = 5
+    late = threading.Timer(0.005, lambda: (t0.send(1, SIG, 5, 0, b"late"), t0.flush()))
+    late.start()
+    try:
+        assert p1.take_message(0, header(0, 5, 4), 4, 10**7) == b"late"
+    finally:
+        late.join()
+    assert p1.spinner.misses == 0

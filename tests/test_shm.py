@@ -1216,6 +1216,19 @@ def test_a_bare_header_goes_through_the_rings_in_a_few_steps_or_not_at_all() -> 
         p1.next_header(0)  # reads both, takes the first
         assert p1.records and not p1.take_header(0, header(0, 1), 10)
         p1.records.clear()
+        # A record caught by polling tells the spinner the peer keeps up (its misses
+        # reset, as a wait's poll that catches its record does); one there at the first
+        # look changes nothing.
+        p1.spinner.misses = 5
+        assert p0.put_header(1, header(0, 6))
+        assert p1.take_header(0, header(0, 6), 0) and p1.spinner.misses == 5
+        late = threading.Timer(0.005, lambda: p0.put_header(1, header(0, 7)))
+        late.start()
+        try:
+            assert p1.take_header(0, header(0, 7), 10**8)
+        finally:
+            late.join()
+        assert p1.spinner.misses == 0
         # A full ring: put_header refuses, and send keeps the record in order.
         for _ in range(p0.ring_slots):
             assert p0.put_header(1, header(0, 9))

@@ -204,5 +204,6 @@ class Spinner:
             self.misses -= 1
 
     def caught(self) -> None:
-        """A wait's message was there before it polled at all: the peer keeps up."""
+        """A wait's message was there before it polled at all, or a poll of the wait's
+        own (a prepared call's, swarmfd.prepared) caught it: the peer keeps up."""
         self.misses = 0

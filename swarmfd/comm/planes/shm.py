@@ -384,7 +384,8 @@ class ShmPlane:
         steps (a prepared call's, :mod:`swarmfd.prepared`). False, having taken nothing,
         otherwise: records read already and not yet taken, an empty ring, another
         record (another call's, a mismatch, an abort: the channel's receive handles it),
-        a counter out of bounds (the receive reports it)."""
+        a counter out of bounds (the receive reports it). A record caught by polling
+        counts for the plane's spinner as a poll's catch does."""
         if self.records:
             return False
         ring = self.incoming_from.get(src)
@@ -393,6 +394,7 @@ class ShmPlane:
         count = ring.count
         words, pc = ring.peer_words, ring.peer_counter
         end = words[pc]
+        looked = end == count
         while end == count:
             polls -= 1
             if polls < 0:
@@ -405,6 +407,12 @@ class ShmPlane:
             return False
         ring.count = count + 1
         self.words[ring.counter] = count + 1
+        if looked:
+            # Caught by polling: what a wait's poll that catches its record tells the
+            # spinner (Spinner.spin); without it, misses of the waits that fell back to
+            # the channel's receive would only add up, and waits would end up blocking
+            # at once while the prepared calls' polls keep catching their records.
+            self.spinner.caught()
         return True
 
     def _wake(self, dst: int) -> None:

@@ -676,13 +676,15 @@ class SocketPlane:
         having taken nothing, otherwise: headers parsed already and not yet taken, a
         payload being read, another message first (another call's, a mismatch, an
         abort), a lost connection, not all of it here yet. What it read stays in the
-        buffer, where the channel's receive parses it as always."""
+        buffer, where the channel's receive parses it as always. A message caught by
+        polling counts for the plane's spinner as a poll's catch does."""
         lane = self.lanes.get(src)
         need = wire.HEADER_SIZE + nbytes
         if (lane is None or self.ready or lane.hdr is not None or lane.busy or lane.dead
                 or need > RECV_BUFFER):
             return None
         start = lane.rstart
+        looked = False
         while lane.rend - start < need:
             if RECV_BUFFER - start < need:  # room for all of it: the start of the buffer
                 left = lane.rend - start
@@ -694,6 +696,7 @@ class SocketPlane:
                 polls -= 1
                 if polls < 0:
                     return None
+                looked = True
                 continue
             except OSError:
                 return None  # the receive finds the connection lost
@@ -704,6 +707,8 @@ class SocketPlane:
         if lane.rview[start:body] != expected:
             return None
         lane.rstart = start + need
+        if looked:
+            self.spinner.caught()  # caught by polling (see ShmPlane.take_header)
         return lane.rview[body:start + need]
 
     def _progress(self, timeout: float, until_sent: bool) -> wire.Header | None:
