@@ -280,3 +280,18 @@ def test_a_group_keeps_a_bounded_number_and_cleanup_lets_them_go() -> None:
         assert 0 < g["most"] <= prepared.MAX_PREPARED, g
         assert g["after_cleanup"] == 0, g  # (their views of the closed segments let go)
         assert g["counts"]["ShmCall"] == 2, g  # a new world prepares its own
+
+
+def test_the_call_number_is_where_prepared_headers_splice_it() -> None:
+    """Prepared calls pack their headers once and splice each call's number into bytes
+    _SEQ_AT.._SEQ_END: exactly where, and only where, wire.pack_header puts it."""
+    from swarmfd import prepared
+    from swarmfd.comm import wire
+
+    sig = wire.Signature(wire.Collective.ALL_REDUCE, wire.ReduceOp.SUM, 1, count=4)
+    for seq in (1, 0x01020304, 0xFFFFFFFF):
+        zero = wire.pack_header(int(wire.Kind.DATA), sig, 3, 0, 7, 16, 0, 5)
+        real = wire.pack_header(int(wire.Kind.DATA), sig, 3, seq, 7, 16, 0, 5)
+        spliced = (zero[:prepared._SEQ_AT] + seq.to_bytes(4, "little")
+                   + zero[prepared._SEQ_END:])
+        assert spliced == real
