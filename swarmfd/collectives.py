@@ -478,8 +478,8 @@ def all_reduce(x: T, op: str = "sum", *, group: Any = None, async_op: bool = Fal
     """
     g = _group.resolve_group(group, "all_reduce()")
     if not async_op and type(x) is np.ndarray and type(op) in _PREPARED_OPS:
-        lane = g.prepared.get((x.shape, x.dtype, op))  # (see swarmfd.prepared)
-        if lane is not None and lane.run(x):
+        call = g.prepared.get((x.shape, x.dtype, op))  # (see swarmfd.prepared)
+        if call is not None and call.run(x):
             return x
     rop, mean = _parse_op(op, "all_reduce")
     wire_op = ReduceOp.MEAN if mean else rop
@@ -508,20 +508,31 @@ def all_reduce(x: T, op: str = "sum", *, group: Any = None, async_op: bool = Fal
                          2 if mean else 0)
             if write_back is not None:
                 write_back()
-            elif type(x) is np.ndarray and type(op) in _PREPARED_OPS:
-                _prepared.keep(g, (x.shape, x.dtype, op), _prepared.for_all_reduce(
-                    g, plane, sig, _Label(sig.coll, g, 0), x, _UFUNCS[rop],
-                    g.size if mean else 0))
+            else:
+                _prepare_all_reduce(g, plane, sig, x, op, rop, mean)
             return x
     result = _run(g, sig, lambda o: _all_reduce_algo(o, flat, rop, mean, g.two_level()),
                   _returns(x, write_back), async_op)
-    if (not async_op and write_back is None and type(x) is np.ndarray
-            and type(op) in _PREPARED_OPS and flat.size >= g.size):
-        plane = _plane_now(g)
-        if plane is not None:  # (shared memory's large path, recursive doubling)
-            _prepared.keep(g, (x.shape, x.dtype, op), _prepared.for_all_reduce(
-                g, plane, sig, _Label(sig.coll, g, 0), x, _UFUNCS[rop], g.size if mean else 0))
+    if not async_op and write_back is None and flat.size >= g.size:
+        # (shared memory's large path, recursive doubling, the direct exchange)
+        _prepare_all_reduce(g, None, sig, x, op, rop, mean)
     return result
+
+
+def _prepare_all_reduce(g: _group.Group, plane: Any, sig: Signature, x: Any, op: Any,
+                        rop: ReduceOp, mean: bool) -> None:
+    """After a blocking all_reduce of the contiguous ``x`` ran on ``plane`` (None: the
+    plane the group's next call would run on now, if any): keep the prepared call for
+    the group's next ones like it, where one applies (see swarmfd.prepared; ``x`` an
+    ndarray, ``op`` a string or a ReduceOp, the key's)."""
+    if type(x) is not np.ndarray or type(op) not in _PREPARED_OPS:
+        return
+    if plane is None:
+        plane = _plane_now(g)
+        if plane is None:
+            return
+    _prepared.keep(g, (x.shape, x.dtype, op), _prepared.for_all_reduce(
+        g, plane, sig, _Label(sig.coll, g, 0), x, _UFUNCS[rop], g.size if mean else 0))
 
 
 #: The types of op a prepared call is kept for (the op is part of its key; see
@@ -745,8 +756,8 @@ def barrier(*, group: Any = None, async_op: bool = False) -> Work | None:
     that completes then)."""
     g = _group.resolve_group(group, "barrier()")
     if not async_op:
-        lane = g.prepared.get(_BARRIER)  # (see swarmfd.prepared)
-        if lane is not None and lane.run(None):
+        call = g.prepared.get(_BARRIER)  # (see swarmfd.prepared)
+        if call is not None and call.run(None):
             return None
         plane = _plane_now(g)
         if plane is not None:

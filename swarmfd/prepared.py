@@ -89,6 +89,22 @@ _SEQ_AT = 14
 _SEQ_END = _SEQ_AT + 4
 
 
+def _packed(sig: wire.Signature, src: int, tag: int, nbytes: int,
+            gid: int) -> tuple[bytes, bytes]:
+    """The header of a message of the call (``src``'s, ``tag``, ``nbytes`` of payload),
+    cut around the call's number: what comes before it and after it."""
+    header = wire.pack_header(_DATA, sig, src, 0, tag, nbytes, 0, gid)
+    return header[:_SEQ_AT], header[_SEQ_END:]
+
+
+def _polls(plane: Any, most: int) -> int:
+    """How many more looks a prepared call's wait may take before it waits in the
+    channel's receive: ``most`` where the plane's waits poll now (swarmfd.comm.spin:
+    polling on, not yielding, the spinner not blocking at once after misses), else 0."""
+    return most if (_spin.ENABLED and not _spin.YIELD
+                    and plane.spinner.misses < _spin.MAX_MISSES) else 0
+
+
 class Prepared:
     """A prepared blocking call of one group on one plane (see module docstring): the
     group's call count, the channel's state and failures as
@@ -185,8 +201,7 @@ class ShmCall(Prepared):
         records, through the rings where they can go at once)."""
         plane, gid = self.plane, self.group.gid
         number = (seq & 0xFFFFFFFF).to_bytes(4, "little")
-        polls = POLLS if (_spin.ENABLED and not _spin.YIELD
-                          and plane.spinner.misses < _spin.MAX_MISSES) else 0
+        polls = _polls(plane, POLLS)
         queued = False
         for dst, src, tag, out_head, out_tail, in_head, in_tail in rounds:
             if not plane.put_header(dst, out_head + number + out_tail):
@@ -253,10 +268,8 @@ def _barrier_rounds(group: Group, sig: wire.Signature,
     while d < n:
         t = (tag << 8) | step
         dst, src = world[(me + d) % n], world[(me - d) % n]
-        out = wire.pack_header(_DATA, sig, world[me], 0, t, 0, 0, gid)
-        into = wire.pack_header(_DATA, sig, src, 0, t, 0, 0, gid)
-        rounds.append((dst, src, t, out[:_SEQ_AT], out[_SEQ_END:], into[:_SEQ_AT],
-                       into[_SEQ_END:]))
+        rounds.append((dst, src, t, *_packed(sig, world[me], t, 0, gid),
+                       *_packed(sig, src, t, 0, gid)))
         d, step = d * 2, step + 1
     return rounds
 
@@ -300,10 +313,8 @@ class PairCall(Prepared):
         self.ufunc, self.divide, self.nbytes = ufunc, divide, like.nbytes
         me = group.ranks[group.rank]
         self.peer = group.ranks[1 - group.rank]
-        out = wire.pack_header(_DATA, sig, me, 0, 0, like.nbytes, 0, group.gid)
-        into = wire.pack_header(_DATA, sig, self.peer, 0, 0, like.nbytes, 0, group.gid)
-        self.out_head, self.out_tail = out[:_SEQ_AT], out[_SEQ_END:]
-        self.in_head, self.in_tail = into[:_SEQ_AT], into[_SEQ_END:]
+        self.out_head, self.out_tail = _packed(sig, me, 0, like.nbytes, group.gid)
+        self.in_head, self.in_tail = _packed(sig, self.peer, 0, like.nbytes, group.gid)
 
     def body(self, x: np.ndarray | None, seq: int) -> None:
         assert x is not None
@@ -313,8 +324,7 @@ class PairCall(Prepared):
         # Copied when the kernel does not take it all (copy=True): the peer may read it
         # after this rank has written its result into x.
         plane.send_packed(peer, self.out_head + number + self.out_tail, flat, n, True)
-        polls = TCP_POLLS if (_spin.ENABLED and not _spin.YIELD
-                              and plane.spinner.misses < _spin.MAX_MISSES) else 0
+        polls = _polls(plane, TCP_POLLS)
         theirs: Any = plane.take_message(peer, self.in_head + number + self.in_tail, n, polls)
         if theirs is None:
             g = self.group
@@ -363,11 +373,10 @@ class DoublingCall(Prepared):
             theirs = mine ^ width
             peer = group.ranks[order[pos ^ width]]
             size = width * like.nbytes
-            out = wire.pack_header(_DATA, sig, me, 0, bit, size, 0, group.gid)
-            into = wire.pack_header(_DATA, sig, peer, 0, bit, size, 0, group.gid)
             self.rounds.append((peer, bit, size, held[mine:mine + width],
-                                held[theirs:theirs + width], out[:_SEQ_AT], out[_SEQ_END:],
-                                into[:_SEQ_AT], into[_SEQ_END:]))
+                                held[theirs:theirs + width],
+                                *_packed(sig, me, bit, size, group.gid),
+                                *_packed(sig, peer, bit, size, group.gid)))
             bit += 1
 
     def body(self, x: np.ndarray | None, seq: int) -> None:
@@ -376,8 +385,7 @@ class DoublingCall(Prepared):
         flat = x.reshape(-1)
         self.held[self.pos] = flat
         number = (seq & 0xFFFFFFFF).to_bytes(4, "little")
-        polls = TCP_POLLS if (_spin.ENABLED and not _spin.YIELD
-                              and plane.spinner.misses < _spin.MAX_MISSES) else 0
+        polls = _polls(plane, TCP_POLLS)
         for peer, tag, size, sent, into, out_head, out_tail, in_head, in_tail in self.rounds:
             plane.send_packed(peer, out_head + number + out_tail, sent, size, False)
             got = plane.take_message(peer, in_head + number + in_tail, size, polls)
@@ -412,16 +420,15 @@ class DirectCall(Prepared):
         #: Row p: group rank p's array (this rank's copied in: the result overwrites it).
         self.held = np.empty((group.size, like.size), like.dtype)
         me = group.ranks[group.rank]
-        out = wire.pack_header(_DATA, sig, me, 0, 0, like.nbytes, 0, group.gid)
-        self.out_head, self.out_tail = out[:_SEQ_AT], out[_SEQ_END:]
+        self.out_head, self.out_tail = _packed(sig, me, 0, like.nbytes, group.gid)
         self.peers = [r for r in group.ranks if r != me]
         #: Per peer, in group rank order: its world rank, row, and header cut around
         #: the call's number.
         self.ins: list[tuple[int, np.ndarray, bytes, bytes]] = []
         for p, r in enumerate(group.ranks):
             if r != me:
-                into = wire.pack_header(_DATA, sig, r, 0, 0, like.nbytes, 0, group.gid)
-                self.ins.append((r, self.held[p], into[:_SEQ_AT], into[_SEQ_END:]))
+                self.ins.append((r, self.held[p], *_packed(sig, r, 0, like.nbytes,
+                                                           group.gid)))
 
     def body(self, x: np.ndarray | None, seq: int) -> None:
         assert x is not None
@@ -433,8 +440,7 @@ class DirectCall(Prepared):
             plane.send_packed(peer, header, flat, n, False)
         held = self.held
         held[self.me] = flat
-        polls = TCP_POLLS if (_spin.ENABLED and not _spin.YIELD
-                              and plane.spinner.misses < _spin.MAX_MISSES) else 0
+        polls = _polls(plane, TCP_POLLS)
         for peer, row, in_head, in_tail in self.ins:
             got = plane.take_message(peer, in_head + number + in_tail, n, polls)
             if got is None:

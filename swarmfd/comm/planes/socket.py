@@ -182,6 +182,12 @@ class _Lane:
         self.zc = 0  # queued zero-copy views of caller buffers
         self.mask = 0
 
+    def to_front(self) -> None:
+        """Move the bytes read and not yet parsed to the start of the buffer."""
+        left = self.rend - self.rstart
+        self.rview[:left] = self.rview[self.rstart:self.rend]
+        self.rstart, self.rend = 0, left
+
 
 class _Handshake:
     """A connection whose handshake is in progress (see HANDSHAKE_MAGIC for the steps)."""
@@ -687,9 +693,8 @@ class SocketPlane:
         looked = False
         while lane.rend - start < need:
             if RECV_BUFFER - start < need:  # room for all of it: the start of the buffer
-                left = lane.rend - start
-                lane.rview[:left] = lane.rview[start:lane.rend]
-                lane.rstart, lane.rend, start = 0, left, 0
+                lane.to_front()
+                start = 0
             try:
                 n = lane.sock.recv_into(lane.rview[lane.rend:])
             except (BlockingIOError, InterruptedError):
@@ -778,9 +783,7 @@ class SocketPlane:
         if lane.rstart and lane.rstart == lane.rend:
             lane.rstart = lane.rend = 0
         elif lane.rstart > RECV_BUFFER // 2:
-            left = lane.rend - lane.rstart
-            lane.rview[:left] = lane.rview[lane.rstart:lane.rend]
-            lane.rstart, lane.rend = 0, left
+            lane.to_front()
         try:
             n = lane.sock.recv_into(lane.rview[lane.rend:])
         except (BlockingIOError, InterruptedError):
