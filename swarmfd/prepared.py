@@ -304,13 +304,14 @@ class PairCall(Prepared):
     payload reduced where it arrived (:meth:`SocketPlane.take_message`) when it is
     there whole; otherwise the channel's receive."""
 
-    __slots__ = ("divide", "in_head", "in_tail", "nbytes", "out_head", "out_tail", "peer",
-                 "ufunc")
+    __slots__ = ("divide", "in_head", "in_tail", "nbytes", "one_d", "out_head", "out_tail",
+                 "peer", "ufunc")
 
     def __init__(self, group: Group, plane: Any, sig: wire.Signature, label: Any,
                  like: np.ndarray, ufunc: np.ufunc, divide: int = 0) -> None:
         super().__init__(group, plane, sig, label)
         self.ufunc, self.divide, self.nbytes = ufunc, divide, like.nbytes
+        self.one_d = like.ndim == 1  # (x itself then, not a view of it: the key's shape)
         me = group.ranks[group.rank]
         self.peer = group.ranks[1 - group.rank]
         self.out_head, self.out_tail = _packed(sig, me, 0, like.nbytes, group.gid)
@@ -320,10 +321,11 @@ class PairCall(Prepared):
         assert x is not None
         plane, peer, n = self.plane, self.peer, self.nbytes
         number = (seq & 0xFFFFFFFF).to_bytes(4, "little")
-        flat = x.reshape(-1)
+        flat = x if self.one_d else x.reshape(-1)
         # Copied when the kernel does not take it all (copy=True): the peer may read it
         # after this rank has written its result into x.
-        plane.send_packed(peer, self.out_head + number + self.out_tail, flat, n, True)
+        queued = plane.send_packed(peer, self.out_head + number + self.out_tail, flat, n,
+                                   True)
         polls = _polls(plane, TCP_POLLS)
         theirs: Any = plane.take_message(peer, self.in_head + number + self.in_tail, n, polls)
         if theirs is None:
@@ -337,7 +339,7 @@ class PairCall(Prepared):
             self.ufunc(other, flat, out=flat)
         if self.divide:
             divide_by(flat, self.divide)
-        if plane.pending_bytes():
+        if queued:
             self.channel.flush()
 
 
@@ -386,14 +388,15 @@ class DoublingCall(Prepared):
         self.held[self.pos] = flat
         number = (seq & 0xFFFFFFFF).to_bytes(4, "little")
         polls = _polls(plane, TCP_POLLS)
+        queued = False
         for peer, tag, size, sent, into, out_head, out_tail, in_head, in_tail in self.rounds:
-            plane.send_packed(peer, out_head + number + out_tail, sent, size, False)
+            queued |= plane.send_packed(peer, out_head + number + out_tail, sent, size, False)
             got = plane.take_message(peer, in_head + number + in_tail, size, polls)
             if got is None:
                 ch.recv_key(plane, (gid, peer, seq & 0xFFFFFFFF, tag), self.sig, size, into)
             else:
                 memoryview(into).cast("B")[:] = got
-        if plane.pending_bytes():
+        if queued:
             ch.flush()  # rows still on their way out (zero-copy) before they are rewritten
         rows, ufunc = self.rows, self.ufunc
         ufunc(rows[0], rows[1], out=flat)  # rank order: the same bits on every rank
@@ -436,8 +439,9 @@ class DirectCall(Prepared):
         flat, n = x.reshape(-1), x.nbytes
         number = (seq & 0xFFFFFFFF).to_bytes(4, "little")
         header = self.out_head + number + self.out_tail
+        queued = False
         for peer in self.peers:
-            plane.send_packed(peer, header, flat, n, False)
+            queued |= plane.send_packed(peer, header, flat, n, False)
         held = self.held
         held[self.me] = flat
         polls = _polls(plane, TCP_POLLS)
@@ -447,7 +451,7 @@ class DirectCall(Prepared):
                 ch.recv_key(plane, (gid, peer, seq & 0xFFFFFFFF, 0), self.sig, n, row)
             else:
                 memoryview(row).cast("B")[:] = got
-        if plane.pending_bytes():
+        if queued:
             ch.flush()  # x may still be on its way out (zero-copy) before it is rewritten
         ufunc = self.ufunc
         ufunc(held[0], held[1], out=flat)  # rank order: the same bits on every rank

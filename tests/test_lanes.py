@@ -846,3 +846,33 @@ def test_take_message_takes_only_the_expected_message_whole(pair: list[Endpoint]
     finally:
         late.join()
     assert p1.spinner.misses == 0
+
+
+def test_send_packed_tells_whether_bytes_stay_queued(pair: list[Endpoint]) -> None:
+    """send_packed's answer is what a prepared call flushes on: False when the kernel
+    took the whole message (nothing queued), True when some of it waits in the queue
+    (until a flush, or the next wait, drives it out), and for every message queued
+    behind it."""
+    t0, t1 = pair
+    p0 = t0.ch
+    n = 8
+    data = np.arange(n * wire.PIECE_BYTES // 8, dtype=np.int64)
+    pieces = np.split(data.view(np.uint8), n)
+    answers, queued = [], []
+    for j, piece in enumerate([np.arange(16, dtype=np.uint8), *pieces]):
+        head = wire.pack_header(int(wire.Kind.DATA), SIG, 0, 1, j, piece.nbytes, 0, 0)
+        answers.append(p0.send_packed(1, head, piece, piece.nbytes, False))
+        queued.append(p0.unsent() == [1])
+    assert answers == queued
+    assert answers[0] is False and answers[-1] is True, answers  # (8 MiB: not all held)
+    first = answers.index(True)
+    assert all(answers[first:]), answers  # behind queued bytes: queued
+    got = np.empty_like(data)
+    reader = threading.Thread(target=lambda: [
+        t1.recv(0, SIG, 1, j + 1, p.nbytes, into=p)
+        for j, p in enumerate(np.split(got.view(np.uint8), n))])
+    t1.recv(0, SIG, 1, 0, 16)
+    reader.start()
+    t0.flush()
+    reader.join(20)
+    assert p0.unsent() == [] and np.array_equal(got, data)

@@ -574,27 +574,30 @@ class SocketPlane:
                          payload, size, copy)
 
     def send_packed(self, dst: int, header: bytes, payload: Any, size: int,
-                    copy: bool) -> None:
+                    copy: bool) -> bool:
         """:meth:`send` of a message whose header is packed already (``header``: this
         rank's, announcing ``size`` payload bytes; a prepared call's,
-        :mod:`swarmfd.prepared`)."""
+        :mod:`swarmfd.prepared`). Whether bytes to ``dst`` stay queued (the kernel did
+        not take them all): only then must the caller flush before it returns."""
         lane = self.lanes[dst]
         if lane.dead:
-            return  # the receive side reports the loss
+            return False  # the receive side reports the loss
         view = memoryview(payload).cast("B") if size else None
         if lane.out:
             lane.out.append([memoryview(header), False])
             if view is not None:
                 self._queue(lane, view, copy)
             self._push(lane)
-            return
+            return bool(lane.out)
         try:
             n = lane.sock.sendmsg([header, view]) if view is not None else lane.sock.send(header)
         except (BlockingIOError, InterruptedError):
             n = 0
         except OSError:
             self._lost(lane)
-            return
+            return False
+        if n == len(header) + size:
+            return False  # all of it (the usual case): nothing queued, no mask to change
         if n < len(header):
             lane.out.append([memoryview(header)[n:], False])
             n = 0
@@ -603,6 +606,7 @@ class SocketPlane:
         if view is not None and n < size:
             self._queue(lane, view[n:], copy)
         self._update(lane)
+        return True
 
     def _queue(self, lane: _Lane, view: memoryview, copy: bool) -> None:
         if copy or len(view) <= SMALL_SEND:
