@@ -487,12 +487,20 @@ def all_reduce(x: T, op: str = "sum", *, group: Any = None, async_op: bool = Fal
     wire_op = ReduceOp.MEAN if mean else rop
 
     if isinstance(x, (list, tuple)):  # (_items)
+        key = _list_key(x, op) if not async_op and type(op) in _PREPARED_OPS else None
+        if key is not None:
+            listed = g.prepared.get(key)  # (see swarmfd.prepared.ListCall)
+            if listed is not None and listed.run(x):
+                return x
+
         def body(o: Op, flat: np.ndarray) -> Any:
             return _all_reduce_algo(o, flat, rop, mean, g.two_level())
 
         parts = _fused(g, x, "all_reduce", Collective.ALL_REDUCE, wire_op, wire.NO_ROOT,
                        body, lambda a: _check_op_dtype(rop, mean, a.dtype, "all_reduce"),
                        async_op, lambda o, nbytes, count: _takes_parts(g, o.plane, nbytes, count))
+        if key is not None:
+            _prepare_list(g, key, x, rop, wire_op, mean)
         return _fused_result(x, parts, "all_reduce", async_op)
     arr = _to_numpy(x, "all_reduce")
     code = _check_array(arr, "all_reduce")
@@ -540,6 +548,43 @@ def _prepare_all_reduce(g: _group.Group, plane: Any, sig: Signature, x: Any, op:
 #: The types of op a prepared call is kept for (the op is part of its key; see
 #: swarmfd.prepared).
 _PREPARED_OPS = frozenset((str, ReduceOp))
+#: The first item of a list call's key (a single array's key starts with its shape).
+_LIST = "list"
+
+
+def _list_key(items: Sequence[Any], op: Any) -> tuple[Any, ...] | None:
+    """The key of a prepared all_reduce of ``items`` (see swarmfd.prepared.ListCall):
+    their shapes, their dtype and ``op``, when they are numpy arrays of one dtype; else
+    None (the general path only)."""
+    if not items or type(items[0]) is not np.ndarray:
+        return None
+    dtype = items[0].dtype
+    shapes = []
+    for a in items:
+        if type(a) is not np.ndarray or a.dtype != dtype:
+            return None
+        shapes.append(a.shape)
+    return (_LIST, tuple(shapes), dtype, op)
+
+
+def _prepare_list(g: _group.Group, key: tuple[Any, ...], items: Sequence[np.ndarray],
+                  rop: ReduceOp, wire_op: ReduceOp, mean: bool) -> None:
+    """After a blocking all_reduce of the list ``items`` (of one dtype, ``key`` its
+    :func:`_list_key`) ran the general path: keep the prepared call for the group's next
+    ones like it, where the fused buffer's algorithm has one."""
+    dtype = key[2]
+    total = sum(a.size for a in items)
+    # (Small lists only: a list call keeps its buffer, at most _SMALL_NOW bytes.)
+    plane = _plane_now(g) if g.size <= total and total * dtype.itemsize <= _SMALL_NOW \
+        else None
+    if plane is None:
+        return
+    sig = _signature(Collective.ALL_REDUCE, list(items), wire.dtype_code(dtype), wire_op)
+    buf = np.empty(total, dtype)
+    inner = _prepared.for_all_reduce(g, plane, sig, _Label(sig.coll, g, 0), buf,
+                                     _UFUNCS[rop], g.size if mean else 0)
+    if inner is not None:
+        _prepared.keep(g, key, _prepared.ListCall(inner, buf, key[1]))
 
 #: Up to this many bytes a blocking all_reduce runs without generators (:func:`_run_now`)
 #: on shared memory (one round after one barrier, as the algorithm's) and between two

@@ -26,7 +26,11 @@ contiguous and writable), and then does the steps. Where:
   of a power-of-two group from 4, recursive doubling (:class:`DoublingCall`); of
   other groups, the direct exchange (:class:`DirectCall`);
 * the zmq plane's two-rank all_reduce, and barriers over TCP (:class:`NowCall`): the
-  general path's function, without the preparation.
+  general path's function, without the preparation;
+* an all_reduce of a list (or tuple) of arrays of one dtype, fused into one buffer by
+  the general path: the same call through a buffer kept for it (:class:`ListCall`,
+  keyed by the arrays' shapes, their dtype and the op), run by the prepared call of
+  that buffer's algorithm, where there is one.
 
 The messages are the general path's byte for byte (the same records, tags, slots and
 bits): a member that runs a prepared call meets one that runs the generators, call by
@@ -52,6 +56,8 @@ at 256 KiB.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -67,9 +73,9 @@ from .comm.planes.shm import SEGMENT_BYTES, SLOTS
 if TYPE_CHECKING:
     from .group import Group
 
-__all__ = ["MAX_PREPARED", "POLLS", "TCP_POLLS", "DirectCall", "DoublingCall", "NowCall",
-           "PairCall", "Prepared", "ShmCall", "SplitCall", "for_all_reduce", "for_barrier",
-           "keep"]
+__all__ = ["MAX_PREPARED", "POLLS", "TCP_POLLS", "DirectCall", "DoublingCall", "ListCall",
+           "NowCall", "PairCall", "Prepared", "ShmCall", "SplitCall", "for_all_reduce",
+           "for_barrier", "keep"]
 
 #: Prepared calls a group keeps (then it forgets them all): a training loop's small calls
 #: take a few shapes; a loop over many shapes gains little from them anyway.
@@ -459,6 +465,45 @@ class DirectCall(Prepared):
             ufunc(flat, held[p], out=flat)
         if self.divide:
             divide_by(flat, self.divide)
+
+
+class ListCall:
+    """A prepared blocking all_reduce of a list (or tuple) of arrays of one dtype: the
+    general path's fused call (``swarmfd.collectives._fused``: the list's signature, its
+    arrays end to end in one buffer), staged through a buffer kept for the calls and run
+    by ``inner``, the prepared call of that buffer's algorithm. The messages and bits
+    are the general path's, which reduces the arrays where they are on shared memory
+    and stages them in a buffer over TCP: the same slots and records, the same
+    messages. A training loop's fused gradient mean each step is this call."""
+
+    __slots__ = ("buf", "inner", "parts")
+
+    def __init__(self, inner: Prepared, buf: np.ndarray,
+                 shapes: tuple[tuple[int, ...], ...]) -> None:
+        self.inner, self.buf = inner, buf
+        #: Each array's place in the buffer, shaped like it.
+        self.parts: list[np.ndarray] = []
+        at = 0
+        for shape in shapes:
+            size = math.prod(shape)
+            self.parts.append(buf[at:at + size].reshape(shape))
+            at += size
+
+    def run(self, items: Sequence[np.ndarray]) -> bool:
+        """Run the call on ``items`` (arrays of the shapes and dtype it was made for);
+        False, having changed none of them, when it does not apply now (a read-only
+        array, which the general path reports, or ``inner`` not applying)."""
+        for a in items:
+            if not a.flags.writeable:
+                return False
+        parts = self.parts
+        for part, a in zip(parts, items, strict=True):
+            np.copyto(part, a)
+        if not self.inner.run(self.buf):
+            return False
+        for part, a in zip(parts, items, strict=True):
+            np.copyto(a, part)
+        return True
 
 
 def for_all_reduce(group: Group, plane: Any, sig: wire.Signature, label: Any,

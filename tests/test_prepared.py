@@ -84,16 +84,16 @@ def _expected(world: int, rep: int, dtype: Any, shape: tuple[int, ...], op: str)
 
 def _paths(rank: int, world: int) -> dict[str, Any]:
     """Each case REPEATS times, then barriers: every result checked against the rank-order
-    reduction and against the general path's (a list of the one array takes it)."""
+    reduction and against the general path's (an async call takes it)."""
     counts = _count_prepared()
     digest = hashlib.sha256()
     for dtype, shape, op in CASES:
         for rep in range(REPEATS):
             x = _value(rank, rep, dtype, shape)
-            general = [x.copy()]
+            general = x.copy()
             assert fd.all_reduce(x, op=op) is x
-            fd.all_reduce(general, op=op)
-            assert x.tobytes() == general[0].tobytes(), (dtype, shape, op, rep)
+            fd.all_reduce(general, op=op, async_op=True).wait()
+            assert x.tobytes() == general.tobytes(), (dtype, shape, op, rep)
             want = _expected(world, rep, dtype, shape, op)
             if op == "mean" or x.nbytes > 1 << 18:
                 # (A large call's chunks are reduced owner first: other float bits than
@@ -190,6 +190,102 @@ def test_members_on_the_general_path_meet_members_on_prepared_calls(world: int,
     key = {"shm": "ShmCall", "tcp": {2: "PairCall", 3: "DirectCall", 4: "DoublingCall"}[world],
            "zmq": "NowCall"}[transport]
     assert all(g[key] > 20 for g in got), got
+
+
+#: A small MLP's gradients (the README example's: 2 -> 64 -> 64 -> 3).
+GRADS = [(2, 64), (64,), (64, 64), (64,), (64, 3), (3,)]
+
+
+def _count_lists() -> dict[str, int]:
+    """Count the list calls that ran prepared in this rank."""
+    from swarmfd import prepared
+
+    counts = {"ListCall": 0}
+    run = prepared.ListCall.run
+
+    def counting(self: Any, items: Any) -> bool:
+        done = run(self, items)
+        counts["ListCall"] += done
+        return done
+
+    prepared.ListCall.run = counting  # type: ignore[method-assign]
+    return counts
+
+
+def _lists(rank: int, world: int) -> dict[str, Any]:
+    """Lists of arrays of one dtype, repeated (a training loop's fused gradient mean):
+    each result checked against the rank-order reduction and against the general path's
+    (an async call of a copy); then, call by call, one member on the general path and
+    the others prepared; a tuple with a 0-d array; lists the general path keeps (mixed
+    dtypes, a read-only array, which it reports)."""
+    counts = _count_prepared()
+    lists = _count_lists()
+    digest = hashlib.sha256()
+    for op in ("mean", "sum", "max"):
+        for rep in range(REPEATS):
+            xs = [_value(rank, rep, np.float32, s) for s in GRADS]
+            general = [a.copy() for a in xs]
+            assert fd.all_reduce(xs, op=op) is xs
+            fd.all_reduce(general, op=op, async_op=True).wait()
+            for a, b, shape in zip(xs, general, GRADS, strict=True):
+                assert a.shape == shape and a.tobytes() == b.tobytes(), (op, rep, shape)
+                want = _expected(world, rep, np.float32, shape, op)
+                if op == "mean":
+                    np.testing.assert_allclose(a, want, rtol=1e-5, atol=1e-6)
+                else:
+                    np.testing.assert_array_equal(a, want)
+                digest.update(a.tobytes())
+    prepared_runs = lists["ListCall"]
+    for i in range(12):
+        xs = (np.full((), rank + i, np.int64), np.arange(5, dtype=np.int64) * (rank + 1))
+        if i % world == rank:
+            fd.all_reduce(xs, async_op=True).wait()
+        else:
+            fd.all_reduce(xs)
+        assert int(xs[0]) == sum(range(world)) + world * i
+        np.testing.assert_array_equal(xs[1], np.arange(5) * (world * (world + 1) // 2))
+    mixed_runs = lists["ListCall"] - prepared_runs
+    before = lists["ListCall"]
+    for _ in range(3):
+        pair = [np.ones(4, np.float32), np.ones(3, np.float64)]
+        fd.all_reduce(pair)
+        assert all((a == world).all() for a in pair)
+    mixed_dtypes_runs = lists["ListCall"] - before
+    frozen = [np.ones(s, np.float32) for s in GRADS]
+    frozen[2].flags.writeable = False
+    try:
+        fd.all_reduce(frozen)
+    except ValueError as exc:
+        read_only = str(exc)
+    else:
+        raise AssertionError("a list with a read-only array was reduced")
+    return {**counts, "digest": digest.hexdigest(), "prepared": prepared_runs,
+            "mixed": mixed_runs, "mixed_dtypes": mixed_dtypes_runs, "read_only": read_only}
+
+
+@pytest.mark.parametrize(("world", "transport"),
+                         [(2, "shm"), (3, "shm"), (2, "tcp"), (3, "tcp"), (4, "tcp"),
+                          (2, "zmq")])
+def test_list_calls_run_prepared_with_the_general_paths_bits(world: int,
+                                                             transport: str) -> None:
+    """A repeated blocking all_reduce of a list of arrays of one dtype runs prepared
+    after its first call (ListCall, through the prepared call of the fused buffer's
+    algorithm): bit for bit the general path's, identical on every rank, and meeting
+    members on the general path call by call. Lists of mixed dtypes stay on the general
+    path, and a read-only array is reported as before."""
+    got = run_ranks(_lists, world, timeout=180, env=transport_env(transport))
+    assert len({g["digest"] for g in got}) == 1
+    inner = {"shm": "ShmCall", "zmq": "NowCall",
+             "tcp": {2: "PairCall", 3: "DirectCall", 4: "DoublingCall"}[world]}[transport]
+    for rank, g in enumerate(got):
+        # 3 ops x (REPEATS - 1) repeats; of the 12 mixed calls the rank's own async
+        # ones took the general path, and so did its first blocking one.
+        assert g["prepared"] == 3 * (REPEATS - 1), g
+        own = sum(1 for i in range(12) if i % world == rank)
+        assert g["mixed"] == 12 - own - 1, g
+        assert g["mixed_dtypes"] == 0, g
+        assert g[inner] == g["prepared"] + g["mixed"], g
+        assert "read-only" in g["read_only"], g
 
 
 def _mismatch(rank: int, world: int) -> str:
