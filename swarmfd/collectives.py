@@ -487,10 +487,11 @@ def all_reduce(x: T, op: str = "sum", *, group: Any = None, async_op: bool = Fal
     wire_op = ReduceOp.MEAN if mean else rop
 
     if isinstance(x, (list, tuple)):  # (_items)
-        key = _list_key(x, op) if not async_op and type(op) in _PREPARED_OPS else None
+        arrays = _list_arrays(x) if not async_op and type(op) in _PREPARED_OPS else None
+        key = _list_key(arrays, op) if arrays is not None else None
         if key is not None:
             listed = g.prepared.get(key)  # (see swarmfd.prepared.ListCall)
-            if listed is not None and listed.run(x):
+            if listed is not None and listed.run(arrays):
                 return x
 
         def body(o: Op, flat: np.ndarray) -> Any:
@@ -500,7 +501,7 @@ def all_reduce(x: T, op: str = "sum", *, group: Any = None, async_op: bool = Fal
                        body, lambda a: _check_op_dtype(rop, mean, a.dtype, "all_reduce"),
                        async_op, lambda o, nbytes, count: _takes_parts(g, o.plane, nbytes, count))
         if key is not None:
-            _prepare_list(g, key, x, rop, wire_op, mean)
+            _prepare_list(g, key, arrays, rop, wire_op, mean)
         return _fused_result(x, parts, "all_reduce", async_op)
     arr = _to_numpy(x, "all_reduce")
     code = _check_array(arr, "all_reduce")
@@ -552,16 +553,31 @@ _PREPARED_OPS = frozenset((str, ReduceOp))
 _LIST = "list"
 
 
-def _list_key(items: Sequence[Any], op: Any) -> tuple[Any, ...] | None:
-    """The key of a prepared all_reduce of ``items`` (see swarmfd.prepared.ListCall):
-    their shapes, their dtype and ``op``, when they are numpy arrays of one dtype; else
-    None (the general path only)."""
-    if not items or type(items[0]) is not np.ndarray:
+def _list_arrays(items: Sequence[Any]) -> Sequence[np.ndarray] | None:
+    """``items`` as numpy arrays (the arrays themselves, or views of CPU tensors, as the
+    general path takes them), or None where one is neither: the general path then
+    reports it."""
+    for a in items:
+        if type(a) is not np.ndarray:
+            break
+    else:
+        return items
+    try:
+        return [_to_numpy(a, "all_reduce") for a in items]
+    except TypeError:
+        return None
+
+
+def _list_key(items: Sequence[np.ndarray], op: Any) -> tuple[Any, ...] | None:
+    """The key of a prepared all_reduce of the arrays ``items`` (see
+    swarmfd.prepared.ListCall): their shapes, their dtype and ``op``, when they are of
+    one dtype; else None (the general path only)."""
+    if not items:
         return None
     dtype = items[0].dtype
     shapes = []
     for a in items:
-        if type(a) is not np.ndarray or a.dtype != dtype:
+        if a.dtype != dtype:
             return None
         shapes.append(a.shape)
     return (_LIST, tuple(shapes), dtype, op)

@@ -27,10 +27,10 @@ contiguous and writable), and then does the steps. Where:
   other groups, the direct exchange (:class:`DirectCall`);
 * the zmq plane's two-rank all_reduce, and barriers over TCP (:class:`NowCall`): the
   general path's function, without the preparation;
-* an all_reduce of a list (or tuple) of arrays of one dtype, fused into one buffer by
-  the general path: the same call through a buffer kept for it (:class:`ListCall`,
-  keyed by the arrays' shapes, their dtype and the op), run by the prepared call of
-  that buffer's algorithm, where there is one.
+* an all_reduce of a list (or tuple) of arrays of one dtype (or CPU tensors, through
+  their numpy views), fused into one buffer by the general path: the same call through
+  a buffer kept for it (:class:`ListCall`, keyed by the arrays' shapes, their dtype
+  and the op), run by the prepared call of that buffer's algorithm, where there is one.
 
 The messages are the general path's byte for byte (the same records, tags, slots and
 bits): a member that runs a prepared call meets one that runs the generators, call by

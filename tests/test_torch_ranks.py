@@ -296,6 +296,50 @@ def test_comm_hook_bfloat16_buffers_and_broadcast_state(ranks) -> None:
     ranks(_hooks_and_state_rank, 2, timeout=120)
 
 
+def _seed_api_lists_rank(rank: int, world: int) -> dict[str, Any]:
+    """The seed API's gradient mean on a torch model, ``fd.all_reduce_mean([p.grad ...])``,
+    step after step: prepared after its first call (ListCall, the tensors' memory staged
+    through its buffer), the mean in every gradient; a list of tensors and an array."""
+    import numpy as np
+
+    import swarmfd as fd
+    from swarmfd import prepared
+
+    _setup()
+    runs = {"ListCall": 0}
+    run = prepared.ListCall.run
+
+    def counting(self: Any, items: Any) -> bool:
+        done = run(self, items)
+        runs["ListCall"] += done
+        return done
+
+    prepared.ListCall.run = counting  # type: ignore[method-assign]
+    model = mlp(3, torch.float32)
+    for step in range(4):
+        for i, p in enumerate(model.parameters()):
+            p.grad = torch.full_like(p, float((rank + 1) * (i + 1) + step))
+        grads = [p.grad for p in model.parameters()]
+        assert fd.all_reduce_mean(grads) is grads
+        mean = sum(r + 1 for r in range(world)) / world
+        for i, p in enumerate(model.parameters()):
+            assert torch.equal(p.grad, torch.full_like(p, mean * (i + 1) + step)), (step, i)
+    mixed = [torch.full((3,), float(rank)), np.full(2, float(rank), np.float32)]
+    for _ in range(3):
+        mixed[0].fill_(float(rank))
+        mixed[1].fill(float(rank))
+        fd.all_reduce(mixed)
+        assert torch.equal(mixed[0], torch.full((3,), float(sum(range(world)))))
+        assert (mixed[1] == sum(range(world))).all()
+    return runs
+
+
+def test_the_seed_apis_gradient_mean_of_tensors_runs_prepared(ranks) -> None:
+    """(3 prepared of the 4 steps, then 2 of the 3 mixed calls.)"""
+    got = ranks(_seed_api_lists_rank, 2, timeout=120)
+    assert [g["ListCall"] for g in got] == [3 + 2] * 2, got
+
+
 # -- ZeRO -------------------------------------------------------------------------------
 
 
