@@ -288,6 +288,30 @@ def test_list_calls_run_prepared_with_the_general_paths_bits(world: int,
         assert "read-only" in g["read_only"], g
 
 
+def _list_mismatch(rank: int, world: int) -> str:
+    """Two lists of the same dtype and total size, both prepared on every rank; then
+    rank 0 passes one where the others pass the other: their signatures (the lists'
+    shapes) differ, as on the general path, though their fused buffers are alike."""
+    a = [np.ones(3, np.float32), np.ones(4, np.float32)]
+    b = [np.ones(4, np.float32), np.ones(3, np.float32)]
+    for _ in range(3):
+        fd.all_reduce(a)
+        fd.all_reduce(b)
+    try:
+        fd.all_reduce(a if rank == 0 else b)
+    except fd.MismatchError as exc:
+        return str(exc)
+    raise AssertionError("a mismatched prepared list call returned")
+
+
+@pytest.mark.parametrize(("world", "transport"), [(2, "shm"), (2, "tcp"), (3, "tcp")])
+def test_a_mismatch_between_prepared_list_calls_is_reported_on_every_rank(
+        world: int, transport: str) -> None:
+    got = run_ranks(_list_mismatch, world, timeout=120, env=transport_env(transport))
+    for message in got:
+        assert "all_reduce" in message and "list" in message, message
+
+
 def _mismatch(rank: int, world: int) -> str:
     """Both ops prepared on every rank, then rank 0 sums where the others take the max."""
     x = np.ones(16, np.float32)
