@@ -53,8 +53,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--shm", default="swarmfd", help="the shared-memory system name")
     args = p.parse_args(argv)
     with open(args.csv, newline="") as f:
+        reader = csv.DictReader(f)
+        need = {"system", "n", "collective", "size", "median_s", "best_s"}
+        missing = need - set(reader.fieldnames or ())
+        if missing:
+            p.error(f"{args.csv} has no column {', '.join(sorted(missing))}: expected "
+                    "compare.py's summary CSV (compare-STAMP.csv, not compare-STAMP-raw.csv)")
         rows = {(r["system"], int(r["n"]), r["collective"], int(r["size"])): r
-                for r in csv.DictReader(f)}
+                for r in reader}
     print("| target | N | size | at least | median of runs | best runs | met |")
     print("|---|---|---|---|---|---|---|")
     met = total = 0

@@ -368,3 +368,39 @@ def test_a_compare_variant_with_another_tree_imports_that_tree(tmp_path: os.Path
         os.chdir(here)
     assert other == os.path.join(tree, "swarmfd")
     assert os.path.samefile(default, os.path.dirname(cmp.__file__) + "/../swarmfd")
+
+
+def test_targets_judges_each_target_by_both_statistics_and_refuses_a_raw_csv(
+        tmp_path: os.PathLike) -> None:
+    """benchmarks/targets.py on plain data: a target met by the median only, one by both;
+    a compare's raw CSV (no best_s) is refused naming what it expected."""
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "targets.py")
+    summary = os.path.join(tmp_path, "compare-x.csv")
+    fields = ["system", "n", "collective", "size", "median_s", "best_s"]
+    with open(summary, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        # 4 KiB at N=2, socket plane vs Open MPI TCP (at least 1x): median 1.1x, best 0.9x.
+        w.writerow({"system": "swarmfd-tcp", "n": 2, "collective": "all_reduce",
+                    "size": 4096, "median_s": 30e-6, "best_s": 30e-6})
+        w.writerow({"system": "mpi-tcp", "n": 2, "collective": "all_reduce",
+                    "size": 4096, "median_s": 33e-6, "best_s": 27e-6})
+        # 64 KiB (at least 0.8x): 1.0x both.
+        w.writerow({"system": "swarmfd-tcp", "n": 2, "collective": "all_reduce",
+                    "size": 65536, "median_s": 60e-6, "best_s": 50e-6})
+        w.writerow({"system": "mpi-tcp", "n": 2, "collective": "all_reduce",
+                    "size": 65536, "median_s": 60e-6, "best_s": 50e-6})
+    out = subprocess.run([sys.executable, script, summary], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "| socket plane vs Open MPI TCP | 2 | 4 KiB | 1x | 1.10x | 0.90x | by the median |" \
+        in out.stdout
+    assert "| socket plane vs Open MPI TCP | 2 | 64 KiB | 0.8x | 1.00x | 1.00x | yes |" \
+        in out.stdout
+    assert "1 of 2 measured targets met by both statistics." in out.stdout
+    raw = os.path.join(tmp_path, "compare-x-raw.csv")
+    with open(raw, "w", newline="") as f:
+        csv.writer(f).writerow(["run", "system", "n", "collective", "size", "median_s"])
+    out = subprocess.run([sys.executable, script, raw], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and "not compare-STAMP-raw.csv" in out.stderr, out.stderr
