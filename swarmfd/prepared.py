@@ -27,6 +27,8 @@ contiguous and writable), and then does the steps. Where:
   other groups, the direct exchange (:class:`DirectCall`);
 * the zmq plane's two-rank all_reduce, and barriers over TCP (:class:`NowCall`): the
   general path's function, without the preparation;
+* shared memory, broadcast up to one slot (:class:`BroadcastCall`, keyed also by the
+  root): the root's copy in, one barrier, the others' copy out;
 * an all_reduce of a list (or tuple) of arrays of one dtype (or CPU tensors, through
   their numpy views), fused into one buffer by the general path: the same call through
   a buffer kept for it (:class:`ListCall`, keyed by the arrays' shapes, their dtype
@@ -73,9 +75,9 @@ from .comm.planes.shm import SEGMENT_BYTES, SLOTS
 if TYPE_CHECKING:
     from .group import Group
 
-__all__ = ["MAX_PREPARED", "POLLS", "TCP_POLLS", "DirectCall", "DoublingCall", "ListCall",
-           "NowCall", "PairCall", "Prepared", "ShmCall", "SplitCall", "for_all_reduce",
-           "for_barrier", "keep"]
+__all__ = ["MAX_PREPARED", "POLLS", "TCP_POLLS", "BroadcastCall", "DirectCall", "DoublingCall",
+           "ListCall", "NowCall", "PairCall", "Prepared", "ShmCall", "SplitCall",
+           "for_all_reduce", "for_barrier", "for_broadcast", "keep"]
 
 #: Prepared calls a group keeps (then it forgets them all): a training loop's small calls
 #: take a few shapes; a loop over many shapes gains little from them anyway.
@@ -218,6 +220,33 @@ class ShmCall(Prepared):
                                       0, None)
         if queued:
             self.channel.flush()
+
+
+class BroadcastCall(ShmCall):
+    """broadcast from ``root`` (group rank) on the shared-memory plane's record rings, up
+    to one slot (``x`` of the shape and dtype it was made for): the one-round path of
+    :func:`swarmfd.algorithms.shm.broadcast`, whose slot, records and bytes these are.
+    The root copies ``x`` into its slot, one barrier, the others copy it out."""
+
+    __slots__ = ("root",)
+
+    def __init__(self, group: Group, plane: Any, sig: wire.Signature, label: Any,
+                 like: np.ndarray, root: int) -> None:
+        super().__init__(group, plane, sig, label, like)
+        self.root = root
+
+    def body(self, x: np.ndarray | None, seq: int) -> None:
+        assert x is not None
+        g = self.group
+        r = g.shm_round  # (Group.next_slot, written out)
+        g.shm_round = r + 1
+        region = self.regions[r % SLOTS][self.root]
+        if self.me == self.root:
+            region[...] = x
+            self._barrier(self.rounds, seq)
+        else:
+            self._barrier(self.rounds, seq)
+            x[...] = region
 
 
 class SplitCall(ShmCall):
@@ -536,6 +565,16 @@ def for_all_reduce(group: Group, plane: Any, sig: wire.Signature, label: Any,
     if algo is _tcp.all_reduce_direct and plane.name == "socket":
         return DirectCall(group, plane, sig, label, like, ufunc, divide)
     return None
+
+
+def for_broadcast(group: Group, plane: Any, sig: wire.Signature, label: Any,
+                  like: np.ndarray, root: int) -> Prepared | None:
+    """The prepared call for a blocking broadcast of arrays like ``like`` from ``root``
+    on ``plane``, one the general path just ran: shared memory's one-round path (the
+    record rings, up to one slot), else None."""
+    if plane.kind != "shm" or not plane.ring_slots or like.nbytes > SEGMENT_BYTES:
+        return None
+    return BroadcastCall(group, plane, sig, label, like, root)
 
 
 def for_barrier(group: Group, plane: Any, sig: wire.Signature, label: Any) -> Prepared:

@@ -288,6 +288,67 @@ def test_list_calls_run_prepared_with_the_general_paths_bits(world: int,
         assert "read-only" in g["read_only"], g
 
 
+def _broadcasts(rank: int, world: int) -> dict[str, Any]:
+    """Broadcasts from every root, repeated: each result checked against the root's value
+    and the general path's (an async call); then, call by call, one member on the general
+    path; a 0-d array and one of a whole slot (1 MiB); last, roots that differ between
+    the ranks, both prepared: a mismatch on every rank."""
+    from swarmfd import prepared
+
+    runs = {"BroadcastCall": 0}
+    body = prepared.BroadcastCall.body
+
+    def counting(self: Any, x: Any, seq: int) -> None:
+        runs["BroadcastCall"] += 1
+        body(self, x, seq)
+
+    prepared.BroadcastCall.body = counting  # type: ignore[method-assign]
+    for root in range(world):
+        for rep in range(REPEATS):
+            x = _value(rank, rep, np.float32, (5, 7))
+            general = x.copy()
+            assert fd.broadcast(x, src=root) is x
+            fd.broadcast(general, src=root, async_op=True).wait()
+            want = _value(root, rep, np.float32, (5, 7))
+            assert x.tobytes() == want.tobytes() and general.tobytes() == want.tobytes()
+    repeated = runs["BroadcastCall"]
+    for i in range(12):
+        for x, like in ((np.array(rank * 10 + i, np.int64), np.array(i, np.int64)),
+                        (np.full(1 << 18, rank + i, np.float32),
+                         np.full(1 << 18, i, np.float32))):
+            if i % world == rank:
+                fd.broadcast(x, src=0, async_op=True).wait()
+            else:
+                fd.broadcast(x, src=0)
+            assert x.tobytes() == like.tobytes(), (i, x.shape)
+    mixed = runs["BroadcastCall"] - repeated
+    try:
+        fd.broadcast(np.ones((5, 7), np.float32), src=rank % 2)
+    except fd.MismatchError as exc:
+        mismatch = str(exc)
+    else:
+        raise AssertionError("broadcasts from different roots returned")
+    return {**runs, "repeated": repeated, "mixed": mixed, "mismatch": mismatch}
+
+
+@pytest.mark.parametrize(("world", "transport"), [(2, "shm"), (3, "shm"), (2, "tcp")])
+def test_broadcasts_on_shared_memory_run_prepared_with_the_general_paths_bytes(
+        world: int, transport: str) -> None:
+    """A repeated blocking broadcast up to one slot runs prepared on shared memory
+    (BroadcastCall), meeting members on the general path call by call; over TCP it is
+    not prepared; a root that differs between ranks is a mismatch on every rank."""
+    got = run_ranks(_broadcasts, world, timeout=180, env=transport_env(transport))
+    for rank, g in enumerate(got):
+        own = sum(1 for i in range(12) if i % world == rank)
+        if transport == "shm":
+            assert g["repeated"] == world * (REPEATS - 1), g
+            # 2 shapes; each rank's own async calls and its first blocking one general.
+            assert g["mixed"] == 2 * (12 - own - 1), g
+        else:
+            assert g["BroadcastCall"] == 0, g
+        assert "broadcast" in g["mismatch"] and "root" in g["mismatch"], g
+
+
 def _list_mismatch(rank: int, world: int) -> str:
     """Two lists of the same dtype and total size, both prepared on every rank; then
     rank 0 passes one where the others pass the other: their signatures (the lists'
