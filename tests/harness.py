@@ -65,6 +65,7 @@ __all__ = [
     "allowed",
     "arm_stack_dump",
     "collect_stacks",
+    "count_runs",
     "error_info",
     "free_port",
     "record",
@@ -717,3 +718,20 @@ def error_info(exc: BaseException, since: float) -> dict[str, Any]:
         "t": now,
         "elapsed": now - since,
     }
+
+
+def count_runs(cls: type, method: str) -> dict[str, int]:
+    """Count, in this rank's process, the runs of ``cls.method`` that did their work: a
+    method that answers a bool counts its True answers (a prepared call's ``run`` that
+    applied), one that answers None every call. Returns the live count,
+    ``{cls.__name__: n}``."""
+    counts = {cls.__name__: 0}
+    real = getattr(cls, method)
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        done = real(self, *args, **kwargs)
+        counts[cls.__name__] += 1 if done is None else bool(done)
+        return done
+
+    setattr(cls, method, counting)
+    return counts

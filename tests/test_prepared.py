@@ -17,6 +17,7 @@ import swarmfd as fd
 
 from .harness import (
     allowed,
+    count_runs,
     error_info,
     free_port,
     run_ranks,
@@ -196,30 +197,16 @@ def test_members_on_the_general_path_meet_members_on_prepared_calls(world: int,
 GRADS = [(2, 64), (64,), (64, 64), (64,), (64, 3), (3,)]
 
 
-def _count_lists() -> dict[str, int]:
-    """Count the list calls that ran prepared in this rank."""
-    from swarmfd import prepared
-
-    counts = {"ListCall": 0}
-    run = prepared.ListCall.run
-
-    def counting(self: Any, items: Any) -> bool:
-        done = run(self, items)
-        counts["ListCall"] += done
-        return done
-
-    prepared.ListCall.run = counting  # type: ignore[method-assign]
-    return counts
-
-
 def _lists(rank: int, world: int) -> dict[str, Any]:
     """Lists of arrays of one dtype, repeated (a training loop's fused gradient mean):
     each result checked against the rank-order reduction and against the general path's
     (an async call of a copy); then, call by call, one member on the general path and
     the others prepared; a tuple with a 0-d array; lists the general path keeps (mixed
     dtypes, a read-only array, which it reports)."""
+    from swarmfd import prepared
+
     counts = _count_prepared()
-    lists = _count_lists()
+    lists = count_runs(prepared.ListCall, "run")
     digest = hashlib.sha256()
     for op in ("mean", "sum", "max"):
         for rep in range(REPEATS):
@@ -295,14 +282,7 @@ def _broadcasts(rank: int, world: int) -> dict[str, Any]:
     the ranks, both prepared: a mismatch on every rank."""
     from swarmfd import prepared
 
-    runs = {"BroadcastCall": 0}
-    body = prepared.BroadcastCall.body
-
-    def counting(self: Any, x: Any, seq: int) -> None:
-        runs["BroadcastCall"] += 1
-        body(self, x, seq)
-
-    prepared.BroadcastCall.body = counting  # type: ignore[method-assign]
+    runs = count_runs(prepared.BroadcastCall, "body")
     for root in range(world):
         for rep in range(REPEATS):
             x = _value(rank, rep, np.float32, (5, 7))

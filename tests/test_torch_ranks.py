@@ -18,7 +18,14 @@ from typing import Any
 
 import pytest
 
-from .harness import free_port, require, run_ranks, run_ranks_raw, transport_env
+from .harness import (
+    count_runs,
+    free_port,
+    require,
+    run_ranks,
+    run_ranks_raw,
+    transport_env,
+)
 
 torch = require("torch", "pip install torch==2.13.0, the CPU wheel")
 
@@ -306,15 +313,7 @@ def _seed_api_lists_rank(rank: int, world: int) -> dict[str, Any]:
     from swarmfd import prepared
 
     _setup()
-    runs = {"ListCall": 0}
-    run = prepared.ListCall.run
-
-    def counting(self: Any, items: Any) -> bool:
-        done = run(self, items)
-        runs["ListCall"] += done
-        return done
-
-    prepared.ListCall.run = counting  # type: ignore[method-assign]
+    runs = count_runs(prepared.ListCall, "run")
     model = mlp(3, torch.float32)
     for step in range(4):
         for i, p in enumerate(model.parameters()):
