@@ -329,6 +329,36 @@ def test_broadcasts_on_shared_memory_run_prepared_with_the_general_paths_bytes(
         assert "broadcast" in g["mismatch"] and "root" in g["mismatch"], g
 
 
+def _sub_broadcasts(rank: int, world: int) -> dict[str, Any]:
+    """In a sub-group of world ranks 0 and 2 (group ranks 0 and 1), broadcasts from world
+    rank 2 (``src``) and from group rank 0 (``group_src``), repeated, while world rank 1
+    runs world all_reduces: each root's value arrives, prepared after the first call."""
+    from swarmfd import prepared
+
+    runs = count_runs(prepared.BroadcastCall, "body")
+    sub = fd.new_group([0, 2])
+    for i in range(5):
+        if rank == 1:
+            assert sub is fd.NON_GROUP_MEMBER
+        else:
+            x = np.full(6, rank * 100 + i, np.float64)
+            fd.broadcast(x, src=2, group=sub)
+            assert (x == 200 + i).all(), (i, x)
+            y = np.full((2, 3), rank + i, np.int32)
+            fd.broadcast(y, group=sub, group_src=0)
+            assert (y == i).all(), (i, y)
+        z = np.ones(4, np.float32)
+        fd.all_reduce(z)
+        assert (z == world).all()
+    return runs
+
+
+def test_prepared_broadcasts_in_a_sub_group_take_its_roots() -> None:
+    """(Roots are group ranks in a prepared call's slots: world rank 2 is group rank 1.)"""
+    got = run_ranks(_sub_broadcasts, 3, timeout=120, env=transport_env("shm"))
+    assert [g["BroadcastCall"] for g in got] == [8, 0, 8], got
+
+
 def _list_mismatch(rank: int, world: int) -> str:
     """Two lists of the same dtype and total size, both prepared on every rank; then
     rank 0 passes one where the others pass the other: their signatures (the lists'
