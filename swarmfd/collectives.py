@@ -476,9 +476,7 @@ def all_reduce(x: T, op: str = "sum", *, group: Any = None, async_op: bool = Fal
     into one buffer per dtype). Every rank ends with bitwise identical values. With
     ``async_op=True`` returns a :class:`swarmfd.Work` whose ``wait()`` returns ``x``.
     """
-    s = _group._state
-    g = s.world if group is None and s is not None else _group.resolve_group(
-        group, "all_reduce()")  # (the world's, written out: the calls a prepared one saves)
+    g = _group.resolve_group(group, "all_reduce()")
     if not async_op and type(x) is np.ndarray and type(op) in _PREPARED_OPS:
         call = g.prepared.get((x.shape, x.dtype, op))  # (see swarmfd.prepared)
         if call is not None and call.run(x):
@@ -497,8 +495,10 @@ def all_reduce(x: T, op: str = "sum", *, group: Any = None, async_op: bool = Fal
         def body(o: Op, flat: np.ndarray) -> Any:
             return _all_reduce_algo(o, flat, rop, mean, g.two_level())
 
-        parts = _fused(g, x, "all_reduce", Collective.ALL_REDUCE, wire_op, wire.NO_ROOT,
-                       body, lambda a: _check_op_dtype(rop, mean, a.dtype, "all_reduce"),
+        # (The arrays _list_arrays made, where it did: tensors are not viewed twice.)
+        parts = _fused(g, x if arrays is None else arrays, "all_reduce", Collective.ALL_REDUCE,
+                       wire_op, wire.NO_ROOT, body,
+                       lambda a: _check_op_dtype(rop, mean, a.dtype, "all_reduce"),
                        async_op, lambda o, nbytes, count: _takes_parts(g, o.plane, nbytes, count))
         if key is not None:
             _prepare_list(g, key, arrays, rop, wire_op, mean)
