@@ -309,11 +309,10 @@ def current(what: str = "this call") -> _State:
 
 def resolve_group(group: Any, what: str) -> Group:
     """``group`` (None: the world) as a Group of this process, or a clear error."""
-    s = _state
-    if group is None and s is not None:  # (every call's case: no second call for it)
+    s = current(what)
+    if group is None:
         assert s.world is not None
         return s.world
-    s = current(what)
     if group is NON_GROUP_MEMBER:
         raise ValueError(f"swarmfd.{what}: this rank is not a member of the group "
                          "(new_group returned NON_GROUP_MEMBER here); only members call its "
