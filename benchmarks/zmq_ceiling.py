@@ -38,6 +38,8 @@ SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20)
 INLINE_MAX_BYTES = 64 << 10
 PIECE = 1 << 20
 HEADER = 40
+#: How long a bare rank waits for its peer's message before the run fails (ms).
+RECV_TIMEOUT_MS = 30_000
 
 
 def _label(size: int) -> str:
@@ -54,6 +56,8 @@ def _bare_side(rank: int, base: int, size: int, rounds: int, out: int) -> None:
     router.bind(f"tcp://127.0.0.1:{base + rank}")
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.ROUTING_ID, b"r%d" % rank)
+    # A message that never comes fails the run instead of hanging it.
+    dealer.setsockopt(zmq.RCVTIMEO, RECV_TIMEOUT_MS)
     dealer.connect(f"tcp://127.0.0.1:{base + 1 - rank}")
     peer = b"r%d" % (1 - rank)
     end = time.monotonic() + 10
@@ -99,8 +103,10 @@ def _bare_side(rank: int, base: int, size: int, rounds: int, out: int) -> None:
         times.append(time.perf_counter() - t)
     if rank == 0:
         os.write(out, f"{statistics.median(times)}\n".encode())
+    # The rank that finishes first may still have its last round on the way out: a
+    # linger of 0 would drop it and leave the peer waiting for it.
+    router.close(linger=RECV_TIMEOUT_MS)
     dealer.close(0)
-    router.close(0)
     ctx.term()
 
 
