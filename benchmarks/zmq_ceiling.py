@@ -7,15 +7,25 @@ sockets and frames (a bound ROUTER that sends the routing id, then the data; a D
 that receives; the payload inline with a 40-byte header up to 64 KiB, else its own
 frame sent without a copy; the received frame added where it arrived), and nothing
 else: no header checks, no matching, no call bookkeeping. Each round every rank sends
-its buffer and adds the peer's into it, as the pair exchange does; rounds run back to
-back, so a rank may already send its next round while its peer reads (which only
-flatters the exchange). 16 MiB goes in 1 MiB frames, as the planes' pieces.
+its buffer and adds the peer's into it, as the pair exchange does. 16 MiB goes in 1 MiB
+frames, as the planes' pieces. The rounds are timed two ways:
+
+* as ``swarmfd bench`` times a call (``bench``): the input reset, a barrier (an empty
+  frame each way), then the timed exchange; per round the slower rank's time, and their
+  median. This is the ceiling of what issue 16 measures;
+* the same, but each wait polls for the frame first, giving its core away between
+  looks, for at most 200 us, before it blocks (``bench, polling``): what swarmfd's waits
+  do on this machine, where two ranks' four busy threads (each one's own and libzmq's
+  I/O thread) share 2 cores (swarmfd.comm.spin);
+* back to back (``back to back``): rounds follow one another at once, so a rank may
+  already send its next round while its peer reads, which flatters the exchange (the
+  two ranks' rounds overlap): rank 0's median.
 
 Interleaved with it, run by run: ``swarmfd bench`` (reset, barrier, timed call; slowest
 rank's median) on the socket plane and on the zmq plane. The table gives each one's
-median over the runs and the ratios that matter: socket plane / bare pyzmq (what a zmq
-plane could reach at most, as issue 16 counts it) and socket plane / zmq plane (what
-it reaches)::
+median over the runs and the ratios that matter: socket plane / bare pyzmq timed as
+bench times calls (what a zmq plane could reach at most, as issue 16 counts it) and
+socket plane / zmq plane (what it reaches)::
 
     python benchmarks/zmq_ceiling.py --runs 3
 """
@@ -29,6 +39,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -40,14 +51,18 @@ PIECE = 1 << 20
 HEADER = 40
 #: How long a bare rank waits for its peer's message before the run fails (ms).
 RECV_TIMEOUT_MS = 30_000
+#: How long a polling wait looks before it blocks (s): swarmfd's YIELD_SECONDS.
+POLL_SECONDS = 200e-6
 
 
 def _label(size: int) -> str:
     return f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
 
 
-def _bare_side(rank: int, base: int, size: int, rounds: int, out: int) -> None:
-    """One rank of the bare pyzmq exchange; rank 0 writes the median round (s) to ``out``."""
+def _bare_side(rank: int, base: int, size: int, rounds: int, timing: str,
+               out: str) -> None:
+    """One rank of the bare pyzmq exchange, timed as ``timing`` says ('bench' or
+    'back-to-back', see the module docstring); its round times (s) saved to ``out``."""
     import zmq
 
     ctx = zmq.Context()
@@ -76,10 +91,23 @@ def _bare_side(rank: int, base: int, size: int, rounds: int, out: int) -> None:
     header = bytes(HEADER)
     per = PIECE // 4
 
+    events, pollin = int(zmq.EVENTS), int(zmq.POLLIN)
+    poll = timing.endswith("polling")
+
+    def arrived() -> None:
+        """With polling: until a frame is there, look (giving the core away between
+        looks, as swarmfd's waits do where busy threads outnumber cores) for at most
+        POLL_SECONDS, then the blocking receive waits."""
+        if poll:
+            end = time.perf_counter() + POLL_SECONDS
+            while not dealer.get(events) & pollin and time.perf_counter() < end:
+                os.sched_yield()
+
     def exchange() -> None:
         if size <= INLINE_MAX_BYTES:
             router.send(peer, zmq.SNDMORE)
             router.send(b"".join((header, x)))
+            arrived()
             frame = dealer.recv(copy=False)
             np.add(x, np.frombuffer(memoryview(frame)[HEADER:], np.float32), out=x)
             return
@@ -88,21 +116,32 @@ def _bare_side(rank: int, base: int, size: int, rounds: int, out: int) -> None:
             router.send(header, zmq.SNDMORE)
             router.send(src[at:at + per], copy=False)
         for at in range(0, size // 4, per):
+            arrived()
             dealer.recv(copy=False)
             frame = dealer.recv(copy=False)
             part = x[at:at + per]
             np.add(part, np.frombuffer(frame, np.float32), out=part)
 
+    def barrier() -> None:
+        router.send(peer, zmq.SNDMORE)
+        router.send(b"")
+        arrived()
+        dealer.recv()
+
+    bench = timing.startswith("bench")
     np.seterr(all="ignore")
     for _ in range(max(3, rounds // 10)):
         exchange()
-    times = []
-    for _ in range(rounds):
-        t = time.perf_counter()
+    times = np.empty(rounds)
+    clock = time.perf_counter
+    for i in range(rounds):
+        if bench:
+            x[...] = 1.0  # (swarmfd bench resets its input before every call)
+            barrier()
+        t = clock()
         exchange()
-        times.append(time.perf_counter() - t)
-    if rank == 0:
-        os.write(out, f"{statistics.median(times)}\n".encode())
+        times[i] = clock() - t
+    np.save(out, times)
     # The rank that finishes first may still have its last round on the way out: a
     # linger of 0 would drop it and leave the peer waiting for it.
     router.close(linger=RECV_TIMEOUT_MS)
@@ -110,23 +149,26 @@ def _bare_side(rank: int, base: int, size: int, rounds: int, out: int) -> None:
     ctx.term()
 
 
-def bare(size: int, rounds: int) -> float:
-    """Median round (s) of the bare pyzmq exchange of ``size`` bytes, two processes."""
-    base = 20000 + (os.getpid() * 7 + size) % 20000
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
+def bare(size: int, rounds: int, timing: str = "bench") -> float:
+    """The bare pyzmq exchange of ``size`` bytes between two processes, timed as
+    ``timing`` says (see the module docstring): the median round (s), of the slower
+    rank's per round ('bench') or of rank 0's ('back-to-back')."""
+    base = 20000 + (os.getpid() * 7 + size + len(timing)) % 20000
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = [os.path.join(tmp, f"r{r}.npy") for r in (0, 1)]
+        pid = os.fork()
+        if pid == 0:
+            try:
+                _bare_side(1, base, size, rounds, timing, outs[1])
+            finally:
+                os._exit(0)
         try:
-            _bare_side(1, base, size, rounds, w)
+            _bare_side(0, base, size, rounds, timing, outs[0])
         finally:
-            os._exit(0)
-    try:
-        _bare_side(0, base, size, rounds, w)
-    finally:
-        os.waitpid(pid, 0)
-    os.close(w)
-    with os.fdopen(r) as f:
-        return float(f.read().split()[0])
+            os.waitpid(pid, 0)
+        if not timing.startswith("bench"):
+            return float(np.median(np.load(outs[0])))
+        return float(np.median(np.maximum(np.load(outs[0]), np.load(outs[1]))))
 
 
 def planes(plane: str, sizes: tuple[int, ...]) -> dict[int, float]:
@@ -149,24 +191,28 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=3, help="interleaved runs")
     args = ap.parse_args()
-    got: dict[str, dict[int, list[float]]] = {k: {s: [] for s in SIZES}
-                                              for k in ("bare", "socket", "zmq")}
+    timings = ("bench", "bench-polling", "back-to-back")
+    kinds = (*timings, "socket", "zmq")
+    got: dict[str, dict[int, list[float]]] = {k: {s: [] for s in SIZES} for k in kinds}
     for run in range(args.runs):
         for size in SIZES:
-            got["bare"][size].append(bare(size, 300 if size <= 1 << 20 else 30))
+            for timing in timings:
+                got[timing][size].append(bare(size, 300 if size <= 1 << 20 else 30, timing))
         for plane in ("socket", "zmq"):
             for size, t in planes(plane, SIZES).items():
                 got[plane][size].append(t)
         print(f"# run {run + 1}/{args.runs} done", file=sys.stderr, flush=True)
-    print("| size | bare pyzmq exchange | socket plane | zmq plane | socket / bare pyzmq "
-          "(a zmq plane's ceiling) | socket / zmq plane | runs (us: bare; socket; zmq) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| size | bare pyzmq, timed as bench | the same, polling | bare pyzmq, back to "
+          "back | socket plane | zmq plane | socket / the faster bare pyzmq timed as bench "
+          "(a zmq plane's ceiling) | socket / zmq plane | runs (us: bare as bench; polling; "
+          "back to back; socket; zmq) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for size in SIZES:
-        b, s, z = (statistics.median(got[k][size]) for k in ("bare", "socket", "zmq"))
-        runs = "; ".join(" ".join(f"{t * 1e6:.0f}" for t in got[k][size])
-                         for k in ("bare", "socket", "zmq"))
-        print(f"| {_label(size)} | {b * 1e6:.0f} us | {s * 1e6:.0f} us | {z * 1e6:.0f} us | "
-              f"{s / b:.2f}x | {s / z:.2f}x | {runs} |")
+        b, bp, bb, s, z = (statistics.median(got[k][size]) for k in kinds)
+        runs = "; ".join(" ".join(f"{t * 1e6:.0f}" for t in got[k][size]) for k in kinds)
+        print(f"| {_label(size)} | {b * 1e6:.0f} us | {bp * 1e6:.0f} us | {bb * 1e6:.0f} us | "
+              f"{s * 1e6:.0f} us | {z * 1e6:.0f} us | {s / min(b, bp):.2f}x | {s / z:.2f}x | "
+              f"{runs} |")
     return 0
 
 
