@@ -7,8 +7,8 @@ sockets and frames (a bound ROUTER that sends the routing id, then the data; a D
 that receives; the payload inline with a 40-byte header up to 64 KiB, else its own
 frame sent without a copy; the received frame added where it arrived), and nothing
 else: no header checks, no matching, no call bookkeeping. Each round every rank sends
-its buffer and adds the peer's into it, as the pair exchange does. 16 MiB goes in 1 MiB
-frames, as the planes' pieces. The rounds are timed two ways:
+its buffer and adds the peer's into it, as the pair exchange does. 16 and 64 MiB go in 1
+MiB frames, as the planes' pieces. The rounds are timed two ways:
 
 * as ``swarmfd bench`` times a call (``bench``): the input reset, a barrier (an empty
   frame each way), then the timed exchange; per round the slower rank's time, and their
@@ -44,7 +44,7 @@ import time
 
 import numpy as np
 
-SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20)
+SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
 #: The zmq plane's limits (swarmfd.comm.planes.zmq): inline payloads, frame size.
 INLINE_MAX_BYTES = 64 << 10
 PIECE = 1 << 20
@@ -53,6 +53,11 @@ HEADER = 40
 RECV_TIMEOUT_MS = 30_000
 #: How long a polling wait looks before it blocks (s): swarmfd's YIELD_SECONDS.
 POLL_SECONDS = 200e-6
+
+
+def _rounds(size: int) -> int:
+    """Timed rounds of the bare exchange at ``size`` (about swarmfd bench's iterations)."""
+    return 300 if size <= 1 << 20 else 30 if size <= 16 << 20 else 16
 
 
 def _label(size: int) -> str:
@@ -197,7 +202,7 @@ def main() -> int:
     for run in range(args.runs):
         for size in SIZES:
             for timing in timings:
-                got[timing][size].append(bare(size, 300 if size <= 1 << 20 else 30, timing))
+                got[timing][size].append(bare(size, _rounds(size), timing))
         for plane in ("socket", "zmq"):
             for size, t in planes(plane, SIZES).items():
                 got[plane][size].append(t)
