@@ -44,6 +44,8 @@ import time
 
 import numpy as np
 
+from swarmfd.bench import parse_sizes
+
 SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
 #: The zmq plane's limits (swarmfd.comm.planes.zmq): inline payloads, frame size.
 INLINE_MAX_BYTES = 64 << 10
@@ -195,16 +197,19 @@ def planes(plane: str, sizes: tuple[int, ...]) -> dict[int, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=3, help="interleaved runs")
+    ap.add_argument("--sizes", default=",".join(str(size) for size in SIZES),
+                    help="sizes in bytes, e.g. 4K,16M (default: 4K,64K,1M,16M,64M)")
     args = ap.parse_args()
+    sizes = tuple(parse_sizes(args.sizes))
     timings = ("bench", "bench-polling", "back-to-back")
     kinds = (*timings, "socket", "zmq")
-    got: dict[str, dict[int, list[float]]] = {k: {s: [] for s in SIZES} for k in kinds}
+    got: dict[str, dict[int, list[float]]] = {k: {s: [] for s in sizes} for k in kinds}
     for run in range(args.runs):
-        for size in SIZES:
+        for size in sizes:
             for timing in timings:
                 got[timing][size].append(bare(size, _rounds(size), timing))
         for plane in ("socket", "zmq"):
-            for size, t in planes(plane, SIZES).items():
+            for size, t in planes(plane, sizes).items():
                 got[plane][size].append(t)
         print(f"# run {run + 1}/{args.runs} done", file=sys.stderr, flush=True)
     print("| size | bare pyzmq, timed as bench | the same, polling | bare pyzmq, back to "
@@ -212,7 +217,7 @@ def main() -> int:
           "(a zmq plane's ceiling) | socket / zmq plane | runs (us: bare as bench; polling; "
           "back to back; socket; zmq) |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for size in SIZES:
+    for size in sizes:
         b, bp, bb, s, z = (statistics.median(got[k][size]) for k in kinds)
         runs = "; ".join(" ".join(f"{t * 1e6:.0f}" for t in got[k][size]) for k in kinds)
         print(f"| {_label(size)} | {b * 1e6:.0f} us | {bp * 1e6:.0f} us | {bb * 1e6:.0f} us | "
