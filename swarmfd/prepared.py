@@ -25,8 +25,11 @@ contiguous and writable), and then does the steps. Where:
   reduced where it arrived in the connection's buffer (``SocketPlane.take_message``);
   of a power-of-two group from 4, recursive doubling (:class:`DoublingCall`); of
   other groups, the direct exchange (:class:`DirectCall`);
-* the zmq plane's two-rank all_reduce, and barriers over TCP (:class:`NowCall`): the
-  general path's function, without the preparation;
+* the zmq plane, all_reduce of two ranks up to its inline size (64 KiB): the packed
+  header and the array go out in one frame, and the peer's payload is reduced where it
+  arrived in its frame (``ZmqPlane.take_inline``; :class:`ZmqPairCall`);
+* the zmq plane's two-rank all_reduce above that, and barriers over TCP
+  (:class:`NowCall`): the general path's function, without the preparation;
 * shared memory, broadcast up to one slot (:class:`BroadcastCall`, keyed also by the
   root): the root's copy in, one barrier, the others' copy out;
 * an all_reduce of a list (or tuple) of arrays of one dtype (or CPU tensors, through
@@ -39,13 +42,16 @@ bits): a member that runs a prepared call meets one that runs the generators, ca
 call. Anything unusual goes the general way, which reports it as always:
 
 * a record or message that is not the one expected (another call's, a signature that
-  differs, an abort) stays where it is for the channel's receive, which raises the
+  differs, an abort) stays where it is for the channel's receive (on the zmq plane,
+  whose frames are read whole, it is put back, and read first), which raises the
   mismatch or the abort, or keeps another call's message for later;
 * a full ring, or records already queued, and the record goes through ``plane.send``
   (and the call flushes);
 * a rank that looked in vain for a few microseconds (a message not yet here, or not
   whole) waits in the channel's receive: it polls, then sleeps, with the call's
-  timeout and the peers' liveness checked as for any call.
+  timeout and the peers' liveness checked as for any call. (On the zmq plane the
+  prepared call's own look is the plane's first wait slice, as the channel's first
+  would be: its liveness checks follow that slice, as they do in the channel.)
 
 Measured (compare.py, interleaved runs, medians of the per-run time ratios; see
 benchmarks/results/session-20261205-c.md): shared memory N=2 0.30x the time at 4 KiB,
@@ -76,7 +82,7 @@ if TYPE_CHECKING:
     from .group import Group
 
 __all__ = ["MAX_PREPARED", "POLLS", "TCP_POLLS", "BroadcastCall", "DirectCall", "DoublingCall",
-           "ListCall", "NowCall", "PairCall", "Prepared", "ShmCall", "SplitCall",
+           "ListCall", "NowCall", "PairCall", "Prepared", "ShmCall", "SplitCall", "ZmqPairCall",
            "for_all_reduce", "for_barrier", "for_broadcast", "keep"]
 
 #: Prepared calls a group keeps (then it forgets them all): a training loop's small calls
@@ -97,11 +103,11 @@ _SEQ_AT = 14
 _SEQ_END = _SEQ_AT + 4
 
 
-def _packed(sig: wire.Signature, src: int, tag: int, nbytes: int,
-            gid: int) -> tuple[bytes, bytes]:
-    """The header of a message of the call (``src``'s, ``tag``, ``nbytes`` of payload),
-    cut around the call's number: what comes before it and after it."""
-    header = wire.pack_header(_DATA, sig, src, 0, tag, nbytes, 0, gid)
+def _packed(sig: wire.Signature, src: int, tag: int, nbytes: int, gid: int,
+            flags: int = 0) -> tuple[bytes, bytes]:
+    """The header of a message of the call (``src``'s, ``tag``, ``nbytes`` of payload,
+    ``flags``), cut around the call's number: what comes before it and after it."""
+    header = wire.pack_header(_DATA, sig, src, 0, tag, nbytes, flags, gid)
     return header[:_SEQ_AT], header[_SEQ_END:]
 
 
@@ -378,6 +384,49 @@ class PairCall(Prepared):
             self.channel.flush()
 
 
+class ZmqPairCall(Prepared):
+    """all_reduce of two ranks on the zmq plane, up to its inline size (``x`` as it was
+    made for): the pair exchange of :func:`swarmfd.algorithms.tcp.all_reduce_pair_now`,
+    whose message (one frame: header and payload) and bits these are, with the headers
+    packed but for the call's number, and the peer's payload reduced where it arrived
+    in its frame (:meth:`ZmqPlane.take_inline`) when it is the next frame; otherwise
+    the channel's receive."""
+
+    __slots__ = ("divide", "in_head", "in_tail", "nbytes", "one_d", "out_head", "out_tail",
+                 "peer", "ufunc")
+
+    def __init__(self, group: Group, plane: Any, sig: wire.Signature, label: Any,
+                 like: np.ndarray, ufunc: np.ufunc, divide: int = 0) -> None:
+        super().__init__(group, plane, sig, label)
+        self.ufunc, self.divide, self.nbytes = ufunc, divide, like.nbytes
+        self.one_d = like.ndim == 1  # (x itself then, not a view of it: the key's shape)
+        me = group.ranks[group.rank]
+        self.peer = group.ranks[1 - group.rank]
+        inline = wire.FLAG_INLINE
+        self.out_head, self.out_tail = _packed(sig, me, 0, like.nbytes, group.gid, inline)
+        self.in_head, self.in_tail = _packed(sig, self.peer, 0, like.nbytes, group.gid,
+                                             inline)
+
+    def body(self, x: np.ndarray | None, seq: int) -> None:
+        assert x is not None
+        plane, peer, n = self.plane, self.peer, self.nbytes
+        number = (seq & 0xFFFFFFFF).to_bytes(4, "little")
+        flat = x if self.one_d else x.reshape(-1)
+        plane.send_inline(peer, self.out_head + number + self.out_tail, flat)  # (a copy)
+        theirs: Any = plane.take_inline(peer, self.in_head + number + self.in_tail, n)
+        if theirs is None:
+            g = self.group
+            theirs = self.channel.recv_key(plane, (g.gid, peer, seq & 0xFFFFFFFF, 0),
+                                           self.sig, n, None)
+        other = np.frombuffer(theirs, flat.dtype, flat.size)
+        if self.group.rank == 0:  # rank order: the same bits on both
+            self.ufunc(flat, other, out=flat)
+        else:
+            self.ufunc(other, flat, out=flat)
+        if self.divide:
+            divide_by(flat, self.divide)
+
+
 class DoublingCall(Prepared):
     """all_reduce of a small array in a power-of-two group of 4 or more on the socket
     plane: the recursive doubling of :func:`swarmfd.algorithms.tcp.all_reduce_doubling`,
@@ -559,6 +608,8 @@ def for_all_reduce(group: Group, plane: Any, sig: wire.Signature, label: Any,
     if algo is _tcp.all_reduce_pair:
         if plane.name == "socket":
             return PairCall(group, plane, sig, label, like, ufunc, divide)
+        if plane.name == "zmq" and like.nbytes <= plane.inline_max:
+            return ZmqPairCall(group, plane, sig, label, like, ufunc, divide)
         return NowCall(group, plane, sig, label, ufunc, divide)
     if algo is _tcp.all_reduce_doubling and plane.name == "socket":
         return DoublingCall(group, plane, sig, label, like, ufunc, divide)

@@ -49,9 +49,11 @@ def _count_prepared() -> dict[str, int]:
     """Count the prepared calls' runs in this rank (by class)."""
     from swarmfd import prepared
 
-    counts = {"ShmCall": 0, "PairCall": 0, "DoublingCall": 0, "DirectCall": 0, "NowCall": 0}
+    counts = {"ShmCall": 0, "PairCall": 0, "DoublingCall": 0, "DirectCall": 0, "NowCall": 0,
+              "ZmqPairCall": 0}
     for cls in (prepared.ShmCall, prepared.SplitCall, prepared.PairCall,
-                prepared.DoublingCall, prepared.DirectCall, prepared.NowCall):
+                prepared.DoublingCall, prepared.DirectCall, prepared.NowCall,
+                prepared.ZmqPairCall):
         def counting(self: Any, x: Any, seq: int, _body: Any = cls.body,
                      _name: str = cls.__name__) -> None:
             counts["ShmCall" if _name == "SplitCall" else _name] += 1
@@ -115,7 +117,8 @@ def test_prepared_calls_run_where_they_apply_with_the_general_paths_bits(
         world: int, transport: str) -> None:
     """After its first call, a repeated small blocking all_reduce runs prepared on shared
     memory (ShmCall, SplitCall), between two ranks over TCP (PairCall on the socket
-    plane, NowCall on the zmq plane), and on the socket plane by recursive doubling in
+    plane; on the zmq plane ZmqPairCall up to its inline size, NowCall above it, and
+    for barriers), and on the socket plane by recursive doubling in
     a power-of-two group (DoublingCall) and by the direct exchange in others
     (DirectCall); a barrier on every plane. The results are the general path's, bit
     for bit, identical on every rank."""
@@ -127,16 +130,19 @@ def test_prepared_calls_run_where_they_apply_with_the_general_paths_bits(
     small = sum(REPEATS - 1 for dtype, shape, _ in CASES
                 if world <= int(np.prod(shape)) and np.dtype(dtype).itemsize
                 * int(np.prod(shape)) <= 1 << 18)
+    inline = sum(REPEATS - 1 for dtype, shape, _ in CASES
+                 if world <= int(np.prod(shape)) and np.dtype(dtype).itemsize
+                 * int(np.prod(shape)) <= 64 << 10)
     barriers = REPEATS - 1
     pair = small if world == 2 else 0
     doubling = small if world == 4 else 0
     direct = small if world == 3 else 0
     want = {"shm": {"ShmCall": repeated + barriers, "PairCall": 0, "DoublingCall": 0,
-                    "DirectCall": 0, "NowCall": 0},
+                    "DirectCall": 0, "NowCall": 0, "ZmqPairCall": 0},
             "tcp": {"ShmCall": 0, "PairCall": pair, "DoublingCall": doubling,
-                    "DirectCall": direct, "NowCall": barriers},
+                    "DirectCall": direct, "NowCall": barriers, "ZmqPairCall": 0},
             "zmq": {"ShmCall": 0, "PairCall": 0, "DoublingCall": 0, "DirectCall": 0,
-                    "NowCall": pair + barriers}}[transport]
+                    "NowCall": pair - inline + barriers, "ZmqPairCall": inline}}[transport]
     assert [{k: g[k] for k in want} for g in got] == [want] * world
 
 
@@ -180,16 +186,17 @@ def _mixed(rank: int, world: int, n: int) -> dict[str, Any]:
                          [(2, "shm", 300), (4, "shm", 300), (2, "shm", 1 << 18),
                           (3, "shm", 1 << 18), (2, "tcp", 300), (3, "tcp", 300),
                           (3, "tcp", 20_000), (4, "tcp", 300), (4, "tcp", 20_000),
-                          (2, "zmq", 300)])
+                          (2, "zmq", 300), (2, "zmq", 20_000)])
 def test_members_on_the_general_path_meet_members_on_prepared_calls(world: int,
                                                                     transport: str,
                                                                     n: int) -> None:
     """(n = 2**18: 1 MiB, shared memory's large path in one round, SplitCall; n = 20,000
     over TCP: 80 KiB arrays, sent without a copy, and at N=4 160 KiB in the doubling's
-    last round, more than a connection's buffer, received into place.)"""
+    last round, more than a connection's buffer, received into place; on the zmq plane
+    above its inline size, NowCall.)"""
     got = run_ranks(_mixed, world, n, timeout=180, env=transport_env(transport))
     key = {"shm": "ShmCall", "tcp": {2: "PairCall", 3: "DirectCall", 4: "DoublingCall"}[world],
-           "zmq": "NowCall"}[transport]
+           "zmq": "ZmqPairCall" if n * 4 <= 64 << 10 else "NowCall"}[transport]
     assert all(g[key] > 20 for g in got), got
 
 
@@ -262,7 +269,7 @@ def test_list_calls_run_prepared_with_the_general_paths_bits(world: int,
     path, and a read-only array is reported as before."""
     got = run_ranks(_lists, world, timeout=180, env=transport_env(transport))
     assert len({g["digest"] for g in got}) == 1
-    inner = {"shm": "ShmCall", "zmq": "NowCall",
+    inner = {"shm": "ShmCall", "zmq": "ZmqPairCall",
              "tcp": {2: "PairCall", 3: "DirectCall", 4: "DoublingCall"}[world]}[transport]
     for rank, g in enumerate(got):
         # 3 ops x (REPEATS - 1) repeats; of the 12 mixed calls the rank's own async
@@ -375,7 +382,8 @@ def _list_mismatch(rank: int, world: int) -> str:
     raise AssertionError("a mismatched prepared list call returned")
 
 
-@pytest.mark.parametrize(("world", "transport"), [(2, "shm"), (2, "tcp"), (3, "tcp")])
+@pytest.mark.parametrize(("world", "transport"), [(2, "shm"), (2, "tcp"), (3, "tcp"),
+                                                  (2, "zmq")])
 def test_a_mismatch_between_prepared_list_calls_is_reported_on_every_rank(
         world: int, transport: str) -> None:
     got = run_ranks(_list_mismatch, world, timeout=120, env=transport_env(transport))
@@ -397,12 +405,56 @@ def _mismatch(rank: int, world: int) -> str:
 
 
 @pytest.mark.parametrize(("world", "transport"), [(2, "shm"), (3, "shm"), (2, "tcp"),
-                                                  (3, "tcp"), (4, "tcp")])
+                                                  (3, "tcp"), (4, "tcp"), (2, "zmq")])
 def test_a_mismatch_between_prepared_calls_is_reported_on_every_rank(world: int,
                                                                      transport: str) -> None:
     got = run_ranks(_mismatch, world, timeout=120, env=transport_env(transport))
     for message in got:
         assert "op=sum" in message and "op=max" in message, message
+
+
+def _put_back(rank: int, world: int) -> dict[str, Any]:
+    """Prepared on both ranks; then rank 1 sends rank 0 a point-to-point message just
+    before its next all_reduce, on the same connection: rank 0's prepared call reads
+    that frame first, puts it back for the channel's receive, which keeps it for the
+    recv that follows, and then takes the all_reduce's own frame. Repeated."""
+    from swarmfd.comm.planes.zmq import ZmqPlane
+
+    counts = _count_prepared()
+    put_back = []
+    take = ZmqPlane.take_inline
+
+    def spying(self: Any, *args: Any) -> Any:
+        got = take(self, *args)
+        put_back.append(got is None and self.back is not None)
+        return got
+
+    ZmqPlane.take_inline = spying  # type: ignore[method-assign]
+    x = np.ones(64, np.float32)
+    for _ in range(3):
+        fd.all_reduce(x)
+    received = []
+    for i in range(5):
+        if rank == 1:
+            fd.send(np.full(8, 100 + i, np.int64), dst=0)
+        x[...] = rank + i
+        fd.all_reduce(x)
+        assert (x == 1 + 2 * i).all(), (i, x)
+        if rank == 0:
+            got = np.empty(8, np.int64)
+            fd.recv(got, src=1)
+            received.append(int(got[0]))
+        fd.barrier()
+    return {**counts, "put_back": sum(put_back), "received": received}
+
+
+def test_a_zmq_prepared_call_puts_back_a_frame_that_is_not_its_own() -> None:
+    """(The zmq plane reads frames whole: a prepared call that finds another message
+    first hands it on, unread, to the channel's receive.)"""
+    got = run_ranks(_put_back, 2, timeout=120, env=transport_env("zmq"))
+    assert got[0]["received"] == [100, 101, 102, 103, 104], got[0]
+    assert got[0]["put_back"] >= 3, got[0]  # (most of the 5: the send goes first)
+    assert all(g["ZmqPairCall"] >= 2 for g in got), got
 
 
 def _lost(rank: int, world: int) -> dict[str, Any]:
@@ -424,7 +476,7 @@ def _lost(rank: int, world: int) -> dict[str, Any]:
 
 
 @pytest.mark.waits  # bounds how long the loss takes to show
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", ["shm", "tcp", "zmq"])
 def test_a_peer_killed_under_a_prepared_call_is_reported_fast(transport: str) -> None:
     """A prepared all_reduce whose peer is killed raises a PeerLostError naming it within
     2 s (the group timeout is 60 s), as the general path does."""

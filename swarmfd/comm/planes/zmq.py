@@ -167,6 +167,8 @@ class ZmqPlane:
     name = "zmq"
     kind = "tcp"
     zero_copy_recv = True
+    #: The largest payload that travels in one frame with its header (send_inline).
+    inline_max = INLINE_MAX_BYTES
 
     def __init__(self, t: PlaneOwner, ctx: zmq.Context, rank: int, world_size: int,
                  timeout: float, bind_host: str, security: Security | None,
@@ -239,6 +241,10 @@ class ZmqPlane:
         #: and whether its payload follows in a frame of its own.
         self.raw: memoryview | bytes = b""
         self.more = False
+        #: A frame take_inline read that was not the message it looked for: the next
+        #: next_header returns it first (its message's other frames, if any, are still
+        #: in the DEALER, where read_payload reads them).
+        self.back: zmq.Frame | None = None
         self.spinner = Spinner()
 
     def idle(self) -> None:
@@ -389,23 +395,12 @@ class ZmqPlane:
 
     def send(self, dst: int, kind: int, sig: wire.Signature, seq: int, tag: int,
              payload: Any, size: int, copy: bool, group: int = 0) -> None:
-        router = self.router
-        try:
-            _send(router, self.ids[dst], _SNDMORE)
-        except zmq.ZMQError as exc:
-            if exc.errno != zmq.EHOSTUNREACH:
-                raise
-            self.t.lost.setdefault(dst, _now())  # its connection is gone
-            return
         if size <= INLINE_MAX_BYTES:
-            # One frame: header and payload together (one send, one receive), joined in
-            # one copy (a non-contiguous payload, which join refuses, is copied first).
-            header = _pack_header(kind, sig, self.rank, seq, tag, size, _FLAG_INLINE, group)
-            try:
-                frame = _join((header, payload))
-            except TypeError:
-                frame = header + memoryview(payload).tobytes()
-            _send(router, frame)
+            self.send_inline(dst, _pack_header(kind, sig, self.rank, seq, tag, size,
+                                               _FLAG_INLINE, group), payload)
+            return
+        router = self.router
+        if not self._route(dst):
             return
         _send(router, wire.pack_header(kind, sig, self.rank, seq, tag, size, 0, group),
               _SNDMORE)
@@ -414,6 +409,30 @@ class ZmqPlane:
             return
         tracker = _send(router, payload, 0, False, True)
         self.trackers.append((dst, tracker))
+
+    def send_inline(self, dst: int, header: bytes, payload: Any) -> None:
+        """One message to ``dst`` as one frame: ``header`` (packed, with FLAG_INLINE) and
+        ``payload`` (at most INLINE_MAX_BYTES) joined in one copy (one send, one
+        receive; a non-contiguous payload, which join refuses, is copied first)."""
+        if not self._route(dst):
+            return
+        try:
+            frame = _join((header, payload))
+        except TypeError:
+            frame = header + memoryview(payload).tobytes()
+        _send(self.router, frame)
+
+    def _route(self, dst: int) -> bool:
+        """Send the routing id of ``dst`` (a message's first frame); False, with ``dst``
+        recorded as lost, when no connection holds it any more (ROUTER_MANDATORY)."""
+        try:
+            _send(self.router, self.ids[dst], _SNDMORE)
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            self.t.lost.setdefault(dst, _now())  # its connection is gone
+            return False
+        return True
 
     def send_all(self, kind: int, sig: wire.Signature, body: bytes, group: int = 0) -> None:
         """Best effort: ``body`` as one inline frame to every peer (aborts, reports)."""
@@ -478,7 +497,9 @@ class ZmqPlane:
         the peer the caller waits for, is not looked at first: there is one queue). A
         header that is not a swarmfd message, or claims another source than its
         connection's, is a protocol error: the peer does not follow the protocol."""
-        if timeout == WAIT_SLICE and not spin.ENABLED:
+        if self.back is not None:  # a frame take_inline read and put back
+            frame, self.back = self.back, None
+        elif timeout == WAIT_SLICE and not spin.ENABLED:
             # The common wait, written out (_recv's first case): one blocking receive.
             try:
                 frame = _recv(self.rx, 0, False)
@@ -515,6 +536,35 @@ class ZmqPlane:
             ) from None
         self.raw = raw
         return hdr
+
+    def take_inline(self, src: int, expected: bytes, nbytes: int) -> memoryview | None:
+        """``src``'s inline message whose header is ``expected`` (packed, byte for byte)
+        with ``nbytes`` of payload, when it is the next frame within one wait slice (the
+        plane's wait: polls per the spin policy, then blocks): a view of its payload,
+        valid while the view lives; what the channel's receive of that message would
+        give, in a few steps (a prepared call's, :mod:`swarmfd.prepared`). None
+        otherwise, having consumed nothing: nothing came within the slice, or the frame
+        is another message (another call's, a mismatch, an abort, a frame of no peer's
+        connection), which is put back for the channel's receive to read first
+        (:meth:`next_header`)."""
+        if self.back is not None:
+            return None
+        if spin.ENABLED:
+            frame = self._recv(WAIT_SLICE)
+            if frame is None:
+                return None
+        else:  # (_recv's first case, written out, as in next_header)
+            try:
+                frame = _recv(self.rx, 0, False)
+            except zmq.Again:
+                return None
+        raw = memoryview(frame)
+        if (len(raw) != wire.HEADER_SIZE + nbytes or frame.more
+                or raw[:wire.HEADER_SIZE] != expected
+                or self.rank_of.get(frame.get(b"X-Rank")) != src):
+            self.back = frame
+            return None
+        return raw[wire.HEADER_SIZE:]
 
     def read_payload(self, hdr: wire.Header, into: Any, between: Callable[[], None],
                      keep: bool = False) -> Any:
