@@ -347,6 +347,8 @@ class PairCall(Prepared):
 
     __slots__ = ("divide", "in_head", "in_tail", "nbytes", "one_d", "out_head", "out_tail",
                  "peer", "ufunc")
+    #: The headers' flags (the message's layout on the plane).
+    FLAGS = 0
 
     def __init__(self, group: Group, plane: Any, sig: wire.Signature, label: Any,
                  like: np.ndarray, ufunc: np.ufunc, divide: int = 0) -> None:
@@ -355,8 +357,9 @@ class PairCall(Prepared):
         self.one_d = like.ndim == 1  # (x itself then, not a view of it: the key's shape)
         me = group.ranks[group.rank]
         self.peer = group.ranks[1 - group.rank]
-        self.out_head, self.out_tail = _packed(sig, me, 0, like.nbytes, group.gid)
-        self.in_head, self.in_tail = _packed(sig, self.peer, 0, like.nbytes, group.gid)
+        n, gid, flags = like.nbytes, group.gid, self.FLAGS
+        self.out_head, self.out_tail = _packed(sig, me, 0, n, gid, flags)
+        self.in_head, self.in_tail = _packed(sig, self.peer, 0, n, gid, flags)
 
     def body(self, x: np.ndarray | None, seq: int) -> None:
         assert x is not None
@@ -369,62 +372,44 @@ class PairCall(Prepared):
                                    True)
         polls = _polls(plane, TCP_POLLS)
         theirs: Any = plane.take_message(peer, self.in_head + number + self.in_tail, n, polls)
-        if theirs is None:
-            g = self.group
-            theirs = self.channel.recv_key(plane, (g.gid, peer, seq & 0xFFFFFFFF, 0),
-                                           self.sig, n, None)
-        other = np.frombuffer(theirs, flat.dtype, flat.size)
-        if self.group.rank == 0:  # rank order: the same bits on both
-            self.ufunc(flat, other, out=flat)
-        else:
-            self.ufunc(other, flat, out=flat)
-        if self.divide:
-            divide_by(flat, self.divide)
+        self._reduce(flat, theirs, seq)
         if queued:
             self.channel.flush()
 
-
-class ZmqPairCall(Prepared):
-    """all_reduce of two ranks on the zmq plane, up to its inline size (``x`` as it was
-    made for): the pair exchange of :func:`swarmfd.algorithms.tcp.all_reduce_pair_now`,
-    whose message (one frame: header and payload) and bits these are, with the headers
-    packed but for the call's number, and the peer's payload reduced where it arrived
-    in its frame (:meth:`ZmqPlane.take_inline`) when it is the next frame; otherwise
-    the channel's receive."""
-
-    __slots__ = ("divide", "in_head", "in_tail", "nbytes", "one_d", "out_head", "out_tail",
-                 "peer", "ufunc")
-
-    def __init__(self, group: Group, plane: Any, sig: wire.Signature, label: Any,
-                 like: np.ndarray, ufunc: np.ufunc, divide: int = 0) -> None:
-        super().__init__(group, plane, sig, label)
-        self.ufunc, self.divide, self.nbytes = ufunc, divide, like.nbytes
-        self.one_d = like.ndim == 1  # (x itself then, not a view of it: the key's shape)
-        me = group.ranks[group.rank]
-        self.peer = group.ranks[1 - group.rank]
-        inline = wire.FLAG_INLINE
-        self.out_head, self.out_tail = _packed(sig, me, 0, like.nbytes, group.gid, inline)
-        self.in_head, self.in_tail = _packed(sig, self.peer, 0, like.nbytes, group.gid,
-                                             inline)
-
-    def body(self, x: np.ndarray | None, seq: int) -> None:
-        assert x is not None
-        plane, peer, n = self.plane, self.peer, self.nbytes
-        number = (seq & 0xFFFFFFFF).to_bytes(4, "little")
-        flat = x if self.one_d else x.reshape(-1)
-        plane.send_inline(peer, self.out_head + number + self.out_tail, flat)  # (a copy)
-        theirs: Any = plane.take_inline(peer, self.in_head + number + self.in_tail, n)
+    def _reduce(self, flat: np.ndarray, theirs: Any, seq: int) -> None:
+        """Reduce the peer's payload (``theirs``; None: not taken, the channel's receive
+        gets it) into ``flat`` in rank order (the same bits on both), and divide."""
         if theirs is None:
             g = self.group
-            theirs = self.channel.recv_key(plane, (g.gid, peer, seq & 0xFFFFFFFF, 0),
-                                           self.sig, n, None)
+            theirs = self.channel.recv_key(self.plane, (g.gid, self.peer, seq & 0xFFFFFFFF, 0),
+                                           self.sig, self.nbytes, None)
         other = np.frombuffer(theirs, flat.dtype, flat.size)
-        if self.group.rank == 0:  # rank order: the same bits on both
+        if self.group.rank == 0:
             self.ufunc(flat, other, out=flat)
         else:
             self.ufunc(other, flat, out=flat)
         if self.divide:
             divide_by(flat, self.divide)
+
+
+class ZmqPairCall(PairCall):
+    """all_reduce of two ranks on the zmq plane, up to its inline size (``x`` as it was
+    made for): :class:`PairCall`'s exchange with the zmq plane's message (one frame:
+    header and payload), and the peer's payload reduced where it arrived in its frame
+    (:meth:`ZmqPlane.take_inline`) when it is the next frame; otherwise the channel's
+    receive."""
+
+    __slots__ = ()
+    FLAGS = wire.FLAG_INLINE
+
+    def body(self, x: np.ndarray | None, seq: int) -> None:
+        assert x is not None
+        plane, peer = self.plane, self.peer
+        number = (seq & 0xFFFFFFFF).to_bytes(4, "little")
+        flat = x if self.one_d else x.reshape(-1)
+        plane.send_inline(peer, self.out_head + number + self.out_tail, flat)  # (a copy)
+        self._reduce(flat, plane.take_inline(peer, self.in_head + number + self.in_tail,
+                                             self.nbytes), seq)
 
 
 class DoublingCall(Prepared):
