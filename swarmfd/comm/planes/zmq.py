@@ -549,15 +549,9 @@ class ZmqPlane:
         (:meth:`next_header`)."""
         if self.back is not None:
             return None
-        if spin.ENABLED:
-            frame = self._recv(WAIT_SLICE)
-            if frame is None:
-                return None
-        else:  # (_recv's first case, written out, as in next_header)
-            try:
-                frame = _recv(self.rx, 0, False)
-            except zmq.Again:
-                return None
+        frame = self._recv(WAIT_SLICE)
+        if frame is None:
+            return None
         raw = memoryview(frame)
         if (len(raw) != wire.HEADER_SIZE + nbytes or frame.more
                 or raw[:wire.HEADER_SIZE] != expected
