@@ -16,6 +16,7 @@ Float results are bitwise identical on every rank.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -971,16 +972,28 @@ def reduce_scatter_parts(arrays: Sequence[Any], out: Any, *, op: str = "sum",
 
 
 def _splits(value: Any, n: int, what: str) -> list[int] | None:
+    """``value`` as ``n`` row counts: ints (numpy's too), never a bool, a float or a
+    string read as one; None stays None."""
     if value is None:
         return None
-    try:
-        splits = [int(v) for v in value]
-    except (TypeError, ValueError):
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         raise TypeError(f"swarmfd.all_to_all: {what} must be a list of {n} row counts, got "
-                        f"{value!r}") from None
-    if len(splits) != n or any(s < 0 for s in splits):
+                        f"{value!r}")
+    splits = []
+    for i, v in enumerate(value):
+        try:
+            if isinstance(v, (bool, np.bool_)):
+                raise TypeError
+            splits.append(operator.index(v))
+        except TypeError:
+            raise TypeError(f"swarmfd.all_to_all: {what}[{i}] is {v!r} ({type(v).__name__}): "
+                            "expected a whole number of rows, an int") from None
+        if splits[-1] < 0:
+            raise ValueError(f"swarmfd.all_to_all: {what}[{i}] is {v!r}: expected a "
+                             "non-negative number of rows")
+    if len(splits) != n:
         raise ValueError(f"swarmfd.all_to_all: {what} must be {n} non-negative row counts "
-                         f"(one per rank of the group), got {splits}")
+                         f"(one per rank of the group), got {len(splits)}: {splits}")
     return splits
 
 

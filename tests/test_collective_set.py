@@ -38,6 +38,20 @@ BAD_CALLS: list[tuple[str, Callable[[], Any], type, str]] = [
      lambda: fd.all_to_all(np.zeros(5), in_splits=[4]), ValueError, "add up to 4"),
     ("in_splits of the wrong length",
      lambda: fd.all_to_all(np.zeros(5), in_splits=[2, 3]), ValueError, "in_splits"),
+    ("a split with a fraction", lambda: fd.all_to_all(np.zeros(3), in_splits=[1.5, 1.5]),
+     TypeError, "in_splits[0] is 1.5 (float): expected a whole number of rows, an int"),
+    ("a float split", lambda: fd.all_to_all(np.zeros(3), out_splits=[3.0]), TypeError,
+     "out_splits[0] is 3.0 (float)"),
+    ("a numpy float split", lambda: fd.all_to_all(np.zeros(3), in_splits=[np.float64(3)]),
+     TypeError, "in_splits[0] is np.float64(3.0) (float64)"),
+    ("a bool split", lambda: fd.all_to_all(np.zeros(3), in_splits=[True]), TypeError,
+     "in_splits[0] is True (bool)"),
+    ("a string split", lambda: fd.all_to_all(np.zeros(3), in_splits=["3"]), TypeError,
+     "in_splits[0] is '3' (str)"),
+    ("splits as a string", lambda: fd.all_to_all(np.zeros(3), in_splits="3"), TypeError,
+     "in_splits must be a list of 1 row counts, got '3'"),
+    ("a negative split", lambda: fd.all_to_all(np.zeros(3), out_splits=[-1]), ValueError,
+     "out_splits[0] is -1: expected a non-negative number of rows"),
     ("a rank's own splits that disagree",
      lambda: fd.all_to_all(np.zeros(3), in_splits=[3], out_splits=[2]), ValueError,
      "sends itself 3 rows"),
@@ -69,6 +83,13 @@ def test_bad_arguments_are_refused_naming_what_was_expected(
         call()
     assert needle in str(info.value), str(info.value)
     assert "swarmfd." in str(info.value)
+
+
+@pytest.mark.usefixtures("alone")
+def test_numpy_integer_splits_are_accepted() -> None:
+    x = np.arange(3.0)
+    for splits in ([np.int64(3)], np.array([3]), [np.uint8(3)], (3,)):
+        assert np.array_equal(fd.all_to_all(x, in_splits=splits, out_splits=splits), x)
 
 
 @pytest.mark.usefixtures("alone")
