@@ -61,7 +61,9 @@ def run(ctx: click.Context, command: tuple[str, ...], **options: Any) -> None:
     (in this shell or with -e), each gets its share of this host's cores as
     OMP_NUM_THREADS (torch's and numpy's compute threads), at least 1. Output
     lines are prefixed with the rank. The first failing rank stops the others
-    and sets the exit code; Ctrl-C stops every rank (exit 130).
+    and sets the exit code; once it has, another rank's traceback that only says it
+    lost its peer is cut to one line (--tracebacks shows it whole). Ctrl-C stops
+    every rank (exit 130).
 
     \b
     Examples:

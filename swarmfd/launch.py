@@ -62,7 +62,14 @@ exit code 128+S, as shells report it) fails the group: the launcher prints
 ``swarmfd run: rank R exited with code C; stopping the other ranks`` on stderr,
 sends SIGTERM to every rank, waits ``grace`` seconds and then sends SIGKILL.
 With ``max_restarts=K`` the whole group is then started again, up to K times;
-the exit code is the last attempt's.
+the exit code is the last attempt's. Its peers may see it go before they are
+stopped: from the moment it exits, a traceback on another rank's stderr that
+begins with a lost peer (``PeerLostError``, or ``AbortedError``: a peer gave up the
+call) is replaced by one line, ``[rank R] PeerLostError in FILE:LINE (FUNCTION):
+MESSAGE``, the message naming the lost rank; the failed rank's own traceback, which
+it printed before it exited, and every other error pass unchanged. ``tracebacks``
+(``--tracebacks``, or ``SWARMFD_TRACEBACK=1``) prints these tracebacks, and those of
+an interruption, whole.
 
 Interruption. SIGINT (Ctrl-C), SIGTERM or SIGHUP to the launcher is forwarded
 to every rank; after ``grace`` seconds (or at a second signal) the ranks are
@@ -72,7 +79,8 @@ traceback on a rank's stderr that ends in ``KeyboardInterrupt`` (what every
 Python rank prints when Ctrl-C reaches it: some 20 lines each, interleaved) is
 replaced by one line, ``[rank R] KeyboardInterrupt in FILE:LINE (FUNCTION)``,
 naming the innermost frame outside swarmfd and installed packages; other output
-(a script that catches the interrupt and saves, other errors) passes unchanged.
+(a script that catches the interrupt and saves, other errors) passes unchanged
+(:class:`TracebackFilter`).
 A last line sums up: ``stopped all N rank(s) after SIGINT (exit code 130)``.
 
 Job secret. Every run draws a fresh secret (``secrets.token_hex(32)``) and
@@ -131,9 +139,10 @@ __all__ = [
     "DEFAULT_GRACE",
     "DEFAULT_MASTER_ADDR",
     "ENV_BIND_CORES",
+    "ENV_TRACEBACK",
     "RESERVED_ENV",
-    "InterruptFilter",
     "LaunchConfig",
+    "TracebackFilter",
     "bind_cores_from_env",
     "core_sets",
     "exit_code_of",
@@ -164,6 +173,9 @@ RESERVED_ENV: Mapping[str, str] = MappingProxyType({
     ENV_RESTART_COUNT: "--max-restarts (the launcher counts the restarts)",
     ENV_SECRET_FILE: "nothing: every run makes a fresh job secret",
 })
+#: ``SWARMFD_TRACEBACK=1`` in the launcher's environment: ``tracebacks`` by default
+#: (``swarmfd run --tracebacks``; see the module docstring, "Failure").
+ENV_TRACEBACK = "SWARMFD_TRACEBACK"
 
 _MAX_LINE = 64 * 1024
 _POLL = 0.05
@@ -187,8 +199,10 @@ class LaunchConfig(JobRequest):
     two always differ); ``grace`` is how long ranks get between SIGTERM (or a forwarded
     Ctrl-C) and SIGKILL; ``timeout`` (seconds) becomes ``SWARMFD_TIMEOUT`` for the
     ranks, and ``init_timeout`` ``SWARMFD_INIT_TIMEOUT``; ``bind_cores`` runs each rank
-    on its own share of the cores (:func:`core_sets`); None (the default) takes
-    ENV_BIND_CORES of the launcher's environment (1 or 0; unset is 0).
+    on its own share of the cores (:func:`core_sets`); ``tracebacks`` prints the
+    tracebacks the launcher otherwise cuts to one line (module docstring, "Failure").
+    ``bind_cores`` and ``tracebacks`` of None (the default) take ENV_BIND_CORES and
+    ENV_TRACEBACK of the launcher's environment (1 or 0; unset is 0).
     """
 
     RESERVED_ENV: ClassVar[Mapping[str, str]] = RESERVED_ENV
@@ -211,6 +225,13 @@ class LaunchConfig(JobRequest):
              "--bind-to core (steadier small collectives; its threads, libzmq's I/O thread "
              "too, share them). Off by default: two jobs at once would pin to the same "
              "cores.  [default: on if SWARMFD_BIND_CORES=1]")
+    tracebacks: bool | None = option(
+        "--tracebacks/--no-tracebacks", default=None,
+        help="Print the ranks' tracebacks in full. Without it, once a rank has failed (or "
+             "after Ctrl-C) a traceback that only says a rank lost its peer (or was "
+             "interrupted) is cut to one line naming where.  [default: on if "
+             "SWARMFD_TRACEBACK=1]")
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if (not isinstance(self.master_addr, str) or not self.master_addr.strip()
@@ -219,7 +240,7 @@ class LaunchConfig(JobRequest):
                              f"spaces, got {self.master_addr!r}")
         self._check_ports()
         _check_seconds("--grace", self.grace, allow_zero=True)
-        for name, env_name in (("bind_cores", ENV_BIND_CORES),):
+        for name, env_name in (("bind_cores", ENV_BIND_CORES), ("tracebacks", ENV_TRACEBACK)):
             value = getattr(self, name)
             if value is None:
                 self._set(name, flag_from_env(env_name))
@@ -375,14 +396,26 @@ _LIBRARY_PARTS = ("/site-packages/", "/dist-packages/",
                   os.sep + "swarmfd" + os.sep, "/lib/python3")
 
 
-class InterruptFilter:
-    """Collapses a KeyboardInterrupt traceback into one line (the rest passes through).
+#: The first exception of a traceback that :class:`TracebackFilter` cuts to one line:
+#: an interruption, or a peer that is gone (its own traceback says why).
+_CONSEQUENCES = re.compile(rb"^(?:KeyboardInterrupt|(?:swarmfd\.errors\.)?(?:PeerLostError|"
+                           rb"AbortedError))(?::|$)")
+_MAX_SUMMARY = 600
 
-    ``feed`` takes a rank's stderr lines (bytes, with or without the newline) after an
-    interrupt; ``flush`` at its end. ``emit`` receives the lines to print, each one
-    newline-terminated. A traceback is held until it is complete (its exception line,
-    and any chained traceback after it); if one of its exceptions is a
-    KeyboardInterrupt, one line replaces it, else it is emitted as it was.
+
+class TracebackFilter:
+    """Cuts a traceback whose first exception is an interruption or a lost peer
+    (``KeyboardInterrupt``, swarmfd's ``PeerLostError`` or ``AbortedError``) to one line;
+    the rest passes through.
+
+    ``feed`` takes a rank's stderr lines (bytes, with or without the newline); ``flush``
+    at its end. ``emit`` receives the lines to print, each one newline-terminated. A
+    traceback is held until it is complete (its exception line, and any chained
+    traceback after it); then one line replaces it (``NAME in FILE:LINE (FUNCTION):
+    MESSAGE``, at the innermost frame outside swarmfd and installed packages, and ``;
+    then LAST`` when a chained exception of another kind ended it), or it is emitted
+    as it was. It runs only once a rank has failed or the launcher was interrupted:
+    before that, such a traceback is the failure itself.
     """
 
     def __init__(self, emit: Callable[[bytes], None]) -> None:
@@ -429,38 +462,49 @@ class InterruptFilter:
     def _decide(self) -> None:
         held, self._held, self._state = self._held, [], "idle"
         texts = [h.rstrip(b"\r\n") for h in held]
-        exceptions = [t for t in texts if t and not t[:1].isspace() and t != _TRACEBACK
-                      and t not in _CHAIN]
-        if not any(e == b"KeyboardInterrupt" or e.startswith(b"KeyboardInterrupt:")
-                   for e in exceptions):
+        exceptions = [i for i, t in enumerate(texts) if t and not t[:1].isspace()
+                      and t != _TRACEBACK and t not in _CHAIN]
+        if not exceptions or not _CONSEQUENCES.match(texts[exceptions[0]]):
             for line in held:
                 self._emit(line)
             return
-        first_interrupt = next(i for i, t in enumerate(texts)
-                               if t == b"KeyboardInterrupt" or t.startswith(b"KeyboardInterrupt:"))
-        frames = [m for m in (_FRAME.match(t) for t in texts[:first_interrupt]) if m]
-        own = [m for m in frames if not any(part.encode() in m.group(1)
-                                            for part in _LIBRARY_PARTS)]
-        where = (own or frames)[-1] if frames else None
-        summary = b"KeyboardInterrupt"
+        first = texts[exceptions[0]]
+        name, _, message = first.partition(b":")
+        summary = name.rsplit(b".", 1)[-1]
+        where = _where(texts[:exceptions[0]])
         if where is not None:
-            path = where.group(1)
-            with contextlib.suppress(ValueError):
-                relative = os.path.relpath(os.fsdecode(path))
-                if not relative.startswith(".."):
-                    path = os.fsencode(relative)
-            summary += b" in %s:%s (%s)" % (path, where.group(2), where.group(3))
-        last = exceptions[-1]
-        if not (last == b"KeyboardInterrupt" or last.startswith(b"KeyboardInterrupt:")):
+            summary += b" in " + where
+        if message.strip():
+            summary += b": " + message.strip()
+        last = texts[exceptions[-1]]
+        if last.partition(b":")[0] != name:
             summary += b"; then " + last[:300]
-        self._emit(summary + b"\n")
+        self._emit(summary[:_MAX_SUMMARY] + b"\n")
+
+
+def _where(texts: list[bytes]) -> bytes | None:
+    """``FILE:LINE (FUNCTION)`` of the innermost frame of ``texts`` (a traceback's lines)
+    outside swarmfd and installed packages (else the innermost), the file relative to
+    the working directory when it is below it."""
+    frames = [m for m in (_FRAME.match(t) for t in texts) if m]
+    own = [m for m in frames if not any(part.encode() in m.group(1) for part in _LIBRARY_PARTS)]
+    if not frames:
+        return None
+    where = (own or frames)[-1]
+    path = where.group(1)
+    with contextlib.suppress(ValueError):
+        relative = os.path.relpath(os.fsdecode(path))
+        if not relative.startswith(".."):
+            path = os.fsencode(relative)
+    return b"%s:%s (%s)" % (path, where.group(2), where.group(3))
 
 
 def _pump(pipe: IO[bytes], fd: int, prefix: bytes, output: _Output,
-          interrupted: threading.Event | None = None) -> None:
+          collapse: Callable[[], bool] | None = None) -> None:
     """Copy one rank's pipe to the output line by line until EOF.
 
-    Once ``interrupted`` is set, the lines go through an :class:`InterruptFilter`.
+    Once ``collapse()`` is true (another rank failed, or the launcher was interrupted),
+    the lines go through a :class:`TracebackFilter`.
     """
 
     def emit(line: bytes) -> None:
@@ -470,21 +514,21 @@ def _pump(pipe: IO[bytes], fd: int, prefix: bytes, output: _Output,
             line = prefix + line
         output.write(fd, line)
 
-    collapse = InterruptFilter(emit) if interrupted is not None else None
+    cut = TracebackFilter(emit) if collapse is not None else None
     try:
         with pipe:
             while True:
                 line = pipe.readline(_MAX_LINE)
                 if not line:
                     break
-                if collapse is not None and (interrupted.is_set() or collapse.holding):
-                    collapse.feed(line)
+                if cut is not None and (cut.holding or collapse()):
+                    cut.feed(line)
                 else:
                     emit(line)
     except (OSError, ValueError):
         pass  # the pipe broke; nothing more to copy
-    if collapse is not None:
-        collapse.flush()
+    if cut is not None:
+        cut.flush()
 
 
 # --- process groups -----------------------------------------------------------
@@ -702,6 +746,7 @@ class _Attempt:
         self.waiters: list[threading.Thread] = []
         self.exits: list[tuple[int, int]] = []  # (rank, returncode) in the order they ended
         self.interrupted = threading.Event()  # set before a launcher signal is forwarded
+        self.failed = threading.Event()  # set as soon as a rank exits non-zero
         self.stopped = False
         self.succeeded = False
 
@@ -743,11 +788,12 @@ class _Attempt:
         for rank, proc in enumerate(self.procs):
             prefix = f"[rank {rank}] ".encode() if self.config.prefix else b""
             threads = []
+            collapse = None if self.config.tracebacks else self._collapsing
             for fd, pipe in ((1, proc.stdout), (2, proc.stderr)):
                 assert pipe is not None
                 t = threading.Thread(
                     target=_pump,
-                    args=(pipe, fd, prefix, self.output, self.interrupted if fd == 2 else None),
+                    args=(pipe, fd, prefix, self.output, collapse if fd == 2 else None),
                     name=f"swarmfd-run-rank{rank}-fd{fd}",
                     daemon=True,
                 )
@@ -763,9 +809,15 @@ class _Attempt:
             waiter.start()
             self.waiters.append(waiter)
 
+    def _collapsing(self) -> bool:
+        """Whether the ranks' tracebacks of lost peers and interruptions are cut now."""
+        return self.failed.is_set() or self.interrupted.is_set()
+
     def _wait_for(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
         """Reap one rank and record when it ended relative to the others."""
         rc = proc.wait()
+        if rc != 0:
+            self.failed.set()  # before its peers can find it gone (LOST_PEER_GRACE)
         self.exits.append((rank, rc))  # list.append is atomic; the order is the exit order
 
     def _supervise(self) -> _Outcome:

@@ -178,17 +178,24 @@ def test_an_option_declared_once_is_parsed_checked_and_reaches_the_ranks() -> No
 # -- run -----------------------------------------------------------------------------------------
 
 
-def test_launch_config_takes_bind_cores_from_the_environment(
+def test_launch_config_takes_its_switches_from_the_environment(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """--bind-cores: given, or SWARMFD_BIND_CORES."""
+    """--bind-cores and --tracebacks: given, or SWARMFD_BIND_CORES / SWARMFD_TRACEBACK."""
+    monkeypatch.delenv("SWARMFD_BIND_CORES", raising=False)
+    monkeypatch.setenv("SWARMFD_TRACEBACK", "1")
+    config = launch_config()
+    assert (config.bind_cores, config.tracebacks) == (False, True)
+    assert launch_config(tracebacks=False).tracebacks is False
     monkeypatch.setenv("SWARMFD_BIND_CORES", "1")
-    assert launch_config().bind_cores is True
+    monkeypatch.delenv("SWARMFD_TRACEBACK")
+    config = launch_config()
+    assert (config.bind_cores, config.tracebacks) == (True, False)
     assert launch_config(bind_cores=False).bind_cores is False
-    monkeypatch.setenv("SWARMFD_BIND_CORES", "yes")
-    with pytest.raises(ValueError, match="SWARMFD_BIND_CORES='yes': expected 1 "):
+    monkeypatch.setenv("SWARMFD_TRACEBACK", "yes")
+    with pytest.raises(ValueError, match="SWARMFD_TRACEBACK='yes': expected 1 "):
         launch_config()
     with pytest.raises(FrozenInstanceError):
-        launch_config(bind_cores=True).grace = 1  # type: ignore[misc]
+        launch_config(tracebacks=True).grace = 1  # type: ignore[misc]
 
 
 def test_swarmfd_run_loads_neither_the_swarm_commands_nor_docker() -> None:

@@ -548,10 +548,10 @@ ZeroDivisionError: division by zero
 
 
 def _filtered(*chunks: bytes) -> list[bytes]:
-    from swarmfd.launch import InterruptFilter
+    from swarmfd.launch import TracebackFilter
 
     out: list[bytes] = []
-    f = InterruptFilter(out.append)
+    f = TracebackFilter(out.append)
     for chunk in chunks:
         for line in chunk.splitlines(keepends=True):
             f.feed(line)
@@ -761,3 +761,60 @@ def test_real_two_rank_all_reduce(runs: Runs) -> None:
     expected = [b"result 10 12 14 16 world 2"]
     assert {0: expected, 1: expected} == by_rank(out)
 
+
+LOST_PEER = str(SCRIPTS / "lost_peer.py")
+
+
+@pytest.mark.parametrize(("transport", "plane_says"), [
+    ("auto", "(host {host}, pid {pid}, shared memory): its process ended (it died or exited)"),
+    ("tcp", "tcp://127.0.0.1:"),
+], ids=["shm", "tcp"])
+def test_a_lost_peer_after_a_failure_is_one_line_saying_what_its_plane_saw(
+        runs: Runs, transport: str, plane_says: str) -> None:
+    """Rank 1 exits 3; rank 0 finds it gone and raises PeerLostError. Its traceback
+    becomes one line naming where it was, the lost rank and what the plane it ran on
+    saw (shared memory: the process ended; TCP: the connection closed)."""
+    code, _, err = runs.run("-n", "2", "--grace", "10", LOST_PEER, timeout=40,
+                            env={**os.environ, "SWARMFD_TRANSPORT": transport})
+    text = err.decode(errors="replace")
+    assert code == 3, text
+    assert "Traceback" not in text, text
+    lines = [line for line in text.splitlines() if line.startswith("[rank 0]")]
+    assert len(lines) == 1, text
+    assert lines[0].startswith(
+        f"[rank 0] PeerLostError in {os.path.relpath(LOST_PEER)}:17 (<module>): all_reduce "), text
+    assert "lost rank 1 (host " in lines[0] and lines[0].endswith(" before it sent its data")
+    pid = re.search(r"pid (\d+)", lines[0])
+    assert pid is not None
+    assert plane_says.format(host=socket.gethostname(), pid=pid.group(1)) in lines[0], lines[0]
+    if transport == "tcp":
+        assert "its connection closed" in lines[0] and "shared memory" not in lines[0]
+
+
+def test_tracebacks_shows_the_lost_peers_traceback_whole(runs: Runs) -> None:
+    """--tracebacks keeps rank 0's traceback as it was (SWARMFD_TRACEBACK=1 is its
+    default: tests/test_cli.py)."""
+    code, _, err = runs.run("-n", "2", "--grace", "10", "--tracebacks", LOST_PEER, timeout=40)
+    text = err.decode(errors="replace")
+    assert code == 3, text
+    assert "[rank 0] Traceback (most recent call last):" in text, text
+    assert "[rank 0] swarmfd.errors.PeerLostError: all_reduce " in text, text
+
+
+def test_traceback_filter_cuts_a_lost_peer_to_one_line_and_keeps_real_errors() -> None:
+    """A traceback that begins with PeerLostError or AbortedError: one line, the message
+    kept; one that begins with another error (a lost peer while handling it) is kept
+    whole; chained after a lost peer, the last error is appended."""
+    lost = TRACEBACK_KI.replace(b"KeyboardInterrupt\n", b"swarmfd.errors.PeerLostError: "
+                                b"all_reduce: lost rank 1 (host h, pid 9, shared memory)\n")
+    assert _filtered(lost) == [b"PeerLostError in /home/u/train.py:9 (main): all_reduce: "
+                               b"lost rank 1 (host h, pid 9, shared memory)\n"]
+    aborted = OTHER.replace(b"ZeroDivisionError: division by zero",
+                            b"swarmfd.errors.AbortedError: rank 2 aborted")
+    assert _filtered(aborted) == [b"AbortedError in /home/u/train.py:3 (<module>): rank 2 "
+                                  b"aborted\n"]
+    real_first = OTHER + CHAINED.split(b"\n\n", 1)[1].replace(b"KeyboardInterrupt", b"")
+    assert _filtered(real_first) == real_first.splitlines(keepends=True)
+    then = lost + b"\nDuring handling of the above exception, another exception occurred:\n" \
+        + OTHER
+    assert _filtered(then)[0].endswith(b"; then ZeroDivisionError: division by zero\n")
