@@ -198,6 +198,15 @@ def test_launch_config_takes_its_switches_from_the_environment(
         launch_config(tracebacks=True).grace = 1  # type: ignore[misc]
 
 
+def test_the_group_lists_exactly_the_swarm_commands_it_loads_lazily() -> None:
+    from swarmfd.cli import SWARM_COMMANDS
+    from swarmfd.swarm.cli import COMMANDS
+
+    assert sorted(SWARM_COMMANDS) == sorted(COMMANDS)
+    assert all(main.get_command(click.Context(main), name) is COMMANDS[name]
+               for name in SWARM_COMMANDS)
+
+
 def test_swarmfd_run_loads_neither_the_swarm_commands_nor_docker() -> None:
     code = ("import sys\nfrom click.testing import CliRunner\nfrom swarmfd.cli import main\n"
             "r = CliRunner().invoke(main, ['run', '-n', '1', sys.executable, '-c', 'pass'])\n"

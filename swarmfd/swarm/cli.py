@@ -484,7 +484,8 @@ def rm(ctx: click.Context, jobs: tuple[str, ...], timeout: float, host: str | No
         ctx.exit(EXIT_ERROR)
 
 
-#: The commands, by name, for swarmfd's command group (swarmfd.cli).
+#: The commands, by name, for swarmfd's command group, which lists their names without
+#: importing this module (swarmfd.cli.SWARM_COMMANDS: a new command goes in both).
 COMMANDS: dict[str, click.Command] = {
     command.name: command for command in (build, deploy, ls, ps, logs, rm)  # type: ignore[misc]
 }

@@ -10,17 +10,17 @@ and does the rest:
 2. creates the job's secret (``<job>-secret``, mounted in every rank as
    ``/run/secrets/swarmfd_secret``), overlay network and service (a failure removes
    what was created);
-   With ``build`` (``--build DIR``) the project is built first (:mod:`.build`), after
-   the checks that need no image; with ``push`` (``--push REGISTRY``) the image is
+   With ``--build DIR`` the project is built first (:mod:`.build`), after
+   the checks that need no image; with ``--push REGISTRY`` the image is
    pushed and the service runs it by its registry digest, pulled by each node.
    Without a registry on a Swarm of several nodes, deploy warns that ranks placed
    on other nodes cannot start, and how to fix that;
-3. with ``detach``, returns; else follows the job (:func:`.follow.follow_job`):
+3. with ``--detach``, returns; else follows the job (:func:`.follow.follow_job`):
    progress on ``progress``, every rank's output to ``output``;
 4. when every rank exited 0: removes the job unless ``--keep``; when a rank failed: the
    others were stopped, and the job is kept for inspection unless ``--rm``. Ctrl-C
    stops following and leaves the job running.
-5. with ``max_restarts`` K, a failed group is recreated (same secret and network,
+5. with ``--max-restarts K``, a failed group is recreated (same secret and network,
    ``SWARMFD_RESTART_COUNT`` k+1) up to K times before 4. applies.
 
 Exit code: 0 when every rank exited 0; the failed rank's exit code (1 when it has
