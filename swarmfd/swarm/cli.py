@@ -1,10 +1,11 @@
-"""The Docker commands: ``swarmfd build``, ``deploy``, ``ls``, ``ps``, ``logs`` and ``rm``.
+"""The Docker Swarm commands: ``swarmfd build``, ``deploy``, ``ls``, ``ps``, ``logs``, ``rm``.
 
-Thin click wrappers: parse and validate the options (before any engine is
-contacted), call :mod:`swarmfd.swarm`, map its errors to exit codes. The
-``swarm`` package (and with it the Docker SDK) is imported inside the commands,
-so ``swarmfd run`` never loads it. :func:`register` adds the commands to the
-main group.
+Thin click wrappers: parse the options into a request (:mod:`.request`, which checks
+them before any engine is contacted), call the library (:mod:`.deploy`, :mod:`.build`,
+:mod:`.engine`), map its errors to exit codes. The modules that import the docker SDK
+are imported inside the commands, and ``swarmfd``'s command group imports this module
+only when one of these commands runs (:data:`COMMANDS`), so ``swarmfd run`` loads
+neither.
 """
 
 from __future__ import annotations
@@ -17,20 +18,19 @@ from typing import Any, TypeVar
 
 import click
 
-from . import __version__
+from ..cli_options import (
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    build_request,
+    click_option,
+    request_options,
+    usage_errors,
+)
+from .request import HOST, BuildChoices, DeployRequest, parse_push
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-EXIT_ERROR = 1
-EXIT_INTERRUPTED = 130
-
-
-def _host_option(func: F) -> F:
-    return click.option(
-        "-H", "--host", default=None, metavar="URL",
-        help="Docker host of a Swarm manager, e.g. unix:///var/run/docker.sock or "
-             "tcp://manager:2376.  [default: $DOCKER_HOST, else the local socket]",
-    )(func)
+_host_option = click_option("host", HOST)
 
 
 def _fail(ctx: click.Context, message: str, code: int = EXIT_ERROR) -> None:
@@ -43,7 +43,7 @@ def _swarm_errors(func: F) -> F:
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from .swarm.errors import SwarmJobError
+        from .errors import SwarmJobError
 
         ctx = click.get_current_context()
         try:
@@ -57,7 +57,7 @@ def _swarm_errors(func: F) -> F:
 
 
 def _docker_api_error() -> type[Exception]:
-    from .swarm.engine import docker_error
+    from .engine import docker_error
 
     return docker_error()
 
@@ -77,7 +77,7 @@ class _TextSink:
 
 def _rank_output(prefix: bool) -> Any:
     """Rank-prefixed output to this process's stdout/stderr (bytes, never re-encoded)."""
-    from .swarm.follow import RankOutput
+    from .follow import RankOutput
 
     out, err = (getattr(s, "buffer", None) or _TextSink(s) for s in (sys.stdout, sys.stderr))
     return RankOutput(out, err, prefix=prefix)
@@ -85,7 +85,7 @@ def _rank_output(prefix: bool) -> Any:
 
 def _connect(host: str | None, max_pool_size: int = 10) -> tuple[Any, str]:
     """A client of a Swarm manager at ``host``, and this node's ID."""
-    from .swarm.engine import check_manager, connect
+    from .engine import check_manager, connect
 
     client = connect(host, max_pool_size=max_pool_size)
     try:
@@ -99,58 +99,11 @@ def _connect(host: str | None, max_pool_size: int = 10) -> tuple[Any, str]:
 # --- build -----------------------------------------------------------------------------
 
 
-def _build_options(func: F) -> F:
-    """The options that say how a project is built (``build``, ``deploy --build``)."""
-    options = [
-        click.option("--base", default=None, metavar="IMAGE",
-                     help="Image to build on: it has swarmfd and its entrypoint.  "
-                          "[default: swarmfd:latest]"),
-        click.option("--extra", "extras", multiple=True, metavar="NAME",
-                     help="Also install an extra: one of pyproject.toml's "
-                          "[project.optional-dependencies], or 'torch' (torch==2.13.0, the "
-                          "CPU wheel); repeatable."),
-        click.option("--wheelhouse", "wheelhouses", multiple=True, metavar="DIR",
-                     type=click.Path(file_okay=False),
-                     help="Folder of wheels to install from (pip --find-links); repeatable."),
-        click.option("--no-index", is_flag=True,
-                     help="Offline: take wheels only from --wheelhouse folders (and pip's "
-                          "configured find-links), never from a package index."),
-        click.option("--no-cpu-torch", is_flag=True,
-                     help="Do not constrain torch to the CPU wheel torch==2.13.0+cpu (e.g. "
-                          "for a CUDA build pinned in your requirements)."),
-        click.option("--image-name", "repository", default=None, metavar="REPO",
-                     help="Image repository (the tag is the content hash).  "
-                          "[default: swarmfd-<directory name>]"),
-        click.option("--rebuild", is_flag=True,
-                     help="Build even when an image of the same content exists."),
-    ]
-    for option in reversed(options):
-        func = option(func)
-    return func
-
-
-def _build_request(directory: str, base: str | None, extras: tuple[str, ...],
-                   wheelhouses: tuple[str, ...], no_index: bool, no_cpu_torch: bool,
-                   repository: str | None, rebuild: bool) -> Any:
-    from pathlib import Path
-
-    from .swarm.build import DEFAULT_BASE_IMAGE, BuildOptions, BuildRequest
-
-    if no_index and not wheelhouses:
-        raise ValueError("--no-index needs a --wheelhouse DIR to take the wheels from")
-    return BuildRequest(
-        directory=Path(directory), base=base or DEFAULT_BASE_IMAGE, repository=repository,
-        extras=extras,
-        options=BuildOptions(wheelhouses=tuple(Path(w) for w in wheelhouses),
-                             no_index=no_index, cpu_torch=not no_cpu_torch),
-        rebuild=rebuild)
-
-
 @click.command("build", epilog="Exit code: 0 when the image is built (or up to date); 1 "
                                "for errors, 2 for bad usage.")
 @click.argument("directory", default=".", metavar="[DIR]",
                 type=click.Path(file_okay=False))
-@_build_options
+@request_options(BuildChoices)
 @click.option("--push", "registry", default=None, metavar="REGISTRY",
               help="Then push the image to REGISTRY (HOST[:PORT][/PATH]) and print the "
                    "reference every node can pull.")
@@ -158,10 +111,8 @@ def _build_request(directory: str, base: str | None, extras: tuple[str, ...],
 @_host_option
 @click.pass_context
 @_swarm_errors
-def build(ctx: click.Context, directory: str, base: str | None, extras: tuple[str, ...],
-          wheelhouses: tuple[str, ...], no_index: bool, no_cpu_torch: bool,
-          repository: str | None, rebuild: bool, registry: str | None, quiet: bool,
-          host: str | None) -> None:
+def build(ctx: click.Context, directory: str, registry: str | None, quiet: bool,
+          host: str | None, **options: Any) -> None:
     """Build DIR (default: .) into an image FROM the swarmfd image, for `swarmfd deploy`.
 
     The image holds DIR's files in /workspace (the working directory) and the packages
@@ -181,17 +132,14 @@ def build(ctx: click.Context, directory: str, base: str | None, extras: tuple[st
       swarmfd build --wheelhouse ./wheels --no-index .
       swarmfd deploy "$(swarmfd build -q .)" -n 4 -- python train.py
     """
-    from .swarm.build import BuildError, build_project, parse_registry, push_image
-    from .swarm.deploy import stderr_progress
-    from .swarm.engine import connect
+    from .build import build_project, push_image
+    from .deploy import stderr_progress
+    from .engine import connect
 
-    try:
-        request = _build_request(directory, base, extras, wheelhouses, no_index,
-                                 no_cpu_torch, repository, rebuild)
+    with usage_errors(ctx):
+        request = build_request(BuildChoices, options).request(directory)
         if registry is not None:
-            registry = parse_registry(registry)
-    except (ValueError, TypeError, BuildError) as exc:
-        raise click.UsageError(str(exc), ctx) from None
+            registry = parse_push(registry)
     progress = (lambda line: None) if quiet else stderr_progress("swarmfd build")
     client = connect(host, timeout=600)
     try:
@@ -248,120 +196,11 @@ class _DeployCommand(click.Command):
            "(1 if it has none); 130 after Ctrl-C; 1 for errors, 2 for bad usage.",
 )
 @click.argument("image", metavar="IMAGE|--build DIR")
-@click.option("-n", "--nproc", "world_size", type=int, required=True, metavar="N",
-              help="Number of ranks (service replicas), >= 1.")
-@click.option("--build", "build_dir", default=None, metavar="DIR",
-              type=click.Path(file_okay=False),
-              help="Build DIR first (as `swarmfd build DIR`) and run that image; give no "
-                   "IMAGE then. The build options below apply.")
-@_build_options
-@click.option("--push", "registry", default=None, metavar="REGISTRY",
-              help="Push the image to REGISTRY (HOST[:PORT][/PATH]) and run it from there: "
-                   "every node pulls it (what a Swarm of several nodes needs).")
-@click.option("--checkpoint-volume", default=None, metavar="NAME",
-              help="Mount the named volume NAME at /checkpoints in every rank and set "
-                   "SWARMFD_CHECKPOINT_DIR=/checkpoints, so checkpoints outlive the ranks "
-                   "(--max-restarts resumes from them). The volume is kept after the job.")
-@click.option("--name", default=None, metavar="NAME",
-              help="Job name: lowercase letters, digits, '-'.  [default: swarmfd-<word>-<hex>]")
-@click.option("-e", "--env", "env_items", multiple=True, metavar="KEY[=VALUE]",
-              help="Environment variable for every rank (KEY alone: this shell's value); "
-                   "repeatable.")
-@click.option("--mount", "mounts", multiple=True, metavar="SPEC",
-              help="Mount, Docker syntax: type=bind,src=/data,dst=/data[,readonly] or "
-                   "type=volume,src=NAME,dst=/path or type=tmpfs,dst=/tmp; repeatable.")
-@click.option("-w", "--workdir", default=None, metavar="DIR",
-              help="Working directory of the command in the container.")
-@click.option("--network", "networks", multiple=True, metavar="NAME",
-              help="Extra (overlay) network to attach the ranks to; repeatable.")
-@click.option("--constraint", "constraints", multiple=True, metavar="EXPR",
-              help="Placement constraint, e.g. node.labels.gpu==true; repeatable.")
-@click.option("--reserve-cpu", default=None, metavar="CPUS", help="CPUs reserved per rank.")
-@click.option("--limit-cpu", default=None, metavar="CPUS", help="CPU limit per rank.")
-@click.option("--reserve-memory", default=None, metavar="SIZE",
-              help="Memory reserved per rank, e.g. 512M or 2G.")
-@click.option("--limit-memory", default=None, metavar="SIZE",
-              help="Memory limit per rank, e.g. 512M or 2G.")
-@click.option("--generic-resource", "generic_resources", multiple=True, metavar="KIND=N",
-              help="Generic resource per rank that nodes advertise, e.g. gpu=1; repeatable.")
-@click.option("--label", "labels", multiple=True, metavar="KEY=VALUE",
-              help="Label on the job's service and network; repeatable.")
-@click.option("--master-port", type=int, default=29500, show_default=True, metavar="PORT",
-              help="MASTER_PORT, torch.distributed's port on rank 0; swarmfd's rendezvous "
-                   "uses the next one (SWARMFD_PORT: set it with -e to choose another).")
-@click.option("--timeout", type=float, default=None, metavar="SECONDS",
-              help="Seconds a collective may wait for a peer (sets SWARMFD_TIMEOUT).")
-@click.option("--init-timeout", type=float, default=None, metavar="SECONDS",
-              help="Seconds the ranks wait for each other to start (sets SWARMFD_INIT_TIMEOUT; "
-                   "default: the timeout). Also how long a rank waits for rank 0's name.")
-@click.option("--max-per-node", type=int, default=None, metavar="K",
-              help="At most K ranks on one node.")
-@click.option("--local-ranks", type=click.Choice(["container", "node"]), default="container",
-              show_default=True,
-              help="LOCAL_RANK per container (0 of 1 in each) or per node (derived by swarmfd "
-                   "at rendezvous; read it with swarmfd.get_config().local_rank).")
-@click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
-              metavar="K",
-              help="When a rank fails, tear the whole group down and start it again, up to "
-                   "K times (SWARMFD_RESTART_COUNT tells the ranks; same job secret).")
-@click.option("--encrypt-network", is_flag=True,
-              help="Encrypt the job's overlay network between nodes (IPsec, Docker's "
-                   "'encrypted' overlay option; every node's kernel needs ESP support).")
-@click.option("--pull", is_flag=True,
-              help="IMAGE is in a registry every node can reach: let each node pull it "
-                   "(default: IMAGE must be on this node and runs by its ID).")
-@click.option("-d", "--detach", is_flag=True,
-              help="Create the job, print its name and return at once.")
-@click.option("--keep", "keep_flag", is_flag=True,
-              help="Keep the job when it finishes, even if every rank succeeded.")
-@click.option("--rm", "rm_flag", is_flag=True,
-              help="Remove the job when it finishes, even if a rank failed.")
-@click.option("--no-prefix", is_flag=True, help="Do not prefix output lines with '[rank R] '.")
-@_host_option
+@request_options(DeployRequest)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="-- COMMAND...")
 @click.pass_context
 @_swarm_errors
-def deploy(
-    ctx: click.Context,
-    image: str,
-    world_size: int,
-    name: str | None,
-    env_items: tuple[str, ...],
-    mounts: tuple[str, ...],
-    workdir: str | None,
-    networks: tuple[str, ...],
-    constraints: tuple[str, ...],
-    reserve_cpu: str | None,
-    limit_cpu: str | None,
-    reserve_memory: str | None,
-    limit_memory: str | None,
-    generic_resources: tuple[str, ...],
-    labels: tuple[str, ...],
-    master_port: int,
-    timeout: float | None,
-    init_timeout: float | None,
-    max_per_node: int | None,
-    local_ranks: str,
-    max_restarts: int,
-    encrypt_network: bool,
-    pull: bool,
-    build_dir: str | None,
-    base: str | None,
-    extras: tuple[str, ...],
-    wheelhouses: tuple[str, ...],
-    no_index: bool,
-    no_cpu_torch: bool,
-    repository: str | None,
-    rebuild: bool,
-    registry: str | None,
-    checkpoint_volume: str | None,
-    detach: bool,
-    keep_flag: bool,
-    rm_flag: bool,
-    no_prefix: bool,
-    host: str | None,
-    command: tuple[str, ...],
-) -> None:
+def deploy(ctx: click.Context, image: str, command: tuple[str, ...], **options: Any) -> None:
     """Run COMMAND as N ranks on the Docker Swarm, as one job.
 
     Creates one replicated service (N tasks of IMAGE), one overlay network and one
@@ -397,99 +236,40 @@ def deploy(
       swarmfd deploy --build . --push registry.example.com:5000 -n 8 --max-per-node 1 \\
           --checkpoint-volume mnist-ckpt --max-restarts 2 -- python train.py
     """
-    from .swarm import spec as spec_lib
-    from .swarm.build import BuildError, parse_registry
-    from .swarm.deploy import run_deploy, stderr_progress
+    from .deploy import run_deploy, stderr_progress
 
-    build_request = None
-    if build_dir is not None:
-        after_dash = ctx.meta.get("swarmfd.after_dash")
-        if after_dash is None:
-            raise click.UsageError(
-                "with --build, put '--' before COMMAND: swarmfd deploy --build DIR -n N "
-                "[OPTIONS] -- COMMAND...", ctx)
-        if len(command) > after_dash:
-            raise click.UsageError(
-                f"--build makes the image: give no IMAGE (got {command[0]!r} before '--')",
-                ctx)
-        image = f"(built from {build_dir})"
-    elif base or extras or wheelhouses or no_index or no_cpu_torch or repository or rebuild:
-        raise click.UsageError(
-            "--base, --extra, --wheelhouse, --no-index, --no-cpu-torch, --image-name and "
-            "--rebuild apply to --build DIR", ctx)
-    if not command:
-        shown = f"--build {build_dir}" if build_dir is not None else image
-        raise click.UsageError(
-            "missing COMMAND: give the program every rank runs after '--', e.g. "
-            f"'swarmfd deploy {shown} -n {world_size} -- python train.py'", ctx)
-    if registry is not None and pull:
-        raise click.UsageError("--push runs the image from the registry already: drop --pull",
-                               ctx)
-    if keep_flag and rm_flag:
-        raise click.UsageError("--keep and --rm contradict each other: give one", ctx)
-    if detach and max_restarts:
-        raise click.UsageError(
-            "--max-restarts needs deploy to follow the job (to restart it): not with "
-            "--detach", ctx)
-    if detach and rm_flag:
-        raise click.UsageError(
-            "--rm needs deploy to follow the job: a detached job is kept until "
-            "`swarmfd rm NAME`", ctx)
+    with usage_errors(ctx):
+        request = build_request(DeployRequest, options, command=command,
+                                image=_image(ctx, image, options["build_dir"], command))
+    name = request.job.name
     try:
-        job = spec_lib.JobSpec(
-            name=spec_lib.validate_job_name(name) if name is not None
-            else spec_lib.generate_job_name(),
-            image=image,
-            image_ref=image,  # replaced by the image ID once the engine is asked
-            world_size=world_size,
-            command=command,
-            env=spec_lib.parse_env_items(env_items),
-            mounts=tuple(spec_lib.parse_mount(m) for m in mounts),
-            workdir=workdir,
-            networks=networks,
-            constraints=tuple(spec_lib.parse_constraint(c) for c in constraints),
-            reserve_cpu=spec_lib.parse_cpus(reserve_cpu, "--reserve-cpu")
-            if reserve_cpu is not None else None,
-            limit_cpu=spec_lib.parse_cpus(limit_cpu, "--limit-cpu")
-            if limit_cpu is not None else None,
-            reserve_memory=spec_lib.parse_memory(reserve_memory, "--reserve-memory")
-            if reserve_memory is not None else None,
-            limit_memory=spec_lib.parse_memory(limit_memory, "--limit-memory")
-            if limit_memory is not None else None,
-            generic_resources=tuple(spec_lib.parse_generic_resource(g)
-                                    for g in generic_resources),
-            labels=spec_lib.parse_labels(labels),
-            master_port=master_port,
-            timeout=timeout,
-            init_timeout=init_timeout,
-            max_per_node=max_per_node,
-            local_ranks=local_ranks,
-            encrypt_network=encrypt_network,
-            checkpoint_volume=spec_lib.parse_checkpoint_volume(checkpoint_volume)
-            if checkpoint_volume is not None else None,
-            version=__version__,
-        )
-        if build_dir is not None:
-            build_request = _build_request(build_dir, base, extras, wheelhouses, no_index,
-                                           no_cpu_torch, repository, rebuild)
-        if registry is not None:
-            registry = parse_registry(registry)
-    except (ValueError, TypeError, BuildError) as exc:
-        raise click.UsageError(str(exc), ctx) from None
-    keep = "always" if keep_flag else "never" if rm_flag else "on-failure"
-    output = _rank_output(prefix=not no_prefix)
-    try:
-        result = run_deploy(job, host=host, pull=pull, detach=detach, keep=keep, output=output,
-                            progress=stderr_progress("swarmfd deploy"),
-                            max_restarts=max_restarts, build=build_request, push=registry)
+        result = run_deploy(request, output=_rank_output(prefix=request.prefix),
+                            progress=stderr_progress("swarmfd deploy"))
     except KeyboardInterrupt:  # before following began (while checking or creating)
-        click.echo(f"swarmfd deploy: interrupted; if job {job.name} was created already, "
-                   f"`swarmfd ps {job.name}` shows it and `swarmfd rm {job.name}` removes it",
+        click.echo(f"swarmfd deploy: interrupted; if job {name} was created already, "
+                   f"`swarmfd ps {name}` shows it and `swarmfd rm {name}` removes it",
                    err=True)
         ctx.exit(EXIT_INTERRUPTED)
-    if detach:
-        click.echo(job.name)
+    if request.detach:
+        click.echo(name)
     ctx.exit(result.exit_code)
+
+
+def _image(ctx: click.Context, image: str, build_dir: str | None,
+           command: tuple[str, ...]) -> str | None:
+    """IMAGE as given, or None with --build (whose placeholder took IMAGE's place:
+    _DeployCommand), when the words before '--' hold no IMAGE as well."""
+    if build_dir is None:
+        return image
+    after_dash = ctx.meta.get("swarmfd.after_dash")
+    if after_dash is None:
+        raise click.UsageError(
+            "with --build, put '--' before COMMAND: swarmfd deploy --build DIR -n N "
+            "[OPTIONS] -- COMMAND...", ctx)
+    if len(command) > after_dash:
+        raise click.UsageError(
+            f"--build makes the image: give no IMAGE (got {command[0]!r} before '--')", ctx)
+    return None
 
 
 # --- ls ---------------------------------------------------------------------------------
@@ -529,7 +309,7 @@ def ls(ctx: click.Context, quiet: bool, host: str | None) -> None:
       swarmfd ls
       swarmfd ls -q | xargs -r swarmfd rm      # remove every job
     """
-    from .swarm.engine import list_jobs
+    from .engine import list_jobs
 
     client, _node = _connect(host)
     try:
@@ -566,10 +346,10 @@ def ps(ctx: click.Context, job: str, host: str | None) -> None:
     Examples:
       swarmfd ps swarmfd-keen-3fa9
     """
-    from .swarm.engine import find_service, job_tasks, node_names, world_size_of
-    from .swarm.errors import JobNotFoundError
-    from .swarm.spec import LABEL_FAILURE, LABEL_STOPPED
-    from .swarm.tasks import job_state
+    from .engine import find_service, job_tasks, node_names, world_size_of
+    from .errors import JobNotFoundError
+    from .spec import LABEL_FAILURE, LABEL_STOPPED
+    from .tasks import job_state
 
     client, _node = _connect(host)
     try:
@@ -632,9 +412,9 @@ def logs(ctx: click.Context, job: str, follow: bool, ranks: tuple[int, ...], no_
       swarmfd logs swarmfd-keen-3fa9
       swarmfd logs -f --rank 0 swarmfd-keen-3fa9
     """
-    from .swarm.engine import find_service, world_size_of
-    from .swarm.errors import JobNotFoundError
-    from .swarm.follow import print_logs
+    from .engine import find_service, world_size_of
+    from .errors import JobNotFoundError
+    from .follow import print_logs
 
     client, node_id = _connect(host)
     try:
@@ -681,8 +461,8 @@ def rm(ctx: click.Context, jobs: tuple[str, ...], timeout: float, host: str | No
       swarmfd rm swarmfd-keen-3fa9
       swarmfd rm $(swarmfd ls -q)
     """
-    from .swarm.engine import remove_job
-    from .swarm.errors import JobNotFoundError
+    from .engine import remove_job
+    from .errors import JobNotFoundError
 
     client, _node = _connect(host)
     failed = 0
@@ -704,7 +484,8 @@ def rm(ctx: click.Context, jobs: tuple[str, ...], timeout: float, host: str | No
         ctx.exit(EXIT_ERROR)
 
 
-def register(group: click.Group) -> None:
-    """Add build, deploy, ls, ps, logs and rm to the ``swarmfd`` command group."""
-    for command in (build, deploy, ls, ps, logs, rm):
-        group.add_command(command)
+#: The commands, by name, for swarmfd's command group, which lists their names without
+#: importing this module (swarmfd.cli.SWARM_COMMANDS: a new command goes in both).
+COMMANDS: dict[str, click.Command] = {
+    command.name: command for command in (build, deploy, ls, ps, logs, rm)  # type: ignore[misc]
+}
