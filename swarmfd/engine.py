@@ -434,8 +434,8 @@ class Engine:
         """``task`` failed: its group breaks, it and the group's other pending ops raise."""
         # A failed collective finished the call before it; a point-to-point message
         # only what precedes the group's running collective (if any: it may be done).
-        last = task.op.seq - 1 if not _is_p2p(task) else self.channel.calls.get(
-            task.group.gid, 0) - 1
+        last = task.op.seq - 1 if not _is_p2p(task) else self.channel.last_call(
+            task.group.gid) - 1
         self.on_fail(task.group, error, last)
         self._remove(task)
         task.work._finish(error=error)
@@ -449,8 +449,6 @@ class Engine:
 
     def _fail_group(self, group: Any) -> None:
         """Fail every pending op of ``group`` (already broken) with the group's error."""
-        from .collectives import _broken
-
         q = self.queues.get(group.gid)
         doomed = [t for t in q or [] if _doomed(t)] + [t for t in self.p2p if t.group is group]
         for task in doomed:
@@ -458,7 +456,7 @@ class Engine:
                 self.p2p.remove(task)
             else:
                 q.remove(task)  # type: ignore[union-attr]
-            task.work._finish(error=_broken(group))
+            task.work._finish(error=group.failure())
         if q is not None and not q:
             del self.queues[group.gid]
 

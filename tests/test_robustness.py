@@ -31,7 +31,7 @@ import pytest
 
 import swarmfd as fd
 from swarmfd.comm.channel import TIMEOUT_GRACE
-from swarmfd.group import ABORT_LINGER
+from swarmfd.session import ABORT_LINGER
 
 from .harness import RankCtx, Ranks, allowed, error_info, free_port, record, stall_meter
 

@@ -83,14 +83,14 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ..comm.planes.shm import SEGMENT_BYTES, SLOTS
-from .base import Algorithm, Op, num_pieces, reduce_in_order, split
+from .base import Algorithm, Op, divide_by, mean, num_pieces, reduce_in_order, split
 from .tcp import ACK, SIG, barrier
 
 __all__ = [
@@ -207,11 +207,12 @@ def _local_op(op: Op, lay: Layout, shm: Any) -> Op | None:
 # -- all_reduce -------------------------------------------------------------------------
 
 
-def all_reduce_small(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout,
+def all_reduce_small(op: Op, buf: np.ndarray, ufunc: np.ufunc, divide: int, lay: Layout,
                      shm: Any) -> Algorithm:
     """Host partials through one slot, then exchanged between hosts (module docstring).
 
-    ``buf`` must fit one slot (at most SEGMENT_BYTES).
+    ``buf`` must fit one slot (at most SEGMENT_BYTES); ``divide``: divide the result by
+    it (a mean).
     """
     hosts, h, i = lay.hosts, lay.host, lay.local
     L = len(hosts[h])
@@ -241,12 +242,22 @@ def all_reduce_small(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout,
         part = parts[g]
         assert part is not None
         ufunc(buf, part, out=buf)
+    yield from mean(op, buf, divide)
 
 
-def all_reduce_large(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout, shm: Any,
+def all_reduce_large(op: Op, buf: np.ndarray, ufunc: np.ufunc, divide: int, lay: Layout,
+                     shm: Any, flat: Callable[..., Any] | None = None,
                      round_bytes: int = ROUND_BYTES) -> Algorithm:
     """Reduce-scatter inside each host, partials of each shard between its owners,
-    all-gather inside each host, in rounds (see the module docstring)."""
+    all-gather inside each host, in rounds (see the module docstring); ``divide``:
+    divide the result by it (a mean). ``flat(nbytes, size, count)``: the selection's
+    flat all_reduce among the shards' owners (more than two hosts)."""
+    yield from _all_reduce_large(op, buf, ufunc, lay, shm, flat, round_bytes)
+    yield from mean(op, buf, divide)
+
+
+def _all_reduce_large(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout, shm: Any,
+                      flat: Callable[..., Any] | None, round_bytes: int) -> Algorithm:
     hosts, h, i = lay.hosts, lay.host, lay.local
     H, L, K = len(hosts), len(hosts[h]), lay.shards
     local = _local_op(op, lay, shm)
@@ -309,8 +320,7 @@ def all_reduce_large(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout, shm:
         # all-reduce of each owned shard among its owners (one per host, in host
         # order; owners take their shards in order, so the rings never wait on each
         # other in a cycle), every round's all-gather.
-        from . import select
-
+        assert flat is not None, "the flat all_reduce of more than two hosts' shards"
         if local is not None:
             for t in range(R):
                 slot = scatter_in(t)
@@ -321,8 +331,7 @@ def all_reduce_large(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout, shm:
             members = [hosts[x][q % len(hosts[x])] for x in range(H)]
             sub = op.sub(op.plane, members, RING_TAGS + q * SHARD_TAGS)
             seg = buf[a:b]
-            yield from select.all_reduce("tcp", seg.nbytes, H, seg.size,
-                                         sub.plane.name)(sub, seg, ufunc)
+            yield from flat(seg.nbytes, H, seg.size).algo(sub, seg, ufunc, 0)
         if local is not None:
             # (The rings may still be sending pieces of the owned shards: the
             # all-gather only reads them.)
@@ -616,10 +625,18 @@ def broadcast(op: Op, buf: np.ndarray, root: int, lay: Layout, shm: Any) -> Algo
         yield op.recv(prv, SIG, 0)
 
 
-def reduce(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc, lay: Layout,
+def reduce(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc, divide: int, lay: Layout,
            shm: Any) -> Algorithm:
     """Each host's locals reduced by their leader, the leaders' chain ending at the
-    root, round by round (see the module docstring). Only the root's buffer changes."""
+    root, round by round (see the module docstring). Only the root's buffer changes
+    (``divide``: the root divides it by that, a mean)."""
+    yield from _reduce(op, buf, root, ufunc, lay, shm)
+    if op.me == root:
+        yield from mean(op, buf, divide)
+
+
+def _reduce(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc, lay: Layout,
+            shm: Any) -> Algorithm:
     hosts, h, i = lay.hosts, lay.host, lay.local
     H, L = len(hosts), len(hosts[h])
     leaders = _leaders(lay, root)
@@ -669,6 +686,16 @@ def reduce(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc, lay: Layout,
 
 
 # -- all_gather -------------------------------------------------------------------------
+
+
+def all_gather_v(op: Op, flat: np.ndarray, out: np.ndarray,
+                 bounds: Sequence[tuple[int, int]], lay: Layout, shm: Any) -> Algorithm:
+    """The second round of an uneven all_gather whose parts have one size: the
+    two-level :func:`all_gather` of the rows of ``out`` (flat; part r at ``bounds[r]``,
+    every part ``flat``'s size)."""
+    rows = out.reshape(op.size, -1)
+    rows[op.me] = flat
+    yield from all_gather(op, rows, lay, shm)
 
 
 def all_gather(op: Op, out: np.ndarray, lay: Layout, shm: Any,
@@ -784,9 +811,18 @@ def all_gather(op: Op, out: np.ndarray, lay: Layout, shm: Any,
 # -- reduce_scatter ---------------------------------------------------------------------
 
 
-def reduce_scatter(op: Op, buf: np.ndarray, parts: Sequence[tuple[int, int]], out: np.ndarray,
-                   ufunc: np.ufunc, lay: Layout, shm: Any,
+def reduce_scatter(op: Op, buf: np.ndarray, out: np.ndarray, parts: Sequence[tuple[int, int]],
+                   ufunc: np.ufunc, divide: int, lay: Layout, shm: Any,
                    streams: int | None = None) -> Algorithm:
+    """:func:`_reduce_scatter`, then this rank's block divided by ``divide`` (a mean)."""
+    yield from _reduce_scatter(op, buf, out, parts, ufunc, lay, shm, streams)
+    if divide:
+        divide_by(out, divide)
+
+
+def _reduce_scatter(op: Op, buf: np.ndarray, out: np.ndarray,
+                    parts: Sequence[tuple[int, int]], ufunc: np.ufunc, lay: Layout, shm: Any,
+                    streams: int | None = None) -> Algorithm:
     """Two hosts: block g of ``buf`` (``parts[g]``, flat bounds) reduced over the group
     into ``out`` of group rank g (see the module docstring). ``buf`` is left unchanged.
 

@@ -192,6 +192,25 @@ class Channel:
         """A call of ``group`` with sequence number ``seq`` starts on this rank."""
         self.calls[group] = seq
 
+    def enter(self, group: int, seq: int, activity: Any, collective: bool = True) -> None:
+        """A blocking call runs on this thread: ``group``'s call ``seq`` (a collective)
+        or a point-to-point message of ``group`` (``collective`` False: its seq is not
+        the group's); ``activity`` names it in errors until :meth:`leave`."""
+        if collective:
+            self.calls[group] = seq
+        self._group = group
+        self.activity = activity
+        self.p2p = not collective
+
+    def leave(self) -> None:
+        """The blocking call :meth:`enter` began is over."""
+        self.activity = "idle"
+        self.p2p = False
+
+    def last_call(self, group: int) -> int:
+        """The number of ``group``'s latest call begun on this rank (0: none)."""
+        return self.calls.get(group, 0)
+
     def where(self, rank: int) -> str:
         """A peer's host, pid and address, for error messages (on a Swarm, where task
         slots count from 1 and host names carry the slot, also its slot)."""
