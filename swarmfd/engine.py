@@ -481,7 +481,7 @@ class Engine:
                         # The rank this one waits for gave up waiting for this one.
                         err: BaseException = self._relayed(task, src, waits)
                     else:
-                        err = ch._timeout(src, task.op.sig, waits)
+                        err = ch.timeout_error(src, task.op.sig, waits)
                 finally:
                     ch.activity = "idle"
                 self._fail(task, err)
@@ -495,12 +495,12 @@ class Engine:
             if now - task.since > self.timeout:
                 ch.set_group(task.op.gid)
                 ch.activity = task.work.name
-                err = ch._timeout(src, task.op.sig, dict(self.reports.pop(task.op.gid, {})))
+                err = ch.timeout_error(src, task.op.sig, dict(self.reports.pop(task.op.gid, {})))
                 ch.activity = "idle"
                 self._fail(task, err)
 
     def report(self, gid: int, rank: int, waited: int, payload: Any) -> None:
-        """A peer's provisional timeout report for group ``gid`` (see Channel._timeout)."""
+        """A peer's provisional timeout report for group ``gid`` (see Channel.timeout_error)."""
         self.reports.setdefault(gid, {})[rank] = waited
         self.payloads[(gid, rank)] = payload
 

@@ -33,18 +33,11 @@ from .config import (
     ENV_CMA,
     ENV_LOCAL_RANK,
     ENV_LOCAL_WORLD_SIZE,
+    ENV_RANK,
+    ENV_WORLD_SIZE,
     Config,
-    cma_enabled,
     config_from_env,
-    data_plane,
-    encrypt_enabled,
-    hierarchy_mode,
-    malloc_mode,
-    master_port,
-    node_name,
     require_secret,
-    spin_mode,
-    transport_mode,
 )
 from .engine import Engine
 from .errors import AlreadyInitializedError, ConfigError, SwarmfdError
@@ -106,9 +99,8 @@ def init(
             local_rank=local_rank, local_world_size=local_world_size, master_addr=master_addr,
             rendezvous_port=master_port, timeout=timeout, init_timeout=init_timeout), secret)
     env = config_from_env({k: v for k, v in os.environ.items()
-                           if k in ("MASTER_ADDR", "MASTER_PORT", "SWARMFD_PORT",
-                                    "SWARMFD_TIMEOUT", "SWARMFD_INIT_TIMEOUT",
-                                    "SWARMFD_RESTART_COUNT")}, rendezvous_port=master_port)
+                           if k not in (ENV_WORLD_SIZE, ENV_RANK, ENV_LOCAL_RANK,
+                                        ENV_LOCAL_WORLD_SIZE)}, rendezvous_port=master_port)
     config = Config(
         world_size=world_size,
         rank=rank,
@@ -119,6 +111,7 @@ def init(
         timeout=timeout if timeout is not None else env.timeout,
         restart_count=env.restart_count,
         init_timeout=init_timeout if init_timeout is not None else env.init_timeout,
+        options=env.options,
     )
     return _start(config, secret)
 
@@ -139,14 +132,14 @@ def _security(config: Config, secret: str | bytes | None) -> Security | None:
     job_secret = require_secret(config.world_size, secret)
     if job_secret is None:
         return None
-    return Security.from_secret(job_secret, encrypt_enabled())
+    return Security.from_secret(job_secret, config.options.encrypt)
 
 
 def _reserved_ports(config: Config) -> set[int]:
     """Ports this rank's data plane must not listen on (see ``avoid`` of
     :class:`swarmfd.comm.transport.Transport`): the rendezvous port, and MASTER_PORT when
     the environment has a valid one (torch.distributed's, beside swarmfd)."""
-    torch_port = master_port()
+    torch_port = config.options.torch_port
     return {config.rendezvous_port} | ({torch_port} if torch_port is not None else set())
 
 
@@ -164,38 +157,36 @@ def _start(config: Config, secret: str | bytes | None = None) -> Config:
                 local_rank=config.local_rank or 0,
                 local_world_size=config.local_world_size or 1,
             )
-            state = _State(config, None, [node_name()])
+            state = _State(config, None, [config.options.node])
             _group.make_groups(state)
             _group.activate(state)
             _export_local_ranks(config)
             return config
         assert config.master_addr is not None  # Config guarantees it for world_size > 1
         security = _security(config, secret)
-        plane = data_plane()
-        mode = transport_mode()
-        spinning = spin_mode()
-        cma = cma_enabled()  # read (and checked) before anything starts
+        opts = config.options
+        plane, mode = opts.data_plane, opts.transport
         if plane == "zmq":  # buffers allocated and freed on two threads (swarmfd.comm.malloc)
-            _malloc.tune(malloc_mode())
+            _malloc.tune(opts.malloc)
         deadline = time.monotonic() + config.join_timeout
         master_ip = _transport.resolve(config.master_addr, deadline)
         bind_ip = _transport.local_address_toward(master_ip)
         t = _transport.Transport(config.rank, config.world_size, config.timeout, bind_ip,
                                  security, plane, config.join_timeout,
-                                 avoid=_reserved_ports(config))
+                                 avoid=_reserved_ports(config), swarm_task=opts.swarm_task)
         try:
             hostkey = shm_setup.host_key() if mode == "auto" else ""
-            me = t.me(node_name(), hostkey)
+            me = t.me(opts.node, hostkey)
             peers = t.rendezvous(me, master_ip, config.rendezvous_port, deadline)
             t.connect(None, deadline)
             hosts = [p.host for p in peers]
             # On the zmq plane libzmq's I/O thread moves the bytes of every peer over TCP
             # (all of them with SWARMFD_TRANSPORT=tcp, those of other hosts otherwise).
             zmq_io = plane == "zmq" and (mode == "tcp" or len(set(hosts)) > 1)
-            _spin.configure(spinning, hosts.count(hosts[config.rank]),
+            _spin.configure(opts.spin, hosts.count(hosts[config.rank]),
                             threads_per_rank=2 if zmq_io else 1)
             config = _with_local_ranks(config, hosts)
-            state = _State(config, t, hosts, hierarchy=hierarchy_mode())
+            state = _State(config, t, hosts, hierarchy=opts.hierarchy)
             _group.make_groups(state)
             state.engine = _engine(state)
             _group.activate(state)
@@ -206,7 +197,7 @@ def _start(config: Config, secret: str | bytes | None = None) -> Config:
     if any(p.hostkey for p in peers):
         try:
             if hostkey:
-                _setup_shm(state, peers, hostkey, deadline, cma)
+                _setup_shm(state, peers, hostkey, deadline, opts.cma)
             if len(set(state.hosts)) > 1:  # (on one host no group is two-level)
                 _share_domains(state)
         except BaseException:
