@@ -337,9 +337,8 @@ def _all_reduce_two_level(nbytes: int, two: Any, plane: Any) -> Choice | None:
                   (*two, functools.partial(all_reduce, plane)))
 
 
-def _broadcast_two_level(nbytes: int, lay: hier.Layout, root: int) -> Algo | None:
-    """The two-level broadcast of ``nbytes`` from group rank ``root``, or None for the
-    flat one.
+def _broadcast_two_level(nbytes: int, lay: hier.Layout, root: int) -> bool:
+    """Whether a broadcast of ``nbytes`` from group rank ``root`` runs two-level.
 
     A small broadcast (the flat one is then the direct send: one hop from the root to
     every rank) stays flat when no other host than the root's holds several of the
@@ -350,10 +349,8 @@ def _broadcast_two_level(nbytes: int, lay: hier.Layout, root: int) -> Algo | Non
     0.97x by host and 0.91 / 0.89 / 1.11x spread; 2x2, where the direct send crosses the
     link twice, 1.06 / 1.22 / 1.31x by host and 0.97 / 1.01 / 1.16x spread.
     """
-    if _direct(nbytes, lay.size) and not any(
-            len(h) > 1 for h in lay.hosts if root not in h):
-        return None
-    return hier.broadcast
+    others_full = any(len(h) > 1 for h in lay.hosts if root not in h)
+    return others_full or not _direct(nbytes, lay.size)
 
 
 #: Up to this many bytes a reduce whose root's host is the only one holding several of
@@ -370,13 +367,11 @@ def _broadcast_two_level(nbytes: int, lay: hier.Layout, root: int) -> Algo | Non
 HIER_REDUCE_ALONE_MAX_BYTES = 16 << 10
 
 
-def _reduce_two_level(nbytes: int, lay: hier.Layout, root: int) -> Algo | None:
-    """The two-level reduce of ``nbytes`` to group rank ``root``, or None for the flat
-    one (see HIER_REDUCE_ALONE_MAX_BYTES)."""
-    if nbytes <= HIER_REDUCE_ALONE_MAX_BYTES and not any(
-            len(h) > 1 for h in lay.hosts if root not in h):
-        return None
-    return hier.reduce
+def _reduce_two_level(nbytes: int, lay: hier.Layout, root: int) -> bool:
+    """Whether a reduce of ``nbytes`` to group rank ``root`` runs two-level (see
+    HIER_REDUCE_ALONE_MAX_BYTES)."""
+    others_full = any(len(h) > 1 for h in lay.hosts if root not in h)
+    return others_full or nbytes > HIER_REDUCE_ALONE_MAX_BYTES
 
 
 #: From this many bytes (the whole buffer) a group on two hosts reduce-scatters
@@ -438,13 +433,13 @@ def _flat_gather_rows_in(hosts: tuple[tuple[int, ...], ...], doubling: bool) -> 
     return max(into)
 
 
-def _all_gather_two_level(nbytes: int, lay: hier.Layout, plane: Any) -> Algo | None:
-    """The two-level all_gather of parts of ``nbytes`` (one rank's), on the TCP
-    ``plane``, or None for the flat one (see HIER_GATHER_FLAT_MAX_BYTES)."""
+def _all_gather_two_level(nbytes: int, lay: hier.Layout, plane: Any) -> bool:
+    """Whether an all_gather of parts of ``nbytes`` (one rank's) on the TCP ``plane``
+    runs two-level (see HIER_GATHER_FLAT_MAX_BYTES)."""
     n = lay.size
     if nbytes <= HIER_GATHER_FLAT_MAX_BYTES and _direct(nbytes, n):
         flat_in = flat_gather_rows_in(lay, _doubling(nbytes, n, plane))
         two_in = n - min(len(h) for h in lay.hosts)  # each other host's rows, once
         if (flat_in - two_in) * nbytes <= HIER_GATHER_SAVES_BYTES:
-            return None
-    return hier.all_gather
+            return False
+    return True

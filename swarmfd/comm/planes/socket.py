@@ -591,8 +591,8 @@ class SocketPlane:
     def send_packed(self, dst: int, header: bytes, payload: Any, size: int,
                     copy: bool) -> bool:
         """:meth:`send` of a message whose header is packed already (``header``: this
-        rank's, announcing ``size`` payload bytes; a prepared call's,
-        :mod:`swarmfd.prepared`). Whether bytes to ``dst`` stay queued (the kernel did
+        rank's, announcing ``size`` payload bytes: :meth:`header`'s). Whether bytes to
+        ``dst`` stay queued (the kernel did
         not take them all): only then must the caller flush before it returns."""
         lane = self.lanes[dst]
         if lane.dead:

@@ -246,7 +246,7 @@ class ZmqPlane:
         #: and whether its payload follows in a frame of its own.
         self.raw: memoryview | bytes = b""
         self.more = False
-        #: A frame take_inline read that was not the message it looked for: the next
+        #: A frame take read that was not the message it looked for: the next
         #: next_header returns it first (its message's other frames, if any, are still
         #: in the DEALER, where read_payload reads them).
         self.back: zmq.Frame | None = None
@@ -514,7 +514,7 @@ class ZmqPlane:
         the peer the caller waits for, is not looked at first: there is one queue). A
         header that is not a swarmfd message, or claims another source than its
         connection's, is a protocol error: the peer does not follow the protocol."""
-        if self.back is not None:  # a frame take_inline read and put back
+        if self.back is not None:  # a frame take read and put back
             frame, self.back = self.back, None
         elif timeout == WAIT_SLICE and not spin.ENABLED:
             # The common wait, written out (_recv's first case): one blocking receive.
