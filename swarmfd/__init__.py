@@ -61,16 +61,14 @@ from .errors import (
 from .group import (
     NON_GROUP_MEMBER,
     Group,
-    cleanup,
     get_config,
     get_rank,
     get_world_size,
     host_group,
-    init,
-    init_from_env,
     is_initialized,
     new_group,
 )
+from .session import cleanup, init, init_from_env
 from .sharding import shard_batch, shard_indices
 from .utils import checkpoint_barrier, get_seed, print, print_config, should_save
 

@@ -91,6 +91,7 @@ __all__ = [
     "ENV_TIMEOUT",
     "ENV_TRANSPORT",
     "ENV_WORLD_SIZE",
+    "GLIBC_SETTINGS",
     "HIERARCHIES",
     "MALLOCS",
     "MAX_SECRET_BYTES",
@@ -98,6 +99,7 @@ __all__ = [
     "SPIN_MODES",
     "TRANSPORTS",
     "Config",
+    "Options",
     "auth_enabled",
     "check_secret",
     "cma_enabled",
@@ -109,6 +111,7 @@ __all__ = [
     "malloc_mode",
     "master_port",
     "node_name",
+    "options_from_env",
     "parse_env_float",
     "parse_env_int",
     "parse_env_port",
@@ -189,6 +192,54 @@ DEFAULT_ENCRYPT = False
 
 
 @dataclass(frozen=True)
+class Options:
+    """The job-wide settings the environment gives (the ``SWARMFD_*`` variables of the
+    module docstring), read once, at init, by :func:`options_from_env`: the rest of
+    the core takes them from here, never from the environment."""
+
+    #: SWARMFD_DATA_PLANE: the TCP data plane, "socket" or "zmq".
+    data_plane: str = "socket"
+    #: SWARMFD_ENCRYPT: the data plane is encrypted (zmq's CURVE).
+    encrypt: bool = DEFAULT_ENCRYPT
+    #: SWARMFD_TRANSPORT: "auto" (shared memory inside a host) or "tcp".
+    transport: str = "auto"
+    #: SWARMFD_HIERARCHY: "auto" (two-level collectives where faster) or "off".
+    hierarchy: str = "auto"
+    #: SWARMFD_SPIN: "auto", "on" or "off" (see swarmfd.comm.spin).
+    spin: str = "auto"
+    #: SWARMFD_MALLOC: "tuned" or "system" ("system" too where the user set glibc's own).
+    malloc: str = "tuned"
+    #: SWARMFD_CMA: shared memory may read and write peers' memory directly.
+    cma: bool = True
+    #: SWARMFD_NODE, else the host name: what groups ranks by host.
+    node: str = ""
+    #: SWARMFD_SHM_DIR: where a host's ranks meet to share memory ("": their namespace).
+    shm_dir: str = ""
+    #: SWARMFD_TASK_SLOT is set: a Swarm task (errors name the slot too).
+    swarm_task: bool = False
+    #: MASTER_PORT when it is a valid port (torch's store: the data planes keep off it).
+    torch_port: int | None = None
+
+
+#: glibc's own malloc settings in the environment, which SWARMFD_MALLOC=tuned respects.
+GLIBC_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")
+
+
+def options_from_env(environ: Mapping[str, str] | None = None) -> Options:
+    """The :class:`Options` of the environment, every value checked (ConfigError naming
+    the variable, the value and what was expected)."""
+    env = os.environ if environ is None else environ
+    malloc = malloc_mode(env)
+    return Options(
+        data_plane=data_plane(env), encrypt=encrypt_enabled(env),
+        transport=transport_mode(env), hierarchy=hierarchy_mode(env), spin=spin_mode(env),
+        malloc="system" if any(name in env for name in GLIBC_SETTINGS) else malloc,
+        cma=cma_enabled(env), node=node_name(env), shm_dir=shm_dir(env),
+        swarm_task=bool((env.get(ENV_TASK_SLOT) or "").strip()),
+        torch_port=master_port(env))
+
+
+@dataclass(frozen=True)
 class Config:
     """Where this process sits in the job. Immutable; validated on creation.
 
@@ -209,6 +260,8 @@ class Config:
     restart_count: int = 0
     #: Seconds init may wait for every rank to join; None: ``timeout``.
     init_timeout: float | None = None
+    #: The job-wide settings of the environment (read once, with the rest).
+    options: Options = field(default_factory=Options)
     is_main: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -408,6 +461,7 @@ def config_from_env(environ: Mapping[str, str] | None = None, **overrides: objec
         "restart_count": parse_env_int(env, ENV_RESTART_COUNT, minimum=0) or 0,
         "init_timeout": parse_env_float(env, ENV_INIT_TIMEOUT),
     }
+    values["options"] = options_from_env(env)
     values.update({k: v for k, v in overrides.items() if v is not None})
     if values["world_size"] == 1 and values["master_addr"] is None:
         values["local_rank"] = values["local_rank"] if values["local_rank"] is not None else 0

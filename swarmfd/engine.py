@@ -434,8 +434,8 @@ class Engine:
         """``task`` failed: its group breaks, it and the group's other pending ops raise."""
         # A failed collective finished the call before it; a point-to-point message
         # only what precedes the group's running collective (if any: it may be done).
-        last = task.op.seq - 1 if not _is_p2p(task) else self.channel.calls.get(
-            task.group.gid, 0) - 1
+        last = task.op.seq - 1 if not _is_p2p(task) else self.channel.last_call(
+            task.group.gid) - 1
         self.on_fail(task.group, error, last)
         self._remove(task)
         task.work._finish(error=error)
@@ -449,8 +449,6 @@ class Engine:
 
     def _fail_group(self, group: Any) -> None:
         """Fail every pending op of ``group`` (already broken) with the group's error."""
-        from .collectives import _broken
-
         q = self.queues.get(group.gid)
         doomed = [t for t in q or [] if _doomed(t)] + [t for t in self.p2p if t.group is group]
         for task in doomed:
@@ -458,7 +456,7 @@ class Engine:
                 self.p2p.remove(task)
             else:
                 q.remove(task)  # type: ignore[union-attr]
-            task.work._finish(error=_broken(group))
+            task.work._finish(error=group.failure())
         if q is not None and not q:
             del self.queues[group.gid]
 
@@ -483,7 +481,7 @@ class Engine:
                         # The rank this one waits for gave up waiting for this one.
                         err: BaseException = self._relayed(task, src, waits)
                     else:
-                        err = ch._timeout(src, task.op.sig, waits)
+                        err = ch.timeout_error(src, task.op.sig, waits)
                 finally:
                     ch.activity = "idle"
                 self._fail(task, err)
@@ -496,12 +494,12 @@ class Engine:
             if now - task.since > self.timeout:
                 ch.set_group(task.op.gid)
                 ch.activity = task.work.name
-                err = ch._timeout(src, task.op.sig, dict(self.reports.pop(task.op.gid, {})))
+                err = ch.timeout_error(src, task.op.sig, dict(self.reports.pop(task.op.gid, {})))
                 ch.activity = "idle"
                 self._fail(task, err)
 
     def report(self, gid: int, rank: int, waited: int, payload: Any) -> None:
-        """A peer's provisional timeout report for group ``gid`` (see Channel._timeout)."""
+        """A peer's provisional timeout report for group ``gid`` (see Channel.timeout_error)."""
         self.reports.setdefault(gid, {})[rank] = waited
         self.payloads[(gid, rank)] = payload
 

@@ -1,9 +1,5 @@
-"""Process groups: the world (created by :func:`init`), sub-groups, and each host's group.
-
-``init`` validates the configuration, resolves ``MASTER_ADDR``, binds this rank's TCP
-data plane on the interface that routes to rank 0, runs the rendezvous, connects to
-every peer and sets up shared memory among each host's ranks. A world of one needs
-no sockets at all. It creates:
+"""Process groups: the world (made by ``init``, :mod:`swarmfd.session`), sub-groups,
+and each host's group. Init makes:
 
 * the **world** group (every rank; ``group=None`` in every call);
 * this host's group (:func:`host_group`: the ranks whose ``SWARMFD_NODE``, else host
@@ -35,42 +31,22 @@ start over.
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import logging
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
-from .comm import malloc as _malloc
-from .comm import spin as _spin
 from .comm import transport as _transport
-from .comm.plane import PeerInfo, Plane
+from .comm.plane import Plane
 from .comm.planes import shm as _shm
-from .comm.security import Security
 from .config import (
-    ENV_LOCAL_RANK,
-    ENV_LOCAL_WORLD_SIZE,
     Config,
-    cma_enabled,
-    config_from_env,
-    data_plane,
-    encrypt_enabled,
-    hierarchy_mode,
-    malloc_mode,
-    master_port,
-    node_name,
-    require_secret,
-    spin_mode,
-    transport_mode,
 )
 from .errors import (
-    AlreadyInitializedError,
-    ConfigError,
     NotInitializedError,
     SwarmfdError,
 )
@@ -78,13 +54,10 @@ from .errors import (
 __all__ = [
     "NON_GROUP_MEMBER",
     "Group",
-    "cleanup",
     "get_config",
     "get_rank",
     "get_world_size",
     "host_group",
-    "init",
-    "init_from_env",
     "is_initialized",
     "new_group",
 ]
@@ -92,8 +65,6 @@ __all__ = [
 _SLOTS = _shm.SLOTS
 _SEGMENT_BYTES = _shm.SEGMENT_BYTES
 
-#: Seconds a failed group's sockets may take at cleanup to deliver the abort messages.
-ABORT_LINGER = 0.5
 #: Group ids: the world, every host's group (hosts' groups have no member in common, so
 #: they share one id), the calls init makes itself, and the first of new_group's.
 WORLD_GID = 0
@@ -178,8 +149,8 @@ class Group:
         for g in range(self.size):
             self.by_host.setdefault(hosts[self.ranks[g]], []).append(g)
         self._two_level: Any = None  # (layout, shm plane) or False, once known
-        #: The group's prepared small calls (swarmfd.prepared), by the call's key.
-        self.prepared: dict[Any, Any] = {}
+        #: The group's calls worked out once (swarmfd.call.Schedule), by the call's key.
+        self.schedules: dict[Any, Any] = {}
 
     def __repr__(self) -> str:
         return (f"swarmfd.Group({self.name}, rank {self.rank} of {self.size}, "
@@ -192,9 +163,44 @@ class Group:
         return self._state.config.rank
 
     @property
+    def world_size(self) -> int:
+        return self._state.config.world_size
+
+    @property
     def channel(self) -> Any:
         t = self._state.transport
         return None if t is None else t.channel
+
+    @property
+    def engine(self) -> Any:
+        """The progress engine of the process (None in a world of one)."""
+        return self._state.engine
+
+    @property
+    def tcp(self) -> Plane | None:
+        """The TCP plane (point-to-point messages take it), None in a world of one."""
+        t = self._state.transport
+        return None if t is None else t.tcp
+
+    def failure(self) -> BaseException:
+        """The error of a call of this broken group (not yet counted in ``seq``): a peer's
+        abort as it came for the very call the peer failed, else the earlier failure's."""
+        b = self.broken
+        if self.broken_from == self.seq + 1 and isinstance(b, SwarmfdError):
+            return type(b)(str(b))
+        where = "" if self.gid == WORLD_GID else f" ({self.name})"
+        if isinstance(b, SwarmfdError):
+            return type(b)(f"the process group{where} is unusable after an earlier failure "
+                           f"({b}); call swarmfd.cleanup() and swarmfd.init() to start again")
+        return RuntimeError(f"the process group{where} is unusable after an earlier failure: "
+                            f"{b!r}")
+
+    def forget(self) -> None:
+        """Drop the calls worked out so far: the planes changed (init added shared memory),
+        or they close."""
+        self.schedules.clear()
+        self._plane = (None, None, None)
+        self._two_level = None
 
     def plane(self) -> Plane | None:
         """The plane this group's calls run on: shared memory when every member is on
@@ -281,7 +287,7 @@ class _State:
     #: SWARMFD_HIERARCHY of this process (init checks that every rank has the same).
     hierarchy: str = "auto"
     #: Failures of groups this rank has not made yet (group id -> error, first failed
-    #: call), applied when it makes them: see _group_error.
+    #: call), applied when it makes them: see group_error.
     early_errors: dict[int, tuple[BaseException, int]] = dataclasses.field(
         default_factory=dict)
     #: The new_group ids of groups this rank is not a member of.
@@ -289,11 +295,10 @@ class _State:
 
 
 _state: _State | None = None
-_lock = threading.Lock()
-#: Guards a group's making against its failure arriving at the same time (_group_error).
+#: Guards the process state (init, cleanup, new_group).
+STATE_LOCK = threading.Lock()
+#: Guards a group's making against its failure arriving at the same time (group_error).
 _early_lock = threading.Lock()
-#: Environment variables init set (see _export_local_ranks); cleanup removes them.
-_exported: list[str] = []
 
 
 def current(what: str = "this call") -> _State:
@@ -326,169 +331,7 @@ def resolve_group(group: Any, what: str) -> Group:
     return group
 
 
-# -- init and cleanup -------------------------------------------------------------------
-
-
-def init(
-    world_size: int | None = None,
-    rank: int | None = None,
-    *,
-    local_rank: int | None = None,
-    local_world_size: int | None = None,
-    master_addr: str | None = None,
-    master_port: int | None = None,
-    timeout: float | None = None,
-    secret: str | bytes | None = None,
-    init_timeout: float | None = None,
-) -> Config:
-    """Join a process group of ``world_size`` ranks as ``rank`` and return its :class:`Config`.
-
-    Transport details not given as arguments come from the environment
-    (``MASTER_ADDR``, ``SWARMFD_PORT`` or ``MASTER_PORT``, ``SWARMFD_TIMEOUT``,
-    ``SWARMFD_INIT_TIMEOUT``). ``master_port`` is the port of swarmfd's rendezvous on
-    ``master_addr`` (:attr:`Config.rendezvous_port`), used as given; without it,
-    ``SWARMFD_PORT``, else ``MASTER_PORT + 1`` (29501 when neither is set): MASTER_PORT
-    itself is left to torch.distributed, so ``init_process_group`` can run beside
-    swarmfd, before or after ``init``.
-    ``timeout`` is how long any collective may wait for a peer; ``init_timeout``
-    how long this call waits for every rank to join (default: ``timeout``), so
-    ranks that start far apart can meet while a stuck collective still fails
-    fast.
-
-    Without ``world_size`` and ``rank`` (give both or neither) the group is the one
-    the environment describes, as :func:`init_from_env` finds it (``WORLD_SIZE``,
-    ``RANK``, ``LOCAL_RANK``, ...; a world of one when nothing is set), and the other
-    arguments override it: so a bare ``fd.init()`` under ``swarmfd run`` or on a
-    Swarm joins the job instead of silently training alone.
-
-    A world of more than one rank needs the job secret (at least 32 characters,
-    the same on every rank): ``secret``, or else the file named by
-    ``SWARMFD_SECRET_FILE`` (default ``/run/secrets/swarmfd_secret``), unless
-    ``SWARMFD_AUTH=off``. Only processes holding it can join, send data or abort.
-    """
-    import os
-
-    if (world_size is None) != (rank is None):
-        raise TypeError("swarmfd.init: give both world_size and rank, or neither (then both "
-                        f"come from the environment, WORLD_SIZE and RANK); got world_size="
-                        f"{world_size!r}, rank={rank!r}")
-    if world_size is None:
-        return _start(config_from_env(
-            local_rank=local_rank, local_world_size=local_world_size, master_addr=master_addr,
-            rendezvous_port=master_port, timeout=timeout, init_timeout=init_timeout), secret)
-    env = config_from_env({k: v for k, v in os.environ.items()
-                           if k in ("MASTER_ADDR", "MASTER_PORT", "SWARMFD_PORT",
-                                    "SWARMFD_TIMEOUT", "SWARMFD_INIT_TIMEOUT",
-                                    "SWARMFD_RESTART_COUNT")}, rendezvous_port=master_port)
-    config = Config(
-        world_size=world_size,
-        rank=rank,
-        local_rank=local_rank,
-        local_world_size=local_world_size,
-        master_addr=master_addr if master_addr is not None else env.master_addr,
-        rendezvous_port=env.rendezvous_port,
-        timeout=timeout if timeout is not None else env.timeout,
-        restart_count=env.restart_count,
-        init_timeout=init_timeout if init_timeout is not None else env.init_timeout,
-    )
-    return _start(config, secret)
-
-
-def init_from_env(*, timeout: float | None = None, secret: str | bytes | None = None,
-                  init_timeout: float | None = None) -> Config:
-    """Join the group the environment describes (``WORLD_SIZE``, ``RANK``, ...).
-
-    With none of the variables set this is a world of one. The job secret is
-    found as :func:`init` finds it; ``timeout`` and ``init_timeout`` override
-    ``SWARMFD_TIMEOUT`` and ``SWARMFD_INIT_TIMEOUT`` (see :func:`init`).
-    """
-    return _start(config_from_env(timeout=timeout, init_timeout=init_timeout), secret)
-
-
-def _security(config: Config, secret: str | bytes | None) -> Security | None:
-    """The group's keys (derived from the job secret), or None without authentication."""
-    job_secret = require_secret(config.world_size, secret)
-    if job_secret is None:
-        return None
-    return Security.from_secret(job_secret, encrypt_enabled())
-
-
-def _reserved_ports(config: Config) -> set[int]:
-    """Ports this rank's data plane must not listen on (see ``avoid`` of
-    :class:`swarmfd.comm.transport.Transport`): the rendezvous port, and MASTER_PORT when
-    the environment has a valid one (torch.distributed's, beside swarmfd)."""
-    torch_port = master_port()
-    return {config.rendezvous_port} | ({torch_port} if torch_port is not None else set())
-
-
-def _start(config: Config, secret: str | bytes | None = None) -> Config:
-    global _state
-    with _lock:
-        if _state is not None:
-            raise AlreadyInitializedError(
-                f"swarmfd.init called twice: this process is already rank {_state.config.rank} "
-                f"of {_state.config.world_size}; call swarmfd.cleanup() first"
-            )
-        if config.world_size == 1:
-            config = dataclasses.replace(
-                config,
-                local_rank=config.local_rank or 0,
-                local_world_size=config.local_world_size or 1,
-            )
-            state = _State(config, None, [node_name()])
-            _make_groups(state)
-            _state = state
-            _export_local_ranks(config)
-            return config
-        assert config.master_addr is not None  # Config guarantees it for world_size > 1
-        security = _security(config, secret)
-        plane = data_plane()
-        mode = transport_mode()
-        spinning = spin_mode()
-        cma = cma_enabled()  # read (and checked) before anything starts
-        if plane == "zmq":  # buffers allocated and freed on two threads (swarmfd.comm.malloc)
-            _malloc.tune(malloc_mode())
-        deadline = time.monotonic() + config.join_timeout
-        master_ip = _transport.resolve(config.master_addr, deadline)
-        bind_ip = _transport.local_address_toward(master_ip)
-        t = _transport.Transport(config.rank, config.world_size, config.timeout, bind_ip,
-                                 security, plane, config.join_timeout,
-                                 avoid=_reserved_ports(config))
-        try:
-            from .comm import shm_setup
-
-            hostkey = shm_setup.host_key() if mode == "auto" else ""
-            me = t.me(node_name(), hostkey)
-            peers = t.rendezvous(me, master_ip, config.rendezvous_port, deadline)
-            t.connect(None, deadline)
-            hosts = [p.host for p in peers]
-            # On the zmq plane libzmq's I/O thread moves the bytes of every peer over TCP
-            # (all of them with SWARMFD_TRANSPORT=tcp, those of other hosts otherwise).
-            zmq_io = plane == "zmq" and (mode == "tcp" or len(set(hosts)) > 1)
-            _spin.configure(spinning, hosts.count(hosts[config.rank]),
-                            threads_per_rank=2 if zmq_io else 1)
-            config = _with_local_ranks(config, hosts)
-            state = _State(config, t, hosts, hierarchy=hierarchy_mode())
-            _make_groups(state)
-            state.engine = _engine(state)
-            _state = state
-            _export_local_ranks(config)
-        except BaseException:
-            t.close()
-            raise
-    if any(p.hostkey for p in peers):
-        try:
-            if hostkey:
-                _setup_shm(state, peers, hostkey, deadline, cma)
-            if len(set(state.hosts)) > 1:  # (on one host no group is two-level)
-                _share_domains(state)
-        except BaseException:
-            cleanup()
-            raise
-    return config
-
-
-def _make_groups(state: _State) -> None:
+def make_groups(state: _State) -> None:
     """The world group and this host's group."""
     n, me = state.config.world_size, state.config.rank
     state.world = Group(state, WORLD_GID, range(n), "world")
@@ -499,7 +342,7 @@ def _make_groups(state: _State) -> None:
     state.groups[HOST_GID] = state.host
 
 
-def _group_error(state: _State, gid: int, exc: BaseException, first: int) -> None:
+def group_error(state: _State, gid: int, exc: BaseException, first: int) -> None:
     """Another group's abort or mismatch, seen while this rank waited elsewhere, or an
     abort of a later call of this group: the group fails from its call ``first`` on.
 
@@ -510,7 +353,7 @@ def _group_error(state: _State, gid: int, exc: BaseException, first: int) -> Non
     about 15 of a mismatch test under load, 2026-12-04)."""
     g = state.groups.get(gid)
     if g is None:
-        # Not _lock: init holds it while its transport may read messages.
+        # Not STATE_LOCK: init holds it while its transport may read messages.
         with _early_lock:
             g = state.groups.get(gid)
             if g is None:
@@ -531,7 +374,7 @@ def _break(g: Group, exc: BaseException, first: int) -> None:
 
 
 def _made_later(state: _State, gid: int) -> bool:
-    """Whether this rank may still make group ``gid`` (it has not, see _group_error): a
+    """Whether this rank may still make group ``gid`` (it has not, see group_error): a
     new_group id but of a group it is not a member of, or a members_group id (made by its
     members alone, whenever they agree)."""
     if FIRST_USER_GID <= gid <= MAX_GID:
@@ -540,157 +383,14 @@ def _made_later(state: _State, gid: int) -> bool:
 
 
 def _made(state: _State, g: Group) -> Group:
-    """Record the group ``g`` this rank just made (under _lock), with a failure its peers
-    announced before (see _group_error)."""
+    """Record the group ``g`` this rank just made (under STATE_LOCK), with a failure its peers
+    announced before (see group_error)."""
     with _early_lock:
         state.groups[g.gid] = g
         early = state.early_errors.pop(g.gid, None)
     if early is not None:
         _break(g, *early)
     return g
-
-
-def _engine(state: _State) -> Any:
-    """The progress engine of ``state``'s groups (see swarmfd.engine)."""
-    from .engine import Engine
-
-    t = state.transport
-    assert t is not None
-
-    def failed(g: Group, exc: BaseException, finished: int) -> None:
-        if g.broken is None:
-            g.broken = exc
-        g.broken_from = 0
-        t.channel.abort(exc, g.gid, finished)
-
-    engine = Engine(t.channel, state.config.timeout, failed)
-    t.channel.on_group_error = lambda gid, exc, first: _group_error(state, gid, exc, first)
-    t.channel.on_report = engine.report
-    return engine
-
-
-def _setup_shm(state: _State, peers: list[PeerInfo], hostkey: str, deadline: float,
-               cma: bool) -> None:
-    """Share memory among the ranks of this host (those with this rank's host key).
-
-    The host's ranks agree after each step over TCP, in calls of their own (not the
-    user's: the user's first collective is call #1), so one rank that cannot take part
-    makes all of them stay on TCP (with a warning naming it and why) instead of
-    hanging, and a lost rank raises PeerLostError here as in any collective.
-    """
-    from .comm import shm_setup
-
-    t = state.transport
-    assert t is not None
-    local = [p.rank for p in peers if p.hostkey == hostkey]
-    if len(local) < 2:
-        return
-    setup_group = Group(state, SETUP_GID, local, "shared-memory setup")
-    plane = shm_setup.setup(t, local, hostkey, max(deadline, time.monotonic()
-                                                    + state.config.timeout),
-                            lambda reason: _agree(setup_group, reason))
-    if plane is None:
-        return
-    try:
-        _setup_cma(plane, setup_group, cma)
-    except BaseException:
-        plane.close()
-        raise
-    t.add_shm(plane)
-
-
-def _setup_cma(plane: Any, group: Group, wanted: bool) -> None:
-    """Whether the host's ranks read each other's memory directly (swarmfd.comm.cma):
-    only if every one of them can read every other's and none turned it off
-    (``wanted``: SWARMFD_CMA); else they all copy through the segments. Two agreements:
-    every rank published its probe, then every rank's verdict."""
-    from .config import ENV_CMA
-
-    plane.publish_probe()
-    _agree(group, "")
-    verdict = plane.check_probes() if wanted else f"{ENV_CMA}=0"
-    failed = _agree(group, verdict)
-    plane.enable_cma(not failed)
-    if failed:
-        logging.getLogger("swarmfd").debug(
-            "swarmfd rank %d: shared memory copies through segments, without reading "
-            "peers' memory: %s", group.world_rank,
-            "; ".join(f"rank {r}: {why}" for r, why in sorted(failed.items())))
-
-
-def _share_domains(state: _State) -> None:
-    """Tell every rank which ranks share memory with which (and each rank's
-    SWARMFD_HIERARCHY), so that every member of a group picks the same algorithms
-    (see :meth:`Group.two_level`): one all_gather of the world, in a group of its own.
-    Ranks whose SWARMFD_HIERARCHY differs would pick different algorithms: a
-    ConfigError naming them."""
-    from . import collectives
-
-    t = state.transport
-    assert t is not None
-    n = state.config.world_size
-    shm = t.shm
-    domain = min(shm.segments) if shm is not None else -1  # type: ignore[attr-defined]
-    mine = np.array([domain, 1 if state.hierarchy == "auto" else 0], dtype=np.int64)
-    group = Group(state, DOMAINS_GID, range(n), "shared-memory planes")
-    try:
-        rows = collectives.all_gather(mine, group=group)
-    except SwarmfdError as exc:
-        raise type(exc)(f"init, while the ranks shared their shared-memory planes: {exc}"
-                        ).with_traceback(exc.__traceback__) from None
-    modes = [int(r[1]) for r in rows]
-    if len(set(modes)) > 1:
-        off = [r for r in range(n) if not modes[r]]
-        raise ConfigError(f"SWARMFD_HIERARCHY differs between ranks: 'off' on rank(s) {off}, "
-                          "'auto' on the others; every rank of a job must use the same")
-    state.shm_domains = [int(r[0]) for r in rows]
-
-
-def _agree(group: Group, reason: str) -> dict[int, str]:
-    """Every member's failure reason ("" for none): {rank: reason} of those that failed."""
-    from . import collectives
-    from .comm import shm_setup
-
-    try:
-        rows = collectives.all_gather(shm_setup.encode_reason(reason), group=group)
-    except SwarmfdError as exc:
-        # Say what init was doing: the user called no all_gather.
-        raise type(exc)(f"init, while the ranks set up shared memory: {exc}").with_traceback(
-            exc.__traceback__) from None
-    return {group.ranks[i]: why for i, why in shm_setup.decode_reasons(rows).items()}
-
-
-def _with_local_ranks(config: Config, hosts: list[str]) -> Config:
-    """Fill in local_rank/local_world_size from the hosts the ranks reported."""
-    mine = hosts[config.rank]
-    derived_rank = hosts[: config.rank].count(mine)
-    derived_size = Counter(hosts)[mine]
-    local_rank = config.local_rank if config.local_rank is not None else derived_rank
-    local_size = (config.local_world_size if config.local_world_size is not None
-                  else derived_size)
-    try:
-        return dataclasses.replace(config, local_rank=local_rank, local_world_size=local_size)
-    except ConfigError as exc:
-        raise ConfigError(f"{exc} (after grouping ranks by host)") from None
-
-
-def _export_local_ranks(config: Config) -> None:
-    """Put derived LOCAL_RANK/LOCAL_WORLD_SIZE in the environment where they were unset.
-
-    torchrun sets both before a script starts; under ``swarmfd deploy --local-ranks
-    node`` they are only known after the rendezvous groups ranks by node, so code
-    that reads ``os.environ["LOCAL_RANK"]`` after ``init`` (to pick a GPU, say)
-    finds them there, as it would under torchrun. Values already set are left alone
-    (they were what the config was built from); :func:`cleanup` removes the ones
-    set here, so a later group (or a child process) does not inherit stale values.
-    """
-    import os
-
-    for name, value in ((ENV_LOCAL_RANK, config.local_rank),
-                        (ENV_LOCAL_WORLD_SIZE, config.local_world_size)):
-        if value is not None and not os.environ.get(name, "").strip():
-            os.environ[name] = str(value)
-            _exported.append(name)
 
 
 # -- groups -------------------------------------------------------------------------------
@@ -703,7 +403,7 @@ def new_group(ranks: Iterable[int] | None = None) -> Any:
     s = current("new_group()")
     n = s.config.world_size
     members = list(range(n)) if ranks is None else _check_ranks(ranks, n)
-    with _lock:
+    with STATE_LOCK:
         gid = s.next_gid
         if gid > MAX_GID:
             raise ValueError(f"swarmfd.new_group: at most {MAX_GID - FIRST_USER_GID + 1} "
@@ -771,7 +471,7 @@ def members_group(gid: int, ranks: Iterable[int], area: int | None = None) -> Gr
     if s.config.rank not in members:
         raise ValueError(f"swarmfd.members_group: this rank ({s.config.rank}) is not one of "
                          f"the members {members}; only members make the group")
-    with _lock:
+    with STATE_LOCK:
         if gid in s.groups:
             raise ValueError(f"swarmfd.members_group: group id {gid} is taken already (by "
                              f"{s.groups[gid].name})")
@@ -840,34 +540,19 @@ def get_world_size(group: Any = None) -> int:
     return resolve_group(group, "get_world_size()").size
 
 
-def cleanup() -> None:
-    """Leave the group and close every socket. Idempotent; a later :func:`init` works again."""
-    import os
+def active() -> _State | None:
+    """This process's membership, or None before init and after cleanup."""
+    return _state
 
+
+def activate(state: _State) -> None:
+    """Make ``state`` this process's membership (init, :mod:`swarmfd.session`)."""
     global _state
-    with _lock:
-        s, _state = _state, None
-        while _exported:
-            os.environ.pop(_exported.pop(), None)
-    if s is None or s.transport is None:
-        return
-    if s.engine is not None:
-        s.engine.close()
-    for g in s.groups.values():
-        g.prepared.clear()  # their views of the segments, which close now
-    t = s.transport
-    if any(g.broken is not None for g in s.groups.values()):
-        # A failed group: give the abort messages queued behind unsent data a moment to
-        # leave (peers learn the reason), but do not wait for data a lost peer will never
-        # take.
-        t.close(linger=int(ABORT_LINGER * 1000))
-        return
-    try:
-        t.channel.flush()
-    except SwarmfdError:
-        pass
-    finally:
-        t.close()
+    _state = state
 
 
-atexit.register(cleanup)
+def release() -> _State | None:
+    """End this process's membership; the state it had (cleanup)."""
+    global _state
+    s, _state = _state, None
+    return s

@@ -722,8 +722,8 @@ def error_info(exc: BaseException, since: float) -> dict[str, Any]:
 
 def count_runs(cls: type, method: str) -> dict[str, int]:
     """Count, in this rank's process, the runs of ``cls.method`` that did their work: a
-    method that answers a bool counts its True answers (a prepared call's ``run`` that
-    applied), one that answers None every call. Returns the live count,
+    method that answers a bool counts its True answers, one that answers None (an
+    ``__init__``: the objects made) every call. Returns the live count,
     ``{cls.__name__: n}``."""
     counts = {cls.__name__: 0}
     real = getattr(cls, method)

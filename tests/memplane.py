@@ -48,8 +48,9 @@ class Fabric:
 
     def __init__(self, n: int) -> None:
         self.n = n
-        self.queues: list[queue.Queue[tuple[wire.Header, bytes]]] = [queue.Queue()
-                                                                     for _ in range(n)]
+        #: Each rank's incoming messages: (header, payload, packed header).
+        self.queues: list[queue.Queue[tuple[wire.Header, bytes, bytes]]] = [
+            queue.Queue() for _ in range(n)]
         self.dead: set[int] = set()
         self.sent = 0
         #: Payload bytes sent over each link, by (source rank, destination rank).
@@ -76,7 +77,7 @@ class Fabric:
 
         threading.Thread(target=carry, daemon=True, name=f"link {src}->{dst}").start()
 
-    def put(self, src: int, dst: int, message: tuple[wire.Header, bytes]) -> None:
+    def put(self, src: int, dst: int, message: tuple[wire.Header, bytes, bytes]) -> None:
         carrier = self.delayed.get((src, dst))
         if carrier is None:
             self.queues[dst].put(message)
@@ -91,6 +92,10 @@ class MemoryPlane:
     kind = "tcp"
     endpoint = ""
     zero_copy_recv = False
+    shares_memory = False
+    reads_peers = False
+    io_thread = False
+    inline_max = wire.MAX_PAYLOAD
 
     def __init__(self, fabric: Fabric, rank: int, owner: Any) -> None:
         self.fabric = fabric
@@ -104,16 +109,37 @@ class MemoryPlane:
     def connect(self, peers: Any, deadline: float) -> None:
         pass
 
+    def header(self, kind: int, sig: wire.Signature, src: int, tag: int, nbytes: int,
+               group: int) -> tuple[bytes, bytes]:
+        return wire.cut_header(kind, sig, src, tag, nbytes, 0, group)
+
     def send(self, dst: int, kind: int, sig: wire.Signature, seq: int, tag: int, payload: Any,
              size: int, copy: bool, group: int = 0) -> None:
+        self.send_packed(dst, wire.pack_header(kind, sig, self.rank, seq, tag, size, 0, group),
+                         payload, size, copy)
+
+    def send_packed(self, dst: int, header: bytes, payload: Any, size: int,
+                    copy: bool) -> bool:
         if self.rank in self.fabric.dead or dst in self.fabric.dead:
-            return
-        raw = wire.pack_header(kind, sig, self.rank, seq, tag, size, 0, group)
+            return False
         body = payload if isinstance(payload, bytes) else memoryview(payload).tobytes()
         assert len(body) == size
         self.fabric.sent += 1
         self.fabric.link_bytes[(self.rank, dst)] += size
-        self.fabric.put(self.rank, dst, (wire.unpack_header(raw), body))
+        self.fabric.put(self.rank, dst, (wire.unpack_header(header), body, header))
+        return False
+
+    def take(self, src: int, header: bytes, nbytes: int) -> Any:
+        """The next message when it is ``src``'s with ``header`` (the in-memory queue
+        holds every peer's messages in arrival order: only its head is looked at)."""
+        if self.rank in self.fabric.dead:
+            return None
+        q = self.fabric.queues[self.rank]
+        with q.mutex:
+            if not q.queue or q.queue[0][2] != header:
+                return None
+            _, body, _ = q.queue.popleft()
+        return body
 
     def send_all(self, kind: int, sig: wire.Signature, body: bytes, group: int = 0) -> None:
         for dst in range(self.fabric.n):
@@ -125,8 +151,8 @@ class MemoryPlane:
             time.sleep(timeout)
             return None
         try:
-            hdr, self.current = self.fabric.queues[self.rank].get(timeout=max(timeout, 0)
-                                                                  or None, block=timeout > 0)
+            hdr, self.current, _ = self.fabric.queues[self.rank].get(
+                timeout=max(timeout, 0) or None, block=timeout > 0)
         except queue.Empty:
             return None
         return hdr

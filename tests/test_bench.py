@@ -307,9 +307,11 @@ def test_steps_script_counts_a_calls_python_steps() -> None:
     (total,) = [line for line in proc.stdout.splitlines() if line.startswith("  here: ")]
     bytecodes = int(total.split()[1])
     assert 100 < bytecodes < 100_000, total
-    # (After the warm-up the call is prepared, swarmfd/prepared.py: the channel's
-    # receive runs only when the peer's message is not there whole at once.)
-    for layer in ("collectives.py:all_reduce", "prepared.py:run", "socket.py:send_packed"):
+    # (After the warm-up the call runs its schedule, swarmfd/call.py, whose algorithm
+    # algorithms/base.py:run drives: the channel's receive runs only when the peer's
+    # message is not there whole at once.)
+    for layer in ("collectives.py:all_reduce", "call.py:run", "base.py:run",
+                  "socket.py:send_packed"):
         assert layer in proc.stdout, proc.stdout
 
 

@@ -151,23 +151,14 @@ def test_every_collective_dtype_shape_and_root(world: int, transport: str) -> No
         assert results[r] == results[0], f"rank {r} ended with different bytes than rank 0"
 
 
-def _now_paths(rank: int, world: int) -> dict[str, int]:
-    """Small blocking calls through the public API, counting the generator-free paths
-    they take (swarmfd.collectives._run_now); each result checked."""
-    from swarmfd.algorithms import shm as shm_algo
-    from swarmfd.algorithms import tcp as tcp_algo
+def _schedule_paths(rank: int, world: int) -> dict[str, str]:
+    """Small blocking calls, async ones and a large one through the public API (each
+    result checked): the algorithm each kind of call runs, by the schedule its group
+    keeps for it (the selection's choice), and whether its async call ran the blocking
+    call's schedule."""
+    from swarmfd import group as _group
 
-    counts = {"all_reduce_now": 0, "all_reduce_pair_now": 0, "barrier_now": 0}
-
-    def counting(name: str, fn: Any) -> Any:
-        def count(*args: Any) -> Any:
-            counts[name] += 1
-            return fn(*args)
-        return count
-
-    for module, name in ((shm_algo, "all_reduce_now"), (tcp_algo, "all_reduce_pair_now"),
-                         (tcp_algo, "barrier_now")):
-        setattr(module, name, counting(name, getattr(module, name)))
+    g = _group.resolve_group(None, "test")
     total = sum(range(1, world + 1))
     x = np.arange(10, dtype=np.float32) * (rank + 1)
     np.testing.assert_array_equal(fd.all_reduce(x), np.arange(10) * total)
@@ -178,25 +169,42 @@ def _now_paths(rank: int, world: int) -> dict[str, int]:
     fd.all_reduce(view)
     assert (grid[:, ::2] == total).all() and (grid[:, 1::2] == rank + 1).all()
     fd.barrier()
-    seen = dict(counts)
-    fd.all_reduce(np.ones(4), async_op=True).wait()
+    kept = dict(g.schedules)
+    y = np.arange(10, dtype=np.float32) * (rank + 1)
+    np.testing.assert_array_equal(fd.all_reduce(y, async_op=True).wait(), np.arange(10) * total)
     fd.barrier(async_op=True).wait()
-    big = np.ones((1 << 20) // 8)  # 1 MiB: above the generator-free size
+    big = np.ones((1 << 20) // 8)  # 1 MiB
     np.testing.assert_array_equal(fd.all_reduce(big), np.full(big.size, float(world)))
-    assert counts == seen, (counts, seen)
-    return counts
+    names = {what: g.schedules[key].choice.name for what, key in (
+        ("small", ((10,), np.dtype(np.float32), "sum")),
+        ("mean", ((6,), np.dtype(np.float64), "mean")),
+        ("strided", ((4, 3), np.dtype(np.int64), "sum")),
+        ("barrier", (wire.Collective.BARRIER,)),
+        ("large", ((big.size,), np.dtype(np.float64), "sum")))}
+    # The async calls found the blocking calls' schedules: no new one was made.
+    assert all(g.schedules[k] is s for k, s in kept.items()), "an async call made its own"
+    assert len(g.schedules) == len(kept) + 1, list(g.schedules)
+    return names
 
 
 @pytest.mark.parametrize(("world", "transport"), _worlds_and_transports(2, 3))
-def test_small_blocking_calls_run_without_generators(world: int, transport: str) -> None:
-    """A small blocking all_reduce runs without generators on shared memory and between
-    two ranks over TCP, a blocking barrier on every plane; async calls, larger buffers
-    and other all_reduces over TCP take the algorithms' generators. Every result is
-    checked (sum, mean, a non-contiguous array written back)."""
-    got = run_ranks(_now_paths, world, timeout=120, env=transport_env(transport))
-    shm = transport == "auto"
-    want = {"all_reduce_now": 3 if shm else 0,
-            "all_reduce_pair_now": 3 if not shm and world == 2 else 0, "barrier_now": 1}
+def test_each_kind_of_call_runs_the_selections_choice_from_its_schedule(
+        world: int, transport: str) -> None:
+    """Small all_reduces run shared memory's one round on one host, the pair exchange
+    between two ranks over TCP, the direct exchange among three; a 1 MiB one shared
+    memory's rounds, the pair exchange (one message each way, up to a piece) or the
+    ring; a barrier the dissemination barrier. An async call of a kind runs the
+    blocking call's schedule. Every result is checked (sum, mean, a non-contiguous
+    array written back)."""
+    got = run_ranks(_schedule_paths, world, timeout=120, env=transport_env(transport))
+    if transport == "auto":
+        small, large = "shm.one_round", "shm.rounds"
+    elif world == 2:
+        small = large = "tcp.pair"
+    else:
+        small, large = "tcp.direct", "tcp.ring"
+    want = {"small": small, "mean": small, "strided": small, "barrier": "barrier",
+            "large": large}
     assert got == [want] * world
 
 
@@ -649,7 +657,7 @@ def _divide_by_zero(rank: int, world: int) -> None:
 def test_piece_and_threshold_constants_are_sane() -> None:
     """Wire messages stay well under glibc's 32 MiB mmap threshold."""
     assert wire.PIECE_BYTES <= 8 << 20
-    assert select.SMALL_BYTES <= wire.PIECE_BYTES
+    assert select.DIRECT_MAX_BYTES <= wire.PIECE_BYTES
 
 
 def _which_transport(rank: int, world: int) -> tuple[bool, list[str]]:

@@ -56,10 +56,10 @@ def test_a_bare_init_joins_the_group_the_environment_describes(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """fd.init() under a launcher is the launcher's job, not a silent world of one; the
     arguments given override the environment, and world_size without rank is refused."""
-    from swarmfd import group
+    from swarmfd import session
 
     started: list[Config] = []
-    monkeypatch.setattr(group, "_start", lambda config, secret=None: started.append(config))
+    monkeypatch.setattr(session, "_start", lambda config, secret=None: started.append(config))
     for name, value in {"WORLD_SIZE": "3", "RANK": "2", "LOCAL_RANK": "0",
                         "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "10.0.0.7",
                         "MASTER_PORT": "29611", "SWARMFD_TIMEOUT": "40"}.items():

@@ -140,17 +140,19 @@ _UNSAFE_CALLS = {"eval", "exec", "compile", "__import__", "loads_pyobj", "recv_p
 
 
 #: Every module that handles what comes off the network: the communication layer, the
-#: algorithms, the collectives, groups, the engine and the errors built from aborts.
+#: algorithms, the collectives and the call layer, groups and the session (init's
+#: exchanges), the engine and the errors built from aborts.
 _RECEIVING = sorted(str(p.relative_to(SWARMFD)) for p in SWARMFD.rglob("*.py")
                     if p.parent.name in ("comm", "planes", "algorithms")
-                    or p.name in ("collectives.py", "group.py", "engine.py", "errors.py"))
+                    or p.name in ("collectives.py", "call.py", "group.py", "session.py",
+                                  "engine.py", "errors.py"))
 
 
 @pytest.mark.parametrize("module", _RECEIVING)
 def test_nothing_from_the_network_is_unpickled_or_evaluated(module: str) -> None:
     """No pickle/marshal import, no eval/exec, no pyobj receive; loads only json.loads."""
-    assert {"comm/wire.py", "comm/channel.py", "comm/planes/shm.py", "collectives.py"} <= set(
-        _RECEIVING)
+    assert {"comm/wire.py", "comm/channel.py", "comm/planes/shm.py", "collectives.py",
+            "call.py", "session.py"} <= set(_RECEIVING)
     path = SWARMFD / module
     tree = ast.parse(path.read_text(), str(path))
     problems = []

@@ -10,12 +10,14 @@ the public calls between real processes on simulated hosts.
 
 from __future__ import annotations
 
+import functools
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 
-from swarmfd.algorithms import hier
+from swarmfd.algorithms import hier, select
 from swarmfd.algorithms.base import Op
 from swarmfd.comm import wire
 
@@ -55,12 +57,19 @@ def _crossing(fabric: Fabric, hosts: Any) -> dict[tuple[int, int], int]:
             if hosts[pair[0]] != hosts[pair[1]]}
 
 
-def _all_reduce(kind: str, inputs: list[np.ndarray], hosts: list[int], **kw: Any) -> list[Any]:
-    algo = hier.all_reduce_small if kind == "small" else hier.all_reduce_large
+def _flat(op: Op) -> Any:
+    """The selection's flat all_reduce on ``op``'s plane: what the large two-level
+    all_reduce runs among the shards' owners of more than two hosts."""
+    return functools.partial(select.all_reduce, op.plane)
 
+
+def _all_reduce(kind: str, inputs: list[np.ndarray], hosts: list[int], **kw: Any) -> list[Any]:
     def make(op: Op, lay: hier.Layout, shm: Any, call: int) -> Any:
         buf = inputs[op.me].copy()
-        return algo(op, buf, np.add, lay, shm, **kw), lambda: buf
+        if kind == "small":
+            return hier.all_reduce_small(op, buf, np.add, 0, lay, shm, **kw), lambda: buf
+        return hier.all_reduce_large(op, buf, np.add, 0, lay, shm, _flat(op), **kw), \
+            lambda: buf
 
     return [r[0] for r in run_hier_algorithm(hosts, make)]
 
@@ -140,6 +149,53 @@ def test_all_reduce_large_streams_between_two_hosts(shape: str, streams: int) ->
         assert sent == count * 4, (x, crossing)
 
 
+@pytest.mark.parametrize("shape", ["2x2-spread", "3+1", "3x2"])
+@pytest.mark.parametrize("count", [5, 1001, 131072 + 3])
+def test_a_two_level_mean_divides_as_divide_by_divides_the_sum(shape: str, count: int) -> None:
+    """The two-level all_reduce (small and large), reduce and reduce_scatter take the
+    mean's divide: each gives the bits of its sum divided after by divide_by, on every
+    rank (the reduce on its root only, the others' arrays unchanged)."""
+    from swarmfd.algorithms.base import divide_by
+
+    hosts = HOSTS[shape]
+    n = len(hosts)
+    inputs = [sample_data(r, count, np.float32, seed=4) for r in range(n)]
+    parts = [(int(b[0]), int(b[-1]) + 1) if len(b) else (0, 0)
+             for b in np.array_split(np.arange(count), n)]
+
+    kinds = [k for k in ("small", "large", "reduce", "reduce_scatter")
+             if (k != "small" or count * 4 <= select.HIER_SMALL_BYTES)  # one slot at most
+             and (k != "reduce_scatter" or len(set(hosts)) == 2)]  # two hosts only
+
+    def make(op: Op, lay: hier.Layout, shm: Any, call: int, divide: int) -> Any:
+        buf = inputs[op.me].copy()
+        kind = kinds[call]
+        if kind == "small":
+            return hier.all_reduce_small(op, buf, np.add, divide, lay, shm), lambda: buf
+        if kind == "large":
+            return hier.all_reduce_large(op, buf, np.add, divide, lay, shm, _flat(op)), \
+                lambda: buf
+        if kind == "reduce":
+            return hier.reduce(op, buf, 1, np.add, divide, lay, shm), lambda: buf
+        a, b = parts[op.me]
+        out = np.empty(b - a, np.float32)
+        return hier.reduce_scatter(op, buf, out, parts, np.add, divide, lay, shm), \
+            lambda: out
+
+    sums = run_hier_algorithm(hosts, lambda op, lay, shm, call: make(op, lay, shm, call, 0),
+                              calls=len(kinds))
+    means = run_hier_algorithm(hosts, lambda op, lay, shm, call: make(op, lay, shm, call, n),
+                               calls=len(kinds))
+    for r in range(n):
+        for c, kind in enumerate(kinds):
+            want = sums[r][c].copy()
+            if kind != "reduce" or r == 1:
+                divide_by(want, n)
+            else:
+                assert np.array_equal(want, inputs[r]), "a non-root's array changed"
+            assert means[r][c].tobytes() == want.tobytes(), (r, kind)
+
+
 def test_all_reduce_calls_in_a_row() -> None:
     """Consecutive calls of both paths rotate through the slots without a rank
     overwriting what a slower one still reads."""
@@ -151,8 +207,9 @@ def test_all_reduce_calls_in_a_row() -> None:
     def make(op: Op, lay: hier.Layout, shm: Any, call: int) -> Any:
         buf = inputs[op.me][call].copy()
         if buf.size < 50_000:
-            return hier.all_reduce_small(op, buf, np.add, lay, shm), lambda: buf
-        return hier.all_reduce_large(op, buf, np.add, lay, shm, round_bytes=65536), lambda: buf
+            return hier.all_reduce_small(op, buf, np.add, 0, lay, shm), lambda: buf
+        return hier.all_reduce_large(op, buf, np.add, 0, lay, shm, _flat(op),
+                                     round_bytes=65536), lambda: buf
 
     got = run_hier_algorithm(hosts, make, calls=len(sizes))
     for c in range(len(sizes)):
@@ -189,7 +246,7 @@ def test_reduce(shape: str, count: int) -> None:
         def make(op: Op, lay: hier.Layout, shm: Any, call: int, root: int = root,
                  inputs: list[np.ndarray] = inputs) -> Any:
             buf = inputs[op.me].copy()
-            return hier.reduce(op, buf, root, np.add, lay, shm), lambda: buf
+            return hier.reduce(op, buf, root, np.add, 0, lay, shm), lambda: buf
 
         got = run_hier_algorithm(hosts, make, sig=wire.Signature(wire.Collective.REDUCE,
                                                                  root=root))
@@ -273,7 +330,7 @@ def test_reduce_scatter(shape: str, count: int) -> None:
             buf = inputs[op.me].copy()
             a, b = parts[op.me]
             out = np.full(b - a, 99, dtype)
-            return hier.reduce_scatter(op, buf, parts, out, np.add, lay, shm), \
+            return hier.reduce_scatter(op, buf, out, parts, np.add, 0, lay, shm), \
                 lambda: (out, buf)
 
         got = run_hier_algorithm(hosts, make,
@@ -303,7 +360,7 @@ def test_reduce_scatter_streams(shape: str, streams: int) -> None:
     def make(op: Op, lay: hier.Layout, shm: Any, call: int) -> Any:
         a, b = parts[op.me]
         out = np.empty(b - a, np.float32)
-        return hier.reduce_scatter(op, inputs[op.me], parts, out, np.add, lay, shm,
+        return hier.reduce_scatter(op, inputs[op.me], out, parts, np.add, 0, lay, shm,
                                    streams=streams), lambda: out
 
     got = run_hier_algorithm(hosts, make, sig=wire.Signature(wire.Collective.REDUCE_SCATTER),
@@ -347,14 +404,16 @@ def test_progress_engine_drives_the_phases() -> None:
             return slot
 
         lay = hier.layout_of(names, r)
-        engine = Engine(channel, 10.0, lambda g, exc: None)
+        engine = Engine(channel, 10.0, lambda g, exc, finished: None)
         group = SimpleNamespace(gid=0, broken=None)
         works, bufs = [], []
         sig = wire.Signature(wire.Collective.ALL_REDUCE)
-        for call, algo in enumerate((hier.all_reduce_small, hier.all_reduce_large)):
+        for call in range(2):
             buf = inputs[call][r].copy()
             op = Op(channel, tcp, list(range(n)), r, 0, call + 1, sig, None, next_slot)
-            works.append(engine.submit(group, op, algo(op, buf, np.add, lay, shm), f"#{call}"))
+            algo = (hier.all_reduce_small(op, buf, np.add, 0, lay, shm) if call == 0 else
+                    hier.all_reduce_large(op, buf, np.add, 0, lay, shm, _flat(op)))
+            works.append(engine.submit(group, op, algo, f"#{call}"))
             bufs.append(buf)
         for w in works:
             w.wait(20)
@@ -367,6 +426,41 @@ def test_progress_engine_drives_the_phases() -> None:
 
 
 # -- selection -----------------------------------------------------------------------------
+
+#: The capabilities the selection reads of the TCP planes: the socket plane's, and the
+#: zmq plane's (whose I/O thread makes it prefer fewer hops).
+SOCKET = SimpleNamespace(name="socket", shares_memory=False, reads_peers=False,
+                         io_thread=False, inline_max=wire.MAX_PAYLOAD)
+ZMQ = SimpleNamespace(name="zmq", shares_memory=False, reads_peers=False, io_thread=True,
+                      inline_max=64 << 10)
+PLANES = {"socket": SOCKET, "zmq": ZMQ}
+
+
+def _two_level(choice: select.Choice) -> str | None:
+    """The two-level algorithm the selection chose (its name), or None for a flat one."""
+    return choice.name if choice.name.startswith("hier.") else None
+
+
+def _all_reduce_choice(nbytes: int, lay: hier.Layout, plane: str = "socket") -> str | None:
+    return _two_level(select.all_reduce(PLANES[plane], nbytes, lay.size, nbytes // 4,
+                                        (lay, None)))
+
+
+def _broadcast_choice(nbytes: int, lay: hier.Layout, root: int) -> str | None:
+    return _two_level(select.broadcast(SOCKET, nbytes, lay.size, root, (lay, None)))
+
+
+def _reduce_choice(nbytes: int, lay: hier.Layout, root: int) -> str | None:
+    return _two_level(select.reduce(SOCKET, nbytes, lay.size, root, (lay, None)))
+
+
+def _reduce_scatter_choice(nbytes: int, lay: hier.Layout) -> str | None:
+    return _two_level(select.reduce_scatter(SOCKET, nbytes, lay.size, (lay, None)))
+
+
+def _all_gather_choice(nbytes: int, lay: hier.Layout, plane: str) -> str | None:
+    return _two_level(select.all_gather(PLANES[plane], nbytes, lay.size, (lay, None)))
+
 
 
 def test_two_level_layout_selection() -> None:
@@ -387,35 +481,30 @@ def test_two_level_layout_selection() -> None:
 
 
 def test_two_level_selection_by_size() -> None:
-    from swarmfd.algorithms import select
-
     lay = hier.layout_of(["a", "a", "b", "b"], 0)
-    assert select.all_reduce_two_level(4096, lay) is hier.all_reduce_small
-    assert select.all_reduce_two_level(select.HIER_SMALL_BYTES, lay) is hier.all_reduce_small
-    assert select.all_reduce_two_level(select.HIER_SMALL_BYTES + 4, lay) is \
-        hier.all_reduce_large
+    assert _all_reduce_choice(4096, lay) == "hier.all_reduce_small"
+    assert _all_reduce_choice(select.HIER_SMALL_BYTES, lay) == "hier.all_reduce_small"
+    assert _all_reduce_choice(select.HIER_SMALL_BYTES + 4, lay) == "hier.all_reduce_large"
     big = select.HIER_SCATTER_MIN_BYTES
-    assert select.reduce_scatter_two_level(big, lay) is hier.reduce_scatter
-    assert select.reduce_scatter_two_level(big - 4, lay) is None  # flat below it
+    assert _reduce_scatter_choice(big, lay) == "hier.reduce_scatter"
+    assert _reduce_scatter_choice(big - 4, lay) is None  # flat below it
     three = hier.layout_of(["a", "a", "b", "c"], 0)
-    assert select.reduce_scatter_two_level(big, three) is None  # two hosts only
+    assert _reduce_scatter_choice(big, three) is None  # two hosts only
 
 
 def test_a_small_broadcast_is_two_level_only_where_the_direct_send_crosses_a_link_twice() -> None:
     """Plain data: up to the direct send's size, two-level only when a host other than the
     root's holds several ranks; above it, always."""
-    from swarmfd.algorithms import select
-
-    small, large = select.SMALL_BYTES, select.SMALL_BYTES + 4
+    small, large = select.DIRECT_MAX_BYTES, select.DIRECT_MAX_BYTES + 4
     uneven = hier.layout_of(["a", "a", "a", "b"], 0)  # hosts (0, 1, 2) and (3,)
-    assert select.broadcast_two_level(small, uneven, 0) is None  # one copy crosses anyway
-    assert select.broadcast_two_level(small, uneven, 3) is hier.broadcast  # 3 would cross
-    assert select.broadcast_two_level(large, uneven, 0) is hier.broadcast
+    assert _broadcast_choice(small, uneven, 0) is None  # one copy crosses anyway
+    assert _broadcast_choice(small, uneven, 3) == "hier.broadcast"  # 3 would cross
+    assert _broadcast_choice(large, uneven, 0) == "hier.broadcast"
     even = hier.layout_of(["a", "b", "a", "b"], 1)
-    assert select.broadcast_two_level(4096, even, 0) is hier.broadcast
-    assert select.broadcast_two_level(large, even, 2) is hier.broadcast
+    assert _broadcast_choice(4096, even, 0) == "hier.broadcast"
+    assert _broadcast_choice(large, even, 2) == "hier.broadcast"
     nine = hier.layout_of(["a"] * 8 + ["b"], 0)  # 9 ranks: the flat one is the chain
-    assert select.broadcast_two_level(4096, nine, 0) is hier.broadcast
+    assert _broadcast_choice(4096, nine, 0) == "hier.broadcast"
 
 
 # -- the public calls, in-process ------------------------------------------------------------
@@ -438,6 +527,7 @@ class _World:
         from types import SimpleNamespace
 
         from swarmfd import group as _group
+        from swarmfd import session as _session
         from swarmfd.config import Config
 
         from .memplane import run_hosts
@@ -452,8 +542,8 @@ class _World:
             t = SimpleNamespace(tcp=tcp, shm=shm, channel=channel)
             state = _group._State(config, t, names, hierarchy=hierarchy)  # type: ignore[arg-type]
             state.shm_domains = domains
-            _group._make_groups(state)
-            state.engine = _group._engine(state)
+            _group.make_groups(state)
+            state.engine = _session._engine(state)
             self.local.state = state
             try:
                 return fn(r, state)
@@ -593,7 +683,7 @@ def test_host_lost_mid_call_is_named_by_every_survivor(algo: str) -> None:
         lay = hier.layout_of(names, r)
         buf = np.ones(count, np.float32)
         if algo == "all_reduce_large":
-            gen = hier.all_reduce_large(op, buf, np.add, lay, shm)
+            gen = hier.all_reduce_large(op, buf, np.add, 0, lay, shm, _flat(op))
         elif algo == "broadcast":
             op.sig = wire.Signature(wire.Collective.BROADCAST, root=1)
             gen = hier.broadcast(op, buf, 1, lay, shm)
@@ -710,23 +800,19 @@ def test_a_small_reduce_stays_flat_where_only_the_roots_host_holds_several_ranks
     """Plain data: up to HIER_REDUCE_ALONE_MAX_BYTES, flat when every other host holds one
     rank (each sends one copy over its link either way); above it, or when another host
     holds several, two-level."""
-    from swarmfd.algorithms import select
-
     small, large = select.HIER_REDUCE_ALONE_MAX_BYTES, select.HIER_REDUCE_ALONE_MAX_BYTES + 4
     uneven = hier.layout_of(["a", "a", "a", "b"], 0)  # hosts (0, 1, 2) and (3,)
-    assert select.reduce_two_level(small, uneven, 0) is None
-    assert select.reduce_two_level(4096, uneven, 2) is None
-    assert select.reduce_two_level(small, uneven, 3) is hier.reduce  # host a's 3 would cross
-    assert select.reduce_two_level(large, uneven, 0) is hier.reduce
+    assert _reduce_choice(small, uneven, 0) is None
+    assert _reduce_choice(4096, uneven, 2) is None
+    assert _reduce_choice(small, uneven, 3) == "hier.reduce"  # host a's 3 would cross
+    assert _reduce_choice(large, uneven, 0) == "hier.reduce"
     even = hier.layout_of(["a", "b", "a", "b"], 1)
-    assert select.reduce_two_level(4096, even, 0) is hier.reduce
+    assert _reduce_choice(4096, even, 0) == "hier.reduce"
 
 
 def test_the_flat_small_all_gathers_link_rows_counted_by_placement() -> None:
     """Plain data: the rows the flat small all_gather carries into the busiest host,
     direct exchange and recursive doubling, as their rounds send them."""
-    from swarmfd.algorithms import select
-
     by_host = hier.layout_of(["a", "a", "b", "b"], 0)
     spread = hier.layout_of(["a", "b", "a", "b"], 0)
     # direct: each of a host's 2 ranks takes the other host's 2 rows
@@ -751,50 +837,46 @@ def test_a_small_all_gather_is_two_level_only_where_it_keeps_enough_off_the_link
     than HIER_GATHER_SAVES_BYTES off the busiest link than the flat one (on the socket
     plane: doubling where N is a power of two; on the zmq plane: the direct exchange);
     larger rows always."""
-    from swarmfd.algorithms import select
-
     saves = select.HIER_GATHER_SAVES_BYTES
     eight = hier.layout_of(["a"] * 4 + ["b"] * 4, 0)  # flat: 16 rows in, two-level: 4
-    assert select.all_gather_two_level(saves // 12, eight, "socket") is None
-    assert select.all_gather_two_level(saves // 12 + 4, eight, "socket") is hier.all_gather
+    assert _all_gather_choice(saves // 12, eight, "socket") is None
+    assert _all_gather_choice(saves // 12 + 4, eight, "socket") == "hier.all_gather"
     four = hier.layout_of(["a", "a", "b", "b"], 0)  # flat: 4 rows in, two-level: 2
-    assert select.all_gather_two_level(saves // 2, four, "socket") is None
-    assert select.all_gather_two_level(saves // 2 + 4, four, "zmq") is hier.all_gather
+    assert _all_gather_choice(saves // 2, four, "socket") is None
+    assert _all_gather_choice(saves // 2 + 4, four, "zmq") == "hier.all_gather"
     # spread at 2x2 over the socket plane: the doubling carries as little as two-level
     most = select.HIER_GATHER_FLAT_MAX_BYTES
     spread = hier.layout_of(["a", "b", "a", "b"], 0)
-    assert select.all_gather_two_level(most, spread, "socket") is None
-    assert select.all_gather_two_level(saves, spread, "zmq") is hier.all_gather  # direct: 4
+    assert _all_gather_choice(most, spread, "socket") is None
+    assert _all_gather_choice(saves, spread, "zmq") == "hier.all_gather"  # direct: 4
     uneven = hier.layout_of(["a", "a", "a", "b"], 3)
-    assert select.all_gather_two_level(most, uneven, "zmq") is None
+    assert _all_gather_choice(most, uneven, "zmq") is None
     # larger rows: two-level, whatever the placement
-    assert select.all_gather_two_level(most + 4, uneven, "socket") is hier.all_gather
-    assert select.all_gather_two_level(most + 4, spread, "socket") is hier.all_gather
+    assert _all_gather_choice(most + 4, uneven, "socket") == "hier.all_gather"
+    assert _all_gather_choice(most + 4, spread, "socket") == "hier.all_gather"
 
 
 def test_a_small_all_reduce_stays_flat_where_a_rank_would_fan_out_beyond_the_doubling() -> None:
     """Plain data: up to HIER_FAN_FLAT_MAX_BYTES, flat where the flat all_reduce is
     recursive doubling (socket plane, N a power of two) and some rank of the two-level
     small one would send its host partial to more peers than log2 N; else two-level."""
-    from swarmfd.algorithms import select
-
     uneven = hier.layout_of(["a", "a", "a", "b"], 0)  # the rank of b sends to all 3 of a
     assert select.small_fan(uneven) == 3
     assert select.small_fan(hier.layout_of(["a", "b", "a", "b"], 0)) == 1
     assert select.small_fan(hier.layout_of(["a"] * 6 + ["b"] * 2, 0)) == 3
     assert select.small_fan(hier.layout_of(["a", "a", "b", "b", "c", "c"], 0)) == 2
     most = select.HIER_FAN_FLAT_MAX_BYTES
-    assert select.all_reduce_two_level(most, uneven, "socket") is None
-    assert select.all_reduce_two_level(4096, uneven, "socket") is None
-    assert select.all_reduce_two_level(most + 4, uneven, "socket") is hier.all_reduce_small
-    assert select.all_reduce_two_level(4096, uneven, "zmq") is hier.all_reduce_small  # direct
+    assert _all_reduce_choice(most, uneven, "socket") is None
+    assert _all_reduce_choice(4096, uneven, "socket") is None
+    assert _all_reduce_choice(most + 4, uneven, "socket") == "hier.all_reduce_small"
+    assert _all_reduce_choice(4096, uneven, "zmq") == "hier.all_reduce_small"  # direct
     # 6 + 2 ranks: a fan of 3, as many as the doubling's 3 rounds; 7 + 1: 7
     six_two = hier.layout_of(["a"] * 6 + ["b"] * 2, 0)
-    assert select.all_reduce_two_level(4096, six_two, "socket") is hier.all_reduce_small
+    assert _all_reduce_choice(4096, six_two, "socket") == "hier.all_reduce_small"
     seven_one = hier.layout_of(["a"] * 7 + ["b"], 0)
-    assert select.all_reduce_two_level(4096, seven_one, "socket") is None
+    assert _all_reduce_choice(4096, seven_one, "socket") is None
     even = hier.layout_of(["a", "a", "b", "b"], 0)
-    assert select.all_reduce_two_level(4096, even, "socket") is hier.all_reduce_small
+    assert _all_reduce_choice(4096, even, "socket") == "hier.all_reduce_small"
     # 3 + 2 ranks: not a power of two, the flat one is the direct exchange
-    assert select.all_reduce_two_level(
-        4096, hier.layout_of(["a", "a", "a", "b", "b"], 0), "socket") is hier.all_reduce_small
+    assert _all_reduce_choice(
+        4096, hier.layout_of(["a", "a", "a", "b", "b"], 0), "socket") == "hier.all_reduce_small"

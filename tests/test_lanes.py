@@ -800,56 +800,65 @@ def test_a_plane_never_listens_on_a_port_the_launcher_reserved(plane: str) -> No
         t.close(linger=0)
 
 
-def test_take_message_takes_only_the_expected_message_whole(pair: list[Endpoint]) -> None:
-    """send_packed sends what send would; take_message gives the payload of the peer's
-    next message only when its header is the one expected, byte for byte, and all of it
-    is here (reading what the kernel holds), and otherwise takes nothing: the
-    channel's receive then reads it as always (here: a mismatch, then the message)."""
+def test_take_takes_only_the_expected_message_whole(pair: list[Endpoint],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """send_packed sends what send would; take gives the payload of the peer's next
+    message only when its header is the one expected, byte for byte, and all of it is
+    here (reading what the kernel holds), and otherwise takes nothing: the channel's
+    receive then reads it as always (here: a mismatch, then the message)."""
+    from swarmfd.comm import spin
+
     t0, t1 = pair
     p0, p1 = t0.ch, t1.ch
 
     def header(src: int, seq: int, n: int, sig: wire.Signature = SIG) -> bytes:
         return wire.pack_header(int(wire.Kind.DATA), sig, src, seq, 0, n, 0, 0)
 
+    head, tail = p0.header(int(wire.Kind.DATA), SIG, 0, 0, 5000, 0)
+    assert head + wire.seq_bytes(1) + tail == header(0, 1, 5000)  # cut around the number
     body = os.urandom(5000)
     p0.send_packed(1, header(0, 1, len(body)), body, len(body), False)
     t0.flush()
     got = None
     for _ in range(1000):  # (loopback: here within microseconds)
-        got = p1.take_message(0, header(0, 1, len(body)), len(body), 10)
+        got = p1.take(0, header(0, 1, len(body)), len(body))
         if got is not None:
             break
     assert got is not None and bytes(got) == body
-    assert p1.take_message(0, header(0, 2, 4), 4, 5) is None  # nothing sent
+    assert p1.take(0, header(0, 2, 4), 4) is None  # nothing sent
     # Another call's header, or another signature: left for the receive.
     other = wire.Signature(wire.Collective.ALL_REDUCE, wire.ReduceOp.SUM, 1, count=4)
     p0.send_packed(1, header(0, 2, 4, other), b"abcd", 4, False)
     t0.flush()
     time.sleep(0.05)
-    assert p1.take_message(0, header(0, 3, 4), 4, 5) is None
-    assert p1.take_message(0, header(0, 2, 4), 4, 5) is None
+    assert p1.take(0, header(0, 3, 4), 4) is None
+    assert p1.take(0, header(0, 2, 4), 4) is None
     with pytest.raises(MismatchError, match="all_reduce"):
         t1.recv(0, SIG, 2, 0, 4)
     # A message sent by send is taken alike; one too large for the buffer never is.
     t0.send(1, SIG, 3, 0, b"wxyz")
     t0.flush()
     time.sleep(0.05)
-    assert p1.take_message(0, header(0, 3, 4), 4, 5) == b"wxyz"
+    assert p1.take(0, header(0, 3, 4), 4) == b"wxyz"
     big = lanes.RECV_BUFFER
-    assert p1.take_message(0, header(0, 4, big), big, 0) is None
-    # A message caught by polling resets the spinner's misses (the peer keeps up).
+    assert p1.take(0, header(0, 4, big), big) is None
+    # Where waits poll, take looks again (as often as TAKE_POLLS allows: many times
+    # here), and a message caught so resets the spinner's misses (the peer keeps up).
+    monkeypatch.setattr(spin, "ENABLED", 1)
+    monkeypatch.setattr(spin, "YIELD", 0)
+    monkeypatch.setattr(lanes, "TAKE_POLLS", 10**7)
     p1.spinner.misses = 5
     late = threading.Timer(0.005, lambda: (t0.send(1, SIG, 5, 0, b"late"), t0.flush()))
     late.start()
     try:
-        assert p1.take_message(0, header(0, 5, 4), 4, 10**7) == b"late"
+        assert p1.take(0, header(0, 5, 4), 4) == b"late"
     finally:
         late.join()
     assert p1.spinner.misses == 0
 
 
 def test_send_packed_tells_whether_bytes_stay_queued(pair: list[Endpoint]) -> None:
-    """send_packed's answer is what a prepared call flushes on: False when the kernel
+    """send_packed's answer is what a call flushes on (Op.send): False when the kernel
     took the whole message (nothing queued), True when some of it waits in the queue
     (until a flush, or the next wait, drives it out), and for every message queued
     behind it."""

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from swarmfd.comm import malloc
+from swarmfd.config import GLIBC_SETTINGS
 
 from .harness import run_ranks_raw
 
@@ -20,8 +21,9 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc
 #: and reports whether the first was mmapped and how much free space the top of the heap
 #: kept after the second was freed (mallinfo2: hblks, keepcost).
 PROBE = r"""
-import ctypes, json, sys
+import ctypes, json, os, sys
 from swarmfd.comm import malloc
+from swarmfd.config import options_from_env
 class Info(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks",
         "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
@@ -29,7 +31,7 @@ libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
 libc.mallinfo2.restype = Info
-tuned = malloc.tune(sys.argv[1])
+tuned = malloc.tune(options_from_env({**os.environ, "SWARMFD_MALLOC": sys.argv[1]}).malloc)
 before = libc.mallinfo2().hblks
 p = libc.malloc(1 << 20)
 mapped = libc.mallinfo2().hblks - before
@@ -57,7 +59,7 @@ def test_system_leaves_glibc_alone() -> None:
     assert not got["tuned"] and got["mapped"] == 1, got  # 1 MiB > glibc's 128 KiB threshold
 
 
-@pytest.mark.parametrize("name", malloc.GLIBC_SETTINGS)
+@pytest.mark.parametrize("name", GLIBC_SETTINGS)
 def test_the_user_s_own_glibc_settings_win(name: str) -> None:
     value = "glibc.malloc.trim_threshold=131072" if name == "GLIBC_TUNABLES" else "131072"
     assert not _probe("tuned", **{name: value})["tuned"]

@@ -31,7 +31,7 @@ import pytest
 
 import swarmfd as fd
 from swarmfd.comm.channel import TIMEOUT_GRACE
-from swarmfd.group import ABORT_LINGER
+from swarmfd.session import ABORT_LINGER
 
 from .harness import RankCtx, Ranks, allowed, error_info, free_port, record, stall_meter
 
@@ -684,7 +684,7 @@ def test_a_stashed_message_is_checked_against_the_signature() -> None:
 def _overtaken(rank: int, world: int, async_op: bool) -> list[str]:
     """Rank 2 roots a broadcast and waits for the acknowledgements; rank 0's comes late
     (its link to rank 2 is slow), after rank 1, done with that call, failed its next
-    call and aborted (sent as a failing call sends it: swarmfd.collectives._blocking).
+    call and aborted (sent as a failing call sends it: swarmfd.call._blocking).
     What each rank's calls did."""
     from swarmfd import group as _group
 

@@ -922,7 +922,7 @@ def _job_under_attack(ctx: RankCtx, late: int) -> dict[str, Any]:
     attacker has time to find the socket and the names), collectives; report the
     warnings the swarmfd logger emitted."""
     import swarmfd as fd
-    from swarmfd import group
+    from swarmfd import group, session
 
     records: list[str] = []
 
@@ -932,13 +932,13 @@ def _job_under_attack(ctx: RankCtx, late: int) -> dict[str, Any]:
 
     logging.getLogger("swarmfd").addHandler(Keep(logging.WARNING))
     if ctx.rank == late:
-        real = group._setup_shm
+        real = session._setup_shm
 
         def later(*a: Any, **k: Any) -> Any:
             time.sleep(0.5)
             return real(*a, **k)
 
-        group._setup_shm = later  # type: ignore[assignment]
+        session._setup_shm = later  # type: ignore[assignment]
     fd.init(ctx.world, ctx.rank, master_addr="127.0.0.1", master_port=ctx.port,
             timeout=ctx.group_timeout)
     x = np.full(1000, ctx.rank + 1.0, np.float32)
@@ -1031,13 +1031,13 @@ def _job_with_a_failure(ctx: RankCtx, victim: int, what: str) -> dict[str, Any]:
     descriptors ("recv_fds"); stderr is captured as the logging module's last-resort handler
     writes it (no handler configured)."""
     import swarmfd as fd
-    from swarmfd import group
+    from swarmfd import group, session
 
     captured = io.StringIO()
     sys.stderr = captured
     if ctx.rank == victim:
         if what == "setup":  # the whole shared-memory setup: its first descriptor fails
-            group._setup_shm = _tight(group._setup_shm)  # type: ignore[assignment]
+            session._setup_shm = _tight(session._setup_shm)  # type: ignore[assignment]
         else:
             socket.recv_fds = _tight(socket.recv_fds)  # type: ignore[assignment]
     try:
@@ -1179,61 +1179,76 @@ def test_a_bad_swarmfd_cma_fails_init_at_once_naming_it(monkeypatch: pytest.Monk
                 secret="0123456789abcdef" * 3)
 
 
-def test_a_bare_header_goes_through_the_rings_in_a_few_steps_or_not_at_all() -> None:
-    """put_header adds a record of no payload that the peer's receive reads as a send's;
-    take_header takes the peer's next record only when it is the one expected, byte for
-    byte, and otherwise leaves it (and everything else) for the channel's receive: a
-    record of another call, a signature that differs, records read already, an empty
-    ring; put_header refuses a full ring (the record then goes through send)."""
+def test_a_packed_record_goes_through_the_rings_and_is_taken_in_a_few_steps_or_not_at_all(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """send_packed adds a record (its header packed already) that the peer's receive
+    reads as a send's; take takes the peer's next record only when it is the one
+    expected, byte for byte, and gives its payload, and otherwise leaves it (and
+    everything else) for the channel's receive: a record of another call, a signature
+    that differs, records read already, an empty ring. A full ring keeps the record
+    queued, in order (send_packed says so: the caller must flush)."""
+    from swarmfd.comm import spin
+    from swarmfd.comm.planes import shm as plane_module
+
     planes = _planes(_run_setups(2))
     try:
         (h0, p0), (h1, p1) = planes
         if not p0.ring_slots:
             pytest.skip("records travel through the pipes on this machine")
 
-        def header(src: int, seq: int, sig: wire.Signature = _SIG) -> bytes:
-            return wire.pack_header(int(wire.Kind.DATA), sig, src, seq, 0, 0, 0, 0)
+        def header(src: int, seq: int, sig: wire.Signature = _SIG, n: int = 0) -> bytes:
+            return wire.pack_header(int(wire.Kind.DATA), sig, src, seq, 0, n, 0, 0)
 
-        # A put record is what the channel's receive expects from a send.
-        assert p0.put_header(1, header(0, 1))
+        head, tail = p0.header(int(wire.Kind.DATA), _SIG, 0, 0, 0, 0)
+        assert head + wire.seq_bytes(1) + tail == header(0, 1)
+        # A packed record is what the channel's receive expects from a send.
+        assert p0.send_packed(1, header(0, 1), b"", 0, False) is False
         assert _recv(h1, p1, 0, 0) == b""
-        # The expected record is taken; the ring is then empty (a few polls, then False).
-        assert p0.put_header(1, header(0, 2))
-        assert p1.take_header(0, header(0, 2), 0)
-        assert not p1.take_header(0, header(0, 3), 50)
+        # The expected record is taken (with its payload); the ring is then empty.
+        assert p0.send_packed(1, header(0, 2, n=3), b"xyz", 3, False) is False
+        assert p1.take(0, header(0, 2, n=3), 3) == b"xyz"
+        assert p1.take(0, header(0, 3), 0) is None
         assert p1.next_header(0) is None
         # Another call's record, or the same call under another signature, stays put,
         # and the channel's receive reads it as what it is.
         other = wire.Signature(wire.Collective.ALL_REDUCE, wire.ReduceOp.SUM, 1, count=4)
-        assert p0.put_header(1, header(0, 1, other))
-        assert not p1.take_header(0, header(0, 2), 10)
-        assert not p1.take_header(0, header(0, 1), 10)
+        p0.send_packed(1, header(0, 1, other), b"", 0, False)
+        assert p1.take(0, header(0, 2), 0) is None
+        assert p1.take(0, header(0, 1), 0) is None
         with pytest.raises(MismatchError, match="all_reduce"):
             _recv(h1, p1, 0, 0)
-        # Records read already come first: take_header leaves them to the receive.
+        # Records read already come first: take leaves them to the receive.
         _send(h0, p0, 1, 5)
-        assert p0.put_header(1, header(0, 1))
+        p0.send_packed(1, header(0, 1), b"", 0, False)
         p1.next_header(0)  # reads both, takes the first
-        assert p1.records and not p1.take_header(0, header(0, 1), 10)
+        assert p1.records and p1.take(0, header(0, 1), 0) is None
         p1.records.clear()
-        # A record caught by polling tells the spinner the peer keeps up (its misses
-        # reset, as a wait's poll that catches its record does); one there at the first
-        # look changes nothing.
+        # Where waits poll, take looks again while the ring is empty (as often as
+        # POLLS allows: many times here); a record caught so tells the spinner the peer
+        # keeps up (its misses reset, as a wait's poll that catches its record does);
+        # one there at the first look changes nothing.
+        monkeypatch.setattr(spin, "ENABLED", 1)
+        monkeypatch.setattr(spin, "YIELD", 0)
+        monkeypatch.setattr(plane_module, "POLLS", 10**8)
         p1.spinner.misses = 5
-        assert p0.put_header(1, header(0, 6))
-        assert p1.take_header(0, header(0, 6), 0) and p1.spinner.misses == 5
-        late = threading.Timer(0.005, lambda: p0.put_header(1, header(0, 7)))
+        p0.send_packed(1, header(0, 6), b"", 0, False)
+        assert p1.take(0, header(0, 6), 0) == b"" and p1.spinner.misses == 5
+        late = threading.Timer(0.005, lambda: p0.send_packed(1, header(0, 7), b"", 0, False))
         late.start()
         try:
-            assert p1.take_header(0, header(0, 7), 10**8)
+            assert p1.take(0, header(0, 7), 0) == b""
         finally:
             late.join()
         assert p1.spinner.misses == 0
-        # A full ring: put_header refuses, and send keeps the record in order.
+        # A full ring: the next record is queued, in order, and send_packed says so.
         for _ in range(p0.ring_slots):
-            assert p0.put_header(1, header(0, 9))
-        assert not p0.put_header(1, header(0, 9))
-        assert not p0.queued and p0.outgoing[1].count - p1.incoming[0].count == p0.ring_slots
+            assert p0.send_packed(1, header(0, 9), b"", 0, False) is False
+        assert p0.send_packed(1, header(0, 10), b"", 0, False) is True
+        assert p0.unsent() == [1] and list(p0.queued[1]) == [header(0, 10)]
+        for _ in range(p0.ring_slots):
+            assert p1.take(0, header(0, 9), 0) == b""
+        p0.wait(1.0)  # pushes the queued record into the ring the peer emptied
+        assert p0.unsent() == [] and p1.take(0, header(0, 10), 0) == b""
     finally:
         for _, p in planes:
             p.close()

@@ -305,17 +305,20 @@ def test_comm_hook_bfloat16_buffers_and_broadcast_state(ranks) -> None:
 
 def _seed_api_lists_rank(rank: int, world: int) -> dict[str, Any]:
     """The seed API's gradient mean on a torch model, ``fd.all_reduce_mean([p.grad ...])``,
-    step after step: prepared after its first call (ListCall, the tensors' memory staged
-    through its buffer), the mean in every gradient; a list of tensors and an array."""
+    step after step: its schedule made on the first step and run by the later ones (no
+    Schedule made after the first), the mean in every gradient; then a list of a tensor
+    and an array, repeated."""
     import numpy as np
 
     import swarmfd as fd
-    from swarmfd import prepared
+    from swarmfd.call import Schedule
 
     _setup()
-    runs = count_runs(prepared.ListCall, "run")
     model = mlp(3, torch.float32)
+    made = count_runs(Schedule, "__init__")
+    per_step = []
     for step in range(4):
+        before = made["Schedule"]
         for i, p in enumerate(model.parameters()):
             p.grad = torch.full_like(p, float((rank + 1) * (i + 1) + step))
         grads = [p.grad for p in model.parameters()]
@@ -323,20 +326,25 @@ def _seed_api_lists_rank(rank: int, world: int) -> dict[str, Any]:
         mean = sum(r + 1 for r in range(world)) / world
         for i, p in enumerate(model.parameters()):
             assert torch.equal(p.grad, torch.full_like(p, mean * (i + 1) + step)), (step, i)
+        per_step.append(made["Schedule"] - before)
     mixed = [torch.full((3,), float(rank)), np.full(2, float(rank), np.float32)]
+    per_mixed = []
     for _ in range(3):
+        before = made["Schedule"]
         mixed[0].fill_(float(rank))
         mixed[1].fill(float(rank))
         fd.all_reduce(mixed)
         assert torch.equal(mixed[0], torch.full((3,), float(sum(range(world)))))
         assert (mixed[1] == sum(range(world))).all()
-    return runs
+        per_mixed.append(made["Schedule"] - before)
+    return {"steps": per_step, "mixed": per_mixed}
 
 
-def test_the_seed_apis_gradient_mean_of_tensors_runs_prepared(ranks) -> None:
-    """(3 prepared of the 4 steps, then 2 of the 3 mixed calls.)"""
+def test_the_seed_apis_gradient_mean_of_tensors_reuses_its_schedule(ranks) -> None:
+    """(One schedule made by the first step, one by the first mixed call: the gradients
+    are one dtype, one call each.)"""
     got = ranks(_seed_api_lists_rank, 2, timeout=120)
-    assert [g["ListCall"] for g in got] == [3 + 2] * 2, got
+    assert got == [{"steps": [1, 0, 0, 0], "mixed": [1, 0, 0]}] * 2, got
 
 
 # -- ZeRO -------------------------------------------------------------------------------
@@ -364,8 +372,8 @@ def _zero_rank(rank: int, world: int) -> dict[str, Any]:
 
         setattr(fd, name, counted)
     # DDP's buckets under ZeRO on shared memory: a reduce_scatter of the gradients
-    # where they are (swarmfd.collectives.reduce_scatter_parts), counted as one.
-    import swarmfd.collectives as fdc
+    # where they are (swarmfd._internal.reduce_scatter_parts), counted as one.
+    import swarmfd._internal as fdc
 
     real_parts = fdc.reduce_scatter_parts
 

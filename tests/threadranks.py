@@ -7,7 +7,7 @@ bound on loopback, with the session's job secret), the ranks connect their TCP m
 to each other (authenticated, as in init), and with ``plane="shm"`` they also share
 real shared memory (memfd segments and pipes, :func:`tests.memplane.shm_planes`).
 Each rank then gets what ``fd.init`` would have given it: the world group, its host
-group and the progress engine (``swarmfd.group._make_groups``/``_engine``).
+group and the progress engine (``swarmfd.group.make_groups``, ``swarmfd.session._engine``).
 
 What makes the calls of a thread find its own group: ``swarmfd.group.current`` (the
 one accessor of the process state, which every collective goes through) is replaced,
@@ -37,6 +37,7 @@ from typing import Any
 
 from swarmfd import config as _config
 from swarmfd import group as _group
+from swarmfd import session as _session
 from swarmfd.comm import security as _security
 from swarmfd.comm import transport as _transport
 from swarmfd.comm.channel import Channel
@@ -158,8 +159,8 @@ def _state(rank: int, world: int, t: Any, group_timeout: float,
                          local_world_size=hosts.count(hosts[rank]),
                          master_addr="127.0.0.1", timeout=group_timeout)
     state = _group._State(cfg, t, hosts)
-    _group._make_groups(state)
-    state.engine = _group._engine(state)
+    _group.make_groups(state)
+    state.engine = _session._engine(state)
     return state
 
 

@@ -28,9 +28,9 @@ from ..comm import wire
 from ..comm.channel import Channel
 from ..comm.plane import Plane
 
-__all__ = ["FLUSH", "SMALL_SPAN_BYTES", "Algorithm", "Op", "Parts", "Recv", "divide_by",
-           "even_pieces", "num_pieces", "put", "reduce_in_order", "reduce_into", "ring_pieces",
-           "run", "spans", "split", "take"]
+__all__ = ["FLUSH", "MAX_HEADS", "SMALL_SPAN_BYTES", "VIEW", "Algorithm", "Op", "Parts", "Recv",
+           "bounds", "divide_by", "even_pieces", "mean", "num_pieces", "put",
+           "reduce_in_order", "reduce_into", "ring_pieces", "run", "spans", "split", "take"]
 
 #: A receive an algorithm waits for: (op, group rank, tag, nbytes, into), or for a
 #: point-to-point piece ("key", op, key, signature, nbytes, into). A request names its op,
@@ -38,6 +38,10 @@ __all__ = ["FLUSH", "SMALL_SPAN_BYTES", "Algorithm", "Op", "Parts", "Recv", "div
 Recv = tuple[Any, ...]
 #: What an algorithm yields to wait until its sends no longer read its buffers.
 FLUSH: Any = ("flush",)
+#: The ``into`` of a receive whose payload the algorithm reads at once (:meth:`Op.view`).
+VIEW: Any = ("view",)
+#: Packed headers (and shared-memory views) an op keeps, then forgets all at once.
+MAX_HEADS = 4096
 #: The generator an algorithm is.
 Algorithm = Generator[Recv, Any, Any]
 
@@ -48,22 +52,26 @@ _DATA = int(wire.Kind.DATA)
 
 
 class Op:
-    """One collective call of one group, on one plane (see module docstring)."""
+    """One collective call of one group, on one plane (see module docstring).
 
-    __slots__ = ("channel", "gid", "me", "next_slot", "plane", "ranks", "ring", "seq", "shm",
-                 "sig", "size", "tag_base")
+    An op is made once per kind of call and reused by every call of that kind (see
+    :mod:`swarmfd.call`): :meth:`at` sets the call's number. Each message header is
+    packed once (:attr:`heads`) and joined around the call's number; a blocking call's
+    receives first look for their message on the plane itself (:func:`run`)."""
 
-    def __init__(self, channel: Channel, plane: Plane, ranks: list[int], me: int, gid: int,
+    __slots__ = ("channel", "gid", "heads", "me", "next_slot", "out", "plane", "ranks", "ring",
+                 "seq", "seqb", "shm", "sig", "size", "tag_base", "views")
+
+    def __init__(self, channel: Channel, plane: Plane, ranks: Sequence[int], me: int, gid: int,
                  seq: int, sig: wire.Signature, shm: Any = None,
                  next_slot: Callable[[], int] | None = None, tag_base: int = 0,
-                 ring: list[int] | None = None) -> None:
+                 ring: Sequence[int] | None = None, out: list[bool] | None = None) -> None:
         self.channel = channel
         self.plane = plane
         self.ranks = ranks  # world rank of each group rank
         self.me = me  # this rank's group rank
         self.size = len(ranks)
         self.gid = gid
-        self.seq = seq
         self.sig = sig
         self.shm = shm
         self.next_slot = next_slot
@@ -71,13 +79,47 @@ class Op:
         #: The group ranks in the order rings and chains follow (the group's, by host);
         #: None: rank order.
         self.ring = ring
+        #: Packed headers by (source world rank, tag, bytes): see :meth:`header`.
+        self.heads: dict[tuple[int, int, int], tuple[bytes, bytes]] = {}
+        #: Set when a send left bytes queued (the call flushes before it returns):
+        #: shared by the ops of one call's phases.
+        self.out = [False] if out is None else out
+        #: Shared-memory views the algorithm asked for, by (member, slot, dtype, count).
+        self.views: dict[tuple[Any, ...], Any] = {}
+        self.seq = seq
+        self.seqb = wire.seq_bytes(seq)
+
+    def at(self, seq: int) -> Op:
+        """This op for the call numbered ``seq`` (its messages' headers carry it)."""
+        self.seq = seq
+        self.seqb = wire.seq_bytes(seq)
+        self.out[0] = False
+        return self
+
+    def copy(self) -> Op:
+        """A fresh op of the same call (an async call owns its own while it runs)."""
+        return Op(self.channel, self.plane, self.ranks, self.me, self.gid, self.seq,
+                  self.sig, self.shm, self.next_slot, self.tag_base, self.ring)
+
+    def header(self, src: int, tag: int, nbytes: int) -> tuple[bytes, bytes]:
+        """The header of this call's message from world rank ``src`` with ``tag`` (the
+        op's tag base included) and ``nbytes`` of payload, as the plane frames it, cut
+        around the call's number: packed once per op (at most MAX_HEADS kept)."""
+        key = (src, tag, nbytes)
+        head = self.heads.get(key)
+        if head is None:
+            if len(self.heads) >= MAX_HEADS:
+                self.heads.clear()
+            head = self.heads[key] = self.plane.header(_DATA, self.sig, src, tag, nbytes,
+                                                       self.gid)
+        return head
 
     def phase(self, tag_base: int) -> Op:
         """The same call, members, plane and ring order, with tags from ``tag_base``: a
         later phase of a call of two (sizes, then data), whose tags must not meet the
         first phase's."""
         return Op(self.channel, self.plane, self.ranks, self.me, self.gid, self.seq,
-                  self.sig, self.shm, self.next_slot, tag_base, self.ring)
+                  self.sig, self.shm, self.next_slot, tag_base, self.ring, self.out)
 
     def sub(self, plane: Plane, members: list[int], tag_base: int, shm: Any = None,
             next_slot: Callable[[], int] | None = None) -> Op:
@@ -86,21 +128,30 @@ class Op:
         in rank order among them."""
         ranks = [self.ranks[m] for m in members]
         return Op(self.channel, plane, ranks, members.index(self.me), self.gid, self.seq,
-                  self.sig, shm, next_slot, tag_base)
+                  self.sig, shm, next_slot, tag_base, None, self.out)
 
     def send(self, to: int, tag: int, payload: Any = b"", *, copy: bool = False) -> None:
-        """Queue a message to group rank ``to``; never blocks (see :meth:`Channel.send`,
-        whose size and check this is, written out: a call each costs a small call 2 %
-        on shared memory, and a barrier's messages are many)."""
+        """Queue a message to group rank ``to``; never blocks. ``copy``: the caller may
+        rewrite ``payload`` as soon as this returns (else a large payload may still be
+        read until the call flushes)."""
         size = len(payload) if type(payload) is bytes else memoryview(payload).nbytes
         if size > _MAX_PAYLOAD:
             raise wire.too_large(size)
-        self.plane.send(self.ranks[to], _DATA, self.sig, self.seq, self.tag_base + tag,
-                        payload, size, copy, self.gid)
+        ranks = self.ranks
+        src, tag = ranks[self.me], self.tag_base + tag
+        head = self.heads.get((src, tag, size)) or self.header(src, tag, size)
+        if self.plane.send_packed(ranks[to], head[0] + self.seqb + head[1], payload, size,
+                                  copy):
+            self.out[0] = True
 
     def recv(self, frm: int, tag: int, nbytes: int, into: Any = None) -> Recv:
         """The receive to ``yield``: returns the payload, or None when it landed ``into``."""
         return (self, frm, tag, nbytes, into)
+
+    def view(self, frm: int, tag: int, nbytes: int) -> Recv:
+        """The receive to ``yield`` of a payload the algorithm reads at once: what it
+        returns may be the plane's own buffer, valid only until the next receive."""
+        return (self, frm, tag, nbytes, VIEW)
 
     def recv_key(self, key: tuple[int, int, int, int], sig: wire.Signature, nbytes: int,
                  into: Any = None) -> Recv:
@@ -158,10 +209,16 @@ class Op:
         return self.shm.region(self.ranks[member], slot, dtype, count)
 
     def regions(self, slot: int, dtype: np.dtype, count: int) -> list[np.ndarray]:
-        """Every member's region at ``slot``, in group-rank order (:meth:`region` of each,
-        written out: a small call makes one such list)."""
-        region = self.shm.region
-        return [region(r, slot, dtype, count) for r in self.ranks]
+        """Every member's region at ``slot``, in group-rank order: kept by the op (a
+        repeated call asks for the same few)."""
+        key = (slot, dtype, count)
+        views = self.views.get(key)
+        if views is None:
+            if len(self.views) >= MAX_HEADS:
+                self.views.clear()
+            region = self.shm.region
+            views = self.views[key] = [region(r, slot, dtype, count) for r in self.ranks]
+        return views
 
 
 def request(req: Recv) -> tuple[Op, tuple[int, int, int, int], wire.Signature, int, Any]:
@@ -169,7 +226,7 @@ def request(req: Recv) -> tuple[Op, tuple[int, int, int, int], wire.Signature, i
     if req[0] == "key":
         return req[1], req[2], req[3], req[4], req[5]
     op, frm, tag, nbytes, into = req
-    return op, op.key(frm, tag), op.sig, nbytes, into
+    return op, op.key(frm, tag), op.sig, nbytes, None if into is VIEW else into
 
 
 def complete(req: Recv) -> Any:
@@ -181,19 +238,37 @@ def complete(req: Recv) -> Any:
 
 
 def run(op: Op, algo: Algorithm) -> Any:
-    """Drive ``algo`` to its end on the caller's thread; its return value.
-
-    (:func:`complete` of each request, written out: this loop is every blocking
-    call's, and a small call's time is mostly Python steps.)"""
+    """Drive ``algo`` to its end on the caller's thread (the blocking executor); its
+    return value. A receive first looks for its message on the plane itself
+    (:meth:`Plane.take`: the header it expects, byte for byte, a whole message there);
+    anything else (nothing yet, another message first, a stashed one) is the channel's
+    receive, which waits, matches, stashes, and reports mismatches, aborts, timeouts
+    and lost peers. The messages and bits are the same either way."""
     send = algo.send
+    stash = op.channel.stash
     try:
         req = send(None)
         while True:
             if len(req) == 5:  # a group rank's message: the common request first
                 o, frm, tag, nbytes, into = req
+                src, tag = o.ranks[frm], o.tag_base + tag
+                got = None
+                if not stash and nbytes >= 0:
+                    head = o.heads.get((src, tag, nbytes)) or o.header(src, tag, nbytes)
+                    plane = o.plane
+                    got = plane.take(src, head[0] + o.seqb + head[1], nbytes)
+                    if got is not None:
+                        if into is None:
+                            if not plane.zero_copy_recv:
+                                got = bytes(got)  # the plane's buffer is reused
+                        elif into is not VIEW:
+                            memoryview(into).cast("B")[:] = got
+                            got = None
+                        req = send(got)
+                        continue
                 req = send(o.channel.recv_key(
-                    o.plane, (o.gid, o.ranks[frm], o.seq & 0xFFFFFFFF, o.tag_base + tag),
-                    o.sig, nbytes, into))
+                    o.plane, (o.gid, src, o.seq & 0xFFFFFFFF, tag), o.sig, nbytes,
+                    None if into is VIEW else into))
             elif req is FLUSH:
                 op.channel.flush()
                 req = send(None)
@@ -323,6 +398,14 @@ def divide_by(x: np.ndarray, n: int) -> None:
         np.divide(x, x.dtype.type(n), out=x)
 
 
+def mean(op: Op, buf: np.ndarray, divide: int) -> Algorithm:
+    """``yield from`` this at the end of an all_reduce: ``buf`` divided by ``divide``
+    (not 0: a mean), once no send still reads it."""
+    if divide:
+        yield op.flush()
+        divide_by(buf, divide)
+
+
 def reduce_in_order(out: np.ndarray, operands: Sequence[np.ndarray], ufunc: np.ufunc) -> None:
     """``out`` = ((operands[0] op operands[1]) op operands[2]) ..., the operands in the
     order given (rank order: every rank that reduces gets the same bits). The first two
@@ -357,6 +440,16 @@ def put(buf: np.ndarray | Parts, a: int, b: int, data: np.ndarray) -> None:
     """Elements [a, b) of ``buf`` = ``data``."""
     for view, u, v in spans(buf, a, b):
         view[...] = data[u:v]
+
+
+def bounds(rows: Sequence[int], row: int) -> list[tuple[int, int]]:
+    """[start, stop) element bounds of consecutive parts of ``rows[i]`` rows of ``row``
+    elements each."""
+    out, start = [], 0
+    for r in rows:
+        out.append((start * row, (start + r) * row))
+        start += r
+    return out
 
 
 def split(n: int, parts: int) -> list[tuple[int, int]]:

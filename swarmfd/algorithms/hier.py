@@ -83,14 +83,14 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ..comm.planes.shm import SEGMENT_BYTES, SLOTS
-from .base import Algorithm, Op, num_pieces, reduce_in_order, split
+from .base import Algorithm, Op, divide_by, mean, num_pieces, reduce_in_order, split
 from .tcp import ACK, SIG, barrier
 
 __all__ = [
@@ -207,11 +207,12 @@ def _local_op(op: Op, lay: Layout, shm: Any) -> Op | None:
 # -- all_reduce -------------------------------------------------------------------------
 
 
-def all_reduce_small(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout,
+def all_reduce_small(op: Op, buf: np.ndarray, ufunc: np.ufunc, divide: int, lay: Layout,
                      shm: Any) -> Algorithm:
     """Host partials through one slot, then exchanged between hosts (module docstring).
 
-    ``buf`` must fit one slot (at most SEGMENT_BYTES).
+    ``buf`` must fit one slot (at most SEGMENT_BYTES); ``divide``: divide the result by
+    it (a mean).
     """
     hosts, h, i = lay.hosts, lay.host, lay.local
     L = len(hosts[h])
@@ -241,98 +242,109 @@ def all_reduce_small(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout,
         part = parts[g]
         assert part is not None
         ufunc(buf, part, out=buf)
+    yield from mean(op, buf, divide)
 
 
-def all_reduce_large(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout, shm: Any,
+def all_reduce_large(op: Op, buf: np.ndarray, ufunc: np.ufunc, divide: int, lay: Layout,
+                     shm: Any, flat: Callable[..., Any] | None = None,
                      round_bytes: int = ROUND_BYTES) -> Algorithm:
     """Reduce-scatter inside each host, partials of each shard between its owners,
-    all-gather inside each host, in rounds (see the module docstring)."""
-    hosts, h, i = lay.hosts, lay.host, lay.local
-    H, L, K = len(hosts), len(hosts[h]), lay.shards
+    all-gather inside each host, in rounds (see the module docstring); ``divide``:
+    divide the result by it (a mean). ``flat(nbytes, size, count)``: the selection's
+    flat all_reduce among the shards' owners (more than two hosts)."""
+    yield from _all_reduce_large(op, buf, ufunc, lay, shm, flat, round_bytes)
+    yield from mean(op, buf, divide)
+
+
+def _all_reduce_large(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout, shm: Any,
+                      flat: Callable[..., Any] | None, round_bytes: int) -> Algorithm:
     local = _local_op(op, lay, shm)
-    shards = split(buf.size, K)
-    per = max(1, min(round_bytes, SEGMENT_BYTES) // buf.itemsize // K)
-    R = max(1, -(-max(b - a for a, b in shards) // per))
-    # pieces[q][t]: [start, stop) in buf of piece t of shard q.
-    pieces = [[(a + x, a + y) for x, y in split(b - a, R)] for a, b in shards]
-    mine = [q for q in range(K) if q % L == i]
-    owner = [q % L for q in range(K)]  # local index of each shard's owner here
-
-    def offsets(t: int) -> tuple[list[int], int]:
-        """Where each shard's piece sits in a slot, and the slot's length in items.
-
-        Fixed places: shard q at q * per, whatever the round."""
-        return [q * per for q in range(K)], K * per
-
-    def scatter_in(t: int) -> tuple[int, list[int], int]:
-        """Copy this rank's pieces of the shards others own into its slot (round t)."""
-        assert local is not None
-        slot = op.next_slot()
-        offs, n = offsets(t)
-        region = local.region(i, slot, buf.dtype, n)
-        for q in range(K):
-            if owner[q] != i:
-                a, b = pieces[q][t]
-                region[offs[q]:offs[q] + b - a] = buf[a:b]
-        return slot, offs, n
-
-    def reduce_mine(t: int, slot: int, offs: list[int], n: int) -> None:
-        """This rank's pieces of round t, reduced over the host into ``buf``."""
-        assert local is not None
-        regions = local.regions(slot, buf.dtype, n)
-        for q in mine:
-            a, b = pieces[q][t]
-            seg = buf[a:b]
-            for p in range(L):
-                if p != i:
-                    ufunc(seg, regions[p][offs[q]:offs[q] + b - a], out=seg)
-
-    def publish(t: int, slot: int, offs: list[int], n: int) -> None:
-        """Put this rank's results of round t where its locals copy them from."""
-        assert local is not None
-        region = local.region(i, slot, buf.dtype, n)
-        for q in mine:
-            a, b = pieces[q][t]
-            region[offs[q]:offs[q] + b - a] = buf[a:b]
-
-    def gather_out(t: int, slot: int, offs: list[int], n: int) -> None:
-        """Copy the locals' results of round t into ``buf``."""
-        assert local is not None
-        regions = local.regions(slot, buf.dtype, n)
-        for q in range(K):
-            if owner[q] != i:
-                a, b = pieces[q][t]
-                buf[a:b] = regions[owner[q]][offs[q]:offs[q] + b - a]
-
-    if H > 2:
-        # The phases one after the other: every round's reduce-scatter, a flat
-        # all-reduce of each owned shard among its owners (one per host, in host
-        # order; owners take their shards in order, so the rings never wait on each
-        # other in a cycle), every round's all-gather.
-        from . import select
-
-        if local is not None:
-            for t in range(R):
-                slot = scatter_in(t)
-                yield from barrier(local, t)
-                reduce_mine(t, *slot)
-        for q in mine:
-            a, b = shards[q]
-            members = [hosts[x][q % len(hosts[x])] for x in range(H)]
-            sub = op.sub(op.plane, members, RING_TAGS + q * SHARD_TAGS)
-            seg = buf[a:b]
-            yield from select.all_reduce("tcp", seg.nbytes, H, seg.size,
-                                         sub.plane.name)(sub, seg, ufunc)
-        if local is not None:
-            # (The rings may still be sending pieces of the owned shards: the
-            # all-gather only reads them.)
-            for t in range(R):
-                slot_t = (op.next_slot(), *offsets(t))
-                publish(t, *slot_t)
-                yield from barrier(local, R + t)
-                gather_out(t, *slot_t)
+    if len(lay.hosts) == 2:
+        yield from _all_reduce_two_hosts(op, buf, ufunc, lay, local, round_bytes)
         return
-    yield from _all_reduce_two_hosts(op, buf, ufunc, lay, local, round_bytes)
+    # More hosts: the phases one after the other: every round's reduce-scatter, a flat
+    # all-reduce of each owned shard among its owners (one per host, in host order;
+    # owners take their shards in order, so the rings never wait on each other in a
+    # cycle), every round's all-gather.
+    assert flat is not None, "the flat all_reduce of more than two hosts' shards"
+    p = _Shards(op, buf, lay, local, round_bytes)
+    if local is not None:
+        for t in range(p.R):
+            slot = p.scatter_in(t)
+            yield from barrier(local, t)
+            p.reduce_mine(t, slot, ufunc)
+    hosts, H = lay.hosts, len(lay.hosts)
+    for q in p.mine:
+        a, b = p.shards[q]
+        members = [hosts[x][q % len(hosts[x])] for x in range(H)]
+        sub = op.sub(op.plane, members, RING_TAGS + q * SHARD_TAGS)
+        seg = buf[a:b]
+        yield from flat(seg.nbytes, H, seg.size).algo(sub, seg, ufunc, 0)
+    if local is not None:
+        # (The rings may still be sending pieces of the owned shards: the all-gather
+        # only reads them.)
+        for t in range(p.R):
+            slot = op.next_slot()
+            p.publish(t, slot)
+            yield from barrier(local, p.R + t)
+            p.gather_out(t, slot)
+
+
+class _Shards:
+    """The rounds inside a host of the all_reduce over more than two hosts: shard q at
+    position q * per of each slot, whatever the round; its owner here is local index
+    q mod L."""
+
+    def __init__(self, op: Op, buf: np.ndarray, lay: Layout, local: Op | None,
+                 round_bytes: int) -> None:
+        self.op, self.buf, self.local, self.i = op, buf, local, lay.local
+        self.L, self.K = L, K = len(lay.hosts[lay.host]), lay.shards
+        self.shards = shards = split(buf.size, K)
+        self.per = per = max(1, min(round_bytes, SEGMENT_BYTES) // buf.itemsize // K)
+        self.R = R = max(1, -(-max(b - a for a, b in shards) // per))
+        # pieces[q][t]: [start, stop) in buf of piece t of shard q.
+        self.pieces = [[(a + x, a + y) for x, y in split(b - a, R)] for a, b in shards]
+        self.mine = [q for q in range(K) if q % L == self.i]
+        self.owner = [q % L for q in range(K)]  # local index of each shard's owner here
+
+    def _views(self, slot: int) -> list[np.ndarray]:
+        assert self.local is not None
+        return self.local.regions(slot, self.buf.dtype, self.K * self.per)
+
+    def scatter_in(self, t: int) -> int:
+        """Copy this rank's pieces of the shards others own into its slot (round t)."""
+        slot = self.op.next_slot()
+        region, per = self._views(slot)[self.i], self.per
+        for q in range(self.K):
+            if self.owner[q] != self.i:
+                a, b = self.pieces[q][t]
+                region[q * per:q * per + b - a] = self.buf[a:b]
+        return slot
+
+    def reduce_mine(self, t: int, slot: int, ufunc: np.ufunc) -> None:
+        """This rank's pieces of round t, reduced over the host into ``buf``."""
+        regions, per = self._views(slot), self.per
+        for q in self.mine:
+            a, b = self.pieces[q][t]
+            seg = self.buf[a:b]
+            for p in range(self.L):
+                if p != self.i:
+                    ufunc(seg, regions[p][q * per:q * per + b - a], out=seg)
+
+    def publish(self, t: int, slot: int) -> None:
+        """Put this rank's results of round t where its locals copy them from."""
+        region, per = self._views(slot)[self.i], self.per
+        for q in self.mine:
+            a, b = self.pieces[q][t]
+            region[q * per:q * per + b - a] = self.buf[a:b]
+
+    def gather_out(self, t: int, slot: int) -> None:
+        """Copy the locals' results of round t into ``buf``."""
+        regions, per = self._views(slot), self.per
+        for q in range(self.K):
+            if self.owner[q] != self.i:
+                a, b = self.pieces[q][t]
+                self.buf[a:b] = regions[self.owner[q]][q * per:q * per + b - a]
 
 
 def _all_reduce_two_hosts(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout,
@@ -370,113 +382,152 @@ def _all_reduce_two_hosts(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout,
     rank has no slot: it carries every stream, owns every shard and sends from its
     array.
     """
-    hosts, h, i = lay.hosts, lay.host, lay.local
-    L, K = len(hosts[h]), lay.shards
-    C = max(1, min(STREAMS if streams is None else streams, K))
-    other = hosts[1 - h]
-    first = h == 0
-    # The carrier of each shard on this host (local index) and on the other (group rank).
-    carrier = [(q % C) % L for q in range(K)]
-    partner = [other[(q % C) % len(other)] for q in range(K)]
-    carried = [q for q in range(K) if carrier[q] == i]
-    # Where a carrier receives the other host's partial of each shard it carries.
-    at_pos = _places([(q, carrier[q]) for q in range(K)], K)
-    # The same rounds on both hosts: K positions of pieces and partials, and as many
-    # positions of received partials as the busiest carrier of either host needs.
-    M = max(_busiest_carrier(K, C, len(rs)) for rs in hosts if len(rs) > 1)
-    per = max(1, min(round_bytes, SEGMENT_BYTES) // buf.itemsize // (K + M))
-    n = (K + M) * per
-    shards = split(buf.size, K)
-    R = max(1, -(-max(b - a for a, b in shards) // per))
-    pieces = [[(a + x, a + y) for x, y in split(b - a, R)] for a, b in shards]
-    mine = [q for q in range(K) if q % L == i]
-    # Each piece crosses in J messages of at most PIECE_BYTES (wire.MAX_PAYLOAD).
-    J = num_pieces(per, buf.itemsize)
-    # Round t's partials are received, and combined, in round t + LAG: they stay in
-    # their positions until then, and are rewritten in round t + SLOTS.
-    LAG = SLOTS - 1
-    tmp = np.empty(per, buf.dtype) if local is None else None
-    slots: dict[int, int] = {}
-    regions_at = _slot_views(local, buf.dtype, n)
+    p = _TwoHosts(op, buf, lay, local, round_bytes, streams)
+    if local is None:
+        yield from p.alone(ufunc)
+        return
+    for t in range(p.R + LAG):
+        yield from p.round(t, ufunc)
 
-    def send_partial(t: int, q: int, regions: list[np.ndarray]) -> None:
-        a, b = pieces[q][t]
-        if b > a:
-            _send_split(op, partner[q], (t * K + q) * J,
-                        regions[q % L][q * per:q * per + b - a], J)
 
-    for t in range(R + LAG):
+#: Round t's partials of the two-host all_reduce are received, and combined, in round
+#: t + LAG: they stay in their positions until then, and are rewritten in round t + SLOTS.
+LAG = SLOTS - 1
+
+
+class _TwoHosts:
+    """The plan of :func:`_all_reduce_two_hosts` on one rank, and its rounds."""
+
+    def __init__(self, op: Op, buf: np.ndarray, lay: Layout, local: Op | None,
+                 round_bytes: int, streams: int | None) -> None:
+        hosts, h, i = lay.hosts, lay.host, lay.local
+        self.op, self.buf, self.local, self.i = op, buf, local, i
+        self.L, self.K = L, K = len(hosts[h]), lay.shards
+        C = max(1, min(STREAMS if streams is None else streams, K))
+        other = hosts[1 - h]
+        self.first = h == 0
+        # The carrier of each shard on this host (local index) and on the other (group
+        # rank); the shards this rank carries, and those it owns.
+        self.carrier = [(q % C) % L for q in range(K)]
+        self.partner = [other[(q % C) % len(other)] for q in range(K)]
+        self.carried = [q for q in range(K) if self.carrier[q] == i]
+        self.mine = [q for q in range(K) if q % L == i]
+        # Where a carrier receives the other host's partial of each shard it carries.
+        self.at_pos = _places([(q, self.carrier[q]) for q in range(K)], K)
+        # The same rounds on both hosts: K positions of pieces and partials, and as many
+        # positions of received partials as the busiest carrier of either host needs.
+        M = max(_busiest_carrier(K, C, len(rs)) for rs in hosts if len(rs) > 1)
+        self.per = per = max(1, min(round_bytes, SEGMENT_BYTES) // buf.itemsize // (K + M))
+        shards = split(buf.size, K)
+        self.R = R = max(1, -(-max(b - a for a, b in shards) // per))
+        self.pieces = [[(a + x, a + y) for x, y in split(b - a, R)] for a, b in shards]
+        # Each piece crosses in J messages of at most PIECE_BYTES (wire.MAX_PAYLOAD).
+        self.J = num_pieces(per, buf.itemsize)
+        self.slots: dict[int, int] = {}
+        self.regions_at = _slot_views(local, buf.dtype, (K + M) * per)
+
+    def tag(self, t: int, q: int) -> int:
+        return (t * self.K + q) * self.J
+
+    def alone(self, ufunc: np.ufunc) -> Algorithm:
+        """A host of one rank: its array is the host partial of every shard."""
+        op, buf, K = self.op, self.buf, self.K
+        tmp = np.empty(self.per, buf.dtype)
+        for t in range(self.R + LAG):
+            fin = t - LAG
+            for q in range(K) if t < self.R else ():
+                a, b = self.pieces[q][t]
+                if b > a:
+                    _send_split(op, self.partner[q], self.tag(t, q), buf[a:b], self.J)
+            for q in range(K) if fin >= 0 else ():
+                a, b = self.pieces[q][fin]
+                if b == a:
+                    continue
+                theirs = tmp[:b - a]
+                yield from _recv_split(op, self.partner[q], self.tag(fin, q), theirs, self.J)
+                yield from _drained(op, self.partner[q])  # buf[a:b] went out without a copy
+                _combine(ufunc, buf[a:b], theirs, self.first, buf[a:b])
+
+    def round(self, t: int, ufunc: np.ufunc) -> Algorithm:
+        """Round t of a rank with locals (see :func:`_all_reduce_two_hosts`)."""
         fin = t - LAG
-        if local is None:
-            # A host of one rank: its array is the host partial of every shard.
-            if t < R:
-                for q in range(K):
-                    a, b = pieces[q][t]
-                    if b > a:
-                        _send_split(op, partner[q], (t * K + q) * J, buf[a:b], J)
-            if fin >= 0:
-                assert tmp is not None
-                for q in range(K):
-                    a, b = pieces[q][fin]
-                    if b == a:
-                        continue
-                    theirs = tmp[:b - a]
-                    yield from _recv_split(op, partner[q], (fin * K + q) * J, theirs, J)
-                    yield from _drained(op, partner[q])  # buf[a:b] went out without a copy
-                    seg = buf[a:b]
-                    _combine(ufunc, seg, theirs, first, seg)
-            continue
-        if t < R:
-            slots[t] = slot = op.next_slot()
-            region = regions_at(slot)[i]
-            for q in range(K):
-                if q % L != i:
-                    a, b = pieces[q][t]
-                    region[q * per:q * per + b - a] = buf[a:b]
-        if carried:
-            if fin >= 0:
-                # The other host's partials of round fin, into this slot's positions.
-                into = regions_at(slots[fin])[i]
-                for q in carried:
-                    a, b = pieces[q][fin]
-                    if b > a:
-                        at = at_pos[q] * per
-                        yield from _recv_split(op, partner[q], (fin * K + q) * J,
-                                               into[at:at + b - a], J)
-            if t >= SLOTS:
-                # After this barrier the other owners overwrite their partials of round
-                # t - SLOTS, which went out from their slots without a copy.
-                for p in sorted({partner[q] for q in carried if q % L != i}):
-                    yield from _drained(op, p)
+        if t < self.R:
+            self._copy_in(t)
+        if self.carried:
+            yield from self._receive(t, fin)
         # Everyone copied round t in; the carriers have the partials of round fin.
-        yield from barrier(local, t)
+        yield from barrier(self.local, t)  # type: ignore[arg-type]
         if fin >= 0:
-            regions = regions_at(slots.pop(fin))
-            for q in range(K):
-                a, b = pieces[q][fin]
-                ours = regions[q % L][q * per:q * per + b - a]
-                at = at_pos[q] * per
-                theirs = regions[carrier[q]][at:at + b - a]
-                _combine(ufunc, ours, theirs, first, buf[a:b])
-        if 0 < t <= R:
+            self._finish(fin, ufunc)
+        if 0 < t <= self.R:
             # The other owners reduced round t - 1 before this barrier.
-            regions = regions_at(slots[t - 1])
-            for q in carried:
-                if q % L != i:
-                    send_partial(t - 1, q, regions)
-        if t < R:
-            regions = regions_at(slots[t])
-            if t >= SLOTS:
-                # This rank's own partials of round t - SLOTS went out from where it
-                # reduces now (waiting here, not before the barrier, holds up no one).
-                for p in sorted({partner[q] for q in mine if carrier[q] == i}):
-                    yield from _drained(op, p)
-            for q in mine:
-                a, b = pieces[q][t]
-                _host_partial(ufunc, buf[a:b], regions, i, q * per,
-                              regions[i][q * per:q * per + b - a])
-                if carrier[q] == i:
-                    send_partial(t, q, regions)
+            regions = self.regions_at(self.slots[t - 1])
+            for q in self.carried:
+                if q % self.L != self.i:
+                    self._send_partial(t - 1, q, regions)
+        if t < self.R:
+            yield from self._reduce_mine(t, ufunc)
+
+    def _copy_in(self, t: int) -> None:
+        """This rank's pieces of round t of the shards others own, into its slot."""
+        self.slots[t] = slot = self.op.next_slot()
+        region = self.regions_at(slot)[self.i]
+        per, buf = self.per, self.buf
+        for q in range(self.K):
+            if q % self.L != self.i:
+                a, b = self.pieces[q][t]
+                region[q * per:q * per + b - a] = buf[a:b]
+
+    def _receive(self, t: int, fin: int) -> Algorithm:
+        """A carrier's part of round t: the other host's partials of round fin, into its
+        positions; then (from round SLOTS) what the other owners sent from their slots
+        is out, before they overwrite it."""
+        op, per = self.op, self.per
+        if fin >= 0:
+            into = self.regions_at(self.slots[fin])[self.i]
+            for q in self.carried:
+                a, b = self.pieces[q][fin]
+                if b > a:
+                    at = self.at_pos[q] * per
+                    yield from _recv_split(op, self.partner[q], self.tag(fin, q),
+                                           into[at:at + b - a], self.J)
+        if t >= SLOTS:
+            for p in sorted({self.partner[q] for q in self.carried if q % self.L != self.i}):
+                yield from _drained(op, p)
+
+    def _finish(self, fin: int, ufunc: np.ufunc) -> None:
+        """Every shard's result of round fin, from the owner's and the carrier's
+        positions into this rank's array: the same bits everywhere."""
+        regions, per = self.regions_at(self.slots.pop(fin)), self.per
+        for q in range(self.K):
+            a, b = self.pieces[q][fin]
+            ours = regions[q % self.L][q * per:q * per + b - a]
+            at = self.at_pos[q] * per
+            theirs = regions[self.carrier[q]][at:at + b - a]
+            _combine(ufunc, ours, theirs, self.first, self.buf[a:b])
+
+    def _send_partial(self, t: int, q: int, regions: list[np.ndarray]) -> None:
+        a, b = self.pieces[q][t]
+        if b > a:
+            per = self.per
+            _send_split(self.op, self.partner[q], self.tag(t, q),
+                        regions[q % self.L][q * per:q * per + b - a], self.J)
+
+    def _reduce_mine(self, t: int, ufunc: np.ufunc) -> Algorithm:
+        """The host partials of this rank's shards of round t, into its slot; those it
+        carries go out at once."""
+        regions, per, i = self.regions_at(self.slots[t]), self.per, self.i
+        if t >= SLOTS:
+            # This rank's own partials of round t - SLOTS went out from where it reduces
+            # now (waiting here, not before the barrier, holds up no one).
+            for p in sorted({self.partner[q] for q in self.mine if self.carrier[q] == i}):
+                yield from _drained(self.op, p)
+        for q in self.mine:
+            a, b = self.pieces[q][t]
+            _host_partial(ufunc, self.buf[a:b], regions, i, q * per,
+                          regions[i][q * per:q * per + b - a])
+            if self.carrier[q] == i:
+                self._send_partial(t, q, regions)
 
 
 def _slot_views(local: Op | None, dtype: np.dtype, n: int) -> Any:
@@ -616,10 +667,18 @@ def broadcast(op: Op, buf: np.ndarray, root: int, lay: Layout, shm: Any) -> Algo
         yield op.recv(prv, SIG, 0)
 
 
-def reduce(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc, lay: Layout,
+def reduce(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc, divide: int, lay: Layout,
            shm: Any) -> Algorithm:
     """Each host's locals reduced by their leader, the leaders' chain ending at the
-    root, round by round (see the module docstring). Only the root's buffer changes."""
+    root, round by round (see the module docstring). Only the root's buffer changes
+    (``divide``: the root divides it by that, a mean)."""
+    yield from _reduce(op, buf, root, ufunc, lay, shm)
+    if op.me == root:
+        yield from mean(op, buf, divide)
+
+
+def _reduce(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc, lay: Layout,
+            shm: Any) -> Algorithm:
     hosts, h, i = lay.hosts, lay.host, lay.local
     H, L = len(hosts), len(hosts[h])
     leaders = _leaders(lay, root)
@@ -671,6 +730,16 @@ def reduce(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc, lay: Layout,
 # -- all_gather -------------------------------------------------------------------------
 
 
+def all_gather_v(op: Op, flat: np.ndarray, out: np.ndarray,
+                 bounds: Sequence[tuple[int, int]], lay: Layout, shm: Any) -> Algorithm:
+    """The second round of an uneven all_gather whose parts have one size: the
+    two-level :func:`all_gather` of the rows of ``out`` (flat; part r at ``bounds[r]``,
+    every part ``flat``'s size)."""
+    rows = out.reshape(op.size, -1)
+    rows[op.me] = flat
+    yield from all_gather(op, rows, lay, shm)
+
+
 def all_gather(op: Op, out: np.ndarray, lay: Layout, shm: Any,
                streams: int | None = None) -> Algorithm:
     """Each host's rows to every other host over at most ``streams`` TCP streams each
@@ -688,105 +757,135 @@ def all_gather(op: Op, out: np.ndarray, lay: Layout, shm: Any,
     round's barrier, and the other hosts' from the receivers' slots after the barrier
     of the round that received them.
     """
-    hosts, h, i = lay.hosts, lay.host, lay.local
-    H, L, N = len(hosts), len(hosts[h]), op.size
-    me = op.me
-    count = out.shape[1]
-    K = max(len(rs) for rs in hosts)
-    if streams is None:
-        # A small one: every rank sends its own row (see SMALL_GATHER_BYTES).
-        streams = K if count * out.itemsize <= SMALL_GATHER_BYTES else STREAMS
-    C = max(1, streams)
+    p = _Gather(op, out, lay, _local_op(op, lay, shm), streams)
+    for t in range(p.R + p.ahead):
+        yield from p.round(t)
 
-    def receiver(g: int, j: int) -> int:
+
+class _Gather:
+    """The plan of :func:`all_gather` on one rank, and its rounds."""
+
+    def __init__(self, op: Op, out: np.ndarray, lay: Layout, local: Op | None,
+                 streams: int | None) -> None:
+        hosts, h, i = lay.hosts, lay.host, lay.local
+        self.op, self.out, self.local, self.hosts, self.h, self.i = op, out, local, hosts, h, i
+        H, L = len(hosts), len(hosts[h])
+        count = out.shape[1]
+        K = max(len(rs) for rs in hosts)
+        if streams is None:
+            # A small one: every rank sends its own row (see SMALL_GATHER_BYTES).
+            streams = K if count * out.itemsize <= SMALL_GATHER_BYTES else STREAMS
+        self.C = C = max(1, streams)
+        self.rows_in = rows_in = self._inbound(h)
+        # The carrier each row of another host comes from (group rank).
+        self.source = {row: hosts[x][j % C] for x in range(H) if x != h
+                       for j, row in enumerate(hosts[x])}
+        # Where each row of another host lands here: (receiving local, position).
+        self.landing = {row: (k, 1 + p) for k, rows in enumerate(rows_in)
+                        for p, row in enumerate(rows)}
+        # The rows this rank sends: its own (and, as a carrier, its stream's locals').
+        self.carried = [j for j in range(L) if j % C == i]
+        self.dests = {x: [hosts[x][self._receiver(x, j)] for j in range(L)]
+                      for x in range(H) if x != h}
+        # The same rounds on every host: as wide as the fullest slot (own row + received).
+        width = 1 + max(len(rows) for g in range(H) for rows in self._inbound(g))
+        self.per = per = max(1, min(ROUND_BYTES, SEGMENT_BYTES) // out.itemsize // width)
+        self.cols = split(count, max(1, -(-count // per)))
+        self.R = R = len(self.cols)
+        # Rounds received this many rounds after they were sent. A carrier sends other
+        # locals' rows after the round's barrier, so they can be received a round later
+        # at the earliest; rows that travel with their own rank in a single round are
+        # received before that round's barrier (one barrier in all).
+        self.ahead = 0 if R == 1 and K <= C else min(GATHER_AHEAD, R)
+        self.slots: dict[int, int] = {}
+        self.regions_at = _slot_views(local, out.dtype, width * per)
+
+    def _receiver(self, g: int, j: int) -> int:
         """The local index on host g that receives the row of local index j of another
         host (the stream of j ends there)."""
-        return (j % C) % len(hosts[g])
+        return (j % self.C) % len(self.hosts[g])
 
-    def inbound(g: int) -> list[list[int]]:
+    def _inbound(self, g: int) -> list[list[int]]:
         """The rows each local of host g receives, in a fixed order."""
-        got: list[list[int]] = [[] for _ in hosts[g]]
-        for x in range(H):
+        got: list[list[int]] = [[] for _ in self.hosts[g]]
+        for x, rs in enumerate(self.hosts):
             if x != g:
-                for j, row in enumerate(hosts[x]):
-                    got[receiver(g, j)].append(row)
+                for j, row in enumerate(rs):
+                    got[self._receiver(g, j)].append(row)
         return got
 
-    rows_in = inbound(h)
-    # The carrier each row of another host comes from (group rank).
-    source = {row: hosts[x][j % C] for x in range(H) if x != h
-              for j, row in enumerate(hosts[x])}
-    # Where each row of another host lands here: (receiving local, position).
-    landing = {row: (k, 1 + p) for k, rows in enumerate(rows_in) for p, row in enumerate(rows)}
-    # The rows this rank sends: its own (and, as a carrier, its stream's locals').
-    carried = [j for j in range(L) if j % C == i]
-    dests = {x: [hosts[x][receiver(x, j)] for j in range(L)] for x in range(H) if x != h}
-    # The same rounds on every host: as wide as the fullest slot (own row + received).
-    width = 1 + max(len(rows) for g in range(H) for rows in inbound(g))
-    per = max(1, min(ROUND_BYTES, SEGMENT_BYTES) // out.itemsize // width)
-    cols = split(count, max(1, -(-count // per)))
-    R = len(cols)
-    # Rounds received this many rounds after they were sent. A carrier sends other
-    # locals' rows after the round's barrier, so they can be received a round later at
-    # the earliest; rows that travel with their own rank in a single round are received
-    # before that round's barrier (one barrier in all).
-    ahead = 0 if R == 1 and K <= C else min(GATHER_AHEAD, R)
-    local = _local_op(op, lay, shm)
-    n = width * per
-    slots: dict[int, int] = {}
-    regions_at = _slot_views(local, out.dtype, n)
+    def _send_row(self, t: int, j: int, piece: np.ndarray) -> None:
+        row = self.hosts[self.h][j]
+        for to in self.dests.values():
+            self.op.send(to[j], t * self.op.size + row, piece)
 
-    def send_row(t: int, j: int, piece: np.ndarray) -> None:
-        row = hosts[h][j]
-        for to in dests.values():
-            op.send(to[j], t * N + row, piece)
-
-    for t in range(R + ahead):
-        fin = t - ahead
-        if t < R:
-            a, b = cols[t]
-            if local is not None:
-                slots[t] = slot = op.next_slot()
-                regions_at(slot)[i][:b - a] = out[me, a:b]
-            if i in carried:
-                send_row(t, i, out[me, a:b])  # out[me] is never written: no copy
+    def round(self, t: int) -> Algorithm:
+        op, out, i, fin = self.op, self.out, self.i, t - self.ahead
+        if t < self.R:
+            a, b = self.cols[t]
+            if self.local is not None:
+                self.slots[t] = slot = op.next_slot()
+                self.regions_at(slot)[i][:b - a] = out[op.me, a:b]
+            if i in self.carried:
+                self._send_row(t, i, out[op.me, a:b])  # out[me] is never written: no copy
         if fin >= 0:
-            a, b = cols[fin]
-            w = b - a
-            mine = regions_at(slots[fin])[i] if local is not None else None
-            for p, row in enumerate(rows_in[i]):
-                into = out[row, a:b] if mine is None else mine[(1 + p) * per:(1 + p) * per + w]
-                yield op.recv_into(source[row], fin * N + row, into)
-        if local is None:
-            continue
-        if t >= 2 and len(carried) > 1:
+            yield from self._receive(fin)
+        if self.local is None:
+            return
+        if t >= 2 and len(self.carried) > 1:
             # After this barrier the owners overwrite their rows of round t - 2, which
             # went out from their slots without a copy.
-            for to in sorted({d[j] for d in dests.values() for j in carried if j != i}):
+            for to in sorted({d[j] for d in self.dests.values() for j in self.carried
+                              if j != i}):
                 yield from _drained(op, to)
-        yield from barrier(local, t)
-        if t < R:
-            a, b = cols[t]
-            regions = regions_at(slots[t])
-            for j in carried:
-                if j != i:
-                    send_row(t, j, regions[j][:b - a])
-            for j, row in enumerate(hosts[h]):
-                if j != i:
-                    out[row, a:b] = regions[j][:b - a]
+        yield from barrier(self.local, t)
+        if t < self.R:
+            self._forward_and_copy(t)
         if fin >= 0:
-            a, b = cols[fin]
-            regions = regions_at(slots.pop(fin))
-            for row, (k, p) in landing.items():
+            a, b = self.cols[fin]
+            regions, per = self.regions_at(self.slots.pop(fin)), self.per
+            for row, (k, p) in self.landing.items():
                 out[row, a:b] = regions[k][p * per:p * per + b - a]
+
+    def _receive(self, fin: int) -> Algorithm:
+        """The rows of round fin this rank receives: into its slot, or (a host of one
+        rank) into ``out``."""
+        a, b = self.cols[fin]
+        w, per = b - a, self.per
+        mine = self.regions_at(self.slots[fin])[self.i] if self.local is not None else None
+        for p, row in enumerate(self.rows_in[self.i]):
+            into = (self.out[row, a:b] if mine is None
+                    else mine[(1 + p) * per:(1 + p) * per + w])
+            yield self.op.recv_into(self.source[row], fin * self.op.size + row, into)
+
+    def _forward_and_copy(self, t: int) -> None:
+        """After round t's barrier: a carrier sends its stream's locals' rows, and every
+        rank copies its host's rows out of the owners' slots."""
+        a, b = self.cols[t]
+        regions = self.regions_at(self.slots[t])
+        for j in self.carried:
+            if j != self.i:
+                self._send_row(t, j, regions[j][:b - a])
+        for j, row in enumerate(self.hosts[self.h]):
+            if j != self.i:
+                self.out[row, a:b] = regions[j][:b - a]
 
 
 # -- reduce_scatter ---------------------------------------------------------------------
 
 
-def reduce_scatter(op: Op, buf: np.ndarray, parts: Sequence[tuple[int, int]], out: np.ndarray,
-                   ufunc: np.ufunc, lay: Layout, shm: Any,
+def reduce_scatter(op: Op, buf: np.ndarray, out: np.ndarray, parts: Sequence[tuple[int, int]],
+                   ufunc: np.ufunc, divide: int, lay: Layout, shm: Any,
                    streams: int | None = None) -> Algorithm:
+    """:func:`_reduce_scatter`, then this rank's block divided by ``divide`` (a mean)."""
+    yield from _reduce_scatter(op, buf, out, parts, ufunc, lay, shm, streams)
+    if divide:
+        divide_by(out, divide)
+
+
+def _reduce_scatter(op: Op, buf: np.ndarray, out: np.ndarray,
+                    parts: Sequence[tuple[int, int]], ufunc: np.ufunc, lay: Layout, shm: Any,
+                    streams: int | None = None) -> Algorithm:
     """Two hosts: block g of ``buf`` (``parts[g]``, flat bounds) reduced over the group
     into ``out`` of group rank g (see the module docstring). ``buf`` is left unchanged.
 
@@ -800,92 +899,118 @@ def reduce_scatter(op: Op, buf: np.ndarray, parts: Sequence[tuple[int, int]], ou
     block's two partials, ``ufunc(first host's, second's)``, into ``out``. A host's
     link carries the other host's blocks once: (N - L) / N of S.
     """
-    hosts, h, i = lay.hosts, lay.host, lay.local
-    assert len(hosts) == 2
-    L, N, me = len(hosts[h]), op.size, op.me
-    mine_rs, other = hosts[h], hosts[1 - h]
-    Lo = len(other)
-    C = max(1, STREAMS if streams is None else streams)
-    first = h == 0
-    local = _local_op(op, lay, shm)
-    # Which local computes each block here: its owner for this host's blocks, the
-    # stream's carrier for the other host's.
-    computes = {g: j for j, g in enumerate(mine_rs)}
-    computes.update({g: (j % C) % L for j, g in enumerate(other)})
-    ours = [g for g in range(N) if computes[g] == i]
-    # This host's blocks arrive at the carrier of their stream, from the other host's.
-    sender = {g: other[(j % C) % Lo] for j, g in enumerate(mine_rs)}
-    arrives = {g: (j % C) % L for j, g in enumerate(mine_rs)}
-    slot_of = _places([(g, arrives[g]) for g in mine_rs], N)
-    # Where the other host's blocks go: its carrier of their stream.
-    dest = {g: other[(j % C) % Lo] for j, g in enumerate(other)}
-    M = max(_busiest_carrier(len(rs), C, len(rs)) for rs in hosts)
-    per = max(1, min(ROUND_BYTES, SEGMENT_BYTES) // buf.itemsize // (N + M))
-    n = (N + M) * per
-    R = max(1, -(-max(b - a for a, b in parts) // per))
-    pieces = [[(a + x, a + y) for x, y in split(b - a, R)] for a, b in parts]
-    J = num_pieces(per, buf.itemsize)
-    lag = SLOTS - 1
-    base = parts[me][0]
-    tmp = np.empty(per, buf.dtype) if local is None else None
-    slots: dict[int, int] = {}
-    regions_at = _slot_views(local, buf.dtype, n)
+    p = _Scatter(op, buf, out, parts, lay, _local_op(op, lay, shm), streams)
+    for t in range(p.R + LAG):
+        if p.local is None:
+            yield from p.alone(t, ufunc)
+        else:
+            yield from p.round(t, ufunc)
 
-    for t in range(R + lag):
-        fin = t - lag
-        if local is None:
-            # A host of one rank: its buffer is the host partial of every block.
-            if t < R:
-                for g in other:
-                    a, b = pieces[g][t]
-                    if b > a:
-                        _send_split(op, dest[g], (t * N + g) * J, buf[a:b], J)
-            if fin >= 0:
-                a, b = pieces[me][fin]
+
+class _Scatter:
+    """The plan of :func:`_reduce_scatter` on one rank, and its rounds."""
+
+    def __init__(self, op: Op, buf: np.ndarray, out: np.ndarray,
+                 parts: Sequence[tuple[int, int]], lay: Layout, local: Op | None,
+                 streams: int | None) -> None:
+        hosts, h, i = lay.hosts, lay.host, lay.local
+        assert len(hosts) == 2
+        self.op, self.buf, self.out, self.local, self.i = op, buf, out, local, i
+        L, N, me = len(hosts[h]), op.size, op.me
+        self.N, self.me = N, me
+        self.mine_rs, self.other = mine_rs, other = hosts[h], hosts[1 - h]
+        Lo = len(other)
+        C = max(1, STREAMS if streams is None else streams)
+        self.first = h == 0
+        # Which local computes each block here: its owner for this host's blocks, the
+        # stream's carrier for the other host's.
+        computes = {g: j for j, g in enumerate(mine_rs)}
+        computes.update({g: (j % C) % L for j, g in enumerate(other)})
+        self.computes = computes
+        self.ours = [g for g in range(N) if computes[g] == i]
+        # This host's blocks arrive at the carrier of their stream, from the other host's.
+        self.sender = {g: other[(j % C) % Lo] for j, g in enumerate(mine_rs)}
+        self.arrives = {g: (j % C) % L for j, g in enumerate(mine_rs)}
+        self.slot_of = _places([(g, self.arrives[g]) for g in mine_rs], N)
+        # Where the other host's blocks go: its carrier of their stream.
+        self.dest = {g: other[(j % C) % Lo] for j, g in enumerate(other)}
+        M = max(_busiest_carrier(len(rs), C, len(rs)) for rs in hosts)
+        self.per = per = max(1, min(ROUND_BYTES, SEGMENT_BYTES) // buf.itemsize // (N + M))
+        self.R = R = max(1, -(-max(b - a for a, b in parts) // per))
+        self.pieces = [[(a + x, a + y) for x, y in split(b - a, R)] for a, b in parts]
+        self.J = num_pieces(per, buf.itemsize)
+        self.base = parts[me][0]
+        self.slots: dict[int, int] = {}
+        self.regions_at = _slot_views(local, buf.dtype, (N + M) * per)
+
+    def tag(self, t: int, g: int) -> int:
+        return (t * self.N + g) * self.J
+
+    def alone(self, t: int, ufunc: np.ufunc) -> Algorithm:
+        """Round t of a host of one rank: its buffer is the host partial of every block."""
+        op, buf, fin = self.op, self.buf, t - LAG
+        if t < self.R:
+            for g in self.other:
+                a, b = self.pieces[g][t]
                 if b > a:
-                    assert tmp is not None
-                    theirs = tmp[:b - a]
-                    yield from _recv_split(op, sender[me], (fin * N + me) * J, theirs, J)
-                    res = out[a - base:b - base]
-                    _combine(ufunc, buf[a:b], theirs, first, res)
-            continue
-        if t < R:
-            slots[t] = slot = op.next_slot()
-            region = regions_at(slot)[i]
-            for g in range(N):
-                if computes[g] != i:
-                    a, b = pieces[g][t]
+                    _send_split(op, self.dest[g], self.tag(t, g), buf[a:b], self.J)
+        if fin >= 0:
+            a, b = self.pieces[self.me][fin]
+            if b > a:
+                theirs = np.empty(b - a, buf.dtype)
+                yield from _recv_split(op, self.sender[self.me], self.tag(fin, self.me),
+                                       theirs, self.J)
+                _combine(ufunc, buf[a:b], theirs, self.first,
+                         self.out[a - self.base:b - self.base])
+
+    def round(self, t: int, ufunc: np.ufunc) -> Algorithm:
+        """Round t of a rank with locals (see :func:`_reduce_scatter`)."""
+        op, buf, i, per, fin = self.op, self.buf, self.i, self.per, t - LAG
+        if t < self.R:
+            self.slots[t] = slot = op.next_slot()
+            region = self.regions_at(slot)[i]
+            for g in range(self.N):
+                if self.computes[g] != i:
+                    a, b = self.pieces[g][t]
                     region[g * per:g * per + b - a] = buf[a:b]
         if fin >= 0:
             # The other host's partials of round fin of the blocks whose stream ends here.
-            into = regions_at(slots[fin])[i]
-            for g in mine_rs:
-                a, b = pieces[g][fin]
-                if arrives[g] == i and b > a:
-                    at = slot_of[g] * per
-                    yield from _recv_split(op, sender[g], (fin * N + g) * J,
-                                           into[at:at + b - a], J)
-        yield from barrier(local, t)
+            into = self.regions_at(self.slots[fin])[i]
+            for g in self.mine_rs:
+                a, b = self.pieces[g][fin]
+                if self.arrives[g] == i and b > a:
+                    at = self.slot_of[g] * per
+                    yield from _recv_split(op, self.sender[g], self.tag(fin, g),
+                                           into[at:at + b - a], self.J)
+        yield from barrier(self.local, t)  # type: ignore[arg-type]
         if fin >= 0:
-            regions = regions_at(slots.pop(fin))
-            a, b = pieces[me][fin]
-            if b > a:
-                at = slot_of[me] * per
-                partial = regions[i][me * per:me * per + b - a]
-                theirs = regions[arrives[me]][at:at + b - a]
-                res = out[a - base:b - base]
-                _combine(ufunc, partial, theirs, first, res)
-        if t < R:
-            regions = regions_at(slots[t])
-            if t >= SLOTS:
-                # Partials sent from where this rank reduces now (round t - SLOTS).
-                for p in sorted({dest[g] for g in ours if g in dest}):
-                    yield from _drained(op, p)
-            for g in ours:
-                a, b = pieces[g][t]
-                if b == a:
-                    continue
-                acc = regions[i][g * per:g * per + b - a]
-                _host_partial(ufunc, buf[a:b], regions, i, g * per, acc)
-                if g in dest:
-                    _send_split(op, dest[g], (t * N + g) * J, acc, J)
+            self._finish(fin, ufunc)
+        if t < self.R:
+            yield from self._partials(t, ufunc)
+
+    def _finish(self, fin: int, ufunc: np.ufunc) -> None:
+        """This rank's block of round fin: its two host partials combined into ``out``."""
+        regions, me, per = self.regions_at(self.slots.pop(fin)), self.me, self.per
+        a, b = self.pieces[me][fin]
+        if b > a:
+            at = self.slot_of[me] * per
+            partial = regions[self.i][me * per:me * per + b - a]
+            theirs = regions[self.arrives[me]][at:at + b - a]
+            _combine(ufunc, partial, theirs, self.first, self.out[a - self.base:b - self.base])
+
+    def _partials(self, t: int, ufunc: np.ufunc) -> Algorithm:
+        """The host partials of the blocks this rank computes in round t; those of the
+        other host's blocks go to it at once."""
+        regions, i, per = self.regions_at(self.slots[t]), self.i, self.per
+        if t >= SLOTS:
+            # Partials sent from where this rank reduces now (round t - SLOTS).
+            for p in sorted({self.dest[g] for g in self.ours if g in self.dest}):
+                yield from _drained(self.op, p)
+        for g in self.ours:
+            a, b = self.pieces[g][t]
+            if b == a:
+                continue
+            acc = regions[i][g * per:g * per + b - a]
+            _host_partial(ufunc, self.buf[a:b], regions, i, g * per, acc)
+            if g in self.dest:
+                _send_split(self.op, self.dest[g], self.tag(t, g), acc, self.J)

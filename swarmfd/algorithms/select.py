@@ -1,18 +1,24 @@
-"""The selection table: (collective, plane kind, bytes, group size) -> algorithm.
+"""The selection table: one place decides which algorithm a call runs.
 
-One place decides which algorithm runs; each threshold carries the measurement
-behind it. ``kind`` is the plane's (``"shm"`` or ``"tcp"``); ``nbytes`` the flat
-buffer's size; ``size`` the group's.
+Each function takes what the choice depends on (the plane's capabilities, the buffer's
+bytes, the group's size and shape, the root) and returns a :class:`Choice`: the
+algorithm, the extra arguments it takes, and whether it reduces :class:`~.base.Parts`
+(several arrays where they are). A call's schedule (:mod:`swarmfd.call`) asks once and
+keeps the answer. Planes are chosen by capability (:class:`swarmfd.comm.plane.Plane`:
+``shares_memory``, ``io_thread``, ``reads_peers``), never by name. Thresholds and the
+measurements behind them: docs/algorithms.md.
 
 A group that spans hosts may take the two-level algorithms (:mod:`.hier`) instead of
 the flat TCP ones: :func:`two_level_layout` says whether it can (the same answer on
-every member), the ``*_two_level`` functions which one a call takes (None: flat).
+every member); the functions below take its ``two`` (layout, shared-memory plane) and
+pick the two-level algorithm where it wins.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..comm import wire
@@ -21,6 +27,8 @@ from . import hier, shm, tcp
 
 __all__ = [
     "ALL_GATHER_V_INLINE_BYTES",
+    "DIRECT_MAX_BYTES",
+    "DIRECT_MAX_WORLD",
     "HIER_FAN_FLAT_MAX_BYTES",
     "HIER_GATHER_FLAT_MAX_BYTES",
     "HIER_GATHER_SAVES_BYTES",
@@ -28,22 +36,21 @@ __all__ = [
     "HIER_SCATTER_MIN_BYTES",
     "HIER_SMALL_BYTES",
     "PAIR_MAX_BYTES",
-    "SMALL_BYTES",
-    "SMALL_MAX_WORLD",
+    "SHM_CMA_MIN_BYTES",
+    "SHM_ONE_ROUND_MAX_BYTES",
+    "Choice",
     "all_gather",
     "all_gather_counts",
-    "all_gather_two_level",
+    "all_gather_parts",
     "all_reduce",
-    "all_reduce_in_place",
-    "all_reduce_two_level",
+    "all_to_all",
+    "all_to_all_splits",
+    "barrier",
     "broadcast",
-    "broadcast_two_level",
     "flat_gather_rows_in",
     "gather",
     "reduce",
     "reduce_scatter",
-    "reduce_scatter_two_level",
-    "reduce_two_level",
     "scatter",
     "small_fan",
     "split_rows",
@@ -51,84 +58,96 @@ __all__ = [
 ]
 
 #: Two ranks all-reduce up to this many bytes as one message each way (the pair
-#: exchange); above it the ring's pipelined pieces win (interleaved A/B over TCP:
-#: 0.78-0.86x the ring's time at 1 MiB, even at 2 MiB with two pieces).
+#: exchange); above it the ring's pipelined pieces win.
 PAIR_MAX_BYTES = wire.PIECE_BYTES
-#: Up to this many bytes, all_reduce / reduce / broadcast / all_gather over TCP use a
-#: direct exchange (one network hop instead of 2(N-1) for the ring).
-SMALL_BYTES = 256 << 10
-#: The direct exchange sends N-1 copies: only for groups up to this size.
-SMALL_MAX_WORLD = 8
+#: Up to this many bytes, all_reduce, reduce, broadcast, all_gather and reduce_scatter
+#: over messages use a direct exchange (one hop instead of 2(N-1) for the ring) ...
+DIRECT_MAX_BYTES = 256 << 10
+#: ... in groups up to this size (the direct exchange sends N-1 copies).
+DIRECT_MAX_WORLD = 8
+#: Up to this many bytes a shared-memory all_reduce runs in one round, every rank
+#: reducing all of it (one barrier); above it each rank reduces its 1/N.
+SHM_ONE_ROUND_MAX_BYTES = shm.SMALL_BYTES
+#: From this many bytes a shared-memory all_reduce reads and writes the peers' buffers
+#: directly (cross-memory attach) where the host allows it.
+SHM_CMA_MIN_BYTES = shm.CMA_MIN_BYTES
 
 Algo = Callable[..., Any]
 
-#: The choices below are pure functions of their arguments, asked again by every call:
-#: cached, each call's choice costs one C-level lookup instead of several Python calls.
-_memo = functools.lru_cache(maxsize=1024)
+
+@dataclass(frozen=True)
+class Choice:
+    """What the table picked: ``algo(op, buf, ..., *args)`` runs the call; ``parts``:
+    it takes :class:`~.base.Parts` too (reduces several arrays where they are)."""
+
+    name: str
+    algo: Algo
+    args: tuple[Any, ...] = ()
+    parts: bool = False
 
 
 def _direct(nbytes: int, size: int) -> bool:
-    return nbytes <= SMALL_BYTES and size <= SMALL_MAX_WORLD
+    return nbytes <= DIRECT_MAX_BYTES and size <= DIRECT_MAX_WORLD
 
 
-@_memo
-def all_reduce(kind: str, nbytes: int, size: int, count: int, plane: str = "") -> Algo:
-    """The all_reduce of ``count`` items (``nbytes``) among ``size`` ranks, on the plane
-    named ``plane`` of kind ``kind``.
-
-    Small buffers: recursive doubling where the group size is a power of two, except on
-    the zmq plane; else the direct exchange. Doubling sends fewer messages (2 against 3
-    a rank at N=4) in two hops instead of one. Measured at N=4, 5 interleaved runs
-    (compare.py, 2026-12-02): on the socket plane 0.72, 0.82 and 0.84x the direct
-    exchange's time at 4 KiB, 64 KiB and 256 KiB; on the zmq plane, whose hop costs
-    four thread hand-offs, 1.14, 1.09 and 1.05x.
-    """
-    if kind == "shm":
-        return shm.all_reduce
-    if size == 2 and nbytes <= PAIR_MAX_BYTES:
-        return tcp.all_reduce_pair
-    if count < size:
-        return tcp.all_reduce_direct
-    if _direct(nbytes, size):
-        return tcp.all_reduce_doubling if _doubling(nbytes, size, plane) else \
-            tcp.all_reduce_direct
-    return tcp.all_reduce_ring
-
-
-def all_reduce_in_place(kind: str, nbytes: int, size: int, count: int,
-                        plane: str = "") -> bool:
-    """Whether the flat all_reduce :func:`all_reduce` picks takes :class:`~.base.Parts`
-    (several arrays reduced where they are, without a staging copy) and a ``divide``
-    for a mean: shared memory's, whose copies in and out are its own, and the TCP ring,
-    which sends each piece as a view of its array (the small calls' algorithms send
-    one message, so a staging buffer is cheaper there than a message per array).
-    Measured with benchmarks/train.py: a DDP step's copy of its 13.6 MB of gradients
-    into buckets took 2.4 ms of a 30 ms step at N=2 on shared memory (2026-12-03), and
-    backward took 13.0 ms with the copies over TCP against 9.2 ms without them on
-    shared memory (2026-12-04)."""
-    return kind == "shm" or all_reduce(kind, nbytes, size, count, plane) is tcp.all_reduce_ring
-
-
-def _doubling(nbytes: int, size: int, plane: str) -> bool:
-    """Recursive doubling instead of the direct exchange (see :func:`all_reduce`): a
-    power-of-two group from 4, not on the zmq plane, and its last round's message (N/2
-    buffers) within a message's limit."""
-    return (plane != "zmq" and size >= 4 and size & (size - 1) == 0
+def _doubling(nbytes: int, size: int, plane: Any) -> bool:
+    """Recursive doubling instead of the direct exchange: a power-of-two group from 4,
+    not where an I/O thread makes each hop cost more than a message saves, and its last
+    round's message (N/2 buffers) within a message's limit."""
+    return (not plane.io_thread and size >= 4 and size & (size - 1) == 0
             and size // 2 * nbytes <= wire.MAX_PAYLOAD)
 
 
-@_memo
-def broadcast(kind: str, nbytes: int, size: int) -> Algo:
-    if kind == "shm":
-        return shm.broadcast
-    return tcp.broadcast_direct if _direct(nbytes, size) else tcp.broadcast_chain
+def all_reduce(plane: Any, nbytes: int, size: int, count: int, two: Any = None,
+               arrays: int = 1) -> Choice:
+    """The all_reduce of ``count`` items (``nbytes``) among ``size`` ranks on ``plane``
+    (``arrays``: how many arrays a Parts buffer holds). Algorithms take
+    ``(op, buf, ufunc, divide, *args)``.
+
+    Shared memory: one round up to SHM_ONE_ROUND_MAX_BYTES; cross-memory attach from
+    SHM_CMA_MIN_BYTES where the peers' memory can be read; rounds of chunks otherwise.
+    Messages: two-level where the group's shape makes it win, else the pair exchange
+    (two ranks), recursive doubling or the direct exchange (small), the ring (large)."""
+    if plane.shares_memory:
+        if nbytes <= SHM_ONE_ROUND_MAX_BYTES or count < size:
+            return Choice("shm.one_round", shm.all_reduce_one_round, parts=True)
+        if (plane.reads_peers and nbytes >= SHM_CMA_MIN_BYTES
+                and arrays <= shm.CMA_MAX_ARRAYS):
+            return Choice("shm.cma", shm.all_reduce_cma, parts=True)
+        return Choice("shm.rounds", shm.all_reduce_rounds, parts=True)
+    if two is not None:
+        two_level = _all_reduce_two_level(nbytes, two, plane)
+        if two_level is not None:
+            return two_level
+    if size == 2 and nbytes <= PAIR_MAX_BYTES:
+        return Choice("tcp.pair", tcp.all_reduce_pair)
+    if count < size or _direct(nbytes, size):
+        if count >= size and _doubling(nbytes, size, plane):
+            return Choice("tcp.doubling", tcp.all_reduce_doubling)
+        return Choice("tcp.direct", tcp.all_reduce_direct)
+    return Choice("tcp.ring", tcp.all_reduce_ring, parts=True)
 
 
-@_memo
-def reduce(kind: str, nbytes: int, size: int) -> Algo:
-    if kind == "shm":
-        return shm.reduce
-    return tcp.reduce_direct if _direct(nbytes, size) else tcp.reduce_chain
+def broadcast(plane: Any, nbytes: int, size: int, root: int, two: Any = None) -> Choice:
+    """Algorithms take ``(op, buf, root, *args)``."""
+    if plane.shares_memory:
+        return Choice("shm.broadcast", shm.broadcast)
+    if two is not None and _broadcast_two_level(nbytes, two[0], root):
+        return Choice("hier.broadcast", hier.broadcast, two)
+    if _direct(nbytes, size):
+        return Choice("tcp.broadcast_direct", tcp.broadcast_direct)
+    return Choice("tcp.broadcast_chain", tcp.broadcast_chain)
+
+
+def reduce(plane: Any, nbytes: int, size: int, root: int, two: Any = None) -> Choice:
+    """Algorithms take ``(op, buf, root, ufunc, divide, *args)``."""
+    if plane.shares_memory:
+        return Choice("shm.reduce", shm.reduce)
+    if two is not None and _reduce_two_level(nbytes, two[0], root):
+        return Choice("hier.reduce", hier.reduce, two)
+    if _direct(nbytes, size):
+        return Choice("tcp.reduce_direct", tcp.reduce_direct)
+    return Choice("tcp.reduce_chain", tcp.reduce_chain)
 
 
 def split_rows(rows: int, parts: int) -> list[tuple[int, int]]:
@@ -138,20 +157,52 @@ def split_rows(rows: int, parts: int) -> list[tuple[int, int]]:
     return split(rows, parts)
 
 
-@_memo
-def reduce_scatter(kind: str, nbytes: int, size: int) -> Algo:
-    """``nbytes``: the whole input (every rank's part of it together)."""
-    if kind == "shm":
-        return shm.reduce_scatter
-    return tcp.reduce_scatter_direct if _direct(nbytes, size) else tcp.reduce_scatter_ring
+def reduce_scatter(plane: Any, nbytes: int, size: int, two: Any = None) -> Choice:
+    """``nbytes``: the whole input (every rank's part of it together). Algorithms take
+    ``(op, buf, out, parts, ufunc, divide, *args)``; every flat one reads Parts."""
+    if plane.shares_memory:
+        return Choice("shm.reduce_scatter", shm.reduce_scatter, parts=True)
+    if two is not None and len(two[0].hosts) == 2 and nbytes >= HIER_SCATTER_MIN_BYTES:
+        return Choice("hier.reduce_scatter", hier.reduce_scatter, two)
+    if _direct(nbytes, size):
+        return Choice("tcp.reduce_scatter_direct", tcp.reduce_scatter_direct, parts=True)
+    return Choice("tcp.reduce_scatter_ring", tcp.reduce_scatter_ring, parts=True)
 
 
-def gather(kind: str) -> Algo:
-    return shm.gather if kind == "shm" else tcp.gather_direct
+def gather(plane: Any) -> Choice:
+    """Algorithms take ``(op, flat, out, root)``."""
+    if plane.shares_memory:
+        return Choice("shm.gather", shm.gather)
+    return Choice("tcp.gather_direct", tcp.gather_direct)
 
 
-def scatter(kind: str) -> Algo:
-    return shm.scatter if kind == "shm" else tcp.scatter_direct
+def scatter(plane: Any) -> Choice:
+    """Algorithms take ``(op, chunks, out, root)``."""
+    if plane.shares_memory:
+        return Choice("shm.scatter", shm.scatter)
+    return Choice("tcp.scatter_direct", tcp.scatter_direct)
+
+
+def all_to_all(plane: Any) -> Choice:
+    """The exchange of an all_to_all's parts: algorithms take ``(op, flat, out, matrix,
+    rows_in, rows_out, row)`` (``matrix[p][q]``: the rows rank p sends rank q)."""
+    if plane.shares_memory:
+        return Choice("shm.all_to_all", shm.all_to_all_rows)
+    return Choice("tcp.all_to_all_pairwise", tcp.all_to_all_rows)
+
+
+def all_to_all_splits(plane: Any, size: int, equal: bool, out_known: bool) -> Choice | None:
+    """The all_gather of every rank's splits an uneven all_to_all runs first (None:
+    none): where the receiving rows are not given, or where the exchange of the parts
+    reads every rank's splits (shared memory's windows)."""
+    if equal or (out_known and not plane.shares_memory):
+        return None
+    return all_gather(plane, 8 * size, size)
+
+
+def barrier(plane: Any) -> Choice:
+    """Dissemination on every plane (records on shared memory): ``(op, tag)``."""
+    return Choice("barrier", tcp.barrier, (0,))
 
 
 #: An uneven all_gather's part (one rank's rows) of at most this many bytes travels with
@@ -161,35 +212,48 @@ def scatter(kind: str) -> Algo:
 ALL_GATHER_V_INLINE_BYTES = 64 << 10
 
 
-@_memo
-def all_gather_counts(size: int, plane: str = "") -> Algo:
-    """The one-round exchange of an uneven all_gather's counts (with the rows that fit)
-    over messages: recursive doubling where the even all_gather takes it (a
-    power-of-two group from 4, not on the zmq plane; every message of the last round,
-    N/2 parts of at most ALL_GATHER_V_INLINE_BYTES, within a message's limit), else
-    the direct exchange. Measured on the socket plane at N=4, ``fd.all_gather(x)`` of
-    4 KiB (2026-12-04): back to back, 4000 calls, 3 alternated runs, 263-266 us a call
-    against the direct exchange's 325-331 us (0.80x; 8ec62ae's even-only all_gather:
-    261-268 us), main thread 115-120 us of CPU a call against 125-132; with a barrier
-    before each call (benchmarks/calls.py, 6 alternated runs) 0.99x, per-run ratios
-    0.77-1.12: at N=4 on 2 cores that measure is the scheduler's."""
+def all_gather_counts(plane: Any, size: int) -> Choice:
+    """The one-round exchange of an uneven all_gather's counts (with the rows that fit):
+    shared memory's through one slot; over messages recursive doubling where the even
+    all_gather takes it (its last round's messages within a message's limit), else the
+    direct exchange. Algorithms take ``(op, count, flat, row_nbytes, *args)`` and
+    return (counts, parts)."""
+    if plane.shares_memory:
+        return Choice("shm.all_gather_counts", shm.all_gather_counts)
     if _doubling(ALL_GATHER_V_INLINE_BYTES + 8, size, plane):
-        return tcp.all_gather_counts_doubling
-    return tcp.all_gather_counts
+        return Choice("tcp.all_gather_counts_doubling", tcp.all_gather_counts_doubling,
+                      (ALL_GATHER_V_INLINE_BYTES,))
+    return Choice("tcp.all_gather_counts", tcp.all_gather_counts,
+                  (ALL_GATHER_V_INLINE_BYTES,))
 
 
-@_memo
-def all_gather(kind: str, nbytes: int, size: int, plane: str = "") -> Algo:
-    """``nbytes``: one rank's part; ``plane``: the plane's name (see :func:`all_reduce`
-    for recursive doubling; measured for all_gather on the socket plane, N=4, 5
-    interleaved runs, compare.py, 2026-12-02: 0.88, 0.84 and 0.77x the direct
-    exchange's time at 4 KiB, 64 KiB and 256 KiB)."""
-    if kind == "shm":
-        return shm.all_gather
+def all_gather(plane: Any, nbytes: int, size: int, two: Any = None) -> Choice:
+    """The all_gather of parts of ``nbytes`` (one rank's) into rows: algorithms take
+    ``(op, rows, *args)``."""
+    if plane.shares_memory:
+        return Choice("shm.all_gather", shm.all_gather)
+    if two is not None and _all_gather_two_level(nbytes, two[0], plane):
+        return Choice("hier.all_gather", hier.all_gather, two)
     if _direct(nbytes, size):
-        return tcp.all_gather_doubling if _doubling(nbytes, size, plane) else \
-            tcp.all_gather_direct
-    return tcp.all_gather_ring
+        if _doubling(nbytes, size, plane):
+            return Choice("tcp.all_gather_doubling", tcp.all_gather_doubling)
+        return Choice("tcp.all_gather_direct", tcp.all_gather_direct)
+    return Choice("tcp.all_gather_ring", tcp.all_gather_ring)
+
+
+def all_gather_parts(plane: Any, largest: int, size: int, equal: bool,
+                     two: Any = None) -> Choice:
+    """The second round of an uneven all_gather (the parts that did not travel with
+    their counts; ``largest``: the largest part's bytes). Algorithms take ``(op, flat,
+    out, bounds, *args)``. Parts of one size go two-level where the even all_gather
+    would; else shared memory's through the slots, or over messages the direct exchange
+    where the even table picks a small all_gather, the ring otherwise."""
+    if plane.shares_memory:
+        return Choice("shm.all_gather_v", shm.all_gather_v)
+    if equal and two is not None and _all_gather_two_level(largest, two[0], plane):
+        return Choice("hier.all_gather_v", hier.all_gather_v, two)
+    direct = _direct(largest, size) and largest <= wire.PIECE_BYTES
+    return Choice("tcp.all_gather_v", tcp.all_gather_v, (None, direct))
 
 
 # -- two-level (hier.py) ------------------------------------------------------------------
@@ -257,21 +321,24 @@ def _small_fan(hosts: tuple[tuple[int, ...], ...]) -> int:
                for x, size in enumerate(sizes))
 
 
-def all_reduce_two_level(nbytes: int, lay: hier.Layout, plane: str = "") -> Algo | None:
-    """The two-level all_reduce of ``nbytes`` on the TCP plane named ``plane``, or None
-    for the flat one (see HIER_FAN_FLAT_MAX_BYTES)."""
+def _all_reduce_two_level(nbytes: int, two: Any, plane: Any) -> Choice | None:
+    """The two-level all_reduce of ``nbytes`` on the TCP ``plane`` (``two``: the
+    group's layout and shared-memory plane), or None for the flat one (see
+    HIER_FAN_FLAT_MAX_BYTES)."""
+    lay = two[0]
     if nbytes <= HIER_FAN_FLAT_MAX_BYTES:
         n = lay.size
         if _doubling(nbytes, n, plane) and small_fan(lay) > n.bit_length() - 1:
             return None
     if nbytes <= min(HIER_SMALL_BYTES, SEGMENT_BYTES):
-        return hier.all_reduce_small
-    return hier.all_reduce_large
+        return Choice("hier.all_reduce_small", hier.all_reduce_small, tuple(two))
+    # More than two hosts: each shard among its owners by the flat table.
+    return Choice("hier.all_reduce_large", hier.all_reduce_large,
+                  (*two, functools.partial(all_reduce, plane)))
 
 
-def broadcast_two_level(nbytes: int, lay: hier.Layout, root: int) -> Algo | None:
-    """The two-level broadcast of ``nbytes`` from group rank ``root``, or None for the
-    flat one.
+def _broadcast_two_level(nbytes: int, lay: hier.Layout, root: int) -> bool:
+    """Whether a broadcast of ``nbytes`` from group rank ``root`` runs two-level.
 
     A small broadcast (the flat one is then the direct send: one hop from the root to
     every rank) stays flat when no other host than the root's holds several of the
@@ -282,10 +349,8 @@ def broadcast_two_level(nbytes: int, lay: hier.Layout, root: int) -> Algo | None
     0.97x by host and 0.91 / 0.89 / 1.11x spread; 2x2, where the direct send crosses the
     link twice, 1.06 / 1.22 / 1.31x by host and 0.97 / 1.01 / 1.16x spread.
     """
-    if _direct(nbytes, lay.size) and not any(
-            len(h) > 1 for h in lay.hosts if root not in h):
-        return None
-    return hier.broadcast
+    others_full = any(len(h) > 1 for h in lay.hosts if root not in h)
+    return others_full or not _direct(nbytes, lay.size)
 
 
 #: Up to this many bytes a reduce whose root's host is the only one holding several of
@@ -302,13 +367,11 @@ def broadcast_two_level(nbytes: int, lay: hier.Layout, root: int) -> Algo | None
 HIER_REDUCE_ALONE_MAX_BYTES = 16 << 10
 
 
-def reduce_two_level(nbytes: int, lay: hier.Layout, root: int) -> Algo | None:
-    """The two-level reduce of ``nbytes`` to group rank ``root``, or None for the flat
-    one (see HIER_REDUCE_ALONE_MAX_BYTES)."""
-    if nbytes <= HIER_REDUCE_ALONE_MAX_BYTES and not any(
-            len(h) > 1 for h in lay.hosts if root not in h):
-        return None
-    return hier.reduce
+def _reduce_two_level(nbytes: int, lay: hier.Layout, root: int) -> bool:
+    """Whether a reduce of ``nbytes`` to group rank ``root`` runs two-level (see
+    HIER_REDUCE_ALONE_MAX_BYTES)."""
+    others_full = any(len(h) > 1 for h in lay.hosts if root not in h)
+    return others_full or nbytes > HIER_REDUCE_ALONE_MAX_BYTES
 
 
 #: From this many bytes (the whole buffer) a group on two hosts reduce-scatters
@@ -320,13 +383,6 @@ def reduce_two_level(nbytes: int, lay: hier.Layout, root: int) -> Algo | None:
 #: 2.7-2.9 / 2.9, 31.5-34.6 / 29.7-33.4; 2x4@2gbit and 2x2@1gbit faster two-level at
 #: every size.
 HIER_SCATTER_MIN_BYTES = 1 << 20
-
-
-def reduce_scatter_two_level(nbytes: int, lay: hier.Layout) -> Algo | None:
-    """The two-level reduce_scatter of a buffer of ``nbytes``, or None for the flat one."""
-    if len(lay.hosts) == 2 and nbytes >= HIER_SCATTER_MIN_BYTES:
-        return hier.reduce_scatter
-    return None
 
 
 #: An all_gather of rows up to HIER_GATHER_FLAT_MAX_BYTES runs two-level only when that
@@ -377,13 +433,13 @@ def _flat_gather_rows_in(hosts: tuple[tuple[int, ...], ...], doubling: bool) -> 
     return max(into)
 
 
-def all_gather_two_level(nbytes: int, lay: hier.Layout, plane: str = "") -> Algo | None:
-    """The two-level all_gather of parts of ``nbytes`` (one rank's), on the TCP plane
-    named ``plane``, or None for the flat one (see HIER_GATHER_FLAT_MAX_BYTES)."""
+def _all_gather_two_level(nbytes: int, lay: hier.Layout, plane: Any) -> bool:
+    """Whether an all_gather of parts of ``nbytes`` (one rank's) on the TCP ``plane``
+    runs two-level (see HIER_GATHER_FLAT_MAX_BYTES)."""
     n = lay.size
     if nbytes <= HIER_GATHER_FLAT_MAX_BYTES and _direct(nbytes, n):
         flat_in = flat_gather_rows_in(lay, _doubling(nbytes, n, plane))
         two_in = n - min(len(h) for h in lay.hosts)  # each other host's rows, once
         if (flat_in - two_in) * nbytes <= HIER_GATHER_SAVES_BYTES:
-            return None
-    return hier.all_gather
+            return False
+    return True

@@ -33,19 +33,17 @@ that is, after everyone finished reading it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 
-from ..comm import cma, wire
-from ..comm.channel import Channel
-from ..comm.planes.shm import SEGMENT_BYTES, ShmPlane
+from ..comm import cma
+from ..comm.planes.shm import SEGMENT_BYTES
 from ..errors import PeerLostError, ProtocolError
-from .base import Algorithm, Op, Parts, divide_by, reduce_in_order, spans, split
-from .tcp import barrier, barrier_now
+from .base import Algorithm, Op, Parts, bounds, divide_by, reduce_in_order, spans, split
+from .tcp import barrier
 
-__all__ = ["COUNT_BYTES", "SMALL_BYTES", "all_gather", "all_gather_counts", "all_gather_v",
-           "all_reduce", "all_reduce_now", "all_to_all", "broadcast", "gather", "reduce",
+__all__ = ["CMA_MAX_ARRAYS", "CMA_MIN_BYTES", "COUNT_BYTES", "SMALL_BYTES", "all_gather",
+           "all_gather_counts", "all_gather_v", "all_reduce_cma", "all_reduce_one_round",
+           "all_reduce_rounds", "all_to_all", "all_to_all_rows", "broadcast", "gather", "reduce",
            "reduce_scatter", "rounds", "scatter"]
 
 #: Up to this many bytes every rank reduces the whole round itself (one barrier); above
@@ -84,29 +82,31 @@ def rounds(nbytes: int, itemsize: int) -> list[tuple[int, int]]:
     return [(a, min(a + per, count)) for a in range(0, count, per)]
 
 
-def all_reduce(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
-               divide: int = 0) -> Algorithm:
-    """See the module docstring (``divide``: divide the result by it, a mean)."""
-    N, me = op.size, op.me
-    if buf.nbytes <= SMALL_BYTES or buf.size < N:
-        # One round; every rank reduces all of it in rank order: identical everywhere.
-        slot = op.next_slot()
-        regions = op.regions(slot, buf.dtype, buf.size)
-        if type(buf) is np.ndarray:  # no views of the regions to make: the latency path
-            regions[me][...] = buf
-            yield from barrier(op, 0)
-            _reduce_all(buf, regions, ufunc, divide)
-            return
-        for piece, u, v in spans(buf, 0, buf.size):
-            regions[me][u:v] = piece
+def all_reduce_one_round(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
+                         divide: int = 0) -> Algorithm:
+    """One round, one barrier; every rank reduces all of it in rank order (identical
+    everywhere): the small all_reduce (``divide``: divide the result by it, a mean)."""
+    me = op.me
+    regions = op.regions(op.next_slot(), buf.dtype, buf.size)
+    if type(buf) is np.ndarray:  # no views of the regions to make: the latency path
+        regions[me][...] = buf
         yield from barrier(op, 0)
-        for piece, u, v in spans(buf, 0, buf.size):
-            _reduce_all(piece, [r[u:v] for r in regions], ufunc, divide)
+        reduce_in_order(buf, regions, ufunc)
+        if divide:
+            divide_by(buf, divide)
         return
-    if (op.shm.cma_pids is not None and buf.nbytes >= CMA_MIN_BYTES
-            and (type(buf) is np.ndarray or len(buf.arrays) <= CMA_MAX_ARRAYS)):
-        yield from _all_reduce_cma(op, buf, ufunc, divide)
-        return
+    for piece, u, v in spans(buf, 0, buf.size):
+        regions[me][u:v] = piece
+    yield from barrier(op, 0)
+    for piece, u, v in spans(buf, 0, buf.size):
+        _reduce_all(piece, [r[u:v] for r in regions], ufunc, divide)
+
+
+def all_reduce_rounds(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
+                      divide: int = 0) -> Algorithm:
+    """Pipelined rounds, one barrier each, each rank reducing its 1/N chunk of every
+    round (see the module docstring)."""
+    N, me = op.size, op.me
     pending: tuple[np.ndarray | Parts, int, list[np.ndarray], list[tuple[int, int]]] | None = \
         None
     parts = rounds(buf.nbytes, buf.itemsize)
@@ -141,32 +141,14 @@ def all_reduce(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
     _copy_out(*pending, me)
 
 
-def all_reduce_now(channel: Channel, plane: ShmPlane, ranks: list[int], me: int, gid: int,
-                   seq: int, sig: wire.Signature, next_slot: Callable[[], int],
-                   buf: np.ndarray, ufunc: np.ufunc, divide: int = 0) -> None:
-    """:func:`all_reduce`'s one-barrier path run straight on the caller's thread, for a
-    blocking call of a small array (``buf.nbytes`` <= SMALL_BYTES, at least an item per
-    member): the same slot, records, tags and bits as the generator's, without a
-    generator, an Op or a function per step (see ``swarmfd.collectives._run_now``
-    for what that saves). ``ranks``: the group's world ranks; ``me``: this rank's group
-    rank; ``next_slot``: the group's (Op.next_slot). A member that runs the generator
-    meets one that runs this."""
-    region, slot = plane.region, next_slot()
-    dtype, count = buf.dtype, buf.size
-    regions = [region(r, slot, dtype, count) for r in ranks]
-    regions[me][...] = buf
-    barrier_now(channel, plane, ranks, me, gid, seq, sig, 0)
-    _reduce_all(buf, regions, ufunc, divide)
-
-
 def _layout(buf: np.ndarray | Parts) -> list[tuple[int, int]]:
     """(address, bytes) of the arrays ``buf`` is made of, in order."""
     arrays = [buf] if type(buf) is np.ndarray else buf.arrays  # type: ignore[union-attr]
     return [(a.ctypes.data, a.nbytes) for a in arrays if a.nbytes]
 
 
-def _all_reduce_cma(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
-                    divide: int) -> Algorithm:
+def all_reduce_cma(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
+                   divide: int = 0) -> Algorithm:
     """all_reduce reading and writing the peers' buffers where they are (cross-memory
     attach, see the module docstring): each rank publishes its arrays' addresses in its
     slot; barrier; each reduces its own 1/N chunk in its buffer, block by block, reading
@@ -269,8 +251,9 @@ def broadcast(op: Op, buf: np.ndarray, root: int) -> Algorithm:
             buf[a:b] = region
 
 
-def reduce(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc) -> Algorithm:
-    """See the module docstring."""
+def reduce(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc,
+           divide: int = 0) -> Algorithm:
+    """See the module docstring (``divide``: the root divides its result by it)."""
     for r, (a, b) in enumerate(rounds(buf.nbytes, buf.itemsize)):
         slot = op.next_slot()
         regions = op.regions(slot, buf.dtype, b - a)
@@ -278,6 +261,8 @@ def reduce(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc) -> Algorithm:
         yield from barrier(op, r)
         if op.me == root:
             reduce_in_order(buf[a:b], regions, ufunc)
+    if divide and op.me == root:
+        divide_by(buf, divide)
 
 
 def all_gather(op: Op, out: np.ndarray) -> Algorithm:
@@ -306,8 +291,8 @@ def _window(t: int, per: int, lo: int, hi: int) -> tuple[int, int]:
     return max(lo, t * per), min(hi, (t + 1) * per)
 
 
-def reduce_scatter(op: Op, buf: np.ndarray | Parts, parts: list[tuple[int, int]],
-                   out: np.ndarray, ufunc: np.ufunc, divide: int = 0) -> Algorithm:
+def reduce_scatter(op: Op, buf: np.ndarray | Parts, out: np.ndarray,
+                   parts: list[tuple[int, int]], ufunc: np.ufunc, divide: int = 0) -> Algorithm:
     """Every rank copies its buffer in, round by round (but its own part, which only it
     reads); each reduces its own part of the round from every member's slot (its own
     operand from its buffer), in rank order, into ``out`` (flat), divided by ``divide``
@@ -357,6 +342,17 @@ def all_to_all(op: Op, buf: np.ndarray, totals: list[int], mine_in: list[tuple[i
                 src = op.region(p, slot, buf.dtype, y - t * per)[x - t * per:]
                 oa = recv[p][0] + (x - mine_in[p][0])
                 out[oa:oa + (y - x)] = src
+
+
+def all_to_all_rows(op: Op, flat: np.ndarray, out: np.ndarray, matrix: np.ndarray,
+                    rows_in: list[int], rows_out: list[int], row: int) -> Algorithm:
+    """:func:`all_to_all` from everyone's splits (``matrix[p][q]``: the rows rank p
+    sends rank q, of ``row`` elements each)."""
+    n, me = op.size, op.me
+    totals = [int(matrix[p].sum()) * row for p in range(n)]
+    mine_in = [(int(matrix[p, :me].sum()) * row, int(matrix[p, :me + 1].sum()) * row)
+               for p in range(n)]
+    yield from all_to_all(op, flat, totals, mine_in, out, bounds(rows_out, row))
 
 
 def gather(op: Op, flat: np.ndarray, out: np.ndarray | None, root: int) -> Algorithm:

@@ -53,8 +53,6 @@ from typing import Any
 import numpy as np
 
 from ..comm import wire
-from ..comm.channel import Channel
-from ..comm.plane import Plane
 from ..errors import ProtocolError
 from . import base
 from .base import Algorithm, Op, Parts, num_pieces, ring_pieces, split
@@ -71,11 +69,10 @@ __all__ = [
     "all_reduce_direct",
     "all_reduce_doubling",
     "all_reduce_pair",
-    "all_reduce_pair_now",
     "all_reduce_ring",
     "all_to_all_pairwise",
+    "all_to_all_rows",
     "barrier",
-    "barrier_now",
     "broadcast_chain",
     "broadcast_direct",
     "gather_direct",
@@ -105,7 +102,7 @@ def _ring(op: Op, ring: Sequence[int] | None) -> tuple[list[int], int]:
 # -- all_reduce -------------------------------------------------------------------------
 
 
-def all_reduce_pair(op: Op, buf: np.ndarray, ufunc: np.ufunc) -> Algorithm:
+def all_reduce_pair(op: Op, buf: np.ndarray, ufunc: np.ufunc, divide: int = 0) -> Algorithm:
     """Two ranks, one message each way: send the whole buffer, reduce the peer's into it.
 
     One hop instead of the ring's two, and no copy of the result. Operands are taken
@@ -116,26 +113,8 @@ def all_reduce_pair(op: Op, buf: np.ndarray, ufunc: np.ufunc) -> Algorithm:
     """
     peer = 1 - op.me
     op.send(peer, 0, buf, copy=True)  # copied: buf is overwritten below
-    theirs = np.frombuffer((yield op.recv(peer, 0, buf.nbytes)), buf.dtype, buf.size)
+    theirs = np.frombuffer((yield op.view(peer, 0, buf.nbytes)), buf.dtype, buf.size)
     if op.me == 0:
-        ufunc(buf, theirs, out=buf)
-    else:
-        ufunc(theirs, buf, out=buf)
-
-
-def all_reduce_pair_now(channel: Channel, plane: Plane, ranks: Sequence[int], me: int,
-                        gid: int, seq: int, sig: wire.Signature, buf: np.ndarray,
-                        ufunc: np.ufunc, divide: int = 0) -> None:
-    """:func:`all_reduce_pair` run straight on the caller's thread, for a blocking call:
-    the same message and bits, without a generator or an Op (see
-    ``swarmfd.collectives._run_now``); then ``buf`` divided by ``divide`` (a mean) as
-    the generator's caller divides it. A member that runs the generator meets one that
-    runs this."""
-    peer = ranks[1 - me]
-    plane.send(peer, _DATA, sig, seq, 0, buf, buf.nbytes, True, gid)  # copied: see above
-    theirs = np.frombuffer(channel.recv_key(plane, (gid, peer, seq & 0xFFFFFFFF, 0), sig,
-                                            buf.nbytes, None), buf.dtype, buf.size)
-    if me == 0:
         ufunc(buf, theirs, out=buf)
     else:
         ufunc(theirs, buf, out=buf)
@@ -154,7 +133,7 @@ def reduce_in_rank_order(op: Op, buf: np.ndarray, ufunc: np.ufunc) -> Algorithm:
     me = op.me
     for p in range(op.size):
         # (Op.recv_array and Op.recv, written out: a small call's every step counts.)
-        arr = buf if p == me else np.frombuffer((yield (op, p, 0, nbytes, None)), dtype, count)
+        arr = buf if p == me else np.frombuffer((yield op.view(p, 0, nbytes)), dtype, count)
         if acc is None:
             acc = arr.copy()
         else:
@@ -163,7 +142,7 @@ def reduce_in_rank_order(op: Op, buf: np.ndarray, ufunc: np.ufunc) -> Algorithm:
     return acc
 
 
-def all_reduce_doubling(op: Op, buf: np.ndarray, ufunc: np.ufunc,
+def all_reduce_doubling(op: Op, buf: np.ndarray, ufunc: np.ufunc, divide: int = 0,
                         ring: Sequence[int] | None = None) -> Algorithm:
     """Recursive doubling, N a power of two: log2 N rounds; in round k each rank swaps
     the 2^k buffers it holds with the rank 2^k places away in the ring order, so after
@@ -181,6 +160,8 @@ def all_reduce_doubling(op: Op, buf: np.ndarray, ufunc: np.ufunc,
         ufunc(acc, held[row[g]], out=acc)
     yield op.flush()  # rows of held may still be on their way out (zero-copy)
     buf[...] = acc
+    if divide:
+        base.divide_by(buf, divide)
 
 
 def _gather_doubling(op: Op, rows: np.ndarray, order: Sequence[int], pos: int) -> Algorithm:
@@ -199,7 +180,7 @@ def _gather_doubling(op: Op, rows: np.ndarray, order: Sequence[int], pos: int) -
         bit += 1
 
 
-def all_reduce_direct(op: Op, buf: np.ndarray, ufunc: np.ufunc) -> Algorithm:
+def all_reduce_direct(op: Op, buf: np.ndarray, ufunc: np.ufunc, divide: int = 0) -> Algorithm:
     """Every rank sends its buffer to every other; each reduces all N in rank order."""
     me = op.me
     for p in range(op.size):
@@ -208,10 +189,12 @@ def all_reduce_direct(op: Op, buf: np.ndarray, ufunc: np.ufunc) -> Algorithm:
     acc = yield from reduce_in_rank_order(op, buf, ufunc)
     yield op.flush()  # buf may still be on its way out (zero-copy) before it is overwritten
     buf[...] = acc
+    if divide:
+        base.divide_by(buf, divide)
 
 
-def all_reduce_ring(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
-                    ring: Sequence[int] | None = None, divide: int = 0) -> Algorithm:
+def all_reduce_ring(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc, divide: int = 0,
+                    ring: Sequence[int] | None = None) -> Algorithm:
     """Pipelined ring reduce-scatter, then all-gather (see the module docstring).
 
     ``buf`` may be :class:`Parts` (several arrays reduced where they are: a piece is
@@ -322,7 +305,8 @@ def broadcast_chain(op: Op, buf: np.ndarray, root: int,
 # -- reduce -----------------------------------------------------------------------------
 
 
-def reduce_direct(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc) -> Algorithm:
+def reduce_direct(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc,
+                  divide: int = 0) -> Algorithm:
     """Everyone sends to the root, which reduces in rank order and acknowledges. The data
     of the rank before the root is its signature on the ring (see the module docstring):
     it sends no SIG, and the root waits for none."""
@@ -338,11 +322,13 @@ def reduce_direct(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc) -> Algori
             if p != root:
                 op.send(p, ACK, b"")
         buf[...] = acc
+        if divide:
+            base.divide_by(buf, divide)
         return
     yield from signature_ring_end(op)
 
 
-def reduce_chain(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc,
+def reduce_chain(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc, divide: int = 0,
                  ring: Sequence[int] | None = None) -> Algorithm:
     """Pipelined chain along ``ring`` (rank order by default: root+1 -> root+2 -> ... ->
     root), ending at the root; only the root's buffer is written. The root acknowledges
@@ -367,6 +353,9 @@ def reduce_chain(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc,
     elif op.me == first:
         yield op.recv(root, ACK, 0)
     yield from signature_ring_end(op)
+    if divide and op.me == root:
+        yield op.flush()
+        base.divide_by(buf, divide)
 
 
 # -- all_gather -------------------------------------------------------------------------
@@ -425,26 +414,12 @@ def barrier(op: Op, tag: int = 0) -> Algorithm:
         d, step = d * 2, step + 1
 
 
-def barrier_now(channel: Channel, plane: Plane, ranks: Sequence[int], me: int, gid: int,
-                seq: int, sig: wire.Signature, tag: int = 0) -> None:
-    """:func:`barrier` run straight on the caller's thread, waiting for each message at
-    once: the same messages and tags, without a generator or an Op (the blocking calls
-    whose time is mostly Python steps; see ``swarmfd.collectives._run_now``). A member
-    that runs the generator meets one that runs this. ``ranks``: the group's world
-    ranks; ``me``: this rank's group rank; ``seq``: the call's."""
-    size, d, step, wait = len(ranks), 1, 0, channel.recv_key
-    while d < size:
-        t = (tag << 8) | step
-        plane.send(ranks[(me + d) % size], _DATA, sig, seq, t, b"", 0, False, gid)
-        wait(plane, (gid, ranks[(me - d) % size], seq & 0xFFFFFFFF, t), sig, 0, None)
-        d, step = d * 2, step + 1
-
-
 # -- reduce_scatter ---------------------------------------------------------------------
 
 
-def reduce_scatter_direct(op: Op, buf: np.ndarray | Parts, parts: Sequence[tuple[int, int]],
-                          out: np.ndarray, ufunc: np.ufunc, divide: int = 0) -> Algorithm:
+def reduce_scatter_direct(op: Op, buf: np.ndarray | Parts, out: np.ndarray,
+                          parts: Sequence[tuple[int, int]], ufunc: np.ufunc,
+                          divide: int = 0) -> Algorithm:
     """Every rank sends part r of its buffer (an array or Parts, read only) to rank r,
     which reduces the N parts in rank order into ``out`` (flat), then divides it by
     ``divide`` (when not 0)."""
@@ -464,9 +439,9 @@ def reduce_scatter_direct(op: Op, buf: np.ndarray | Parts, parts: Sequence[tuple
         base.divide_by(out, divide)
 
 
-def reduce_scatter_ring(op: Op, buf: np.ndarray | Parts, parts: Sequence[tuple[int, int]],
-                        out: np.ndarray, ufunc: np.ufunc,
-                        ring: Sequence[int] | None = None, divide: int = 0) -> Algorithm:
+def reduce_scatter_ring(op: Op, buf: np.ndarray | Parts, out: np.ndarray,
+                        parts: Sequence[tuple[int, int]], ufunc: np.ufunc, divide: int = 0,
+                        ring: Sequence[int] | None = None) -> Algorithm:
     """Pipelined ring reduce-scatter: N-1 steps, each rank sends (N-1)/N of the buffer.
 
     The rank at ring position q first sends the part of the rank at q-1, so that after
@@ -527,6 +502,14 @@ def all_to_all_pairwise(op: Op, buf: np.ndarray, send: Sequence[tuple[int, int]]
         ra, rb = recv[src]
         for j, (x, y) in enumerate(split(rb - ra, num_pieces(rb - ra, out.itemsize))):
             yield op.recv_into(src, (k << 20) | j, out[ra + x:ra + y])
+
+
+def all_to_all_rows(op: Op, flat: np.ndarray, out: np.ndarray, matrix: np.ndarray,
+                    rows_in: Sequence[int], rows_out: Sequence[int], row: int) -> Algorithm:
+    """:func:`all_to_all_pairwise` of parts of ``rows_in[r]`` rows (of ``row`` elements)
+    to rank r, ``rows_out[r]`` from it (``matrix``: everyone's splits, unused here)."""
+    yield from all_to_all_pairwise(op, flat, base.bounds(rows_in, row), out,
+                                   base.bounds(rows_out, row))
 
 
 # -- gather and scatter -----------------------------------------------------------------

@@ -43,12 +43,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..config import ENV_TASK_SLOT
 from ..errors import (
     AbortedError,
     CollectiveTimeout,
@@ -67,7 +65,7 @@ from .plane import PeerInfo, Plane
 __all__ = ["Channel", "GroupFailure", "Key", "Posting"]
 
 #: After a timeout, how long a rank listens to the others' timeout reports to find the
-#: rank that is really stuck (see Channel._timeout).
+#: rank that is really stuck (see Channel.timeout_error).
 TIMEOUT_GRACE = 0.6
 #: How long a peer whose connection closed may still deliver what it had sent. It also
 #: gives a leaving rank a head start: it exits before the ranks that lose it raise, so
@@ -147,7 +145,8 @@ def abort_body(kind: str, rank: int, message: str, limit: int, **extra: Any) -> 
 class Channel:
     """Point-to-point messages between this rank and its peers (see module docstring)."""
 
-    def __init__(self, rank: int, world_size: int, timeout: float) -> None:
+    def __init__(self, rank: int, world_size: int, timeout: float,
+                 swarm_task: bool = False) -> None:
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
@@ -178,7 +177,7 @@ class Channel:
         #: What the rank is doing, for error messages.
         self.activity = "idle"
         #: A Swarm task (its slot is its rank + 1): errors name the slot too.
-        self.swarm_task = bool(os.environ.get(ENV_TASK_SLOT, "").strip())
+        self.swarm_task = swarm_task
         self.waiting_for = -1
         self._group = 0  # the group of the call being waited on
         self.serviced = 0.0  # when service_others last read the other planes
@@ -191,6 +190,25 @@ class Channel:
     def begin(self, group: int, seq: int) -> None:
         """A call of ``group`` with sequence number ``seq`` starts on this rank."""
         self.calls[group] = seq
+
+    def enter(self, group: int, seq: int, activity: Any, collective: bool = True) -> None:
+        """A blocking call runs on this thread: ``group``'s call ``seq`` (a collective)
+        or a point-to-point message of ``group`` (``collective`` False: its seq is not
+        the group's); ``activity`` names it in errors until :meth:`leave`."""
+        if collective:
+            self.calls[group] = seq
+        self._group = group
+        self.activity = activity
+        self.p2p = not collective
+
+    def leave(self) -> None:
+        """The blocking call :meth:`enter` began is over."""
+        self.activity = "idle"
+        self.p2p = False
+
+    def last_call(self, group: int) -> int:
+        """The number of ``group``'s latest call begun on this rank (0: none)."""
+        return self.calls.get(group, 0)
 
     def where(self, rank: int) -> str:
         """A peer's host, pid and address (its TCP endpoint, or "shared memory" for a
@@ -448,7 +466,7 @@ class Channel:
                     # stuck, this rank came too late. Its timeout is relayed, not its own.
                     raise error_from_abort(self.activity, hdr.src, payload)
                 # A peer timed out: find out, with everyone, who is really stuck.
-                raise self._timeout(self.waiting_for, sig, {hdr.src: waited})
+                raise self.timeout_error(self.waiting_for, sig, {hdr.src: waited})
             self._final_abort(hdr, payload, deferrable=sig.coll != wire.Collective.P2P)
             return
         if hdr.kind != wire.Kind.DATA:
@@ -574,9 +592,10 @@ class Channel:
                 f"{self.why_lost(src)} before it sent its data"
             )
         if now >= deadline:
-            raise self._timeout(src, sig, {})
+            raise self.timeout_error(src, sig, {})
 
-    def _timeout(self, src: int, sig: wire.Signature, waits: dict[int, int]) -> CollectiveTimeout:
+    def timeout_error(self, src: int, sig: wire.Signature,
+                      waits: dict[int, int]) -> CollectiveTimeout:
         """The error for a wait on ``src`` that timed out, naming the rank really at fault.
 
         In a ring, rank A may time out waiting for B while B waits for a stopped C. So

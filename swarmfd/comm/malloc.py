@@ -31,9 +31,7 @@ present, and a C library other than glibc.
 from __future__ import annotations
 
 import ctypes
-import os
 import platform
-from collections.abc import Mapping
 
 __all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "tune"]
 
@@ -45,20 +43,18 @@ TRIM_THRESHOLD = 32 << 20
 #: mallopt's parameter numbers (glibc's malloc.h).
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
-#: The user's own glibc malloc settings, which tune() respects.
-GLIBC_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")
 
 _tuned = False
 
 
-def tune(mode: str, environ: Mapping[str, str] | None = None) -> bool:
+def tune(mode: str) -> bool:
     """Fix glibc's trim and mmap thresholds (see the module docstring), once per process;
-    ``mode`` 'tuned' or 'system'. Returns whether they are set by swarmfd."""
+    ``mode`` 'tuned' or 'system' (SWARMFD_MALLOC, or glibc's own settings in the
+    environment: swarmfd.config.Options). Returns whether they are set by swarmfd."""
     global _tuned
     if _tuned:
         return True
-    env = os.environ if environ is None else environ
-    if mode != "tuned" or any(name in env for name in GLIBC_SETTINGS):
+    if mode != "tuned":
         return False
     if platform.libc_ver()[0] != "glibc":
         return False

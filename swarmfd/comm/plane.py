@@ -71,10 +71,19 @@ class Plane(Protocol):
     and :meth:`wait` drives them out.
     """
 
-    #: "socket", "zmq" or "shm".
+    #: "socket", "zmq" or "shm": for messages and logs; nothing chooses by it.
     name: str
-    #: What the algorithms select by: "tcp" (socket, zmq) or "shm".
-    kind: str
+    #: Whether the peers' shared-memory segments are mapped here: the algorithms then
+    #: address them directly (:meth:`Op.region`), and messages are only small records.
+    shares_memory: bool
+    #: Whether this rank reads and writes its peers' buffers directly (cross-memory
+    #: attach, shared memory only; every rank of the host agreed it can).
+    reads_peers: bool
+    #: Whether an I/O thread (libzmq's) moves every message: a hop then costs thread
+    #: hand-offs on both ends, so the choice prefers fewer hops to fewer messages.
+    io_thread: bool
+    #: The largest payload a message carries in one frame (or record) with its header.
+    inline_max: int
     #: Where peers reach it (announced at rendezvous); "" when that is not a TCP address.
     endpoint: str
     #: Whether a payload read without a buffer (``read_payload(hdr, None, ...)``) is
@@ -92,6 +101,26 @@ class Plane(Protocol):
     def send(self, dst: int, kind: int, sig: Signature, seq: int, tag: int, payload: Any,
              size: int, copy: bool, group: int) -> None:
         """Queue one message; ``copy``: the caller's buffer is free when this returns."""
+
+    def header(self, kind: int, sig: Signature, src: int, tag: int, nbytes: int,
+               group: int) -> tuple[bytes, bytes]:
+        """The header of a message (``src``'s, ``tag``, ``nbytes`` of payload, in
+        ``group``) as this plane frames it, cut around the call's number
+        (:func:`swarmfd.comm.wire.cut_header`): a call repeated many times packs its
+        headers once (:meth:`send_packed`, :meth:`take`)."""
+
+    def send_packed(self, dst: int, header: bytes, payload: Any, size: int,
+                    copy: bool) -> bool:
+        """:meth:`send` of a message whose header is packed already (from
+        :meth:`header`); whether bytes to ``dst`` stay queued, still reading the
+        caller's buffer or waiting to go out: only then must the caller flush."""
+
+    def take(self, src: int, header: bytes, nbytes: int) -> Any:
+        """``src``'s next message when its header is ``header`` (packed, byte for byte)
+        and it is here whole: its payload (a view valid until the plane reads again, or
+        bytes), what the channel's receive would give, in a few steps. None, having
+        consumed nothing, in any other case (the channel's receive then handles it: a
+        mismatch, an abort, another call's message, a lost peer)."""
 
     def send_all(self, kind: int, sig: Signature, body: bytes, group: int) -> None:
         """Best effort: ``body`` to every peer (aborts, timeout reports); never raises."""

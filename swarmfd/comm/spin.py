@@ -203,7 +203,14 @@ class Spinner:
         elif self.misses:
             self.misses -= 1
 
+    def polls(self, most: int) -> int:
+        """How many looks a plane's ``take`` may take at a peer's message that is not
+        there yet, before it leaves the wait to the channel's receive (which polls on,
+        then blocks): ``most`` where waits poll now (polling on, not yielding, this
+        spinner not blocking at once after misses), else 0."""
+        return most if (ENABLED and not YIELD and self.misses < MAX_MISSES) else 0
+
     def caught(self) -> None:
-        """A wait's message was there before it polled at all, or a poll of the wait's
-        own (a prepared call's, swarmfd.prepared) caught it: the peer keeps up."""
+        """A wait's message was there before it polled at all, or a plane's own look
+        (``take``) caught it: the peer keeps up."""
         self.misses = 0

@@ -80,7 +80,8 @@ class Transport:
 
     def __init__(self, rank: int, world_size: int, timeout: float, bind_host: str,
                  security: Security | None = None, plane: str = "socket",
-                 join_timeout: float | None = None, avoid: Collection[int] = ()) -> None:
+                 join_timeout: float | None = None, avoid: Collection[int] = (),
+                 swarm_task: bool = False) -> None:
         """``avoid``: ports the TCP plane's listener must not take, though the system may
         pick them: the rendezvous port and MASTER_PORT. A launcher picks those free,
         releases them and starts the ranks, and rank 0 binds them only later; a data
@@ -99,7 +100,7 @@ class Transport:
         self.join_timeout = timeout if join_timeout is None else join_timeout
         self.security = security
         self.plane = plane
-        self.channel = Channel(rank, world_size, timeout)
+        self.channel = Channel(rank, world_size, timeout, swarm_task)
         self.ctx = zmq.Context(io_threads=1)
         self.ctx.setsockopt(zmq.LINGER, 0)
         self.auth: Authenticator | None = None

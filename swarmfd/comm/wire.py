@@ -66,12 +66,14 @@ __all__ = [
     "PROTOCOL_VERSION",
     "READY_PIECE",
     "RTS_PIECE",
+    "SEQ_AT",
     "SUPPORTED_DTYPE_NAMES",
     "Collective",
     "Header",
     "Kind",
     "ReduceOp",
     "Signature",
+    "cut_header",
     "dtype_code",
     "dtype_name",
     "finished_call_error",
@@ -82,6 +84,7 @@ __all__ = [
     "pack_header",
     "recover_shape",
     "rows_repr",
+    "seq_bytes",
     "shape_hash",
     "timeout_error",
     "too_large",
@@ -424,6 +427,25 @@ def pack_header(kind: int, sig: Signature, src: int, seq: int, tag: int, nbytes:
         MAGIC, PROTOCOL_VERSION, kind, sig.coll, sig.op, sig.dtype, flags, src, sig.root,
         seq & 0xFFFFFFFF, tag, sig.count & 0xFFFFFFFFFFFFFFFF, sig.shape, nbytes, group,
     )
+
+
+#: Where a header carries the call's number (magic, version, kind, coll, op, dtype, flags,
+#: src, root, then seq): :func:`cut_header` cuts a header around it.
+SEQ_AT = 14
+
+
+def cut_header(kind: int, sig: Signature, src: int, tag: int, nbytes: int, flags: int = 0,
+               group: int = 0) -> tuple[bytes, bytes]:
+    """The header :func:`pack_header` packs, without the call's number: what comes before
+    it and after it. A call repeated many times packs its headers once; each run joins
+    the parts around its own number (:func:`seq_bytes`)."""
+    header = pack_header(kind, sig, src, 0, tag, nbytes, flags, group)
+    return header[:SEQ_AT], header[SEQ_AT + 4:]
+
+
+def seq_bytes(seq: int) -> bytes:
+    """The call's number as a header carries it (see :func:`cut_header`)."""
+    return (seq & 0xFFFFFFFF).to_bytes(4, "little")
 
 
 _new_header = tuple.__new__

@@ -47,7 +47,7 @@ from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
 import swarmfd as fd
-from swarmfd import group as _group
+from swarmfd import _internal as _group
 
 from . import collectives
 from ._tensors import bits, check_cpu

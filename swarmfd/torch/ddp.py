@@ -69,7 +69,7 @@ import torch
 from torch.autograd import Variable
 
 import swarmfd as fd
-from swarmfd import collectives as _fd_collectives
+from swarmfd import _internal
 from swarmfd.config import usable_cores
 
 from . import _buckets
@@ -233,8 +233,8 @@ class DistributedDataParallel(torch.nn.Module):
         # one dtype, reduced in it, by an algorithm that takes arrays as they are (the
         # all_reduce's where it can; under ZeRO the reduce_scatter's, which always can).
         one = [all(s.param.dtype == b.comm_dtype for s in b.slots) for b in buckets]
-        self._in_place = [ok and _fd_collectives.all_reduce_in_place(
-            group, b.numel * b.comm_dtype.itemsize, b.numel)
+        self._in_place = [ok and _internal.all_reduce_in_place(
+            group, b.numel * b.comm_dtype.itemsize, b.numel, len(b.slots))
             for ok, b in zip(one, buckets, strict=True)]
         self._in_place_zero = one
         if overlap is None:
@@ -460,7 +460,7 @@ class DistributedDataParallel(torch.nn.Module):
             grads = self._bucket_grads(b)
             if zero is not None:
                 out = zero._shard_grad(b.index)
-                return _fd_collectives.reduce_scatter_parts(
+                return _internal.reduce_scatter_parts(
                     [*grads, self._pads[b.index]], out.numpy(), op="mean",
                     group=self._group, async_op=async_op)
             return fd.all_reduce(grads, op="mean", group=self._group, async_op=async_op)

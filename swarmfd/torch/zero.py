@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 import swarmfd as fd
-from swarmfd import collectives as fd_collectives
+from swarmfd import _internal
 
 from . import _buckets
 from ._tensors import FLOAT_DTYPES, bits, check_cpu
@@ -302,7 +302,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def _reduce_scatter(self) -> tuple[list[torch.Tensor], list[Any]]:
         """Standalone: reduce-scatter each bucket's ``param.grad`` (mean): read where they
         are when they have the bucket's dtype (no copy into a bucket on shared memory:
-        :func:`swarmfd.collectives.reduce_scatter_parts`), else packed."""
+        :func:`swarmfd._internal.reduce_scatter_parts`), else packed."""
         outs, works = [], []
         for b in self._buckets:
             for s in b.slots:
@@ -316,7 +316,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             out = torch.empty(b.part, dtype=b.comm_dtype)
             if all(s.param.grad.dtype == b.comm_dtype for s in b.slots):
                 pad = torch.zeros(b.padded - b.numel, dtype=b.comm_dtype)
-                works.append(fd_collectives.reduce_scatter_parts(
+                works.append(_internal.reduce_scatter_parts(
                     [*(s.param.grad for s in b.slots), pad], out.numpy(), op="mean",
                     group=self._sg, async_op=True))
             else:

@@ -101,6 +101,10 @@ SEGMENT_SIZE = RING_BASE + RING_BYTES
 REGION_VIEWS = 1024
 #: Longest record written to an inbox (POSIX guarantees atomic writes up to PIPE_BUF).
 MAX_RECORD = 4096
+#: Looks at a peer's ring for the record a wait expects (:meth:`ShmPlane.take`) before
+#: the wait goes to the channel's receive, which polls on, then sleeps: about what a
+#: peer that runs the same call a step behind needs to catch up (docs/performance.md).
+POLLS = 200
 _pack_header = wire.pack_header
 _unpack_header = wire.unpack_header
 _HEADER_SIZE = wire.HEADER_SIZE
@@ -149,6 +153,12 @@ class ShmPlane:
     kind = "shm"
     endpoint = ""
     zero_copy_recv = False
+    #: The peers' segments are this rank's memory too: the algorithms address them.
+    shares_memory = True
+    #: No I/O thread between a send and the peer: a hop is a record in a ring.
+    io_thread = False
+    #: The largest payload a record carries with its header.
+    inline_max = MAX_RECORD - _HEADER_SIZE
     #: The longest abort or report body a record carries.
     max_control = MAX_RECORD - wire.HEADER_SIZE
 
@@ -251,6 +261,12 @@ class ShmPlane:
 
     # -- cross-memory attach -------------------------------------------------------------
 
+    @property
+    def reads_peers(self) -> bool:
+        """Whether this rank reads and writes its peers' memory directly (every rank of
+        the host agreed it can: :meth:`enable_cma`)."""
+        return self.cma_pids is not None
+
     def _probe_row(self, rank: int) -> np.ndarray:
         """Where ``rank`` publishes its probe (pid, address, 16 secret bytes): the start
         of the last area, unused while init sets the plane up."""
@@ -302,24 +318,36 @@ class ShmPlane:
     def connect(self, peers: Any, deadline: float) -> None:
         """Connected at setup (see :mod:`swarmfd.comm.shm_setup`)."""
 
+    def header(self, kind: int, sig: wire.Signature, src: int, tag: int, nbytes: int,
+               group: int) -> tuple[bytes, bytes]:
+        """The header of such a record, cut around the call's number (wire.cut_header)."""
+        return wire.cut_header(kind, sig, src, tag, nbytes, 0, group)
+
     def send(self, dst: int, kind: int, sig: wire.Signature, seq: int, tag: int, payload: Any,
              size: int, copy: bool, group: int = 0) -> None:
-        """Write one record to ``dst``'s inbox (queued while the pipe is full)."""
-        header = _pack_header(kind, sig, self.rank, seq, tag, size, 0, group)
+        """Write one record to ``dst`` (queued while its ring or pipe is full)."""
+        self.send_packed(dst, _pack_header(kind, sig, self.rank, seq, tag, size, 0, group),
+                         payload, size, copy)
+
+    def send_packed(self, dst: int, header: bytes, payload: Any, size: int,
+                    copy: bool) -> bool:
+        """:meth:`send` of a record whose header is packed already; whether records to
+        ``dst`` stay queued (its ring or pipe was full): only then must the caller flush.
+        A record is always a copy (``copy`` changes nothing)."""
         if self.ring_slots:
             if size > MAX_RECORD - _HEADER_SIZE:
                 raise ValueError(f"swarmfd bug: a shared-memory record of "
                                  f"{size + _HEADER_SIZE} bytes exceeds {MAX_RECORD}")
             queue = self.queued.get(dst)
             if not queue and self._put(dst, header, payload, size):
-                return
+                return False
             # The ring is full (the peer is behind): keep the record, in order, and push
             # what waited before it (a ring that was just found full is not tried again).
             self.queued.setdefault(dst, collections.deque()).append(
                 header + _contiguous(payload).tobytes())
             if queue:
                 self._push(dst)
-            return
+            return True
         try:
             record = _join((header, payload))  # one copy
         except TypeError:  # a non-contiguous payload, which join refuses
@@ -332,17 +360,17 @@ class ShmPlane:
             if queue:
                 queue.append(record)
                 self._push(dst)
-                return
+                return True
         else:
             # (_write's usual case, written out: a barrier's messages are many.)
             fd = self.outboxes.get(dst)
             if fd is not None and dst not in self.owner.lost:
                 try:
                     os.write(fd, record)
-                    return
+                    return False
                 except OSError:
                     pass  # full or gone: _write sorts it out
-        self._write(dst, record)
+        return not self._write(dst, record)
 
     def _put(self, dst: int, header: bytes, payload: Any, size: int) -> bool:
         """Add one record to the ring towards ``dst``; False when it is full."""
@@ -370,50 +398,49 @@ class ShmPlane:
             self._wake(dst)
         return True
 
-    def put_header(self, dst: int, header: bytes) -> bool:
-        """Add a record of no payload, ``header`` (packed), to the ring towards ``dst``
-        at once, as :meth:`send` would (a prepared call's, :mod:`swarmfd.prepared`);
-        False, having done nothing, where :meth:`send` must sort it out: records waiting
-        before it (a ring was full), a full ring."""
-        return not self.queued and self._put(dst, header, b"", 0)
-
-    def take_header(self, src: int, expected: bytes, polls: int) -> bool:
-        """Take ``src``'s next record when it is the record of no payload ``expected``
-        (a packed header, byte for byte), looking up to ``polls`` more times while its
-        ring is empty: what the channel's receive of that message would do, in a few
-        steps (a prepared call's, :mod:`swarmfd.prepared`). False, having taken nothing,
-        otherwise: records read already and not yet taken, an empty ring, another
-        record (another call's, a mismatch, an abort: the channel's receive handles it),
-        a counter out of bounds (the receive reports it). A record caught by polling
-        counts for the plane's spinner as a poll's catch does."""
+    def take(self, src: int, header: bytes, nbytes: int) -> bytes | None:
+        """``src``'s next record when its header is ``header`` (packed, byte for byte) and
+        it carries ``nbytes`` of payload: the payload (``b""`` for none), copied out of
+        the ring; what the channel's receive of that record would give, in a few steps.
+        Looks again while the ring is empty, as many times as the spinner allows. None,
+        having taken nothing, otherwise: records read already and not yet taken, no
+        rings, an empty ring, another record (another call's, a mismatch, an abort: the
+        channel's receive handles it), a counter out of bounds (the receive reports
+        it). A record caught by looking again counts for the spinner as a poll's
+        catch does."""
         if self.records:
-            return False
+            return None
         ring = self.incoming_from.get(src)
         if ring is None:
-            return False
+            return None
         count = ring.count
         words, pc = ring.peer_words, ring.peer_counter
         end = words[pc]
         looked = end == count
-        while end == count:
-            polls -= 1
-            if polls < 0:
-                return False
-            end = words[pc]
+        if looked:
+            polls = self.spinner.polls(POLLS)
+            while end == count:
+                polls -= 1
+                if polls < 0:
+                    return None
+                end = words[pc]
         if not 0 < end - count <= self.ring_slots:
-            return False
+            return None
         at = ring.at + (count % self.ring_slots) * MAX_RECORD
-        if ring.data[at:at + _HEADER_SIZE] != expected:
-            return False
+        body = at + _HEADER_SIZE
+        data = ring.data
+        if data[at:body] != header:
+            return None
+        payload = bytes(data[body:body + nbytes]) if nbytes else b""
         ring.count = count + 1
         self.words[ring.counter] = count + 1
         if looked:
-            # Caught by polling: what a wait's poll that catches its record tells the
-            # spinner (Spinner.spin); without it, misses of the waits that fell back to
-            # the channel's receive would only add up, and waits would end up blocking
-            # at once while the prepared calls' polls keep catching their records.
+            # Caught by looking again: what a wait's poll that catches its record tells
+            # the spinner (Spinner.spin); without it, misses of the waits that fell back
+            # to the channel's receive would only add up, and waits would end up
+            # blocking at once while these looks keep catching their records.
             self.spinner.caught()
-        return True
+        return payload
 
     def _wake(self, dst: int) -> None:
         """Wake ``dst`` (it sleeps, or closed its plane: then the write fails)."""

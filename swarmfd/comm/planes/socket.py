@@ -79,6 +79,10 @@ RECV_BUFFER = 128 << 10
 #: Payloads up to this size are copied when they must be queued (the caller's buffer
 #: is then free at once); larger ones are queued as zero-copy views unless copy=True.
 SMALL_SEND = 64 << 10
+#: Reads of a peer's connection that found nothing, before a wait goes to the channel's
+#: receive (:meth:`SocketPlane.take`): about what a small message over loopback takes to
+#: come (docs/performance.md).
+TAKE_POLLS = 16
 #: A payload read that has to block, with at least LOWAT_MIN bytes still to come, asks
 #: the kernel (SO_RCVLOWAT) not to wake it before min(the rest, LOWAT_BYTES) bytes are
 #: queued: on a link slower than the CPU (another host) the rest of a piece trickles in
@@ -241,6 +245,12 @@ class SocketPlane:
     name = "socket"
     kind = "tcp"
     zero_copy_recv = False
+    shares_memory = False
+    reads_peers = False
+    #: No I/O thread: this rank's own system calls move its bytes.
+    io_thread = False
+    #: A message's header and payload go out in one system call at any size.
+    inline_max = wire.MAX_PAYLOAD
 
     def __init__(self, owner: PlaneOwner, rank: int, world_size: int, bind_host: str,
                  token: str, keepalive: tuple[int, int, int], wait_slice: float,
@@ -567,6 +577,11 @@ class SocketPlane:
 
     # -- sending ------------------------------------------------------------------------
 
+    def header(self, kind: int, sig: wire.Signature, src: int, tag: int, nbytes: int,
+               group: int) -> tuple[bytes, bytes]:
+        """The header of such a message, cut around the call's number (wire.cut_header)."""
+        return wire.cut_header(kind, sig, src, tag, nbytes, 0, group)
+
     def send(self, dst: int, kind: int, sig: wire.Signature, seq: int, tag: int,
              payload: Any, size: int, copy: bool, group: int = 0) -> None:
         """Send one message to ``dst`` now, or queue what the kernel did not take."""
@@ -576,8 +591,8 @@ class SocketPlane:
     def send_packed(self, dst: int, header: bytes, payload: Any, size: int,
                     copy: bool) -> bool:
         """:meth:`send` of a message whose header is packed already (``header``: this
-        rank's, announcing ``size`` payload bytes; a prepared call's,
-        :mod:`swarmfd.prepared`). Whether bytes to ``dst`` stay queued (the kernel did
+        rank's, announcing ``size`` payload bytes: :meth:`header`'s). Whether bytes to
+        ``dst`` stay queued (the kernel did
         not take them all): only then must the caller flush before it returns."""
         lane = self.lanes[dst]
         if lane.dead:
@@ -676,13 +691,12 @@ class SocketPlane:
                 self._pump(lane)
         return self._progress(timeout, until_sent=False)
 
-    def take_message(self, src: int, expected: bytes, nbytes: int,
-                     polls: int) -> memoryview | None:
+    def take(self, src: int, expected: bytes, nbytes: int) -> memoryview | None:
         """``src``'s next message when its header is ``expected`` (packed, byte for byte)
         and its ``nbytes`` of payload fit the connection's buffer: a view of the payload
         there, valid until this plane reads again; what the channel's receive of that
-        message would give, in a few steps (a prepared call's, :mod:`swarmfd.prepared`).
-        Reads what the kernel holds, up to ``polls`` more times while nothing came. None,
+        message would give, in a few steps. Reads what the kernel holds, again (up to
+        TAKE_POLLS times, as the spinner allows) while nothing came. None,
         having taken nothing, otherwise: headers parsed already and not yet taken, a
         payload being read, another message first (another call's, a mismatch, an
         abort), a lost connection, not all of it here yet. What it read stays in the
@@ -695,6 +709,7 @@ class SocketPlane:
             return None
         start = lane.rstart
         looked = False
+        polls = -1
         while lane.rend - start < need:
             if RECV_BUFFER - start < need:  # room for all of it: the start of the buffer
                 lane.to_front()
@@ -702,6 +717,8 @@ class SocketPlane:
             try:
                 n = lane.sock.recv_into(lane.rview[lane.rend:])
             except (BlockingIOError, InterruptedError):
+                if polls < 0:
+                    polls = self.spinner.polls(TAKE_POLLS)
                 polls -= 1
                 if polls < 0:
                     return None
@@ -717,7 +734,7 @@ class SocketPlane:
             return None
         lane.rstart = start + need
         if looked:
-            self.spinner.caught()  # caught by polling (see ShmPlane.take_header)
+            self.spinner.caught()  # caught by looking again (see ShmPlane.take)
         return lane.rview[body:start + need]
 
     def _progress(self, timeout: float, until_sent: bool) -> wire.Header | None:

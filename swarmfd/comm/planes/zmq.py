@@ -167,7 +167,12 @@ class ZmqPlane:
     name = "zmq"
     kind = "tcp"
     zero_copy_recv = True
-    #: The largest payload that travels in one frame with its header (send_inline).
+    shares_memory = False
+    reads_peers = False
+    #: libzmq's I/O thread moves every message: a hop costs thread hand-offs on both
+    #: ends, so fewer hops win over fewer messages.
+    io_thread = True
+    #: The largest payload that travels in one frame with its header.
     inline_max = INLINE_MAX_BYTES
 
     def __init__(self, t: PlaneOwner, ctx: zmq.Context, rank: int, world_size: int,
@@ -241,7 +246,7 @@ class ZmqPlane:
         #: and whether its payload follows in a frame of its own.
         self.raw: memoryview | bytes = b""
         self.more = False
-        #: A frame take_inline read that was not the message it looked for: the next
+        #: A frame take read that was not the message it looked for: the next
         #: next_header returns it first (its message's other frames, if any, are still
         #: in the DEALER, where read_payload reads them).
         self.back: zmq.Frame | None = None
@@ -393,34 +398,46 @@ class ZmqPlane:
             sock.setsockopt(zmq.PLAIN_PASSWORD, connection_token(
                 peer.token, self.rank, peer.rank, self.attempts.get(peer.rank, 0)).encode())
 
+    def header(self, kind: int, sig: wire.Signature, src: int, tag: int, nbytes: int,
+               group: int) -> tuple[bytes, bytes]:
+        """The header of such a message, cut around the call's number (wire.cut_header):
+        marked inline up to INLINE_MAX_BYTES, where it travels in one frame with its
+        payload."""
+        return wire.cut_header(kind, sig, src, tag, nbytes,
+                               _FLAG_INLINE if nbytes <= INLINE_MAX_BYTES else 0, group)
+
     def send(self, dst: int, kind: int, sig: wire.Signature, seq: int, tag: int,
              payload: Any, size: int, copy: bool, group: int = 0) -> None:
-        if size <= INLINE_MAX_BYTES:
-            self.send_inline(dst, _pack_header(kind, sig, self.rank, seq, tag, size,
-                                               _FLAG_INLINE, group), payload)
-            return
-        router = self.router
+        self.send_packed(dst, _pack_header(
+            kind, sig, self.rank, seq, tag, size,
+            _FLAG_INLINE if size <= INLINE_MAX_BYTES else 0, group), payload, size, copy)
+
+    def send_packed(self, dst: int, header: bytes, payload: Any, size: int,
+                    copy: bool) -> bool:
+        """:meth:`send` of a message whose header is packed already (by :meth:`header`'s
+        rule: inline up to INLINE_MAX_BYTES). Up to that size one frame, ``header`` and
+        ``payload`` joined in one copy (one send, one receive; a non-contiguous payload,
+        which join refuses, is copied first); above it a header frame and a payload frame,
+        sent without a copy unless ``copy`` (or it is small). Whether the payload stays
+        in use by libzmq (zero copy): only then must the caller flush before it
+        rewrites it."""
         if not self._route(dst):
-            return
-        _send(router, wire.pack_header(kind, sig, self.rank, seq, tag, size, 0, group),
-              _SNDMORE)
+            return False
+        if size <= INLINE_MAX_BYTES:
+            try:
+                frame = _join((header, payload))
+            except TypeError:
+                frame = header + memoryview(payload).tobytes()
+            _send(self.router, frame)
+            return False
+        router = self.router
+        _send(router, header, _SNDMORE)
         if copy or size <= COPY_MAX_BYTES:
             _send(router, payload)
-            return
+            return False
         tracker = _send(router, payload, 0, False, True)
         self.trackers.append((dst, tracker))
-
-    def send_inline(self, dst: int, header: bytes, payload: Any) -> None:
-        """One message to ``dst`` as one frame: ``header`` (packed, with FLAG_INLINE) and
-        ``payload`` (at most INLINE_MAX_BYTES) joined in one copy (one send, one
-        receive; a non-contiguous payload, which join refuses, is copied first)."""
-        if not self._route(dst):
-            return
-        try:
-            frame = _join((header, payload))
-        except TypeError:
-            frame = header + memoryview(payload).tobytes()
-        _send(self.router, frame)
+        return True
 
     def _route(self, dst: int) -> bool:
         """Send the routing id of ``dst`` (a message's first frame); False, with ``dst``
@@ -497,7 +514,7 @@ class ZmqPlane:
         the peer the caller waits for, is not looked at first: there is one queue). A
         header that is not a swarmfd message, or claims another source than its
         connection's, is a protocol error: the peer does not follow the protocol."""
-        if self.back is not None:  # a frame take_inline read and put back
+        if self.back is not None:  # a frame take read and put back
             frame, self.back = self.back, None
         elif timeout == WAIT_SLICE and not spin.ENABLED:
             # The common wait, written out (_recv's first case): one blocking receive.
@@ -537,17 +554,17 @@ class ZmqPlane:
         self.raw = raw
         return hdr
 
-    def take_inline(self, src: int, expected: bytes, nbytes: int) -> memoryview | None:
+    def take(self, src: int, expected: bytes, nbytes: int) -> memoryview | None:
         """``src``'s inline message whose header is ``expected`` (packed, byte for byte)
         with ``nbytes`` of payload, when it is the next frame within one wait slice (the
         plane's wait: polls per the spin policy, then blocks): a view of its payload,
         valid while the view lives; what the channel's receive of that message would
-        give, in a few steps (a prepared call's, :mod:`swarmfd.prepared`). None
-        otherwise, having consumed nothing: nothing came within the slice, or the frame
-        is another message (another call's, a mismatch, an abort, a frame of no peer's
-        connection), which is put back for the channel's receive to read first
+        give, in a few steps. None otherwise, having consumed nothing: a message larger
+        than a frame takes, nothing came within the slice, or the frame is another
+        message (another call's, a mismatch, an abort, a frame of no peer's connection),
+        which is put back for the channel's receive to read first
         (:meth:`next_header`)."""
-        if self.back is not None:
+        if self.back is not None or nbytes > INLINE_MAX_BYTES:
             return None
         frame = self._recv(WAIT_SLICE)
         if frame is None:

@@ -1,0 +1,194 @@
+"""The call layer: how one collective call of a group runs, blocking or async.
+
+A call is an algorithm (a generator of :mod:`swarmfd.algorithms`, the one definition of
+what the call sends, receives and reduces) driven over an :class:`~.algorithms.base.Op`:
+
+* **blocking**, with nothing pending on the progress engine: on the caller's thread, by
+  :func:`swarmfd.algorithms.base.run` (a receive looks for its message on the plane
+  first, then waits in the channel);
+* **async**, or blocking behind pending async work: by the progress engine
+  (:mod:`swarmfd.engine`), which resumes the same generator as messages arrive.
+
+A :class:`Schedule` is a kind of call worked out once: its signature, the algorithm the
+selection table chose (:mod:`swarmfd.algorithms.select`) with the arguments it takes,
+and the op it runs with (message headers packed once, shared-memory views kept). A
+group keeps its schedules by the call's key (the collective, shapes, dtype, op, root:
+whatever the choice depends on), so a training loop's repeated calls are looked up,
+not worked out, and the blocking and async forms of a call run the same schedule.
+
+Failure: a call that raises breaks its group (see :mod:`swarmfd.group`) and tells the
+peers (the channel's abort); every later call of the group raises
+:meth:`Group.failure`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .algorithms.base import Op, run
+from .algorithms.select import Choice
+from .comm.wire import Collective, Signature
+from .engine import Work, completed
+from .group import WORLD_GID, Group
+
+__all__ = ["MAX_SCHEDULES", "Label", "Schedule", "label", "run_call", "run_message",
+           "schedule"]
+
+#: Schedules a group keeps (then it forgets them all): a training loop's calls take a
+#: few shapes; a loop over many shapes would gain little from them anyway.
+MAX_SCHEDULES = 256
+
+
+class Label:
+    """What a call is, for error messages ("all_reduce (call #7 on rank 2)"): built
+    once per schedule and formatted only when a message needs it."""
+
+    __slots__ = ("coll", "group", "seq")
+
+    def __init__(self, coll: Collective, group: Group, seq: int = 0) -> None:
+        self.coll, self.group, self.seq = coll, group, seq
+
+    def __str__(self) -> str:
+        g = self.group
+        return (f"{self.coll.label} (call #{self.seq} on rank {g.world_rank}"
+                + ("" if g.gid == WORLD_GID else f", {g.name}") + ")")
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+
+def label(g: Group, sig: Signature) -> str:
+    """The label of ``g``'s current call of ``sig``."""
+    return str(Label(sig.coll, g, g.seq))
+
+
+class Schedule:
+    """A kind of call of one group, worked out once (see the module docstring): the
+    algorithm of ``choice`` runs as ``algo(op, *bufs, *args, *choice.args)``, ``bufs``
+    what each call passes. ``choice`` None: a call with nothing to send (a group of
+    one, a world of one)."""
+
+    __slots__ = ("algo", "args", "choice", "engine", "group", "label", "op", "others", "sig")
+
+    def __init__(self, group: Group, sig: Signature, choice: Choice | None,
+                 args: Sequence[Any] = ()) -> None:
+        self.group = group
+        self.sig = sig
+        self.choice = choice
+        self.algo = None if choice is None else choice.algo
+        self.args = tuple(args) if choice is None else (*args, *choice.args)
+        self.label = Label(sig.coll, group)
+        self.engine = group.engine
+        plane = group.plane()
+        ch = group.channel
+        #: The op every blocking call of the schedule runs with (None: no peers).
+        self.op = None if plane is None or group.size == 1 or choice is None else Op(
+            ch, plane, group.ranks, group.rank, group.gid, 0, sig,
+            plane if plane.shares_memory else None, group.next_slot, 0, group.ring)
+        #: Whether aborts may come on another plane than the call's (read now and then).
+        self.others = ch is not None and len(ch.planes) > 1
+
+    @property
+    def parts(self) -> bool:
+        """Whether the algorithm takes :class:`~.algorithms.base.Parts` (arrays reduced
+        where they are)."""
+        return self.choice is not None and self.choice.parts
+
+    def run(self, *bufs: Any) -> Any:
+        """Run one call on ``bufs``, blocking; the algorithm's result."""
+        g = self.group
+        if g.broken is not None and g.seq + 1 >= g.broken_from:
+            raise g.failure()
+        g.seq = seq = g.seq + 1
+        op = self.op
+        if op is None:
+            return None
+        engine = self.engine
+        if engine.queues or engine.p2p:  # behind pending async work: the engine runs it
+            return self._submit(bufs, seq, None).wait()
+        self.label.seq = op.seq = seq  # (Op.at, written out: every call passes here)
+        op.seqb = (seq & 0xFFFFFFFF).to_bytes(4, "little")
+        op.out[0] = False
+        return _blocking(g, engine, op, self.algo(op, *bufs, *self.args),  # type: ignore[misc]
+                         self.label, True, self.others)
+
+    def start(self, *bufs: Any, finish: Callable[[Any], Any] | None = None) -> Work:
+        """Issue one call on ``bufs`` as async work: a :class:`Work` that gives
+        ``finish(result)`` (or the result) once the call completed."""
+        g = self.group
+        if g.broken is not None and g.seq + 1 >= g.broken_from:
+            return completed(None, label(g, self.sig), g.failure())
+        g.seq = seq = g.seq + 1
+        if self.op is None:
+            return completed(finish(None) if finish is not None else None, label(g, self.sig))
+        return self._submit(bufs, seq, finish)
+
+    def _submit(self, bufs: tuple[Any, ...], seq: int,
+                finish: Callable[[Any], Any] | None) -> Work:
+        op = self.op.copy().at(seq)  # type: ignore[union-attr]
+        return self.group.engine.submit(self.group, op, self.algo(op, *bufs, *self.args),
+                                        label(self.group, self.sig), finish)
+
+
+def schedule(g: Group, key: Any, make: Callable[[], Schedule]) -> Schedule:
+    """``g``'s schedule of ``key``, made by ``make()`` on its first call and kept
+    (``key`` None: made for this call only)."""
+    if key is None:
+        return make()
+    found = g.schedules.get(key)
+    if found is None:
+        if len(g.schedules) >= MAX_SCHEDULES:
+            g.schedules.clear()
+        found = g.schedules[key] = make()
+    return found
+
+
+def run_call(s: Schedule, bufs: tuple[Any, ...], finish: Callable[[Any], Any] | None,
+             async_op: bool) -> Any:
+    """Run ``s`` on ``bufs`` and give ``finish(result)``, or (``async_op``) a Work that
+    gives it."""
+    if async_op:
+        return s.start(*bufs, finish=finish)
+    result = s.run(*bufs)
+    return finish(result) if finish is not None else result
+
+
+def _blocking(g: Group, engine: Any, op: Op, gen: Any, activity: Any, collective: bool,
+              others: bool) -> Any:
+    """Drive ``gen`` on ``op`` on the caller's thread (nothing pending on the engine):
+    ``g``'s current call (``collective``) or a point-to-point message of ``g``. A
+    failure breaks the group and the peers hear of it."""
+    ch = op.channel
+    with engine.lock:  # the progress thread may be finishing its last step
+        ch.enter(g.gid, g.seq, activity, collective)
+        try:
+            if others:
+                # Aborts may come on another plane than this call's: now and then read
+                # what waits there (a wait reads every plane between its slices anyway).
+                ch.service_others(op.plane)
+            result = run(op, gen)
+            if op.out[0] or not collective:
+                ch.flush()
+            return result
+        except BaseException as exc:
+            g.broken, g.broken_from = exc, 0
+            # The last call this rank finished: the one before a failed collective, the
+            # latest one before a failed point-to-point message.
+            ch.abort(exc, g.gid, g.seq - 1 if collective else g.seq)
+            raise
+        finally:
+            ch.leave()
+
+
+def run_message(g: Group, op: Op, gen: Any, activity: str,
+                finish: Callable[[Any], Any] | None, async_op: bool) -> Any:
+    """A point-to-point message of ``g`` (``gen``: its algorithm on ``op``), blocking on
+    the caller's thread when nothing is pending, else through the engine: gives
+    ``finish(result)``, or (``async_op``) a Work that gives it."""
+    engine = g.engine
+    if not async_op and engine.idle():
+        result = _blocking(g, engine, op, gen, activity, False, len(op.channel.planes) > 1)
+        return finish(result) if finish is not None else result
+    work = engine.submit(g, op, gen, activity, finish, p2p=True)
+    return work if async_op else work.wait()
