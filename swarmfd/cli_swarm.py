@@ -1,4 +1,4 @@
-"""The Docker commands: ``swarmfd build``, ``deploy``, ``ls``, ``ps``, ``logs`` and ``rm``.
+"""The Docker commands: ``swarmfd build``, ``deploy``, ``ls``, ``ps``, ``logs``, ``rm``, ``doctor``.
 
 Thin click wrappers: parse and validate the options (before any engine is
 contacted), call :mod:`swarmfd.swarm`, map its errors to exit codes. The
@@ -317,6 +317,12 @@ class _DeployCommand(click.Command):
 @click.option("--rm", "rm_flag", is_flag=True,
               help="Remove the job when it finishes, even if a rank failed.")
 @click.option("--no-prefix", is_flag=True, help="Do not prefix output lines with '[rank R] '.")
+@click.option("--shm-size", default=None, metavar="SIZE",
+              help="Size of the tmpfs mounted at /dev/shm in every rank (torch DataLoader "
+                   "workers pass batches there; a container's own is 64 MiB).  [default: 1G]")
+@click.option("--no-preflight", is_flag=True,
+              help="Skip the checks run before a job that may span nodes (the image on every "
+                   "node, the ports between them, memory; see `swarmfd doctor`).")
 @_host_option
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="-- COMMAND...")
 @click.pass_context
@@ -359,6 +365,8 @@ def deploy(
     keep_flag: bool,
     rm_flag: bool,
     no_prefix: bool,
+    shm_size: str | None,
+    no_preflight: bool,
     host: str | None,
     command: tuple[str, ...],
 ) -> None:
@@ -467,6 +475,8 @@ def deploy(
             encrypt_network=encrypt_network,
             checkpoint_volume=spec_lib.parse_checkpoint_volume(checkpoint_volume)
             if checkpoint_volume is not None else None,
+            shm_size=spec_lib.parse_memory(shm_size, "--shm-size") if shm_size is not None
+            else spec_lib.DEFAULT_SHM_SIZE,
             version=__version__,
         )
         if build_dir is not None:
@@ -481,7 +491,8 @@ def deploy(
     try:
         result = run_deploy(job, host=host, pull=pull, detach=detach, keep=keep, output=output,
                             progress=stderr_progress("swarmfd deploy"),
-                            max_restarts=max_restarts, build=build_request, push=registry)
+                            max_restarts=max_restarts, build=build_request, push=registry,
+                            preflight=not no_preflight)
     except KeyboardInterrupt:  # before following began (while checking or creating)
         click.echo(f"swarmfd deploy: interrupted; if job {job.name} was created already, "
                    f"`swarmfd ps {job.name}` shows it and `swarmfd rm {job.name}` removes it",
@@ -704,7 +715,86 @@ def rm(ctx: click.Context, jobs: tuple[str, ...], timeout: float, host: str | No
         ctx.exit(EXIT_ERROR)
 
 
+# --- doctor -----------------------------------------------------------------------------
+
+
+@click.command("doctor", epilog="Exit code: 0 when a job can run (warnings or not); 1 when "
+                                "something would stop it; 130 after Ctrl-C; 2 for bad usage.")
+@click.option("--image", default=None, metavar="IMAGE",
+              help="The image a job would run.  [default: swarmfd:latest]")
+@click.option("--build", "build_dir", default=None, metavar="DIR",
+              type=click.Path(file_okay=False),
+              help="Build DIR first (as `swarmfd build DIR`) and check that image.")
+@_build_options
+@click.option("-n", "--nproc", "world_size", type=click.IntRange(min=1), default=None,
+              metavar="N", help="Also check a job of N ranks: where they would run, each "
+                                "node's cores and memory for them, and the expected time of "
+                                "an all_reduce of 100 MiB.")
+@click.option("--shm-size", default=None, metavar="SIZE",
+              help="The /dev/shm each rank gets (deploy --shm-size), counted in the memory "
+                   "check.  [default: 1G]")
+@click.option("--json", "as_json", is_flag=True,
+              help='Print only the report, as JSON: {"ok": ..., "checks": [{"name", "status", '
+                   '"detail", "fix", "figures"}, ...]}.')
+@_host_option
+@click.pass_context
+@_swarm_errors
+def doctor(ctx: click.Context, image: str | None, build_dir: str | None, base: str | None,
+           extras: tuple[str, ...], wheelhouses: tuple[str, ...], no_index: bool,
+           no_cpu_torch: bool, repository: str | None, rebuild: bool, world_size: int | None,
+           shm_size: str | None, as_json: bool, host: str | None) -> None:
+    """Check a Swarm before a job runs on it, and say how to fix what would stop it.
+
+    One line a check, in order: the engine and the Swarm's nodes; the image on every
+    node; then a short probe job (one task per node, on an overlay network of its own,
+    removed whatever happens) that measures what a job would meet: whether the tasks
+    reach each other (the ports to open if not), the path MTU on the overlay, each node
+    pair's latency and bandwidth through swarmfd's socket and ZeroMQ planes, clock
+    offsets, and /dev/shm, memory and cores inside a task. With -n N: where N ranks would
+    run and whether each node has the cores and memory for them.
+
+    \b
+    Examples:
+      swarmfd doctor
+      swarmfd doctor -n 8 --image myimage:1
+      swarmfd doctor --json | jq '.checks[] | select(.status != "ok")'
+    """
+    from .swarm import spec as spec_lib
+    from .swarm.build import BuildError
+    from .swarm.deploy import stderr_progress
+    from .swarm.doctor import format_report, report, run_doctor
+
+    if build_dir is not None and image is not None:
+        raise click.UsageError("give --image or --build, not both", ctx)
+    if build_dir is None and (base or extras or wheelhouses or no_index or no_cpu_torch
+                              or repository or rebuild):
+        raise click.UsageError("--base, --extra, --wheelhouse, --no-index, --no-cpu-torch, "
+                               "--image-name and --rebuild apply to --build DIR", ctx)
+    try:
+        build_request = None if build_dir is None else _build_request(
+            build_dir, base, extras, wheelhouses, no_index, no_cpu_torch, repository, rebuild)
+        shm = spec_lib.parse_memory(shm_size, "--shm-size") if shm_size is not None \
+            else spec_lib.DEFAULT_SHM_SIZE
+    except (ValueError, TypeError, BuildError) as exc:
+        raise click.UsageError(str(exc), ctx) from None
+    progress = (lambda line: None) if as_json else stderr_progress("swarmfd doctor")
+    try:
+        checks = run_doctor(host, image=image, build=build_request, world_size=world_size,
+                            shm_size=shm, progress=progress)
+    except KeyboardInterrupt:
+        click.echo("swarmfd doctor: interrupted (the probe job was removed)", err=True)
+        ctx.exit(EXIT_INTERRUPTED)
+    found = report(checks)
+    if as_json:
+        import json
+
+        click.echo(json.dumps(found, indent=2))
+    else:
+        click.echo(format_report(checks))
+    ctx.exit(0 if found["ok"] else EXIT_ERROR)
+
+
 def register(group: click.Group) -> None:
-    """Add build, deploy, ls, ps, logs and rm to the ``swarmfd`` command group."""
-    for command in (build, deploy, ls, ps, logs, rm):
+    """Add build, deploy, ls, ps, logs, rm and doctor to the ``swarmfd`` command group."""
+    for command in (build, deploy, ls, ps, logs, rm, doctor):
         group.add_command(command)

@@ -5,7 +5,9 @@ line before any engine is contacted) and does the rest:
 
 1. checks, before anything is created: an engine answers, it is a Swarm manager, the
    job name is free, the extra networks exist, the image is on this node (its ID is
-   then what the service runs, so no task start consults a registry);
+   then what the service runs, so no task start consults a registry); with
+   ``preflight``, before a job that may span nodes, the doctor's fast subset
+   (:func:`.doctor.preflight`: the image on every node, the ports, memory);
 2. creates the job's secret (``<job>-secret``, mounted in every rank as
    ``/run/secrets/swarmfd_secret``), overlay network and service (a failure removes
    what was created);
@@ -35,6 +37,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from . import doctor
 from .build import BuildRequest, build_project, push_image
 from .engine import (
     check_manager,
@@ -93,12 +96,14 @@ def run_deploy(
     max_restarts: int = 0,
     build: BuildRequest | None = None,
     push: str | None = None,
+    preflight: bool = True,
 ) -> DeployResult:
     """Create job ``job`` on the Swarm at ``host`` and (unless ``detach``) follow it.
 
     ``build``: build that project's image first (``job.image`` is then ignored);
     ``push``: push the image to that registry and run it from there (every node pulls
-    it by digest).
+    it by digest). ``preflight``: check the nodes the job may use first
+    (:func:`.doctor.preflight`; nothing on one node).
 
     With ``max_restarts`` K, a failed group is torn down (its service removed, its
     network and secret kept) and created again with ``SWARMFD_RESTART_COUNT`` k+1, up
@@ -153,6 +158,8 @@ def run_deploy(
                 'ENTRYPOINT ["python", "-m", "swarmfd.entrypoint"]'
             )
         job = dataclasses.replace(job, image=image_name, image_ref=image.ref, restart_count=0)
+        if preflight:
+            doctor.preflight(client, job, node_id, progress)
         service_id, secret_id = create_job(client, job)
         result = DeployResult(job.name, 0, service_id, created_after=time.monotonic() - started)
         if detach:
