@@ -345,11 +345,14 @@ class _Interrupts:
             raise KeyboardInterrupt
 
 
-def _remove(client: docker.DockerClient, name: str, progress: Callable[[str], None]) -> None:
-    """Remove the probe job, holding Ctrl-C meanwhile; say so if something stays."""
+def _remove(client: docker.DockerClient, name: str, wait: bool,
+            progress: Callable[[str], None]) -> None:
+    """Remove the probe job, holding Ctrl-C meanwhile; say so if something stays. With
+    ``wait``, also its containers on this node (deploy's preflight leaves them to Swarm:
+    about 2 s less before the job starts)."""
     with _Interrupts().held():
         try:
-            remove_job(client, name)
+            remove_job(client, name, wait=wait)
         except JobNotFoundError:
             pass
         except (SwarmJobError, docker.errors.DockerException) as exc:
@@ -452,7 +455,7 @@ def _probe_once(client: docker.DockerClient, node_id: str, image: str, ref: str,
                      constraints)
     result = ProbeResult(name=name, nodes=[n.name for n in nodes])
     started = time.monotonic()
-    progress(f"probing {len(nodes)} node(s) with job {name} ({ref[:19]})")
+    progress(f"probing {len(nodes)} node(s) with job {name} ({_short(ref)})")
     try:
         try:
             service_id, _secret = create_job(client, job)
@@ -464,7 +467,7 @@ def _probe_once(client: docker.DockerClient, node_id: str, image: str, ref: str,
         _gather(result, views, lines, {n.id: n.name for n in read_nodes(client)},
                 job.world_size)
     finally:
-        _remove(client, name, progress)
+        _remove(client, name, mode == "full", progress)
         result.seconds = time.monotonic() - started
     return result
 
@@ -557,16 +560,21 @@ def check_image(image: str, ref: str, result: ProbeResult) -> Check:
     missing = {n: why for n, why in result.rejected.items() if _IMAGE_ERROR.search(why)}
     ran = sorted(set(result.nodes) - set(result.rejected) - set(result.failed))
     figures = {"image": image, "ref": ref, "runs_on": ran, "missing": missing}
-    shown = image if image == ref else f"{image} ({ref[:19]})"
+    shown = _short(image) if image == ref else f"{_short(image)} ({_short(ref)})"
     if missing:
         return Check("image", "problem", f"the image {shown} is not on "
                      f"{_names(missing)}: {next(iter(missing.values()))}",
-                     IMAGE_FIX.format(nodes=_names(missing), image=image,
+                     IMAGE_FIX.format(nodes=_names(missing), image=_short(image),
                                       node=min(missing)), figures)
     if not ran:
         return Check("image", "warning", f"not checked: the probe did not run "
                      f"({result.create_error or 'no task started'})", AGAIN, figures)
     return Check("image", "ok", f"{shown} runs on {len(ran)} node(s)", "", figures)
+
+
+def _short(image: str) -> str:
+    """An image ID as Docker shows it (12 hex digits, which its commands take too)."""
+    return image[7:19] if image.startswith("sha256:") and len(image) > 19 else image
 
 
 def check_overlay(result: ProbeResult) -> Check:
@@ -704,8 +712,8 @@ def _plane_figures(result: ProbeResult, plane: str) -> dict[str, dict[str, float
 def _spread(values: list[float], unit: str, digits: int) -> str:
     if not values:
         return "?"
-    low, high = min(values), max(values)
-    return f"{low:.{digits}f}{unit}" if low == high else f"{low:.{digits}f}-{high:.{digits}f}{unit}"
+    low, high = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
+    return f"{low}{unit}" if low == high else f"{low}-{high}{unit}"
 
 
 def check_links(result: ProbeResult) -> Check:
