@@ -348,8 +348,9 @@ class _Interrupts:
 def _remove(client: docker.DockerClient, name: str, wait: bool,
             progress: Callable[[str], None]) -> None:
     """Remove the probe job, holding Ctrl-C meanwhile; say so if something stays. With
-    ``wait``, also its containers on this node (deploy's preflight leaves them to Swarm:
-    about 2 s less before the job starts)."""
+    ``wait``, also its containers on this node (until they are gone, this node still
+    lists the network of a task that ran); deploy's preflight leaves the containers of
+    tasks that ended to Swarm: about 2 s less before the job starts."""
     with _Interrupts().held():
         try:
             remove_job(client, name, wait=wait)
@@ -412,13 +413,18 @@ def _watch(client: docker.DockerClient, service_id: str, node_id: str, world: in
 
 def _results_in(views: dict[int, TaskView], lines: dict[int, list[str]],
                 lock: threading.Lock, full: bool) -> bool:
-    """Every task that completed printed its facts (and, in full mode, rank 0 its links)."""
+    """Every task that completed printed its facts; in full mode, when those say every
+    task reached every other (so the measurements ran), a links line came too."""
     with lock:
-        found = {r: {rec.get("kind") for rec in probe.parse_lines(v)} for r, v in lines.items()}
+        found = {r: probe.parse_lines(v) for r, v in lines.items()}
     done = [r for r, v in views.items() if v.phase == "done"]
-    if not all("facts" in found.get(r, set()) for r in done):
+    facts = [next((x for x in found.get(r, []) if x.get("kind") == "facts"), None)
+             for r in done]
+    if any(f is None for f in facts):
         return False
-    return not full or len(done) < len(views) or len(views) < 2 or "links" in found.get(0, set())
+    measured = full and len(done) == len(views) > 1 and all(
+        all(s == "ok" for s in (f.get("reach") or {}).values()) for f in facts if f)
+    return not measured or any(x.get("kind") == "links" for v in found.values() for x in v)
 
 
 def _gather(result: ProbeResult, views: dict[int, TaskView], lines: dict[int, list[str]],
@@ -456,6 +462,7 @@ def _probe_once(client: docker.DockerClient, node_id: str, image: str, ref: str,
     result = ProbeResult(name=name, nodes=[n.name for n in nodes])
     started = time.monotonic()
     progress(f"probing {len(nodes)} node(s) with job {name} ({_short(ref)})")
+    ended = False  # every task ended: its network can go without waiting for containers
     try:
         try:
             service_id, _secret = create_job(client, job)
@@ -464,10 +471,11 @@ def _probe_once(client: docker.DockerClient, node_id: str, image: str, ref: str,
             return result
         views, lines = _watch(client, service_id, node_id, job.world_size,
                               started + timeout, mode == "full")
+        ended = len(views) == job.world_size and all(v.terminal for v in views.values())
         _gather(result, views, lines, {n.id: n.name for n in read_nodes(client)},
                 job.world_size)
     finally:
-        _remove(client, name, mode == "full", progress)
+        _remove(client, name, mode == "full" or not ended, progress)
         result.seconds = time.monotonic() - started
     return result
 
@@ -961,7 +969,8 @@ def preflight(client: docker.DockerClient, job: JobSpec, node_id: str,
     started = time.monotonic()
     result = run_probe(client, node_id, job.image, job.image_ref, usable, nodes,
                        mode="quick", shm_size=job.shm_size, encrypt=job.encrypt_network,
-                       constraints=job.constraints, retry=False)
+                       constraints=job.constraints, retry=False,
+                       progress=lambda line: progress(f"preflight: {line}"))
     checks = [check_image(job.image, job.image_ref, result), check_overlay(result),
               check_ports(result),
               check_placement(job.world_size, usable, result, job.shm_size or 0,

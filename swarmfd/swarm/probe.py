@@ -154,16 +154,12 @@ def facts(slot: int) -> dict[str, Any]:
             "shm": shm(), "memory": memory(), "time": time.time()}
 
 
-class _Inbound:
-    """The mesh's listener: which slots connected to this task (each sends its slot)."""
+class _Listener:
+    """A socket served by a thread until :meth:`close`; ``_take`` handles what arrives."""
 
-    def __init__(self) -> None:
-        self.slots: set[int] = set()
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("0.0.0.0", PROBE_PORT))
-        self.sock.listen(64)
-        self.sock.settimeout(0.2)
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.sock.settimeout(0.1)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -171,22 +167,37 @@ class _Inbound:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                conn, _addr = self.sock.accept()
-            except OSError:
+                self._take()
+            except (OSError, ValueError):
                 continue
-            with conn:
-                conn.settimeout(2.0)
-                try:
-                    data = conn.recv(16)
-                    self.slots.add(int(data.decode("ascii").strip()))
-                    conn.sendall(b"ok\n")
-                except (OSError, ValueError):
-                    pass
+
+    def _take(self) -> None:
+        raise NotImplementedError
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(2.0)
         self.sock.close()
+
+
+class _Inbound(_Listener):
+    """The mesh's listener: which slots connected to this task (each sends its slot)."""
+
+    def __init__(self) -> None:
+        self.slots: set[int] = set()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("0.0.0.0", PROBE_PORT))
+        sock.listen(64)
+        super().__init__(sock)
+
+    def _take(self) -> None:
+        conn, _addr = self.sock.accept()
+        with conn:
+            conn.settimeout(2.0)
+            slot = int(conn.recv(16).decode("ascii").strip())
+            self.slots.add(slot)
+            conn.sendall(b"ok\n")
 
 
 def _connect(ip: str, slot: int) -> str:
@@ -254,34 +265,22 @@ def mesh(job: str, slot: int, world: int, start_timeout: float,
 # --- 2. measurements ---------------------------------------------------------------------
 
 
-class DatagramCounter:
+class DatagramCounter(_Listener):
     """Counts the MTU probe's datagrams as they arrive: (sender address, size) -> n."""
 
     def __init__(self, port: int = PROBE_PORT) -> None:
         self.seen: dict[tuple[str, int], int] = {}
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind(("0.0.0.0", port))
-        self.sock.settimeout(0.1)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.bind(("0.0.0.0", port))
+        super().__init__(sock)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                data, (ip, _port) = self.sock.recvfrom(65536)
-            except OSError:
-                continue
-            key = (ip, len(data) + UDP_HEADERS)
-            self.seen[key] = self.seen.get(key, 0) + 1
+    def _take(self) -> None:
+        data, (ip, _port) = self.sock.recvfrom(65536)
+        key = (ip, len(data) + UDP_HEADERS)
+        self.seen[key] = self.seen.get(key, 0) + 1
 
     def largest_from(self, ip: str) -> int:
         return max((size for (src, size) in self.seen if src == ip), default=0)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2.0)
-        self.sock.close()
 
 
 def _send_sized(sock: socket.socket, size: int, copies: int) -> bool:

@@ -115,6 +115,37 @@ def test_a_healthy_swarm_reports_ok_with_measured_figures(multinode: Any) -> Non
     print(f"  clock offsets: {checks['clocks']['figures']}")
 
 
+def test_blocked_overlay_traffic_names_the_pairs_and_the_ports(multinode: Any) -> None:
+    """Node 3 drops the overlay's VXLAN traffic (4789/udp): its tasks' names still
+    resolve (gossip works) but no connection gets through; doctor exits 1 naming those
+    pairs and the ports to open, and measures nothing it cannot."""
+    if len(multinode.nodes) < 3:
+        pytest.skip("needs three nodes")
+    third = multinode.nodes[2]
+    container = multinode.host.containers.get(third.container_id)
+    rule = "INPUT -p udp --dport 4789 -j DROP"
+    _run(container, f"iptables -I {rule}")
+    try:
+        started = time.monotonic()
+        code, doc, stderr = doctor_json(multinode)
+        elapsed = time.monotonic() - started
+    finally:
+        _run(container, f"iptables -D {rule}")
+    checks = by_name(doc)
+    assert code == 1 and doc["ok"] is False, (doc, stderr)
+    ports = checks["ports"]
+    assert ports["status"] == "problem", ports
+    blocked = {p for p, s in ports["figures"]["pairs"].items() if s != "ok"}
+    assert blocked and all(third.name in p.split(">") for p in blocked), ports
+    assert f"cannot reach {third.name}" in ports["detail"] or \
+        ports["detail"].count(f"{third.name} cannot reach") > 0, ports
+    assert "4789/udp" in ports["fix"] and "7946/tcp" in ports["fix"]
+    assert checks["links"]["status"] == "warning" and "not measured" in checks["links"]["detail"]
+    assert swarmfd_objects(multinode, "swarmfd-doctor-") == []
+    print(f"\nswarmfd doctor with 4789/udp blocked on {third.name} ({elapsed:.1f} s): "
+          f"{ports['detail']}\n  fix: {ports['fix']}")
+
+
 def _run(container: Any, cmd: str) -> None:
     code, output = container.exec_run(["sh", "-c", cmd])
     assert code == 0, f"{cmd}: {output.decode(errors='replace')}"
