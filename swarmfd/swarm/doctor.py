@@ -52,10 +52,10 @@ import docker.errors
 
 from ..comm.planes.shm import SEGMENT_SIZE
 from . import probe
-from .engine import connect, create_job, job_tasks, remove_job, resolve_image
+from .engine import connect, create_job, find_service, job_tasks, remove_job, resolve_image
 from .errors import EngineUnavailableError, JobNotFoundError, SwarmJobError
 from .follow import LogPump
-from .spec import DEFAULT_SHM_SIZE, JobSpec
+from .spec import DEFAULT_SHM_SIZE, LABEL_JOB, JobSpec
 from .tasks import TaskView
 
 __all__ = [
@@ -91,6 +91,8 @@ REACH_TIMEOUT = 5.0
 RESULT_WAIT = 10.0
 #: After a first task was rejected, how long to wait for the others to be placed.
 REJECT_SETTLE = 3.0
+#: How long the probe's containers and network may stay listed here after its removal.
+GONE_WAIT = 20.0
 PORTS_FIX = ("open these between every two nodes (host firewalls, cloud security groups): "
              "4789/udp (the overlay's VXLAN traffic), 7946/tcp and 7946/udp (gossip: how "
              "nodes learn each other's tasks), 2377/tcp to the managers, and IP protocol 50 "
@@ -345,20 +347,65 @@ class _Interrupts:
             raise KeyboardInterrupt
 
 
-def _remove(client: docker.DockerClient, name: str, wait: bool,
+def _remove(client: docker.DockerClient, name: str, ended: bool, wait: bool,
             progress: Callable[[str], None]) -> None:
-    """Remove the probe job, holding Ctrl-C meanwhile; say so if something stays. With
-    ``wait``, also its containers on this node (until they are gone, this node still
-    lists the network of a task that ran); deploy's preflight leaves the containers of
-    tasks that ended to Swarm: about 2 s less before the job starts."""
+    """Remove the probe job, holding Ctrl-C meanwhile; say so if something stays.
+
+    Tasks that had not ``ended`` are stopped first (:func:`_stop_tasks`). With ``wait``
+    this returns once this node lists no container nor network of the job; without (the
+    preflight, whose tasks all ended) the containers are left to Swarm, which removes
+    them within about 2 s: that much less before deploy's job starts.
+    """
     with _Interrupts().held():
         try:
+            if not ended:
+                _stop_tasks(client, name)
             remove_job(client, name, wait=wait)
+            if wait:
+                _all_gone(client, name)
         except JobNotFoundError:
             pass
         except (SwarmJobError, docker.errors.DockerException) as exc:
             progress(f"warning: the probe job {name} could not be removed ({exc}); remove "
                      f"it with `swarmfd rm {name}`")
+
+
+def _stop_tasks(client: docker.DockerClient, name: str) -> None:
+    """Scale the job to 0 and wait (bounded) until none of its tasks is still starting
+    or running. A service removed while a node prepares its task can get that task's
+    container created after the removal, when its tasks can no longer be listed; while
+    the service exists they can."""
+    service = find_service(client, name)
+    if service is None:
+        return
+    with contextlib.suppress(docker.errors.NotFound):
+        client.services.get(service["ID"]).scale(0)
+    deadline = time.monotonic() + GONE_WAIT
+    with contextlib.suppress(docker.errors.NotFound):
+        while time.monotonic() < deadline and not all(
+                v.terminal for v in job_tasks(client, service["ID"]).values()):
+            time.sleep(0.2)
+
+
+def _all_gone(client: docker.DockerClient, name: str) -> None:
+    """Wait (bounded) until this node lists no container and no network of the job: the
+    node's copy of the network of a task stopped while it started stays a few seconds
+    (3 s here) after Swarm's is gone."""
+    deadline = time.monotonic() + GONE_WAIT
+    label = {"label": f"{LABEL_JOB}={name}"}
+    while True:
+        containers = client.api.containers(all=True, filters=label)
+        networks = client.api.networks(filters=label)
+        if not containers and not networks:
+            return
+        if time.monotonic() > deadline:
+            left = [c["Id"][:12] for c in containers] + [n.get("Name", "") for n in networks]
+            raise SwarmJobError(f"{', '.join(left)} still listed {GONE_WAIT:.0f} s after "
+                                "the job was removed")
+        for net in [] if containers else networks:
+            with contextlib.suppress(docker.errors.APIError):
+                client.api.remove_network(net["Id"])
+        time.sleep(0.2)
 
 
 def _probe_job(name: str, image: str, ref: str, nodes: list[Node], hosts: dict[str, str],
@@ -462,7 +509,7 @@ def _probe_once(client: docker.DockerClient, node_id: str, image: str, ref: str,
     result = ProbeResult(name=name, nodes=[n.name for n in nodes])
     started = time.monotonic()
     progress(f"probing {len(nodes)} node(s) with job {name} ({_short(ref)})")
-    ended = False  # every task ended: its network can go without waiting for containers
+    ended = False  # every task ended by itself
     try:
         try:
             service_id, _secret = create_job(client, job)
@@ -475,7 +522,7 @@ def _probe_once(client: docker.DockerClient, node_id: str, image: str, ref: str,
         _gather(result, views, lines, {n.id: n.name for n in read_nodes(client)},
                 job.world_size)
     finally:
-        _remove(client, name, mode == "full" or not ended, progress)
+        _remove(client, name, ended, mode == "full" or not ended, progress)
         result.seconds = time.monotonic() - started
     return result
 
