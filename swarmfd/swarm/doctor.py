@@ -45,7 +45,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import docker
 import docker.errors
@@ -57,6 +57,9 @@ from .errors import EngineUnavailableError, JobNotFoundError, SwarmJobError
 from .follow import LogPump
 from .spec import DEFAULT_SHM_SIZE, LABEL_JOB, JobSpec
 from .tasks import TaskView
+
+if TYPE_CHECKING:
+    from .build import BuildRequest
 
 __all__ = [
     "STATUSES",
@@ -91,6 +94,8 @@ REACH_TIMEOUT = 5.0
 RESULT_WAIT = 10.0
 #: After a first task was rejected, how long to wait for the others to be placed.
 REJECT_SETTLE = 3.0
+#: How long a task may wait for Swarm to find it a node (pulling an image comes after).
+PENDING_LIMIT = 15.0
 #: How long the probe's containers and network may stay listed here after its removal.
 GONE_WAIT = 20.0
 PORTS_FIX = ("open these between every two nodes (host firewalls, cloud security groups): "
@@ -424,7 +429,8 @@ def _probe_job(name: str, image: str, ref: str, nodes: list[Node], hosts: dict[s
 def _watch(client: docker.DockerClient, service_id: str, node_id: str, world: int,
            deadline: float, full: bool) -> tuple[dict[int, TaskView], dict[int, list[str]]]:
     """Follow the probe's tasks until all ended (or one was rejected and the rest placed,
-    or the deadline), then wait for their result lines; return the tasks and lines."""
+    or one found no node for PENDING_LIMIT, or the deadline), then wait for their result
+    lines; return the tasks and lines."""
     lines: dict[int, list[str]] = {}
     lock = threading.Lock()
 
@@ -434,6 +440,7 @@ def _watch(client: docker.DockerClient, service_id: str, node_id: str, world: in
                 ("" if which == "out" else "stderr: ") + line.decode("utf-8", "replace"))
 
     pump = LogPump(client, service_id, node_id, sink)
+    started = time.monotonic()
     rejected_at = None
     views: dict[int, TaskView] = {}
     try:
@@ -448,6 +455,9 @@ def _watch(client: docker.DockerClient, service_id: str, node_id: str, world: in
                     break
             if len(views) >= world and all(v.terminal for v in views.values()):
                 break
+            if time.monotonic() - started > PENDING_LIMIT and any(
+                    v.state == "pending" and v.error for v in views.values()):
+                break  # Swarm finds no node for a task ("no suitable node ...")
             time.sleep(0.25)
         until = min(deadline, time.monotonic() + RESULT_WAIT)
         while time.monotonic() < until and not _results_in(views, lines, lock, full):
@@ -943,7 +953,7 @@ def check_placement(n: int, nodes: list[Node], result: ProbeResult, shm_size: in
 # --- the command and deploy's preflight -----------------------------------------------------
 
 
-def _image(client: docker.DockerClient, image: str, build: Any,
+def _image(client: docker.DockerClient, image: str, build: BuildRequest | None,
            progress: Callable[[str], None]) -> tuple[str, str]:
     """The image's name and what the probe runs: its ID when it is on this node (as deploy
     runs it), else the name as given (every node pulls it from its registry)."""
@@ -960,7 +970,8 @@ def _image(client: docker.DockerClient, image: str, build: Any,
         return image, image
 
 
-def run_doctor(host: str | None = None, *, image: str | None = None, build: Any = None,
+def run_doctor(host: str | None = None, *, image: str | None = None,
+               build: BuildRequest | None = None,
                world_size: int | None = None, shm_size: int = DEFAULT_SHM_SIZE,
                progress: Callable[[str], None] = lambda _line: None) -> list[Check]:
     """Every check in order, against the Swarm manager at ``host`` (``build``: a

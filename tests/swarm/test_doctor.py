@@ -97,3 +97,22 @@ def test_ctrl_c_during_the_probe_removes_it(swarm: Any, swarmfd_image: str) -> N
     assert proc.returncode == 130, stderr
     assert "interrupted (the probe job was removed)" in stderr
     assert leftovers(swarm, name) == {}
+
+
+SHM_REPORT = ("import os, stat; s = os.statvfs('/dev/shm'); "
+              "mode = oct(stat.S_IMODE(os.stat('/dev/shm').st_mode)); "
+              "print('shm', s.f_blocks * s.f_frsize, mode)")
+
+
+def test_deploy_shm_size_mounts_that_tmpfs_at_dev_shm(swarm: Any, swarmfd_image: str) -> None:
+    """deploy --shm-size 256M: the rank's /dev/shm is a tmpfs of 256 MiB, mode 1777 (a
+    container's own is 64 MiB)."""
+    name = f"swarmfd-test-shm-{os.urandom(3).hex()}"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "swarmfd", "deploy", swarmfd_image, "-n", "1", "--name", name,
+         "--shm-size", "256M", "--rm", "--", "python", "-c", SHM_REPORT],
+        capture_output=True, text=True, timeout=CLI_TIMEOUT, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"[rank 0] shm {256 << 20} 0o1777" in proc.stdout.splitlines(), proc.stdout
+    assert leftovers(swarm, name) == {}
