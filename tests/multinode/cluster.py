@@ -24,6 +24,9 @@ node containers.
   (``--insecure-registry``), so an image pushed there from node 1's engine is pulled
   by the workers, as on a real cluster with a registry.
 
+:meth:`Cluster.add_worker` starts one more node, joined as a worker, into which no image
+is loaded (a node an image is missing on); :meth:`Cluster.remove_worker` removes it.
+
 Everything the harness creates (containers, volumes, network) carries the label
 ``org.swarmfd.multinode``; :func:`cleanup_leftovers` removes all of it, e.g. what a
 crashed run left behind. Command line (also ``scripts/multinode.sh``)::
