@@ -34,6 +34,7 @@ library only, the second swarmfd's public API.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -283,15 +284,13 @@ class DatagramCounter(_Listener):
         return max((size for (src, size) in self.seen if src == ip), default=0)
 
 
-def _send_sized(sock: socket.socket, size: int, copies: int) -> bool:
-    """Send ``copies`` datagrams of ``size`` bytes (IP packet); False if refused here."""
-    try:
+def _send_sized(sock: socket.socket, size: int, copies: int) -> None:
+    """Send ``copies`` datagrams of ``size`` bytes (IP packet); one this host refuses
+    (larger than the MTU it knows) is not sent."""
+    with contextlib.suppress(OSError):
         for _ in range(copies):
             sock.send(b"\0" * (size - UDP_HEADERS))
             time.sleep(0.002)
-    except OSError:
-        return False
-    return True
 
 
 def path_mtu(ip: str, port: int, size: int | None = None,
@@ -360,7 +359,7 @@ def _clock(fd: Any, np: Any, rank: int, world: int) -> dict[str, float]:
     return offsets
 
 
-def _pair(fd: Any, np: Any, me: int, peer: int, first: bool) -> dict[str, float]:
+def _pair(fd: Any, np: Any, peer: int, first: bool) -> dict[str, float]:
     """Latency and bandwidth between this rank and ``peer`` (``first``: this rank leads)."""
     small, ack = np.zeros(1, np.float64), np.zeros(1, np.uint8)
     big = np.ones(BANDWIDTH_BYTES // 8, np.float64)
@@ -401,7 +400,7 @@ def _links(fd: Any, np: Any, rank: int, world: int,
         for a, b in pairs:
             if rank in (a, b) and (a, b) not in skip:
                 peer = b if rank == a else a
-                mine[f"{rank}>{peer}"] = _pair(fd, np, rank, peer, rank == a)
+                mine[f"{rank}>{peer}"] = _pair(fd, np, peer, rank == a)
         fd.barrier()
     merged: dict[str, Any] = {}
     for part in fd.all_gather_object(mine):
