@@ -20,7 +20,7 @@ from .cli_options import build_request, request_options, usage_errors
 from .launch import LaunchConfig, launch
 
 #: The Docker Swarm commands, defined in this module (imported when one of them runs).
-SWARM_COMMANDS = ("build", "deploy", "ls", "ps", "logs", "rm")
+SWARM_COMMANDS = ("build", "deploy", "ls", "ps", "logs", "rm", "doctor")
 _SWARM_CLI = "swarmfd.swarm.cli"
 
 

@@ -1,11 +1,15 @@
-"""Docker Swarm jobs for swarmfd: ``swarmfd build``, ``deploy``, ``ls``, ``ps``, ``logs``, ``rm``.
+"""Docker Swarm jobs for swarmfd: ``swarmfd build``, ``deploy``, ``ls``, ``ps``, ``logs``, ``rm``,
+``doctor``.
 
 The only part of swarmfd that imports the Docker SDK (in :mod:`.engine`,
-:mod:`.follow`, :mod:`.deploy` and :mod:`.build`; :mod:`.spec` and :mod:`.tasks` are
-pure, :mod:`.request` (deploy's options) and :mod:`.cli` (the commands) load it only
-when a command runs, and importing this package imports nothing). :mod:`.build` turns a project
-directory into an image ``FROM`` the swarmfd image (``swarmfd build``, ``deploy
---build``) and pushes it to a registry (``--push``).
+:mod:`.follow`, :mod:`.deploy`, :mod:`.build` and :mod:`.doctor`; :mod:`.spec` and
+:mod:`.tasks` are pure, :mod:`.probe` runs inside a task without the SDK,
+:mod:`.request` (deploy's options) and :mod:`.cli` (the commands) load it only when a
+command runs, and importing this package imports nothing).
+:mod:`.build` turns a project directory into an image ``FROM`` the swarmfd image
+(``swarmfd build``, ``deploy --build``) and pushes it to a registry (``--push``).
+:mod:`.doctor` checks a Swarm before a job runs on it with a probe job (:mod:`.probe`
+runs in its tasks), and gives ``deploy`` its preflight.
 
 A *job* is N ranks of one command, run as Swarm tasks:
 

@@ -1,4 +1,5 @@
-"""The Docker Swarm commands: ``swarmfd build``, ``deploy``, ``ls``, ``ps``, ``logs``, ``rm``.
+"""The Docker Swarm commands: ``swarmfd build``, ``deploy``, ``ls``, ``ps``, ``logs``, ``rm``,
+``doctor``.
 
 Thin click wrappers: parse the options into a request (:mod:`.request`, which checks
 them before any engine is contacted), call the library (:mod:`.deploy`, :mod:`.build`,
@@ -484,8 +485,82 @@ def rm(ctx: click.Context, jobs: tuple[str, ...], timeout: float, host: str | No
         ctx.exit(EXIT_ERROR)
 
 
+# --- doctor -----------------------------------------------------------------------------
+
+
+@click.command("doctor", epilog="Exit code: 0 when a job can run (warnings or not); 1 when "
+                                "something would stop it; 130 after Ctrl-C; 2 for bad usage.")
+@click.option("--image", default=None, metavar="IMAGE",
+              help="The image a job would run.  [default: swarmfd:latest]")
+@click.option("--build", "build_dir", default=None, metavar="DIR",
+              type=click.Path(file_okay=False),
+              help="Build DIR first (as `swarmfd build DIR`) and check that image.")
+@request_options(BuildChoices)
+@click.option("-n", "--nproc", "world_size", type=click.IntRange(min=1), default=None,
+              metavar="N", help="Also check a job of N ranks: where they would run, each "
+                                "node's cores and memory for them, and the expected time of "
+                                "an all_reduce of 100 MiB.")
+@click.option("--shm-size", default=None, metavar="SIZE",
+              help="The /dev/shm each rank gets (deploy --shm-size), counted in the memory "
+                   "check.  [default: 1G]")
+@click.option("--json", "as_json", is_flag=True,
+              help='Print only the report, as JSON: {"ok": ..., "checks": [{"name", "status", '
+                   '"detail", "fix", "figures"}, ...]}.')
+@_host_option
+@click.pass_context
+@_swarm_errors
+def doctor(ctx: click.Context, image: str | None, build_dir: str | None,
+           world_size: int | None, shm_size: str | None, as_json: bool, host: str | None,
+           **options: Any) -> None:
+    """Check a Swarm before a job runs on it, and say how to fix what would stop it.
+
+    One line a check, in order: the engine and the Swarm's nodes; the image on every
+    node; then a short probe job (one task per node, on an overlay network of its own,
+    removed whatever happens) that measures what a job would meet: whether the tasks
+    reach each other (the ports to open if not), the path MTU on the overlay, each node
+    pair's latency and bandwidth through swarmfd's socket and ZeroMQ planes, clock
+    offsets, and /dev/shm, memory and cores inside a task. With -n N: where N ranks would
+    run and whether each node has the cores and memory for them.
+
+    \b
+    Examples:
+      swarmfd doctor
+      swarmfd doctor -n 8 --image myimage:1
+      swarmfd doctor --json | jq '.checks[] | select(.status != "ok")'
+    """
+    from . import spec as spec_lib
+    from .deploy import stderr_progress
+    from .doctor import format_report, report, run_doctor
+
+    with usage_errors(ctx):
+        if build_dir is not None and image is not None:
+            raise ValueError("give --image or --build, not both")
+        choices = build_request(BuildChoices, options)
+        if build_dir is None and choices.given():
+            raise ValueError("--base, --extra, --wheelhouse, --no-index, --no-cpu-torch, "
+                             "--image-name and --rebuild apply to --build DIR")
+        build = None if build_dir is None else choices.request(build_dir)
+        shm = spec_lib.DEFAULT_SHM_SIZE if shm_size is None else spec_lib.parse_memory(
+            shm_size, "--shm-size")
+    progress = (lambda line: None) if as_json else stderr_progress("swarmfd doctor")
+    try:
+        checks = run_doctor(host, image=image, build=build, world_size=world_size,
+                            shm_size=shm, progress=progress)
+    except KeyboardInterrupt:
+        click.echo("swarmfd doctor: interrupted (the probe job was removed)", err=True)
+        ctx.exit(EXIT_INTERRUPTED)
+    found = report(checks)
+    if as_json:
+        import json
+
+        click.echo(json.dumps(found, indent=2))
+    else:
+        click.echo(format_report(checks))
+    ctx.exit(0 if found["ok"] else EXIT_ERROR)
+
+
 #: The commands, by name, for swarmfd's command group, which lists their names without
 #: importing this module (swarmfd.cli.SWARM_COMMANDS: a new command goes in both).
 COMMANDS: dict[str, click.Command] = {
-    command.name: command for command in (build, deploy, ls, ps, logs, rm)  # type: ignore[misc]
+    command.name: command for command in (build, deploy, ls, ps, logs, rm, doctor)  # type: ignore[misc]
 }

@@ -6,7 +6,9 @@ and does the rest:
 
 1. checks, before anything is created: an engine answers, it is a Swarm manager, the
    job name is free, the extra networks exist, the image is on this node (its ID is
-   then what the service runs, so no task start consults a registry);
+   then what the service runs, so no task start consults a registry); with
+   ``preflight``, before a job that may span nodes, the doctor's fast subset
+   (:func:`.doctor.preflight`: the image on every node, the ports, memory);
 2. creates the job's secret (``<job>-secret``, mounted in every rank as
    ``/run/secrets/swarmfd_secret``), overlay network and service (a failure removes
    what was created);
@@ -36,6 +38,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from . import doctor
 from .build import build_project, push_image
 from .engine import (
     check_manager,
@@ -89,7 +92,8 @@ def run_deploy(
 
     With ``--build`` the project's image is built first (``request.job.image`` is then
     a placeholder); with ``--push`` the image is pushed to that registry and run from
-    there (every node pulls it by digest).
+    there (every node pulls it by digest). With ``--no-preflight`` unset, the nodes the job
+    may use are checked first (:func:`.doctor.preflight`; nothing on one node).
 
     With ``--max-restarts`` K, a failed group is torn down (its service removed, its
     network and secret kept) and created again with ``SWARMFD_RESTART_COUNT`` k+1, up
@@ -141,6 +145,8 @@ def run_deploy(
                 'ENTRYPOINT ["python", "-m", "swarmfd.entrypoint"]'
             )
         job = dataclasses.replace(job, image=image_name, image_ref=image.ref, restart_count=0)
+        if not request.no_preflight:
+            doctor.preflight(client, job, node_id, progress)
         service_id, secret_id = create_job(client, job)
         result = DeployResult(job.name, 0, service_id, created_after=time.monotonic() - started)
         if detach:

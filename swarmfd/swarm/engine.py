@@ -485,13 +485,16 @@ def _labelled(client: docker.DockerClient, name: str) -> dict[str, list[dict[str
 
 
 def remove_job(client: docker.DockerClient, name: str, *,
-               timeout: float = REMOVE_TIMEOUT) -> Removal:
+               timeout: float = REMOVE_TIMEOUT, wait: bool = True) -> Removal:
     """Remove everything labelled ``org.swarmfd.job=<name>``, and nothing else.
 
     Services first; then wait (at most ``timeout`` seconds) until their containers on
     this node are gone, because a network cannot be removed while a container still
-    holds an endpoint on it; then the networks (retried within the same bound) and
-    secrets. Raises :class:`JobNotFoundError` when nothing carries the label.
+    holds an endpoint on it, and a job of the same name may follow; then the networks
+    (retried within the same bound) and secrets. Without ``wait`` (a job whose tasks
+    all ended, under a name nobody reuses) the containers are left to Swarm, which
+    removes them within seconds. Raises :class:`JobNotFoundError` when nothing carries
+    the label.
     """
     started = time.monotonic()
     deadline = started + timeout
@@ -503,7 +506,7 @@ def remove_job(client: docker.DockerClient, name: str, *,
         with contextlib.suppress(docker.errors.NotFound):
             client.api.remove_service(svc["ID"])
         removal.services.append(svc.get("Spec", {}).get("Name", svc["ID"]))
-    for svc in found["services"]:
+    for svc in found["services"] if wait else ():
         _wait_containers_gone(client, svc["ID"], deadline)
     for net in found["networks"]:
         _remove_network(client, net, deadline)

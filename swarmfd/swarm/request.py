@@ -175,6 +175,14 @@ class DeployRequest(JobRequest):
     keep: bool = _flag("--keep",
                        help="Keep the job when it finishes, even if every rank succeeded.")
     remove: bool = _flag("--rm", help="Remove the job when it finishes, even if a rank failed.")
+    shm_size: str | None = option(
+        "--shm-size", metavar="SIZE",
+        help="Size of the tmpfs mounted at /dev/shm in every rank (torch DataLoader workers "
+             "pass batches there; a container's own is 64 MiB).  [default: 1G]")
+    no_preflight: bool = _flag(
+        "--no-preflight",
+        help="Skip the checks run before a job that may span nodes (the image on every node, "
+             "the ports between them, memory; see `swarmfd doctor`).")
     host: str | None = option(*HOST.decls, metavar=HOST.metavar, help=HOST.help)
 
     job: spec_lib.JobSpec = field(init=False)
@@ -238,6 +246,8 @@ class DeployRequest(JobRequest):
             encrypt_network=self.encrypt_network,
             checkpoint_volume=None if self.checkpoint_volume is None
             else spec_lib.parse_checkpoint_volume(self.checkpoint_volume),
+            shm_size=spec_lib.DEFAULT_SHM_SIZE if self.shm_size is None
+            else spec_lib.parse_memory(self.shm_size, "--shm-size"),
             version=__version__)
 
     @property

@@ -23,6 +23,12 @@ on a node each rank also mounts the node's volume SHM_VOLUME at SHM_TARGET
 segments (see :mod:`swarmfd.comm.shm_setup`; the socket file is gone once they have).
 The local driver creates the volume on each node where a rank starts; it stays
 empty after the job (``docker volume rm swarmfd-shm`` on a node removes it).
+
+``/dev/shm`` is another matter: swarmfd's segments do not use it, but torch's
+DataLoader workers hand their batches over there, and a container's is 64 MiB. Swarm
+services have no ``--shm-size`` (moby/moby#26714), so with ``shm_size`` (``deploy
+--shm-size``, default DEFAULT_SHM_SIZE) each rank mounts a tmpfs of that size at
+``/dev/shm`` instead: its pages count against the task's memory once written, not before.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from ..config import ENV_PORT, check_seconds, rendezvous_port
 __all__ = [
     "CHECKPOINT_TARGET",
     "DEFAULT_MASTER_PORT",
+    "DEFAULT_SHM_SIZE",
     "ENV_CHECKPOINT_DIR",
     "ENV_SHM_DIR",
     "LABEL_FAILURE",
@@ -51,6 +58,7 @@ __all__ = [
     "RESERVED_ENV",
     "SECRET_MODE",
     "SECRET_TARGET",
+    "SHM_DEV",
     "SHM_TARGET",
     "SHM_VOLUME",
     "JobSpec",
@@ -114,6 +122,13 @@ _VOLUME_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 SHM_VOLUME = "swarmfd-shm"
 SHM_TARGET = "/run/swarmfd-shm"
 ENV_SHM_DIR = "SWARMFD_SHM_DIR"
+
+#: ``deploy --shm-size``: a tmpfs of this size at SHM_DEV in every rank (the module
+#: docstring). The default fits torch DataLoader workers whose prefetched batches
+#: (num_workers x prefetch_factor x bytes of a batch) stay within 1 GiB, e.g. 4 workers
+#: of 2 batches of 128 MiB; docs/doctor.md says how to size it.
+DEFAULT_SHM_SIZE = 1 << 30
+SHM_DEV = "/dev/shm"
 
 #: The job secret in every rank: ``/run/secrets/<SECRET_TARGET>``, readable by root only.
 SECRET_TARGET = "swarmfd_secret"
@@ -431,6 +446,7 @@ class JobSpec:
     local_ranks: str = "container"
     encrypt_network: bool = False
     checkpoint_volume: str | None = None
+    shm_size: int | None = None  # bytes of the tmpfs at /dev/shm; None: the engine's
     restart_count: int = 0
     version: str = ""
 
@@ -499,12 +515,19 @@ class JobSpec:
                 raise ValueError(
                     f"--network {net}: the job's own network has the job's name already"
                 )
+        if self.shm_size is not None and (isinstance(self.shm_size, bool) or not isinstance(
+                self.shm_size, int) or self.shm_size < 1):
+            raise ValueError(f"--shm-size must be a size of at least 1 byte, got "
+                             f"{self.shm_size!r}")
         targets = [m.get("Target") for m in self.all_mounts()]
         duplicates = sorted({t for t in targets if targets.count(t) > 1})
         if duplicates:
             if duplicates[0] == CHECKPOINT_TARGET and self.checkpoint_volume:
                 raise ValueError(f"--mount: {CHECKPOINT_TARGET} is where --checkpoint-volume "
                                  "mounts its volume: mount something else elsewhere")
+            if duplicates[0] == SHM_DEV and self.shm_size:
+                raise ValueError(f"--mount: {SHM_DEV} is where --shm-size mounts its tmpfs: "
+                                 "size it with --shm-size instead")
             raise ValueError(f"--mount: the target {duplicates[0]} is mounted twice")
 
     def _check_rendezvous_port(self) -> None:
@@ -523,8 +546,9 @@ class JobSpec:
     def all_mounts(self) -> list[dict[str, Any]]:
         """The ``--mount``s plus the ``--checkpoint-volume`` (a named volume of the
         local driver: Swarm creates it on each node where a rank starts, and keeps it
-        after the job; ``docker volume rm NAME`` deletes it) and the node's
-        shared-memory volume (:meth:`shares_nodes`)."""
+        after the job; ``docker volume rm NAME`` deletes it), the node's
+        shared-memory volume (:meth:`shares_nodes`) and the tmpfs at ``/dev/shm``
+        (``shm_size``)."""
         mounts = [dict(m) for m in self.mounts]
         if self.checkpoint_volume:
             mounts.append({"Type": "volume", "Source": self.checkpoint_volume,
@@ -532,6 +556,9 @@ class JobSpec:
         if self.shares_nodes():
             mounts.append({"Type": "volume", "Source": SHM_VOLUME, "Target": SHM_TARGET,
                            "VolumeOptions": {"NoCopy": True}})
+        if self.shm_size:
+            mounts.append({"Type": "tmpfs", "Target": SHM_DEV,
+                           "TmpfsOptions": {"SizeBytes": self.shm_size, "Mode": 0o1777}})
         return mounts
 
     def shares_nodes(self) -> bool:

@@ -24,6 +24,9 @@ node containers.
   (``--insecure-registry``), so an image pushed there from node 1's engine is pulled
   by the workers, as on a real cluster with a registry.
 
+:meth:`Cluster.add_worker` starts one more node, joined as a worker, into which no image
+is loaded (a node an image is missing on); :meth:`Cluster.remove_worker` removes it.
+
 Everything the harness creates (containers, volumes, network) carries the label
 ``org.swarmfd.multinode``; :func:`cleanup_leftovers` removes all of it, e.g. what a
 crashed run left behind. Command line (also ``scripts/multinode.sh``)::
@@ -188,37 +191,73 @@ class Cluster:
         self.host.networks.create(self.network_name, driver="bridge", ipam=ipam,
                                             labels=labels)
         for node in self.nodes:
-            node.socket_dir.mkdir(parents=True, exist_ok=True)
-            volume = self.host.volumes.create(f"{node.name}-data", labels=labels)
-            host_config = self.host.api.create_host_config(
-                binds={volume.name: {"bind": "/var/lib/docker", "mode": "rw"},
-                       str(node.socket_dir): {"bind": "/run/dind", "mode": "rw"}},
-                network_mode=self.network_name,
-                **NODE_SECURITY,
-            )
-            host_config.update({"MaskedPaths": [], "ReadonlyPaths": []})
-            endpoint = self.host.api.create_endpoint_config(ipv4_address=node.ip)
-            dockerd_args = ["--host=unix:///run/dind/docker.sock",
-                            f"--insecure-registry={self.registry}"]
-            if node.index > 1 and self.gpus_per_worker:
-                dockerd_args += [f"--node-generic-resource=gpu={node.name}-gpu{k}"
-                                 for k in range(self.gpus_per_worker)]
-            created = self.host.api.create_container(
-                self.node_image,
-                command=dockerd_args,
-                name=node.name,
-                hostname=node.name,
-                labels=labels,
-                detach=True,
-                host_config=host_config,
-                networking_config=self.host.api.create_networking_config(
-                    {self.network_name: endpoint}),
-            )
-            node.container_id = str(created["Id"])
-            self.host.api.start(node.container_id)
+            self._create_node(node)
         deadline = _now() + ENGINE_WAIT
         for node in self.nodes:
             self._wait_engine(node, deadline)
+
+    def _create_node(self, node: Node) -> None:
+        """Create and start ``node``'s container (its engine is not waited for)."""
+        labels = {LABEL: "1"}
+        node.socket_dir.mkdir(parents=True, exist_ok=True)
+        volume = self.host.volumes.create(f"{node.name}-data", labels=labels)
+        host_config = self.host.api.create_host_config(
+            binds={volume.name: {"bind": "/var/lib/docker", "mode": "rw"},
+                   str(node.socket_dir): {"bind": "/run/dind", "mode": "rw"}},
+            network_mode=self.network_name,
+            **NODE_SECURITY,
+        )
+        host_config.update({"MaskedPaths": [], "ReadonlyPaths": []})
+        endpoint = self.host.api.create_endpoint_config(ipv4_address=node.ip)
+        dockerd_args = ["--host=unix:///run/dind/docker.sock",
+                        f"--insecure-registry={self.registry}"]
+        if node.index > 1 and self.gpus_per_worker:
+            dockerd_args += [f"--node-generic-resource=gpu={node.name}-gpu{k}"
+                             for k in range(self.gpus_per_worker)]
+        created = self.host.api.create_container(
+            self.node_image,
+            command=dockerd_args,
+            name=node.name,
+            hostname=node.name,
+            labels=labels,
+            detach=True,
+            host_config=host_config,
+            networking_config=self.host.api.create_networking_config(
+                {self.network_name: endpoint}),
+        )
+        node.container_id = str(created["Id"])
+        self.host.api.start(node.container_id)
+
+    def add_worker(self) -> Node:
+        """Start one more node (with no image: none is loaded into it) and join it to the
+        Swarm as a worker; it is not in :attr:`nodes`. :meth:`remove_worker` removes it
+        (and :meth:`down` does anyway)."""
+        index = max(n.index for n in self.nodes) + 1
+        node = Node(index, f"{NAME_PREFIX}-{index}", f"{self.subnet_prefix}.{10 + index}",
+                    self.run_dir / f"node{index}")
+        self._create_node(node)
+        self._wait_engine(node, _now() + ENGINE_WAIT)
+        with self.manager.client() as mgr:
+            token = mgr.swarm.attrs["JoinTokens"]["Worker"]
+        with node.client() as client:
+            client.swarm.join(remote_addrs=[f"{self.manager.ip}:2377"], join_token=token,
+                              advertise_addr=node.ip, listen_addr=f"{node.ip}:2377")
+        self._wait_ready(len(self.nodes) + 1)
+        return node
+
+    def remove_worker(self, node: Node) -> None:
+        """Undo :meth:`add_worker`: the node leaves the Swarm, its container and volume go."""
+        with contextlib.suppress(docker.errors.DockerException), node.client(timeout=20) as c:
+            c.swarm.leave(force=True)
+        with self.manager.client() as mgr:
+            for found in mgr.api.nodes(filters={"name": node.name}):
+                with contextlib.suppress(docker.errors.NotFound):
+                    mgr.api.remove_node(found["ID"], force=True)
+        with contextlib.suppress(docker.errors.NotFound):
+            self.host.api.remove_container(node.container_id, force=True, v=True)
+        with contextlib.suppress(docker.errors.NotFound):
+            self.host.api.remove_volume(f"{node.name}-data", force=True)
+        shutil.rmtree(node.socket_dir, ignore_errors=True)
 
     def _wait_engine(self, node: Node, deadline: float) -> None:
         last = ""
@@ -300,14 +339,18 @@ class Cluster:
                                   advertise_addr=node.ip, listen_addr=f"{node.ip}:2377")
 
         _parallel([lambda node=node: join(node) for node in self.nodes[1:]])
+        self._wait_ready(self.size)
+
+    def _wait_ready(self, count: int) -> None:
+        """Wait until the manager lists ``count`` nodes as ready."""
         deadline = _now() + READY_WAIT
         with self.manager.client() as mgr:
             while True:
                 ready = [n for n in mgr.api.nodes() if n["Status"]["State"] == "ready"]
-                if len(ready) == self.size:
+                if len(ready) == count:
                     return
                 if _now() > deadline:
-                    raise RuntimeError(f"only {len(ready)} of {self.size} nodes are Ready "
+                    raise RuntimeError(f"only {len(ready)} of {count} nodes are Ready "
                                        f"after {READY_WAIT:.0f} s")
                 time.sleep(0.2)
 
