@@ -52,6 +52,7 @@ Every value is validated here, once; bad input raises :class:`ConfigError`
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
@@ -583,8 +584,8 @@ def load_secret(environ: Mapping[str, str] | None = None) -> bytes | None:
     Returns ``None`` when the variable is unset and the default file does not
     exist (the caller decides whether that is an error); raises
     :class:`ConfigError` when a file is named but missing, unreadable, not a
-    regular file, too large or too short. Error messages name the path, never
-    the content.
+    regular file, too large or too short, or when another user could have written
+    it (:func:`_check_secret_file`). Error messages name the path, never the content.
     """
     env = os.environ if environ is None else environ
     named = (env.get(ENV_SECRET_FILE) or "").strip()
@@ -593,11 +594,15 @@ def load_secret(environ: Mapping[str, str] | None = None) -> bytes | None:
     if not named and not os.path.lexists(path):
         return None
     try:
-        mode = os.stat(path).st_mode  # follows a symlink: the file it names is checked
-        if not stat.S_ISREG(mode):  # a FIFO would block open()
+        st = os.stat(path)  # follows a symlink: the file it names is checked
+        if not stat.S_ISREG(st.st_mode):  # a FIFO would block open()
             raise ConfigError(f"the job secret file ({origin}) is not a regular file")
-        _check_secret_mode(path, origin, mode)
+        _check_secret_file(path, origin, st)
         with open(path, "rb") as f:
+            opened = os.fstat(f.fileno())
+            if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino):
+                raise ConfigError(f"the job secret file ({origin}) was replaced while it was "
+                                  "checked: check who else writes there")
             data = f.read(MAX_SECRET_BYTES + 1)
     except FileNotFoundError:
         raise ConfigError(f"the job secret file ({origin}) does not exist; {_SECRET_HINT}"
@@ -617,13 +622,26 @@ def load_secret(environ: Mapping[str, str] | None = None) -> bytes | None:
 #: Where Docker mounts secrets: world-readable (0444) by default there, inside a container
 #: whose other users are the job's own; elsewhere a world-readable secret file is warned of.
 DOCKER_SECRETS_DIR = "/run/secrets"
+#: Symbolic links followed at most on the way to a secret file (as the kernel's ELOOP).
+MAX_SYMLINKS = 40
 _LOG = logging.getLogger("swarmfd")
 
 
-def _check_secret_mode(path: str, origin: str, mode: int) -> None:
-    """Refuse a secret file others can write (as OpenSSH refuses such key files); warn of
-    one every user can read, outside Docker's secrets directory."""
-    perms = stat.S_IMODE(mode)
+def _check_secret_file(path: str, origin: str, st: os.stat_result) -> None:
+    """Refuse a secret file another user could have written, as OpenSSH refuses such key
+    files (whoever can write it can make this job trust their secret): one not owned by
+    this process's user or root, one its group or other users can write, and one in a
+    directory (or reached through a symbolic link in one) another user can write (they
+    could rename it away and put their own in its place). Warn of one every user can
+    read, outside Docker's secrets directory."""
+    perms = stat.S_IMODE(st.st_mode)
+    if st.st_uid not in _trusted_uids():
+        raise ConfigError(
+            f"the job secret file ({origin}) is owned by uid {st.st_uid}, not by this "
+            f"process's uid {os.geteuid()} or root: that user could replace the secret with "
+            f"their own; write a fresh secret to a file of your own (chmod 600) and point "
+            f"{ENV_SECRET_FILE} at it"
+        )
     if perms & 0o022:
         who = " and ".join(w for w, bit in (("its group", 0o020), ("other users", 0o002))
                            if perms & bit)
@@ -632,12 +650,63 @@ def _check_secret_mode(path: str, origin: str, mode: int) -> None:
             f"can write it can make this job trust their secret; make it private (chmod 600 "
             f"{path})"
         )
+    hazard = _path_hazard(path)
+    if hazard:
+        raise ConfigError(
+            f"the job secret file ({origin}) {hazard}: they could put a file of their own in "
+            "its place; keep the secret in a directory only you (or root) can write (e.g. "
+            f"chmod go-w that directory), and {ENV_SECRET_FILE} pointing there"
+        )
     real = os.path.realpath(path)
     if perms & 0o004 and not real.startswith(DOCKER_SECRETS_DIR + os.sep):
         _LOG.warning(
             "the job secret file (%s) is readable by every user (mode %04o): other users of "
             "this host can read the job secret; make it private (chmod 600 %s)",
             origin, perms, path)
+
+
+def _trusted_uids() -> set[int]:
+    """Who may own a secret file and the directories on its way: this process's user
+    (real and effective) and root."""
+    return {0, os.getuid(), os.geteuid()}
+
+
+def _path_hazard(path: str) -> str:
+    """Why another user could replace what ``path`` names ("" when nobody can): a
+    directory on the way (every one the name is looked up in, symbolic links followed
+    one by one, as the kernel resolves it) that such a user owns, or may write into
+    without the sticky bit protecting this entry (as /tmp protects the files of others).
+    """
+    trusted = _trusted_uids()
+    parts = os.path.abspath(path).split(os.sep)[1:]
+    current, hops = os.sep, 0
+    while parts:
+        name = parts.pop(0)
+        if name in ("", "."):
+            continue
+        if name == "..":
+            current = os.path.dirname(current)
+            continue
+        entry = os.path.join(current, name)
+        where = os.lstat(current)
+        st = os.lstat(entry)
+        if where.st_uid not in trusted:
+            return f"is reached through the directory {current}, owned by uid {where.st_uid}"
+        if stat.S_IMODE(where.st_mode) & 0o022 and not (
+                where.st_mode & stat.S_ISVTX and st.st_uid in trusted):
+            return (f"is reached through the directory {current}, which other users can write "
+                    f"(mode {stat.S_IMODE(where.st_mode):04o})")
+        if stat.S_ISLNK(st.st_mode):
+            hops += 1
+            if hops > MAX_SYMLINKS:
+                raise OSError(errno.ELOOP, "too many levels of symbolic links")
+            target = os.readlink(entry)
+            if os.path.isabs(target):
+                current = os.sep
+            parts[:0] = target.split(os.sep)
+            continue
+        current = entry
+    return ""
 
 
 def require_secret(world_size: int, secret: str | bytes | None = None,

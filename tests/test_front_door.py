@@ -16,7 +16,8 @@ second) but holds no secret; a *passive reader* also sees every byte on the wire
 * 1100 silent connections at the rendezvous port of a rank whose descriptor limit is
   1024: init completes (each attack on the rendezvous port first sees rank 0's
   process listen there);
-* setup errors count strangers; secret files others can write are refused; an
+* setup errors count strangers; secret files another user owns, can write or can
+  replace (through a directory or a symbolic link) are refused; an
   ndarray subclass is handled.
 """
 
@@ -361,6 +362,76 @@ def test_a_secret_file_others_can_write_is_refused(tmp_path: Path, mode: int) ->
     link.symlink_to(path)
     with pytest.raises(fd.ConfigError, match="writable by"):
         cfg.load_secret({"SWARMFD_SECRET_FILE": str(link)})
+
+
+OTHER_UID = 65534  # nobody
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="making files of another user needs root")
+@pytest.mark.parametrize("mode", [0o644, 0o444, 0o600], ids=oct)
+def test_a_secret_file_another_user_owns_is_refused(tmp_path: Path, mode: int) -> None:
+    """Another user's secret file, whatever its mode: that user knows (and can change) the
+    value, and would join the job with it."""
+    path = _secret(tmp_path, mode)
+    os.chown(path, OTHER_UID, OTHER_UID)
+    with pytest.raises(fd.ConfigError, match=f"owned by uid {OTHER_UID}") as info:
+        cfg.load_secret({"SWARMFD_SECRET_FILE": str(path)})
+    assert str(path) in str(info.value) and "SWARMFD_SECRET_FILE" in str(info.value)
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="making files of another user needs root")
+def test_a_secret_file_another_user_could_replace_is_refused(tmp_path: Path) -> None:
+    """The job's own 0600 file, in a directory another user owns or can write (no sticky
+    bit), or reached through a symbolic link in one: refused, naming the directory. The
+    same file in a private directory, or in a sticky one like /tmp, is accepted."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    good = _secret(private, 0o600)
+    assert cfg.load_secret({"SWARMFD_SECRET_FILE": str(good)}) == b"a1b2c3d4" * 8
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, OTHER_UID, OTHER_UID)
+    link = shared / "link"
+    link.symlink_to(good)
+    cases = {
+        _secret(shared, 0o600): f"the directory {shared}, which other users can write",
+        _secret(theirs, 0o600): f"the directory {theirs}, owned by uid {OTHER_UID}",
+        link: f"the directory {shared}, which other users can write",
+    }
+    for path, expected in cases.items():
+        with pytest.raises(fd.ConfigError) as info:
+            cfg.load_secret({"SWARMFD_SECRET_FILE": str(path)})
+        assert expected in str(info.value) and "chmod go-w" in str(info.value), info.value
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    assert cfg.load_secret({"SWARMFD_SECRET_FILE": str(_secret(sticky, 0o600))})
+    # ... but not another user's link there: they could point it anywhere.
+    mine = private / "safe-link"
+    mine.symlink_to(good)
+    assert cfg.load_secret({"SWARMFD_SECRET_FILE": str(mine)})
+    their_link = sticky / "their-link"
+    their_link.symlink_to(good)
+    os.lchown(their_link, OTHER_UID, OTHER_UID)
+    with pytest.raises(fd.ConfigError, match="other users can write"):
+        cfg.load_secret({"SWARMFD_SECRET_FILE": str(their_link)})
+
+
+def test_swarmfd_runs_and_the_harness_secret_files_pass() -> None:
+    """The secret files the suite and ``swarmfd run`` write (0600, in a private directory
+    made by mkdtemp under the sticky /tmp) pass every check."""
+    from swarmfd import launch
+
+    directory, path = launch._write_secret()
+    try:
+        assert len(cfg.load_secret({"SWARMFD_SECRET_FILE": path}) or b"") == 64
+    finally:
+        os.unlink(path)
+        os.rmdir(directory)
+    assert cfg.load_secret(dict(os.environ))  # conftest's session secret
 
 
 def test_a_world_readable_secret_warns_outside_run_secrets(
