@@ -33,6 +33,12 @@ and, for the job's security (see :func:`load_secret`):
 ``SWARMFD_DATA_PLANE`` ``socket`` (plain TCP sockets, the default) or ``zmq``
                       (ZeroMQ; the default and the only choice with
                       ``SWARMFD_ENCRYPT=1``); see :func:`data_plane`
+``SWARMFD_STASH_MB``  the MiB a peer may have waiting in this rank's memory before a
+                      receive asks for them (default :data:`DEFAULT_STASH_MB`); see
+                      :func:`stash_limit`
+``SWARMFD_JOB_ID``    the launch this rank belongs to (``swarmfd run`` and ``swarmfd
+                      deploy`` draw one): ranks of another launch are refused at
+                      rendezvous, even with the same secret; see :func:`job_id`
 
 and, for where the ranks are (see :func:`transport_mode`, :func:`node_name`):
 
@@ -68,6 +74,7 @@ __all__ = [
     "DEFAULT_MASTER_PORT",
     "DEFAULT_RENDEZVOUS_PORT_OFFSET",
     "DEFAULT_SECRET_FILE",
+    "DEFAULT_STASH_MB",
     "DEFAULT_TIMEOUT",
     "DOCKER_SECRETS_DIR",
     "ENV_AUTH",
@@ -76,6 +83,7 @@ __all__ = [
     "ENV_ENCRYPT",
     "ENV_HIERARCHY",
     "ENV_INIT_TIMEOUT",
+    "ENV_JOB_ID",
     "ENV_LOCAL_RANK",
     "ENV_LOCAL_WORLD_SIZE",
     "ENV_MALLOC",
@@ -89,6 +97,7 @@ __all__ = [
     "ENV_SECRET_FILE",
     "ENV_SHM_DIR",
     "ENV_SPIN",
+    "ENV_STASH_MB",
     "ENV_TIMEOUT",
     "ENV_TRANSPORT",
     "ENV_WORLD_SIZE",
@@ -106,6 +115,7 @@ __all__ = [
     "data_plane",
     "encrypt_enabled",
     "hierarchy_mode",
+    "job_id",
     "load_secret",
     "malloc_mode",
     "master_port",
@@ -117,6 +127,7 @@ __all__ = [
     "require_secret",
     "shm_dir",
     "spin_mode",
+    "stash_limit",
     "transport_mode",
     "usable_cores",
 ]
@@ -155,6 +166,10 @@ ENV_SPIN = "SWARMFD_SPIN"
 ENV_MALLOC = "SWARMFD_MALLOC"
 #: Whether the ranks of a host may read each other's memory (see swarmfd.comm.cma).
 ENV_CMA = "SWARMFD_CMA"
+#: How much a peer may have waiting in this rank's stash (see :func:`stash_limit`).
+ENV_STASH_MB = "SWARMFD_STASH_MB"
+#: The launch a rank belongs to (see :func:`job_id`).
+ENV_JOB_ID = "SWARMFD_JOB_ID"
 #: Set by a Swarm service for each task (``{{.Task.Slot}}``, 1-based): see swarmfd.entrypoint.
 ENV_TASK_SLOT = "SWARMFD_TASK_SLOT"
 #: How long the container entrypoint waits for MASTER_ADDR to resolve.
@@ -182,6 +197,12 @@ DEFAULT_SECRET_FILE = "/run/secrets/swarmfd_secret"
 MIN_SECRET_CHARS = 32
 #: A secret file larger than this is not a secret file (refused before reading it all).
 MAX_SECRET_BYTES = 4096
+#: MiB a peer may have waiting in a rank's stash (messages no receive asked for yet) when
+#: SWARMFD_STASH_MB is unset. A correct peer's stash holds what it sent for the calls
+#: this rank has not reached yet, mostly a piece or a chunk of each; the most is a
+#: gather's or a reduce's root, which holds every other rank's whole buffer until it
+#: reads it: a job whose rank sends more than this in one such call raises the variable.
+DEFAULT_STASH_MB = 256
 #: Data-plane encryption when SWARMFD_ENCRYPT is unset. Chosen by measurement (README,
 #: "Security"): CURVE costs 2-3x the time of an all_reduce at 1 MiB and at 64 MiB, while
 #: authentication alone (rendezvous always encrypted, data plane authenticated) already
@@ -551,6 +572,29 @@ def shm_dir(environ: Mapping[str, str] | None = None) -> str:
     """``SWARMFD_SHM_DIR`` (where a host's ranks meet to share memory), or ""."""
     env = os.environ if environ is None else environ
     return (env.get(ENV_SHM_DIR) or "").strip()
+
+
+def stash_limit(environ: Mapping[str, str] | None = None) -> int:
+    """The bytes a peer may have waiting in this rank's stash: ``SWARMFD_STASH_MB`` MiB
+    (default DEFAULT_STASH_MB; see swarmfd.comm.channel). A peer that sends more than
+    that which no receive asked for yet fails the call, naming it."""
+    env = os.environ if environ is None else environ
+    mib = parse_env_int(env, ENV_STASH_MB, minimum=1,
+                        hint=f" (MiB a peer may have waiting in a rank's memory; default "
+                             f"{DEFAULT_STASH_MB})")
+    return (mib if mib is not None else DEFAULT_STASH_MB) << 20
+
+
+def job_id(environ: Mapping[str, str] | None = None) -> str:
+    """``SWARMFD_JOB_ID``: the launch this rank belongs to ("" when unset: ranks started
+    by hand, which then all have none). At most 64 letters, digits, '-', '_' or '.'."""
+    env = os.environ if environ is None else environ
+    raw = (env.get(ENV_JOB_ID) or "").strip()
+    if len(raw) > 64 or not all(c.isascii() and (c.isalnum() or c in "-_.") for c in raw):
+        raise ConfigError(f"environment variable {ENV_JOB_ID}={raw[:80]!r} is invalid: "
+                          "expected at most 64 letters, digits, '-', '_' or '.' (swarmfd "
+                          "run and swarmfd deploy set it; unset it to start ranks by hand)")
+    return raw
 
 
 def check_secret(secret: str | bytes, origin: str) -> bytes:

@@ -36,7 +36,7 @@ from collections.abc import Collection, Sequence
 
 import zmq
 
-from ..config import DATA_PLANES
+from ..config import DATA_PLANES, stash_limit
 from . import rendezvous as _rdv
 from .channel import WAIT_SLICE, Channel
 from .plane import PeerInfo, Plane
@@ -99,7 +99,7 @@ class Transport:
         self.join_timeout = timeout if join_timeout is None else join_timeout
         self.security = security
         self.plane = plane
-        self.channel = Channel(rank, world_size, timeout)
+        self.channel = Channel(rank, world_size, timeout, stash_limit())
         self.ctx = zmq.Context(io_threads=1)
         self.ctx.setsockopt(zmq.LINGER, 0)
         self.auth: Authenticator | None = None

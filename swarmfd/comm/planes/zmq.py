@@ -77,6 +77,12 @@ MAX_FRAME = wire.HEADER_SIZE + wire.MAX_PAYLOAD + 4096
 #: Limit on every frame the bound ROUTER receives. It only sends, so what arrives is
 #: handshakes (a PLAIN hello is under 600 bytes, CURVE's under 400).
 MAX_HANDSHAKE_FRAME = 4096
+#: Messages (each at most MAX_FRAME) libzmq queues from one peer on the receiving socket
+#: before it stops reading that connection: a peer that sends while this rank does not
+#: read (it computes, or its call failed) pins at most this many in its memory, besides
+#: the channel's stash (SWARMFD_STASH_MB); the sender's own queue takes the rest, and the
+#: kernel's window holds it back (docs/security.md).
+RX_HWM = 64
 #: Frames a stranger left on the bound socket that one check_lost reads and drops (a
 #: bound on the time it takes from the rank's own work; check_lost runs at least every
 #: wait slice while the rank waits, and the socket's receive queue holds one message a
@@ -214,7 +220,7 @@ class ZmqPlane:
         #: The one receiving socket, connected to every peer's ROUTER in connect().
         self.rx = ctx.socket(zmq.DEALER)
         self.rx.setsockopt(zmq.ROUTING_ID, self.ids[rank])
-        self.rx.setsockopt(zmq.RCVHWM, 0)
+        self.rx.setsockopt(zmq.RCVHWM, RX_HWM)
         self.rx.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
         self.rx.setsockopt(zmq.RCVTIMEO, WAIT_SLICE_MS)
         self.rx.setsockopt(zmq.LINGER, 0)
