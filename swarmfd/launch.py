@@ -18,6 +18,8 @@ word ending in ``.py`` runs with the current Python, ``sys.executable``). Each c
 ``SWARMFD_INIT_TIMEOUT``   ``--init-timeout``, when given
 ``SWARMFD_RESTART_COUNT``  0 on the first attempt, then 1, 2, ... on each restart
 ``SWARMFD_SECRET_FILE``    the path of this run's job secret (see below)
+``SWARMFD_JOB_ID``         a fresh random id on every attempt: rank 0 refuses a rank of
+                           another launch that reaches its port, even with the secret
 ``PYTHONUNBUFFERED``       1 (so Python ranks stream their output promptly)
 ``OMP_NUM_THREADS``        with several ranks, when neither the launcher's environment
                            nor ``-e`` sets it: this host's usable cores divided among
@@ -168,6 +170,7 @@ RESERVED_ENV = frozenset(
         ENV_PORT,
         ENV_RESTART_COUNT,
         ENV_SECRET_FILE,
+        "SWARMFD_JOB_ID",
     }
 )
 
@@ -963,6 +966,7 @@ def _rank_env(config: LaunchConfig, port: int, swarmfd_port: int, restart: int,
         SWARMFD_PORT=str(swarmfd_port),
         SWARMFD_RESTART_COUNT=str(restart),
         SWARMFD_SECRET_FILE=secret_file,
+        SWARMFD_JOB_ID=secrets.token_hex(6),  # this attempt's ranks only (rendezvous)
     )
     if config.timeout is not None:
         env[ENV_TIMEOUT] = repr(float(config.timeout))

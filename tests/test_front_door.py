@@ -342,6 +342,100 @@ def test_init_completes_at_a_1024_descriptor_limit_with_1100_strangers() -> None
     assert out[0]["soft"] > 1024, out
 
 
+# -- 5. a squatter on the rendezvous port ---------------------------------------------------
+
+
+class Squatter:
+    """A local user's process that binds the rendezvous port before rank 0 (its port is
+    known: MASTER_PORT + 1, or --master-port's) and accepts and closes every connection
+    without a byte, on a thread of the test process, until :meth:`leave`."""
+
+    def __init__(self, port: int) -> None:
+        import socket
+        import threading
+
+        self.sock = socket.create_server(("127.0.0.1", port), backlog=128)
+        self.sock.settimeout(0.02)
+        self.accepted = 0
+        self.gone = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.gone.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            conn.close()
+            self.accepted += 1
+
+    def leave(self) -> None:
+        self.gone.set()
+        self.thread.join(5)
+        self.sock.close()
+
+
+def _joins_past_a_squatter(ctx: RankCtx, init_timeout: float) -> Any:
+    """Rank 1 dials at once (into the squatter); rank 0 starts when released, or never."""
+    if ctx.rank == 0:
+        if not ctx.wait_go(60) or init_timeout < 10:
+            return None  # (the second test: rank 0 never comes)
+    else:
+        ctx.report("dialing")
+    t0 = time.monotonic()
+    try:
+        ctx.init(init_timeout=init_timeout)
+    except Exception as exc:
+        return {"type": type(exc).__name__, "message": str(exc),
+                "elapsed": time.monotonic() - t0}
+    x = np.full(4, ctx.rank + 1.0)
+    fd.all_reduce(x)
+    return {"type": None, "sum": float(x[0])}
+
+
+def test_a_squatter_on_the_rendezvous_port_does_not_stop_the_job() -> None:
+    """A squatter holds rank 0's port for a second, accepting and closing each of rank
+    1's connections, then leaves; rank 0 starts on the freed port: rank 1 kept dialing
+    (a connection closed without a word is no evidence of another secret) and the job
+    runs."""
+    with Ranks(_joins_past_a_squatter, 2, 30.0, group_timeout=30.0, init=False,
+               transport="tcp") as ranks:
+        squatter = Squatter(ranks.port)
+        try:
+            ranks.wait("dialing", [1])
+            deadline = time.monotonic() + 20
+            while squatter.accepted < 5 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(1.0)
+        finally:
+            squatter.leave()
+        ranks.release()
+        out = ranks.results(timeout=60)
+    record("squatter-leaves", accepted=squatter.accepted, out=out)
+    assert squatter.accepted >= 5, squatter.accepted
+    assert out == {0: {"type": None, "sum": 3.0}, 1: {"type": None, "sum": 3.0}}, out
+
+
+@pytest.mark.waits  # rank 1 waits for its init timeout
+def test_a_squatter_that_stays_is_named_at_the_init_timeout() -> None:
+    """The squatter stays: rank 1 gives up only at its init timeout (not at the first
+    closed connection), with a RendezvousTimeout naming what it saw at the port."""
+    with Ranks(_joins_past_a_squatter, 2, 2.0, group_timeout=30.0, init=False,
+               transport="tcp") as ranks:
+        squatter = Squatter(ranks.port)
+        try:
+            ranks.release()
+            out = ranks.results(timeout=60)
+        finally:
+            squatter.leave()
+    error = out[1]
+    assert error["type"] == "RendezvousTimeout", error
+    assert (f"something at 127.0.0.1:{ranks.port} accepts and closes without speaking "
+            "swarmfd's handshake") in error["message"], error
+    assert error["elapsed"] >= 2.0 and squatter.accepted >= 3, (error, squatter.accepted)
+
+
 # -- 7. secret files ------------------------------------------------------------------------
 
 

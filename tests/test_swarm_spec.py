@@ -37,6 +37,7 @@ def make_job(**overrides: object) -> S.JobSpec:
         "image_ref": "sha256:" + "ab" * 32,
         "world_size": 3,
         "command": ("python", "train.py"),
+        "launch_id": "0a1b2c3d4e5f",
     }
     values.update(overrides)
     return S.JobSpec(**values)  # type: ignore[arg-type]
@@ -182,18 +183,31 @@ def test_minimal_spec_has_no_empty_optional_sections():
     assert task["ContainerSpec"]["Mounts"] == [SHM_MOUNT]
 
 
-SHM_MOUNT = {"Type": "volume", "Source": "swarmfd-shm", "Target": "/run/swarmfd-shm",
-             "VolumeOptions": {"NoCopy": True}}
+SHM_MOUNT = {"Type": "volume", "Source": "swarmfd-shm-job-1-0a1b2c3d4e5f",
+             "Target": "/run/swarmfd-shm",
+             "VolumeOptions": {"NoCopy": True, "Labels": {"org.swarmfd.job": "job-1"},
+                               "DriverConfig": {"Name": "local", "Options": {
+                                   "type": "tmpfs", "device": "tmpfs", "o": "size=1m"}}}}
 
 
-def test_ranks_that_may_share_a_node_mount_its_shared_memory_volume():
-    """Several ranks, not --max-per-node 1: the node's volume swarmfd-shm at
-    /run/swarmfd-shm and SWARMFD_SHM_DIR naming it (the contract: -e cannot point it
-    elsewhere while the volume is mounted); -e SWARMFD_SHM_DIR=DIR instead is the user's
-    own directory (and mount), and then nothing is added."""
+def test_ranks_that_may_share_a_node_mount_their_jobs_own_shared_memory_volume():
+    """Several ranks, not --max-per-node 1: a tmpfs volume of the job's own (named after
+    the job and its launch id, labelled with the job) at /run/swarmfd-shm and
+    SWARMFD_SHM_DIR naming it (the contract: -e cannot point it elsewhere while the
+    volume is mounted); -e SWARMFD_SHM_DIR=DIR instead is the user's own directory (and
+    mount), and then nothing is added. Two deploys never share a volume, and a --mount
+    of such a volume (another job's) is refused."""
     spec = S.build_service_spec(make_job(max_per_node=2))
     assert SHM_MOUNT in spec["TaskTemplate"]["ContainerSpec"]["Mounts"]
     assert env_of(spec)["SWARMFD_SHM_DIR"] == S.SHM_TARGET == "/run/swarmfd-shm"
+    assert env_of(spec)["SWARMFD_JOB_ID"] == "0a1b2c3d4e5f"
+    one, two = (S.JobSpec("job-1", "swarmfd", "sha256:" + "ab" * 32, 2, ("python",))
+                for _ in range(2))
+    assert one.launch_id != two.launch_id and one.shm_volume() != two.shm_volume()
+    with pytest.raises(ValueError, match="a job mounts only its own"):
+        make_job(mounts=(S.parse_mount("type=volume,src=swarmfd-shm-other-1234,dst=/x"),))
+    with pytest.raises(ValueError, match="SWARMFD_JOB_ID is set by swarmfd"):
+        make_job(env={"SWARMFD_JOB_ID": "mine"})
     for job in (make_job(max_per_node=1), make_job(world_size=1)):
         spec = S.build_service_spec(job)
         assert "Mounts" not in spec["TaskTemplate"]["ContainerSpec"]

@@ -46,6 +46,9 @@ class PeerInfo:
     plane: str = "socket"
     #: Where it offers its host's shared memory (the shm plane's local socket), or "".
     shm: str = ""
+    #: The launch it belongs to (SWARMFD_JOB_ID, "" for ranks started by hand): rank 0
+    #: refuses a rank of another launch, even one with the same secret.
+    job: str = ""
 
 
 class PlaneOwner(Protocol):

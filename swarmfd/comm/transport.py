@@ -36,7 +36,7 @@ from collections.abc import Collection, Sequence
 
 import zmq
 
-from ..config import DATA_PLANES, stash_limit
+from ..config import DATA_PLANES, job_id, stash_limit
 from . import rendezvous as _rdv
 from .channel import WAIT_SLICE, Channel
 from .plane import PeerInfo, Plane
@@ -100,6 +100,8 @@ class Transport:
         self.security = security
         self.plane = plane
         self.channel = Channel(rank, world_size, timeout, stash_limit())
+        #: The launch this rank belongs to (see PeerInfo.job), read and checked first.
+        self.job = job_id()
         self.ctx = zmq.Context(io_threads=1)
         self.ctx.setsockopt(zmq.LINGER, 0)
         self.auth: Authenticator | None = None
@@ -141,7 +143,7 @@ class Transport:
     def me(self, host: str, hostkey: str, shm: str = "") -> PeerInfo:
         """What this rank tells the others at rendezvous."""
         return PeerInfo(self.rank, self.endpoint, host, os.getpid(), hostkey, self.token,
-                        self.plane, shm)
+                        self.plane, shm, self.job)
 
     def rendezvous(self, me: PeerInfo, master_ip: str, master_port: int,
                    deadline: float) -> list[PeerInfo]:
