@@ -9,6 +9,13 @@ line of counters when it ends (SIGTERM or its duration). Modes:
   ``--silent`` connections to it at once and keep them silent, then open and drop
   ``--rate`` new silent connections a second. Prints ``{"ready": true}`` when it starts
   watching.
+* ``storm PORTS``: connect to each of the given ports (on 127.0.0.1) as fast as it can,
+  or ``--rate`` connections a second at each, from the start (before a port listens,
+  each attempt is refused at once), keeping the newest ``--hold`` connections of each
+  port open and silent and resetting older ones (SO_LINGER 0: no TIME_WAIT, so the
+  rate is not bounded by the ephemeral ports). Counts attempts, connections
+  established, and the rate reached. With ``--stdin`` it also reads more ports, one a
+  line, as the test learns them. Prints ``{"ready": true}`` once it runs.
 * ``junk PORT``: open ``--count`` connections to PORT, each sending a ZMTP greeting
   and the start of one frame that announces ``--frame`` bytes, then ``--frame``
   bytes of junk, and hold them open (libzmq reads a frame before it can authenticate).
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import os
 import resource
@@ -121,6 +129,76 @@ def flood(pids: list[int], skip: set[int], silent: int, rate: float, duration: f
         out["ports"] = sorted(seen)
         for s in held + churn:
             s.close()
+
+
+_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() resets, no TIME_WAIT
+
+
+def _more_ports(ports: list[int], held: dict[int, list[socket.socket]]) -> None:
+    """Ports written to stdin meanwhile (``--stdin``), one a line."""
+    import select
+
+    while select.select([sys.stdin], [], [], 0)[0]:
+        line = sys.stdin.readline()
+        if not line:
+            return
+        port = int(line)
+        if port not in held:
+            ports.append(port)
+            held[port] = []
+
+
+def storm(ports: list[int], rate: float, hold_open: int, duration: float, out: Counters,
+          stop: threading.Event, stdin: bool = False) -> None:
+    """See ``storm`` in the module docstring."""
+    held: dict[int, list[socket.socket]] = {p: [] for p in ports}
+    pending: list[tuple[int, socket.socket]] = []
+    start = time.monotonic()
+    end = start + duration
+    n = 0
+    print(json.dumps({"ready": True}), flush=True)
+    try:
+        while not stop.is_set():
+            now = time.monotonic()
+            if now > end:
+                break
+            if rate > 0 and n >= (now - start) * rate:
+                time.sleep(min(0.001, n / rate - (now - start)))
+                continue
+            if stdin and (not ports or n % 64 == 0):
+                _more_ports(ports, held)
+            if not ports:
+                time.sleep(0.001)
+                start = time.monotonic()  # the rate counts from the first port on
+                continue
+            n += 1
+            for port in ports:
+                s = socket.socket()
+                s.setblocking(False)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
+                err = s.connect_ex(("127.0.0.1", port))
+                out.bump("attempts")
+                if err not in (0, errno.EINPROGRESS):
+                    s.close()
+                    out.bump("refused")
+                    continue
+                held[port].append(s)
+                pending.append((port, s))
+                if len(held[port]) > hold_open:
+                    held[port].pop(0).close()
+            if len(pending) > 256:  # count the ones the kernel completed
+                for _, s in pending:
+                    if s.fileno() >= 0 and not s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                        out.bump("established")
+                pending.clear()
+    finally:
+        elapsed = max(1e-9, time.monotonic() - start)
+        out["rate_per_port"] = round(n / elapsed)
+        out["ports"] = list(ports)
+        out["seconds"] = round(elapsed, 2)
+        for socks in held.values():
+            for s in socks:
+                s.close()
 
 
 def hold(port: int, count: int, payload: bytes, duration: float, out: Counters,
@@ -343,7 +421,7 @@ def _forged_messages() -> list[list[bytes]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["flood", "junk", "silent", "sniff-replay"])
+    p.add_argument("mode", choices=["flood", "storm", "junk", "silent", "sniff-replay"])
     p.add_argument("targets", nargs="*", type=int)
     p.add_argument("--skip", type=int, action="append", default=[])
     p.add_argument("--silent", type=int, default=100)
@@ -352,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--frame", type=int, default=(1 << 20) - 64)
     p.add_argument("--mechanism", default="CURVE")
     p.add_argument("--duration", type=float, default=30.0)
+    p.add_argument("--hold", type=int, default=200)
+    p.add_argument("--stdin", action="store_true")
     args = p.parse_args(argv)
     _raise_fd_limit()
     stop = threading.Event()
@@ -361,6 +441,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.mode == "flood":
             flood(args.targets, set(args.skip), args.silent, args.rate, args.duration, out,
                   stop)
+        elif args.mode == "storm":
+            storm(list(args.targets), args.rate, args.hold, args.duration, out, stop,
+                  args.stdin)
         elif args.mode == "junk":
             hold(args.targets[0], args.count, junk_payload(args.frame, args.mechanism),
                  args.duration, out,
