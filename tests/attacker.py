@@ -20,6 +20,12 @@ line of counters when it ends (SIGTERM or its duration). Modes:
   and the start of one frame that announces ``--frame`` bytes, then ``--frame``
   bytes of junk, and hold them open (libzmq reads a frame before it can authenticate).
 * ``silent PORT``: open ``--count`` silent connections to PORT and hold them.
+* ``shm-relay DIR``: another job's process that shares the directory where a host's
+  ranks meet to share memory (``SWARMFD_SHM_DIR``), under the same uid: it watches the
+  directory (inotify), renames the setup socket as it appears and binds its own under
+  the name, and passes every connection through to the renamed one, message by
+  message, descriptors included, keeping a copy of each descriptor it sees. Counts
+  ``interposed`` sockets, ``connections``, ``messages`` and ``descriptors``.
 * ``sniff-replay``: read loopback traffic (a raw AF_PACKET socket, root only), pick up
   every ZMTP PLAIN HELLO (user name and password in clear), and replay each one on a
   new connection to the port it went to, then send forged DATA and ABORT messages.
@@ -38,10 +44,14 @@ import resource
 import signal
 import socket
 import struct
+import subprocess
 import sys
 import threading
 import time
 from typing import Any
+
+#: The checkout (``python -m tests.attacker`` runs from there).
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def greeting(mechanism: str) -> bytes:
@@ -199,6 +209,95 @@ def storm(ports: list[int], rate: float, hold_open: int, duration: float, out: C
         for socks in held.values():
             for s in socks:
                 s.close()
+
+
+def _pump(src: socket.socket, dst: socket.socket, out: Counters, kept: list[int]) -> None:
+    """Pass messages (and their descriptors, a copy kept) from ``src`` to ``dst``."""
+    try:
+        while True:
+            msg, fds, _, _ = socket.recv_fds(src, 1 << 16, 253)
+            if not msg and not fds:
+                break
+            out.bump("messages")
+            out.bump("descriptors", len(fds))
+            kept.extend(os.dup(f) for f in fds)
+            if fds:
+                socket.send_fds(dst, [msg], fds)
+                for f in fds:
+                    os.close(f)
+            else:
+                dst.send(msg)
+    except OSError:
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_RDWR)
+
+
+def _relay(listener: socket.socket, hidden: str, out: Counters, kept: list[int]) -> None:
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        out.bump("connections")
+        up = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            up.connect(hidden)
+        except OSError:
+            conn.close()
+            continue
+        for a, b in ((conn, up), (up, conn)):
+            threading.Thread(target=_pump, args=(a, b, out, kept), daemon=True).start()
+
+
+def shm_relay(directory: str, duration: float, out: Counters, stop: threading.Event) -> None:
+    """See ``shm-relay`` in the module docstring."""
+    import ctypes
+    import select
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    watch = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+    in_create = 0x100
+    libc.inotify_add_watch(watch, directory.encode(), in_create)
+    ours: set[str] = set()
+    kept: list[int] = []
+    listeners: list[socket.socket] = []
+    print(json.dumps({"ready": True}), flush=True)
+    end = time.monotonic() + duration
+    try:
+        while not stop.is_set() and time.monotonic() < end:
+            if not select.select([watch], [], [], 0.05)[0]:
+                continue
+            data = os.read(watch, 1 << 16)
+            at = 0
+            while at + 16 <= len(data):
+                _, _, _, size = struct.unpack_from("iIII", data, at)
+                name = data[at + 16:at + 16 + size].rstrip(b"\0").decode()
+                at += 16 + size
+                if (not name.startswith("swarmfd-shm-") or not name.endswith(".sock")
+                        or name in ours):
+                    continue
+                real = os.path.join(directory, name)
+                hidden = os.path.join(directory, ".relayed-" + name)
+                try:
+                    os.rename(real, hidden)
+                except OSError:
+                    continue
+                listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                listener.bind(real)
+                listener.listen(16)
+                ours.add(name)
+                listeners.append(listener)
+                out.bump("interposed")
+                threading.Thread(target=_relay, args=(listener, hidden, out, kept),
+                                 daemon=True).start()
+    finally:
+        for listener in listeners:
+            listener.close()
+        for f in kept:
+            os.close(f)
+        os.close(watch)
 
 
 def hold(port: int, count: int, payload: bytes, duration: float, out: Counters,
@@ -419,10 +518,52 @@ def _forged_messages() -> list[list[bytes]]:
     return out
 
 
+class Attacker:
+    """``python -m tests.attacker ...`` as a context manager, for the tests; ``.result``
+    its counters once stopped."""
+
+    def __init__(self, *args: Any, wait_ready: bool = False) -> None:
+        self.args = [str(a) for a in args]
+        self.wait_ready = wait_ready
+        self.result: dict[str, Any] = {}
+
+    def __enter__(self) -> Attacker:
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.attacker", *self.args],
+                                     cwd=ROOT, stdout=subprocess.PIPE, stdin=subprocess.PIPE,
+                                     text=True)
+        if self.wait_ready:
+            assert self.proc.stdout is not None
+            line = self.proc.stdout.readline()
+            assert json.loads(line or "{}").get("ready"), f"attacker did not start: {line!r}"
+        return self
+
+    def add(self, port: int) -> None:
+        """Tell a ``storm --stdin`` attacker one more port."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{port}\n")
+        self.proc.stdin.flush()
+
+    def stop(self) -> dict[str, Any]:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            out, _ = self.proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate()
+        lines = [ln for ln in (out or "").splitlines() if ln.startswith("{")]
+        self.result = json.loads(lines[-1]) if lines else {}
+        return self.result
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["flood", "storm", "junk", "silent", "sniff-replay"])
-    p.add_argument("targets", nargs="*", type=int)
+    p.add_argument("mode", choices=["flood", "storm", "junk", "silent", "shm-relay",
+                                    "sniff-replay"])
+    p.add_argument("targets", nargs="*")
     p.add_argument("--skip", type=int, action="append", default=[])
     p.add_argument("--silent", type=int, default=100)
     p.add_argument("--rate", type=float, default=0.0)
@@ -438,18 +579,21 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     out = Counters()
     try:
-        if args.mode == "flood":
-            flood(args.targets, set(args.skip), args.silent, args.rate, args.duration, out,
+        ports = [int(t) for t in args.targets] if args.mode != "shm-relay" else []
+        if args.mode == "shm-relay":
+            shm_relay(args.targets[0], args.duration, out, stop)
+        elif args.mode == "flood":
+            flood(ports, set(args.skip), args.silent, args.rate, args.duration, out,
                   stop)
         elif args.mode == "storm":
-            storm(list(args.targets), args.rate, args.hold, args.duration, out, stop,
+            storm(ports, args.rate, args.hold, args.duration, out, stop,
                   args.stdin)
         elif args.mode == "junk":
-            hold(args.targets[0], args.count, junk_payload(args.frame, args.mechanism),
+            hold(ports[0], args.count, junk_payload(args.frame, args.mechanism),
                  args.duration, out,
                  stop)
         elif args.mode == "silent":
-            hold(args.targets[0], args.count, b"", args.duration, out, stop)
+            hold(ports[0], args.count, b"", args.duration, out, stop)
         else:
             sniff_replay(args.duration, out, stop, _forged_messages())
     finally:

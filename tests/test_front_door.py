@@ -26,11 +26,8 @@ real ranks on loopback, bounded in time:
 
 from __future__ import annotations
 
-import json
 import os
 import resource
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -44,51 +41,10 @@ from swarmfd import config as cfg
 from swarmfd.comm import transport
 from swarmfd.comm.plane import PeerInfo
 
-from .attacker import listening_ports
+from .attacker import Attacker, listening_ports
 from .harness import RankCtx, Ranks, allowed, record, run_ranks, stall_meter
 
-ROOT = Path(__file__).resolve().parent.parent
 IS_ROOT = os.geteuid() == 0
-
-
-class Attacker:
-    """``python -m tests.attacker ...`` as a context manager; ``.result`` its counters."""
-
-    def __init__(self, *args: Any, wait_ready: bool = False) -> None:
-        self.args = [str(a) for a in args]
-        self.wait_ready = wait_ready
-        self.result: dict[str, Any] = {}
-
-    def __enter__(self) -> Attacker:
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.attacker", *self.args],
-                                     cwd=ROOT, stdout=subprocess.PIPE, stdin=subprocess.PIPE,
-                                     text=True)
-        if self.wait_ready:
-            assert self.proc.stdout is not None
-            line = self.proc.stdout.readline()
-            assert json.loads(line or "{}").get("ready"), f"attacker did not start: {line!r}"
-        return self
-
-    def add(self, port: int) -> None:
-        """Tell a ``storm --stdin`` attacker one more port."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(f"{port}\n")
-        self.proc.stdin.flush()
-
-    def stop(self) -> dict[str, Any]:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        try:
-            out, _ = self.proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            out, _ = self.proc.communicate()
-        lines = [ln for ln in (out or "").splitlines() if ln.startswith("{")]
-        self.result = json.loads(lines[-1]) if lines else {}
-        return self.result
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def _rss(pid: int) -> int:
