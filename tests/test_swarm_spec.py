@@ -158,11 +158,12 @@ def test_encrypt_network_sets_the_overlay_option():
 
 def test_job_secret_is_mounted_as_a_root_only_file_and_restart_count_is_in_the_env():
     """The secret's ID and name (never its value) in the spec: target swarmfd_secret,
-    uid/gid 0, mode 0400; SWARMFD_RESTART_COUNT carries the restart count."""
+    uid/gid 0, mode 0444 (the ranks run unprivileged); SWARMFD_RESTART_COUNT carries the
+    restart count."""
     spec = S.build_service_spec(make_job(restart_count=2), "sid123")
     assert spec["TaskTemplate"]["ContainerSpec"]["Secrets"] == [{
         "SecretID": "sid123", "SecretName": "job-1-secret",
-        "File": {"Name": "swarmfd_secret", "UID": "0", "GID": "0", "Mode": 0o400}}]
+        "File": {"Name": "swarmfd_secret", "UID": "0", "GID": "0", "Mode": 0o444}}]
     assert env_of(spec)["SWARMFD_RESTART_COUNT"] == "2"
     assert "Secrets" not in S.build_service_spec(make_job())["TaskTemplate"]["ContainerSpec"]
     assert env_of(S.build_service_spec(make_job()))["SWARMFD_RESTART_COUNT"] == "0"

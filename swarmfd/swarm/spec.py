@@ -130,9 +130,11 @@ SHM_VOLUME_DRIVER = {"Name": "local",
 #: another launch.
 ENV_JOB_ID = "SWARMFD_JOB_ID"
 
-#: The job secret in every rank: ``/run/secrets/<SECRET_TARGET>``, readable by root only.
+#: The job secret in every rank: ``/run/secrets/<SECRET_TARGET>``, owned by root, readable
+#: by the container's users (the ranks run as the image's unprivileged user, see
+#: swarmfd.entrypoint; nobody else runs in a rank's container), writable by none.
 SECRET_TARGET = "swarmfd_secret"
-SECRET_MODE = 0o400
+SECRET_MODE = 0o444
 
 _JOB_NAME_RE = re.compile(r"^[a-z]([a-z0-9-]*[a-z0-9])?$")
 _ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -651,8 +653,9 @@ def build_service_spec(job: JobSpec, secret_id: str | None = None) -> dict[str, 
     """The Engine API ``ServiceSpec`` of the job (``POST /services/create`` body).
 
     ``secret_id``: the job's Docker secret (``<job>-secret``), mounted in every rank at
-    ``/run/secrets/swarmfd_secret``, owned by root, mode 0400. Only its ID and name are
-    in the spec; its content never is (nor in the environment or command line).
+    ``/run/secrets/swarmfd_secret``, owned by root, mode 0444 (SECRET_MODE). Only its ID
+    and name are in the spec; its content never is (nor in the environment or command
+    line).
     """
     container: dict[str, Any] = {
         "Image": job.image_ref,
