@@ -88,12 +88,11 @@ SMALL_SEND = 64 << 10
 #: one segment at a time, and a wake-up for each cost a select, a recv and the Python
 #: around them. Non-blocking reads still take what is there, and a closed or failed
 #: connection wakes the select at once. Measured on two simulated hosts at 5 Gbit/s, one
-#: rank each (benchmarks/hierarchy.py --shape 2x1@5gbit, 4 interleaved runs,
-#: 2026-12-04; benchmarks/results/session-20261204-h.md): CPU a call per rank 0.76 /
-#: 3.23 / 14.9 ms at 1 / 4 / 16 MiB against 1.39 / 4.93 / 22.4 before, the same time a
-#: call (the link's); 2x2 ranks spread, flat ring: 4-11 % less CPU; on loopback
-#: (compare.py, calls.py --loop, N=2 and N=4, 1-16 MiB) the same time and CPU within
-#: the noise. 256 KiB and 1 MiB measured alike.
+#: rank each (benchmarks/hierarchy.py --shape 2x1@5gbit, 4 interleaved runs): CPU a call
+#: per rank 0.76 / 3.23 / 14.9 ms at 1 / 4 / 16 MiB against 1.39 / 4.93 / 22.4 before,
+#: the same time a call (the link's); 2x2 ranks spread, flat ring: 4-11 % less CPU; on
+#: loopback (compare.py, calls.py --loop, N=2 and N=4, 1-16 MiB) the same time and CPU
+#: within the noise. 256 KiB and 1 MiB measured alike.
 LOWAT_BYTES = 512 << 10
 #: Smaller remainders block as before (a small message's latency is untouched).
 LOWAT_MIN = 64 << 10

@@ -24,7 +24,7 @@ thread with it.
 
 One receiving socket, not one per peer: at N=4, plain pyzmq exchanging 4 KiB with
 every peer took 182-213 us a round with a DEALER per peer (polled) against 155-165 us
-with one DEALER and 153-185 us with 8ec62ae's PUSH/PULL (4 interleaved runs,
+with one DEALER and 153-185 us with a PUSH/PULL pair per peer (4 interleaved runs,
 benchmarks/zmq_patterns.py), and 165-168 us with one DEALER whose receiver reads each
 message's metadata, as this plane does.
 
