@@ -203,8 +203,8 @@ MAX_SECRET_BYTES = 4096
 #: gather's or a reduce's root, which holds every other rank's whole buffer until it
 #: reads it: a job whose rank sends more than this in one such call raises the variable.
 DEFAULT_STASH_MB = 256
-#: Data-plane encryption when SWARMFD_ENCRYPT is unset. Chosen by measurement (README,
-#: "Security"): CURVE costs 2-3x the time of an all_reduce at 1 MiB and at 64 MiB, while
+#: Data-plane encryption when SWARMFD_ENCRYPT is unset. Chosen by measurement
+#: (docs/security.md): CURVE costs 2-3x the time of an all_reduce at 1 MiB and at 64 MiB, while
 #: authentication alone (rendezvous always encrypted, data plane authenticated) already
 #: keeps strangers from joining, injecting data or aborting a job.
 DEFAULT_ENCRYPT = False

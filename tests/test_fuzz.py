@@ -577,6 +577,9 @@ def _stash_attack(ctx: RankCtx, attack: bool) -> dict[str, Any]:
         t.channel.timeout = 2.0  # rank 0 stops reading once it failed
         with contextlib.suppress(errors.SwarmfdError):
             t.channel.flush()  # (the socket plane moves bytes only when called)
+        for lane in getattr(t.tcp, "lanes", {}).values():
+            lane.out.clear()  # what rank 0 will never read: no linger over it at exit
+            lane.zc = 0
         assert ctx.wait_go(60)
         return {}
     t0 = time.monotonic()

@@ -22,7 +22,7 @@ Setup, in :meth:`Transport.join`: bind the TCP plane's listener on the interface
 that routes to rank 0, run the rendezvous (:mod:`swarmfd.comm.rendezvous`), connect
 the TCP plane's mesh (authenticated; its listener closes on the socket plane), then
 set up shared memory among each host's ranks. Every step is bounded by the init
-deadline; strangers cannot stop or slow it (see README "Security").
+deadline; strangers cannot stop or slow it (see docs/security.md).
 """
 
 from __future__ import annotations
