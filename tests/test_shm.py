@@ -1038,31 +1038,40 @@ def _tight(call: Callable[..., Any]) -> Callable[..., Any]:
     return tight
 
 
-def _job_with_a_failure(ctx: RankCtx, victim: int, what: str) -> dict[str, Any]:
-    """Rank ``victim`` hits its descriptor limit during its whole shared-memory setup
-    ("setup": at the first descriptor it creates) or only when it receives the others'
-    descriptors ("recv_fds"); stderr is captured as the logging module's last-resort handler
-    writes it (no handler configured)."""
+def _reduce_capturing(init: Callable[[], Any]) -> dict[str, Any]:
+    """``init()``, an all_reduce and a barrier, with stderr captured as the logging
+    module's last-resort handler writes it (no handler configured): whether the rank is
+    on shared memory, the sum, and what it wrote."""
     import swarmfd as fd
     from swarmfd import group
 
     captured = io.StringIO()
     sys.stderr = captured
-    if ctx.rank == victim:
-        if what == "setup":  # the whole shared-memory setup: its first descriptor fails
-            group._setup_shm = _tight(group._setup_shm)  # type: ignore[assignment]
-        else:
-            socket.recv_fds = _tight(socket.recv_fds)  # type: ignore[assignment]
     try:
-        fd.init(ctx.world, ctx.rank, master_addr="127.0.0.1", master_port=ctx.port,
-                timeout=ctx.group_timeout)
-        x = np.full(300_000, ctx.rank + 1.0, np.float32)
+        init()
+        x = np.full(300_000, fd.get_rank() + 1.0, np.float32)
         fd.all_reduce(x)
         fd.barrier()
         return {"on_shm": group.current().transport.shm is not None, "sum": float(x[-1]),
                 "stderr": captured.getvalue()}
     finally:
         sys.stderr = sys.__stderr__
+
+
+def _job_with_a_failure(ctx: RankCtx, victim: int, what: str) -> dict[str, Any]:
+    """Rank ``victim`` hits its descriptor limit during its whole shared-memory setup
+    ("setup": at the first descriptor it creates) or only when it receives the others'
+    descriptors ("recv_fds")."""
+    import swarmfd as fd
+    from swarmfd import group
+
+    if ctx.rank == victim:
+        if what == "setup":  # the whole shared-memory setup: its first descriptor fails
+            group._setup_shm = _tight(group._setup_shm)  # type: ignore[assignment]
+        else:
+            socket.recv_fds = _tight(socket.recv_fds)  # type: ignore[assignment]
+    return _reduce_capturing(lambda: fd.init(ctx.world, ctx.rank, master_addr="127.0.0.1",
+                                             master_port=ctx.port, timeout=ctx.group_timeout))
 
 
 @pytest.mark.parametrize(("victim", "what", "cause"), [
@@ -1138,14 +1147,9 @@ def test_setup_socket_in_a_shared_directory(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def _job_behind_a_relay(ctx: RankCtx) -> dict[str, Any]:
-    """Init and an all_reduce; the ranks other than the hub connect to the setup socket
-    0.3 s late (so the relay, which renames the socket as it appears, is in place);
-    stderr captured as in :func:`_job_with_a_failure`."""
-    import swarmfd as fd
-    from swarmfd import group
-
-    captured = io.StringIO()
-    sys.stderr = captured
+    """:func:`_reduce_capturing`; the ranks other than the hub connect to the setup
+    socket 0.3 s late (so the relay, which renames the socket as it appears, is in
+    place)."""
     real = shm.Setup._hand_over
 
     def late(self: Any) -> None:
@@ -1154,15 +1158,7 @@ def _job_behind_a_relay(ctx: RankCtx) -> dict[str, Any]:
         real(self)
 
     shm.Setup._hand_over = late  # type: ignore[method-assign]
-    try:
-        ctx.init()
-        x = np.full(300_000, ctx.rank + 1.0, np.float32)
-        fd.all_reduce(x)
-        fd.barrier()
-        return {"on_shm": group.current().transport.shm is not None, "sum": float(x[-1]),
-                "stderr": captured.getvalue()}
-    finally:
-        sys.stderr = sys.__stderr__
+    return _reduce_capturing(ctx.init)
 
 
 def test_a_relay_in_the_shared_directory_gets_no_descriptor_and_changes_nothing() -> None:

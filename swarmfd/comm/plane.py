@@ -17,13 +17,14 @@ same for all: matching, the stash, signatures, deadlines, lost peers, aborts.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import socket
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .wire import Header, Signature
 
-__all__ = ["PeerInfo", "Plane", "PlaneOwner"]
+__all__ = ["PeerInfo", "Plane", "PlaneOwner", "reserve_port"]
 
 
 @dataclass(frozen=True)
@@ -122,3 +123,30 @@ class Plane(Protocol):
 
     def close(self, linger: float) -> None:
         """Close everything; queued sends get ``linger`` seconds."""
+
+
+def reserve_port(host: str, avoid: Collection[int] = ()) -> socket.socket:
+    """A TCP socket bound on ``host`` to a port the system picks, but none of ``avoid``
+    (see ``avoid`` of :class:`swarmfd.comm.transport.Transport`), and not listening: the
+    port is a rank's data endpoint, announced in the rendezvous, and nobody can connect
+    to it (the kernel resets every attempt) until the plane listens, once the rendezvous
+    is over (see the planes). Without SO_REUSEADDR, so that no other socket can bind the
+    port meanwhile. A port to avoid stays bound until another is found, so that the
+    system does not pick it again."""
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    held: list[socket.socket] = []
+    try:
+        while True:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                sock.bind((host, 0))
+            except BaseException:
+                sock.close()
+                raise
+            if sock.getsockname()[1] not in avoid:
+                return sock
+            held.append(sock)
+    finally:
+        for sock in held:
+            sock.close()

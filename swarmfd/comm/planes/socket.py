@@ -72,7 +72,7 @@ import numpy as np
 from ...errors import AuthenticationError, ProtocolError, RendezvousTimeout
 from .. import wire
 from ..handshake import HELLO, MAC_SIZE, NO_RANK, mac, verify
-from ..plane import PeerInfo, PlaneOwner
+from ..plane import PeerInfo, PlaneOwner, reserve_port
 from ..spin import Spinner
 
 __all__ = ["SocketPlane"]
@@ -232,30 +232,6 @@ class _Impostor(Exception):
     """The listener failed to prove it is the rank we dialled (a MAC that fails)."""
 
 
-def reserve(host: str, avoid: Collection[int] = ()) -> socket.socket:
-    """A socket bound to a port of ``host`` the system picks, but none of ``avoid`` (see
-    ``avoid`` of :class:`swarmfd.comm.transport.Transport`), not listening yet: its port
-    is the rank's data endpoint, and nobody can connect to it (the kernel resets every
-    attempt) until :meth:`SocketPlane.connect` listens. Without SO_REUSEADDR, so no other
-    socket can bind the port meanwhile. A port to avoid stays bound until another is
-    found, so that the system does not pick it again."""
-    held: list[socket.socket] = []
-    try:
-        while True:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            try:
-                sock.bind((host, 0))
-            except BaseException:
-                sock.close()
-                raise
-            if sock.getsockname()[1] not in avoid:
-                return sock
-            held.append(sock)
-    finally:
-        for sock in held:
-            sock.close()
-
-
 class SocketPlane:
     """The full mesh of one rank and its progress engine (see module docstring)."""
 
@@ -272,7 +248,7 @@ class SocketPlane:
         self.world_size = world_size
         self.token = token
         self.keepalive = keepalive
-        self.listener: socket.socket | None = reserve(bind_host, avoid)
+        self.listener: socket.socket | None = reserve_port(bind_host, avoid)
         self.listener.setblocking(False)
         self.endpoint = f"tcp://{bind_host}:{self.listener.getsockname()[1]}"
         self.sel = selectors.DefaultSelector()

@@ -18,9 +18,9 @@ unbind would drop its connections too), so it refuses frames over
 MAX_HANDSHAKE_FRAME and drops a connection that has not authenticated within
 HANDSHAKE_IVL_MS; a socket monitor on the DEALER reports a peer whose connection
 closed (by its endpoint). It binds only once the rendezvous is over (its port is held
-until then by a plain socket that does not listen: :func:`_reserve`), so a storm of
-connections at it cannot slow the rendezvous, whose sockets share libzmq's I/O
-thread with it.
+until then by a plain socket that does not listen,
+:func:`~swarmfd.comm.plane.reserve_port`), so a storm of connections at it cannot slow
+the rendezvous, whose sockets share libzmq's I/O thread with it.
 
 One receiving socket, not one per peer: at N=4, plain pyzmq exchanging 4 KiB with
 every peer took 182-213 us a round with a DEALER per peer (polled) against 155-165 us
@@ -46,7 +46,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from ...errors import AuthenticationError, ProtocolError, RendezvousError, RendezvousTimeout
 from .. import spin, wire
-from ..plane import PeerInfo, PlaneOwner
+from ..plane import PeerInfo, PlaneOwner, reserve_port
 from ..security import (
     DATA_ATTEMPTS,
     ZAP_DATA,
@@ -129,31 +129,6 @@ def _now() -> float:
 RECONNECT_FIRST_MS = 5
 
 
-def _reserve(host: str, avoid: Collection[int]) -> socket.socket:
-    """A plain socket bound on ``host`` to a port the system picks but none of ``avoid``
-    (see ``avoid`` of :class:`swarmfd.comm.transport.Transport`), not listening: it holds
-    the port (no SO_REUSEADDR, so nobody else can bind it) until the ROUTER binds it
-    (:meth:`ZmqPlane.connect`). An avoided port stays bound until another is found, so
-    that the system does not pick it again."""
-    host = host.strip("[]")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    held: list[socket.socket] = []
-    try:
-        while True:
-            sock = socket.socket(family, socket.SOCK_STREAM)
-            try:
-                sock.bind((host, 0))
-            except BaseException:
-                sock.close()
-                raise
-            if sock.getsockname()[1] not in avoid:
-                return sock
-            held.append(sock)
-    finally:
-        for sock in held:
-            sock.close()
-
-
 class ZmqPlane:
     """The ZeroMQ data plane (see the module docstring).
 
@@ -202,7 +177,7 @@ class ZmqPlane:
         # docstring), with a proof from its session token on the PLAIN plane: set before
         # bind, since a listener copies the options it has then.
         self.router.setsockopt(zmq.METADATA, f"X-Rank:{server_proof(token, rank)}".encode())
-        self.reserved: socket.socket | None = _reserve(bind_host, avoid)
+        self.reserved: socket.socket | None = reserve_port(bind_host, avoid)
         self.endpoint = f"tcp://{bind_host}:{self.reserved.getsockname()[1]}"
         # Counts the peers whose DEALER authenticated, and failed accepts (descriptors).
         # Not failed handshakes: a storm of strangers makes one each, which this rank's
