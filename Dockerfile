@@ -53,10 +53,17 @@ ENV VIRTUAL_ENV=/opt/venv \
 COPY --from=deps /opt/venv /opt/venv
 COPY --from=wheel /tmp/examples/ /opt/swarmfd/examples/
 COPY --from=wheel /tmp/dist/ /tmp/dist/
+# The ranks run as swarmfd (uid 10001), not root: the entrypoint, started as root, drops
+# to it before it runs the command (SWARMFD_USER=root keeps root). It owns the working
+# directory and the checkpoint mount point (a new --checkpoint-volume takes its owner).
 RUN set -eu; \
     /opt/venv/bin/pip install --quiet --no-deps --no-index /tmp/dist/*.whl; \
     rm -rf /tmp/dist /root/.cache; \
-    /opt/venv/bin/python -c 'import swarmfd.entrypoint'
+    /opt/venv/bin/python -c 'import swarmfd.entrypoint'; \
+    echo 'swarmfd:x:10001:10001:swarmfd ranks:/workspace:/usr/sbin/nologin' >> /etc/passwd; \
+    echo 'swarmfd:x:10001:' >> /etc/group; \
+    mkdir -p /workspace /checkpoints; \
+    chown 10001:10001 /workspace /checkpoints
 
 WORKDIR /workspace
 # The entrypoint turns the Swarm task slot into RANK, waits for MASTER_ADDR to resolve,

@@ -33,6 +33,12 @@ and, for the job's security (see :func:`load_secret`):
 ``SWARMFD_DATA_PLANE`` ``socket`` (plain TCP sockets, the default) or ``zmq``
                       (ZeroMQ; the default and the only choice with
                       ``SWARMFD_ENCRYPT=1``); see :func:`data_plane`
+``SWARMFD_STASH_MB``  the MiB a peer may have waiting in this rank's memory before a
+                      receive asks for them (default :data:`DEFAULT_STASH_MB`); see
+                      :func:`stash_limit`
+``SWARMFD_JOB_ID``    the launch this rank belongs to (``swarmfd run`` and ``swarmfd
+                      deploy`` draw one): ranks of another launch are refused at
+                      rendezvous, even with the same secret; see :func:`job_id`
 
 and, for where the ranks are (see :func:`transport_mode`, :func:`node_name`):
 
@@ -52,6 +58,7 @@ Every value is validated here, once; bad input raises :class:`ConfigError`
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
@@ -67,6 +74,7 @@ __all__ = [
     "DEFAULT_MASTER_PORT",
     "DEFAULT_RENDEZVOUS_PORT_OFFSET",
     "DEFAULT_SECRET_FILE",
+    "DEFAULT_STASH_MB",
     "DEFAULT_TIMEOUT",
     "DOCKER_SECRETS_DIR",
     "ENV_AUTH",
@@ -75,6 +83,7 @@ __all__ = [
     "ENV_ENCRYPT",
     "ENV_HIERARCHY",
     "ENV_INIT_TIMEOUT",
+    "ENV_JOB_ID",
     "ENV_LOCAL_RANK",
     "ENV_LOCAL_WORLD_SIZE",
     "ENV_MALLOC",
@@ -88,6 +97,7 @@ __all__ = [
     "ENV_SECRET_FILE",
     "ENV_SHM_DIR",
     "ENV_SPIN",
+    "ENV_STASH_MB",
     "ENV_TIMEOUT",
     "ENV_TRANSPORT",
     "ENV_WORLD_SIZE",
@@ -107,6 +117,7 @@ __all__ = [
     "data_plane",
     "encrypt_enabled",
     "hierarchy_mode",
+    "job_id",
     "load_secret",
     "malloc_mode",
     "master_port",
@@ -119,6 +130,7 @@ __all__ = [
     "require_secret",
     "shm_dir",
     "spin_mode",
+    "stash_limit",
     "transport_mode",
     "usable_cores",
 ]
@@ -157,6 +169,10 @@ ENV_SPIN = "SWARMFD_SPIN"
 ENV_MALLOC = "SWARMFD_MALLOC"
 #: Whether the ranks of a host may read each other's memory (see swarmfd.comm.cma).
 ENV_CMA = "SWARMFD_CMA"
+#: How much a peer may have waiting in this rank's stash (see :func:`stash_limit`).
+ENV_STASH_MB = "SWARMFD_STASH_MB"
+#: The launch a rank belongs to (see :func:`job_id`).
+ENV_JOB_ID = "SWARMFD_JOB_ID"
 #: Set by a Swarm service for each task (``{{.Task.Slot}}``, 1-based): see swarmfd.entrypoint.
 ENV_TASK_SLOT = "SWARMFD_TASK_SLOT"
 #: How long the container entrypoint waits for MASTER_ADDR to resolve.
@@ -184,8 +200,14 @@ DEFAULT_SECRET_FILE = "/run/secrets/swarmfd_secret"
 MIN_SECRET_CHARS = 32
 #: A secret file larger than this is not a secret file (refused before reading it all).
 MAX_SECRET_BYTES = 4096
-#: Data-plane encryption when SWARMFD_ENCRYPT is unset. Chosen by measurement (README,
-#: "Security"): CURVE costs 2-3x the time of an all_reduce at 1 MiB and at 64 MiB, while
+#: MiB a peer may have waiting in a rank's stash (messages no receive asked for yet) when
+#: SWARMFD_STASH_MB is unset. A correct peer's stash holds what it sent for the calls
+#: this rank has not reached yet, mostly a piece or a chunk of each; the most is a
+#: gather's or a reduce's root, which holds every other rank's whole buffer until it
+#: reads it: a job whose rank sends more than this in one such call raises the variable.
+DEFAULT_STASH_MB = 256
+#: Data-plane encryption when SWARMFD_ENCRYPT is unset. Chosen by measurement
+#: (docs/security.md): CURVE costs 2-3x the time of an all_reduce at 1 MiB and at 64 MiB, while
 #: authentication alone (rendezvous always encrypted, data plane authenticated) already
 #: keeps strangers from joining, injecting data or aborting a job.
 DEFAULT_ENCRYPT = False
@@ -219,6 +241,10 @@ class Options:
     swarm_task: bool = False
     #: MASTER_PORT when it is a valid port (torch's store: the data planes keep off it).
     torch_port: int | None = None
+    #: SWARMFD_STASH_MB, in bytes: what a peer may have waiting in this rank's stash.
+    stash_limit: int = DEFAULT_STASH_MB << 20
+    #: SWARMFD_JOB_ID: the launch this rank belongs to ("": ranks started by hand).
+    job: str = ""
 
 
 #: glibc's own malloc settings in the environment, which SWARMFD_MALLOC=tuned respects.
@@ -236,7 +262,7 @@ def options_from_env(environ: Mapping[str, str] | None = None) -> Options:
         malloc="system" if any(name in env for name in GLIBC_SETTINGS) else malloc,
         cma=cma_enabled(env), node=node_name(env), shm_dir=shm_dir(env),
         swarm_task=bool((env.get(ENV_TASK_SLOT) or "").strip()),
-        torch_port=master_port(env))
+        torch_port=master_port(env), stash_limit=stash_limit(env), job=job_id(env))
 
 
 @dataclass(frozen=True)
@@ -606,6 +632,29 @@ def shm_dir(environ: Mapping[str, str] | None = None) -> str:
     return (env.get(ENV_SHM_DIR) or "").strip()
 
 
+def stash_limit(environ: Mapping[str, str] | None = None) -> int:
+    """The bytes a peer may have waiting in this rank's stash: ``SWARMFD_STASH_MB`` MiB
+    (default DEFAULT_STASH_MB; see swarmfd.comm.channel). A peer that sends more than
+    that which no receive asked for yet fails the call, naming it."""
+    env = os.environ if environ is None else environ
+    mib = parse_env_int(env, ENV_STASH_MB, minimum=1,
+                        hint=f" (MiB a peer may have waiting in a rank's memory; default "
+                             f"{DEFAULT_STASH_MB})")
+    return (mib if mib is not None else DEFAULT_STASH_MB) << 20
+
+
+def job_id(environ: Mapping[str, str] | None = None) -> str:
+    """``SWARMFD_JOB_ID``: the launch this rank belongs to ("" when unset: ranks started
+    by hand, which then all have none). At most 64 letters, digits, '-', '_' or '.'."""
+    env = os.environ if environ is None else environ
+    raw = (env.get(ENV_JOB_ID) or "").strip()
+    if len(raw) > 64 or not all(c.isascii() and (c.isalnum() or c in "-_.") for c in raw):
+        raise ConfigError(f"environment variable {ENV_JOB_ID}={raw[:80]!r} is invalid: "
+                          "expected at most 64 letters, digits, '-', '_' or '.' (swarmfd "
+                          "run and swarmfd deploy set it; unset it to start ranks by hand)")
+    return raw
+
+
 def check_secret(secret: str | bytes, origin: str) -> bytes:
     """The secret as bytes, stripped; :class:`ConfigError` when it is too short.
 
@@ -637,8 +686,8 @@ def load_secret(environ: Mapping[str, str] | None = None) -> bytes | None:
     Returns ``None`` when the variable is unset and the default file does not
     exist (the caller decides whether that is an error); raises
     :class:`ConfigError` when a file is named but missing, unreadable, not a
-    regular file, too large or too short. Error messages name the path, never
-    the content.
+    regular file, too large or too short, or when another user could have written
+    it (:func:`_check_secret_file`). Error messages name the path, never the content.
     """
     env = os.environ if environ is None else environ
     named = (env.get(ENV_SECRET_FILE) or "").strip()
@@ -647,11 +696,15 @@ def load_secret(environ: Mapping[str, str] | None = None) -> bytes | None:
     if not named and not os.path.lexists(path):
         return None
     try:
-        mode = os.stat(path).st_mode  # follows a symlink: the file it names is checked
-        if not stat.S_ISREG(mode):  # a FIFO would block open()
+        st = os.stat(path)  # follows a symlink: the file it names is checked
+        if not stat.S_ISREG(st.st_mode):  # a FIFO would block open()
             raise ConfigError(f"the job secret file ({origin}) is not a regular file")
-        _check_secret_mode(path, origin, mode)
+        _check_secret_file(path, origin, st)
         with open(path, "rb") as f:
+            opened = os.fstat(f.fileno())
+            if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino):
+                raise ConfigError(f"the job secret file ({origin}) was replaced while it was "
+                                  "checked: check who else writes there")
             data = f.read(MAX_SECRET_BYTES + 1)
     except FileNotFoundError:
         raise ConfigError(f"the job secret file ({origin}) does not exist; {_SECRET_HINT}"
@@ -671,13 +724,26 @@ def load_secret(environ: Mapping[str, str] | None = None) -> bytes | None:
 #: Where Docker mounts secrets: world-readable (0444) by default there, inside a container
 #: whose other users are the job's own; elsewhere a world-readable secret file is warned of.
 DOCKER_SECRETS_DIR = "/run/secrets"
+#: Symbolic links followed at most on the way to a secret file (as the kernel's ELOOP).
+MAX_SYMLINKS = 40
 _LOG = logging.getLogger("swarmfd")
 
 
-def _check_secret_mode(path: str, origin: str, mode: int) -> None:
-    """Refuse a secret file others can write (as OpenSSH refuses such key files); warn of
-    one every user can read, outside Docker's secrets directory."""
-    perms = stat.S_IMODE(mode)
+def _check_secret_file(path: str, origin: str, st: os.stat_result) -> None:
+    """Refuse a secret file another user could have written, as OpenSSH refuses such key
+    files (whoever can write it can make this job trust their secret): one not owned by
+    this process's user or root, one its group or other users can write, and one in a
+    directory (or reached through a symbolic link in one) another user can write (they
+    could rename it away and put their own in its place). Warn of one every user can
+    read, outside Docker's secrets directory."""
+    perms = stat.S_IMODE(st.st_mode)
+    if st.st_uid not in _trusted_uids():
+        raise ConfigError(
+            f"the job secret file ({origin}) is owned by uid {st.st_uid}, not by this "
+            f"process's uid {os.geteuid()} or root: that user could replace the secret with "
+            f"their own; write a fresh secret to a file of your own (chmod 600) and point "
+            f"{ENV_SECRET_FILE} at it"
+        )
     if perms & 0o022:
         who = " and ".join(w for w, bit in (("its group", 0o020), ("other users", 0o002))
                            if perms & bit)
@@ -686,12 +752,63 @@ def _check_secret_mode(path: str, origin: str, mode: int) -> None:
             f"can write it can make this job trust their secret; make it private (chmod 600 "
             f"{path})"
         )
+    hazard = _path_hazard(path)
+    if hazard:
+        raise ConfigError(
+            f"the job secret file ({origin}) {hazard}: they could put a file of their own in "
+            "its place; keep the secret in a directory only you (or root) can write (e.g. "
+            f"chmod go-w that directory), and {ENV_SECRET_FILE} pointing there"
+        )
     real = os.path.realpath(path)
     if perms & 0o004 and not real.startswith(DOCKER_SECRETS_DIR + os.sep):
         _LOG.warning(
             "the job secret file (%s) is readable by every user (mode %04o): other users of "
             "this host can read the job secret; make it private (chmod 600 %s)",
             origin, perms, path)
+
+
+def _trusted_uids() -> set[int]:
+    """Who may own a secret file and the directories on its way: this process's user
+    (real and effective) and root."""
+    return {0, os.getuid(), os.geteuid()}
+
+
+def _path_hazard(path: str) -> str:
+    """Why another user could replace what ``path`` names ("" when nobody can): a
+    directory on the way (every one the name is looked up in, symbolic links followed
+    one by one, as the kernel resolves it) that such a user owns, or may write into
+    without the sticky bit protecting this entry (as /tmp protects the files of others).
+    """
+    trusted = _trusted_uids()
+    parts = os.path.abspath(path).split(os.sep)[1:]
+    current, hops = os.sep, 0
+    while parts:
+        name = parts.pop(0)
+        if name in ("", "."):
+            continue
+        if name == "..":
+            current = os.path.dirname(current)
+            continue
+        entry = os.path.join(current, name)
+        where = os.lstat(current)
+        st = os.lstat(entry)
+        if where.st_uid not in trusted:
+            return f"is reached through the directory {current}, owned by uid {where.st_uid}"
+        if stat.S_IMODE(where.st_mode) & 0o022 and not (
+                where.st_mode & stat.S_ISVTX and st.st_uid in trusted):
+            return (f"is reached through the directory {current}, which other users can write "
+                    f"(mode {stat.S_IMODE(where.st_mode):04o})")
+        if stat.S_ISLNK(st.st_mode):
+            hops += 1
+            if hops > MAX_SYMLINKS:
+                raise OSError(errno.ELOOP, "too many levels of symbolic links")
+            target = os.readlink(entry)
+            if os.path.isabs(target):
+                current = os.sep
+            parts[:0] = target.split(os.sep)
+            continue
+        current = entry
+    return ""
 
 
 def require_secret(world_size: int, secret: str | bytes | None = None,

@@ -39,7 +39,13 @@ and this entrypoint, before it runs the command:
    (``python -c "print(1)"``) can let rank 0 finish before a slower rank looks it up,
    and that rank then ends with exit code 3. A swarmfd program cannot hit this: rank 0
    waits in the rendezvous for every rank;
-5. replaces itself with the command (``os.execvp``), so signals from ``docker stop``
+5. started as root, runs the command as an unprivileged user (:func:`rank_user`): the
+   swarmfd image's ``swarmfd`` (uid 10001), or ``SWARMFD_USER`` (``root`` keeps root,
+   for a command that needs it, or writes where only root may: a bind mount, say). An
+   image without that user (one not built from the swarmfd image) stays as it was.
+   The job's checkpoint directory (``SWARMFD_CHECKPOINT_DIR``), when root owns it (a
+   volume an older, root rank made), is given to that user first;
+6. replaces itself with the command (``os.execvp``), so signals from ``docker stop``
    or service removal reach the command directly (run the service with ``init=True``
    so that a PID-1 init forwards them). A first word ending in ``.py`` runs with this
    Python: ``train.py --epochs 3`` means ``python train.py --epochs 3``.
@@ -64,6 +70,7 @@ Exit codes when the command does not start: 2 bad environment or usage,
 from __future__ import annotations
 
 import os
+import pwd
 import socket
 import sys
 import threading
@@ -89,6 +96,13 @@ from .errors import ConfigError, RendezvousTimeout
 #: The node a rank runs on; when set, LOCAL_RANK/LOCAL_WORLD_SIZE are derived per node.
 DEFAULT_RESOLVE_TIMEOUT = 60.0
 
+#: Who the command runs as when the container starts as root (see the module docstring).
+ENV_USER = "SWARMFD_USER"
+DEFAULT_RANK_USER = "swarmfd"
+#: Where ``swarmfd deploy --checkpoint-volume`` mounts the job's volume (the name
+#: swarmfd.swarm.spec sets; not imported: the core stays apart from that package).
+ENV_CHECKPOINT_DIR = "SWARMFD_CHECKPOINT_DIR"
+
 EXIT_USAGE = 2
 EXIT_UNRESOLVED = 3
 EXIT_NOT_EXECUTABLE = 126
@@ -111,6 +125,8 @@ Environment (set by the service):
   SWARMFD_NODE             node name; when set, LOCAL_RANK is derived per node at rendezvous
   {ENV_RESOLVE_TIMEOUT}  seconds to wait for MASTER_ADDR to resolve (default 60)
   {ENV_OMP_THREADS}          when unset: the container's CPU limit (at least 1), if it has one
+  {ENV_USER}             started as root, run as this user (default {DEFAULT_RANK_USER}, when the
+                           image has it; root keeps root)
 """
 
 
@@ -191,6 +207,37 @@ def task_env(environ: Mapping[str, str], cpus: float | None = None) -> dict[str,
     if not env.get(ENV_LOCAL_WORLD_SIZE, "").strip():
         env[ENV_LOCAL_WORLD_SIZE] = "1"
     return env
+
+
+def rank_user(environ: Mapping[str, str], euid: int) -> pwd.struct_passwd | None:
+    """The user the command runs as (see the module docstring), or None to leave this
+    process's: it does not run as root, ``SWARMFD_USER`` is ``root``, or the image has no
+    ``swarmfd`` user and ``SWARMFD_USER`` names none. ConfigError when ``SWARMFD_USER``
+    names a user the image does not have."""
+    if euid != 0:
+        return None
+    name = (environ.get(ENV_USER) or "").strip()
+    if name in ("root", "0"):
+        return None
+    try:
+        return pwd.getpwnam(name or DEFAULT_RANK_USER)
+    except KeyError:
+        if name:
+            raise ConfigError(f"{ENV_USER}={name!r}: the image has no such user (expected a "
+                              f"user of /etc/passwd, or root)") from None
+        return None
+
+
+def become(user: pwd.struct_passwd, env: dict[str, str]) -> None:
+    """Give the job's checkpoint directory to ``user`` if root owns it, then run as
+    ``user`` from now on (no supplementary groups); ``env`` gets its HOME and USER."""
+    checkpoints = env.get(ENV_CHECKPOINT_DIR, "").strip()
+    if checkpoints and os.path.isdir(checkpoints) and os.stat(checkpoints).st_uid == 0:
+        os.chown(checkpoints, user.pw_uid, user.pw_gid)
+    os.setgroups([])
+    os.setgid(user.pw_gid)
+    os.setuid(user.pw_uid)
+    env.update(HOME=user.pw_dir, USER=user.pw_name, LOGNAME=user.pw_name)
 
 
 def resolve_timeout(environ: Mapping[str, str]) -> float:
@@ -283,6 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = command_argv(args)
         env = task_env(os.environ, cpu_limit())
         timeout = resolve_timeout(env)
+        user = rank_user(env, os.geteuid())
     except ConfigError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         if not args:
@@ -299,6 +347,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(
                 f"{PROG}: {ENV_MASTER_ADDR}={master} resolved after {waited:.1f} s", file=sys.stderr
             )
+    if user is not None:
+        try:
+            become(user, env)
+        except OSError as exc:
+            print(f"{PROG}: error: cannot run as {user.pw_name} (uid {user.pw_uid}): {exc} "
+                  f"(set {ENV_USER}=root to keep root)", file=sys.stderr)
+            return EXIT_USAGE
     sys.stdout.flush()
     sys.stderr.flush()
     try:

@@ -18,6 +18,8 @@ word ending in ``.py`` runs with the current Python, ``sys.executable``). Each c
 ``SWARMFD_INIT_TIMEOUT``   ``--init-timeout``, when given
 ``SWARMFD_RESTART_COUNT``  0 on the first attempt, then 1, 2, ... on each restart
 ``SWARMFD_SECRET_FILE``    the path of this run's job secret (see below)
+``SWARMFD_JOB_ID``         a fresh random id on every attempt: rank 0 refuses a rank of
+                           another launch that reaches its port, even with the secret
 ``PYTHONUNBUFFERED``       1 (so Python ranks stream their output promptly)
 ``OMP_NUM_THREADS``        with several ranks, when neither the launcher's environment
                            nor ``-e`` sets it: this host's usable cores divided among
@@ -172,6 +174,7 @@ RESERVED_ENV: Mapping[str, str] = MappingProxyType({
     ENV_PORT: "--swarmfd-port",
     ENV_RESTART_COUNT: "--max-restarts (the launcher counts the restarts)",
     ENV_SECRET_FILE: "nothing: every run makes a fresh job secret",
+    "SWARMFD_JOB_ID": "nothing: every attempt draws one (rank 0 refuses other launches)",
 })
 #: ``SWARMFD_TRACEBACK=1`` in the launcher's environment: ``tracebacks`` by default
 #: (``swarmfd run --tracebacks``; see the module docstring, "Failure").
@@ -974,6 +977,7 @@ def _rank_env(config: LaunchConfig, port: int, swarmfd_port: int, restart: int,
         SWARMFD_PORT=str(swarmfd_port),
         SWARMFD_RESTART_COUNT=str(restart),
         SWARMFD_SECRET_FILE=secret_file,
+        SWARMFD_JOB_ID=secrets.token_hex(6),  # this attempt's ranks only (rendezvous)
     )
     env.update(config.rank_env())
     return env

@@ -173,7 +173,8 @@ def _start(config: Config, secret: str | bytes | None = None) -> Config:
         bind_ip = _transport.local_address_toward(master_ip)
         t = _transport.Transport(config.rank, config.world_size, config.timeout, bind_ip,
                                  security, plane, config.join_timeout,
-                                 avoid=_reserved_ports(config), swarm_task=opts.swarm_task)
+                                 avoid=_reserved_ports(config), swarm_task=opts.swarm_task,
+                                 stash_limit=opts.stash_limit, job=opts.job)
         try:
             hostkey = shm_setup.host_key() if mode == "auto" else ""
             me = t.me(opts.node, hostkey)

@@ -9,10 +9,23 @@ line of counters when it ends (SIGTERM or its duration). Modes:
   ``--silent`` connections to it at once and keep them silent, then open and drop
   ``--rate`` new silent connections a second. Prints ``{"ready": true}`` when it starts
   watching.
+* ``storm PORTS``: connect to each of the given ports (on 127.0.0.1) as fast as it can,
+  or ``--rate`` connections a second at each, from the start (before a port listens,
+  each attempt is refused at once), keeping the newest ``--hold`` connections of each
+  port open and silent and resetting older ones (SO_LINGER 0: no TIME_WAIT, so the
+  rate is not bounded by the ephemeral ports). Counts attempts, connections
+  established, and the rate reached. With ``--stdin`` it also reads more ports, one a
+  line, as the test learns them. Prints ``{"ready": true}`` once it runs.
 * ``junk PORT``: open ``--count`` connections to PORT, each sending a ZMTP greeting
   and the start of one frame that announces ``--frame`` bytes, then ``--frame``
   bytes of junk, and hold them open (libzmq reads a frame before it can authenticate).
 * ``silent PORT``: open ``--count`` silent connections to PORT and hold them.
+* ``shm-relay DIR``: another job's process that shares the directory where a host's
+  ranks meet to share memory (``SWARMFD_SHM_DIR``), under the same uid: it watches the
+  directory (inotify), renames the setup socket as it appears and binds its own under
+  the name, and passes every connection through to the renamed one, message by
+  message, descriptors included, keeping a copy of each descriptor it sees. Counts
+  ``interposed`` sockets, ``connections``, ``messages`` and ``descriptors``.
 * ``sniff-replay``: read loopback traffic (a raw AF_PACKET socket, root only), pick up
   every ZMTP PLAIN HELLO (user name and password in clear), and replay each one on a
   new connection to the port it went to, then send forged DATA and ABORT messages.
@@ -24,16 +37,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import os
 import resource
 import signal
 import socket
 import struct
+import subprocess
 import sys
 import threading
 import time
 from typing import Any
+
+#: The checkout (``python -m tests.attacker`` runs from there).
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def greeting(mechanism: str) -> bytes:
@@ -121,6 +139,165 @@ def flood(pids: list[int], skip: set[int], silent: int, rate: float, duration: f
         out["ports"] = sorted(seen)
         for s in held + churn:
             s.close()
+
+
+_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() resets, no TIME_WAIT
+
+
+def _more_ports(ports: list[int], held: dict[int, list[socket.socket]]) -> None:
+    """Ports written to stdin meanwhile (``--stdin``), one a line."""
+    import select
+
+    while select.select([sys.stdin], [], [], 0)[0]:
+        line = sys.stdin.readline()
+        if not line:
+            return
+        port = int(line)
+        if port not in held:
+            ports.append(port)
+            held[port] = []
+
+
+def storm(ports: list[int], rate: float, hold_open: int, duration: float, out: Counters,
+          stop: threading.Event, stdin: bool = False) -> None:
+    """See ``storm`` in the module docstring."""
+    held: dict[int, list[socket.socket]] = {p: [] for p in ports}
+    pending: list[tuple[int, socket.socket]] = []
+    start = time.monotonic()
+    end = start + duration
+    n = 0
+    print(json.dumps({"ready": True}), flush=True)
+    try:
+        while not stop.is_set():
+            now = time.monotonic()
+            if now > end:
+                break
+            if rate > 0 and n >= (now - start) * rate:
+                time.sleep(min(0.001, n / rate - (now - start)))
+                continue
+            if stdin and (not ports or n % 64 == 0):
+                _more_ports(ports, held)
+            if not ports:
+                time.sleep(0.001)
+                start = time.monotonic()  # the rate counts from the first port on
+                continue
+            n += 1
+            for port in ports:
+                s = socket.socket()
+                s.setblocking(False)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
+                err = s.connect_ex(("127.0.0.1", port))
+                out.bump("attempts")
+                if err not in (0, errno.EINPROGRESS):
+                    s.close()
+                    out.bump("refused")
+                    continue
+                held[port].append(s)
+                pending.append((port, s))
+                if len(held[port]) > hold_open:
+                    held[port].pop(0).close()
+            if len(pending) > 256:  # count the ones the kernel completed
+                for _, s in pending:
+                    if s.fileno() >= 0 and not s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                        out.bump("established")
+                pending.clear()
+    finally:
+        elapsed = max(1e-9, time.monotonic() - start)
+        out["rate_per_port"] = round(n / elapsed)
+        out["ports"] = list(ports)
+        out["seconds"] = round(elapsed, 2)
+        for socks in held.values():
+            for s in socks:
+                s.close()
+
+
+def _pump(src: socket.socket, dst: socket.socket, out: Counters, kept: list[int]) -> None:
+    """Pass messages (and their descriptors, a copy kept) from ``src`` to ``dst``."""
+    try:
+        while True:
+            msg, fds, _, _ = socket.recv_fds(src, 1 << 16, 253)
+            if not msg and not fds:
+                break
+            out.bump("messages")
+            out.bump("descriptors", len(fds))
+            kept.extend(os.dup(f) for f in fds)
+            if fds:
+                socket.send_fds(dst, [msg], fds)
+                for f in fds:
+                    os.close(f)
+            else:
+                dst.send(msg)
+    except OSError:
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_RDWR)
+
+
+def _relay(listener: socket.socket, hidden: str, out: Counters, kept: list[int]) -> None:
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        out.bump("connections")
+        up = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            up.connect(hidden)
+        except OSError:
+            conn.close()
+            continue
+        for a, b in ((conn, up), (up, conn)):
+            threading.Thread(target=_pump, args=(a, b, out, kept), daemon=True).start()
+
+
+def shm_relay(directory: str, duration: float, out: Counters, stop: threading.Event) -> None:
+    """See ``shm-relay`` in the module docstring."""
+    import ctypes
+    import select
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    watch = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+    in_create = 0x100
+    libc.inotify_add_watch(watch, directory.encode(), in_create)
+    ours: set[str] = set()
+    kept: list[int] = []
+    listeners: list[socket.socket] = []
+    print(json.dumps({"ready": True}), flush=True)
+    end = time.monotonic() + duration
+    try:
+        while not stop.is_set() and time.monotonic() < end:
+            if not select.select([watch], [], [], 0.05)[0]:
+                continue
+            data = os.read(watch, 1 << 16)
+            at = 0
+            while at + 16 <= len(data):
+                _, _, _, size = struct.unpack_from("iIII", data, at)
+                name = data[at + 16:at + 16 + size].rstrip(b"\0").decode()
+                at += 16 + size
+                if (not name.startswith("swarmfd-shm-") or not name.endswith(".sock")
+                        or name in ours):
+                    continue
+                real = os.path.join(directory, name)
+                hidden = os.path.join(directory, ".relayed-" + name)
+                try:
+                    os.rename(real, hidden)
+                except OSError:
+                    continue
+                listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                listener.bind(real)
+                listener.listen(16)
+                ours.add(name)
+                listeners.append(listener)
+                out.bump("interposed")
+                threading.Thread(target=_relay, args=(listener, hidden, out, kept),
+                                 daemon=True).start()
+    finally:
+        for listener in listeners:
+            listener.close()
+        for f in kept:
+            os.close(f)
+        os.close(watch)
 
 
 def hold(port: int, count: int, payload: bytes, duration: float, out: Counters,
@@ -341,10 +518,52 @@ def _forged_messages() -> list[list[bytes]]:
     return out
 
 
+class Attacker:
+    """``python -m tests.attacker ...`` as a context manager, for the tests; ``.result``
+    its counters once stopped."""
+
+    def __init__(self, *args: Any, wait_ready: bool = False) -> None:
+        self.args = [str(a) for a in args]
+        self.wait_ready = wait_ready
+        self.result: dict[str, Any] = {}
+
+    def __enter__(self) -> Attacker:
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.attacker", *self.args],
+                                     cwd=ROOT, stdout=subprocess.PIPE, stdin=subprocess.PIPE,
+                                     text=True)
+        if self.wait_ready:
+            assert self.proc.stdout is not None
+            line = self.proc.stdout.readline()
+            assert json.loads(line or "{}").get("ready"), f"attacker did not start: {line!r}"
+        return self
+
+    def add(self, port: int) -> None:
+        """Tell a ``storm --stdin`` attacker one more port."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{port}\n")
+        self.proc.stdin.flush()
+
+    def stop(self) -> dict[str, Any]:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            out, _ = self.proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate()
+        lines = [ln for ln in (out or "").splitlines() if ln.startswith("{")]
+        self.result = json.loads(lines[-1]) if lines else {}
+        return self.result
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["flood", "junk", "silent", "sniff-replay"])
-    p.add_argument("targets", nargs="*", type=int)
+    p.add_argument("mode", choices=["flood", "storm", "junk", "silent", "shm-relay",
+                                    "sniff-replay"])
+    p.add_argument("targets", nargs="*")
     p.add_argument("--skip", type=int, action="append", default=[])
     p.add_argument("--silent", type=int, default=100)
     p.add_argument("--rate", type=float, default=0.0)
@@ -352,21 +571,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--frame", type=int, default=(1 << 20) - 64)
     p.add_argument("--mechanism", default="CURVE")
     p.add_argument("--duration", type=float, default=30.0)
+    p.add_argument("--hold", type=int, default=200)
+    p.add_argument("--stdin", action="store_true")
     args = p.parse_args(argv)
     _raise_fd_limit()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     out = Counters()
     try:
-        if args.mode == "flood":
-            flood(args.targets, set(args.skip), args.silent, args.rate, args.duration, out,
+        ports = [int(t) for t in args.targets] if args.mode != "shm-relay" else []
+        if args.mode == "shm-relay":
+            shm_relay(args.targets[0], args.duration, out, stop)
+        elif args.mode == "flood":
+            flood(ports, set(args.skip), args.silent, args.rate, args.duration, out,
                   stop)
+        elif args.mode == "storm":
+            storm(ports, args.rate, args.hold, args.duration, out, stop,
+                  args.stdin)
         elif args.mode == "junk":
-            hold(args.targets[0], args.count, junk_payload(args.frame, args.mechanism),
+            hold(ports[0], args.count, junk_payload(args.frame, args.mechanism),
                  args.duration, out,
                  stop)
         elif args.mode == "silent":
-            hold(args.targets[0], args.count, b"", args.duration, out, stop)
+            hold(ports[0], args.count, b"", args.duration, out, stop)
         else:
             sniff_replay(args.duration, out, stop, _forged_messages())
     finally:

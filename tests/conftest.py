@@ -85,7 +85,8 @@ WAITS = (
     "tests/test_shm.py::test_hub_bounds_connections_in_a_handshake",
     "tests/test_lanes.py::test_a_peer_that_refuses_the_handshake_is_an_authentication_error",
     "tests/test_lanes.py::test_a_closed_peer_is_a_lost_peer_after_its_data",
-    "tests/test_front_door.py::test_silent_strangers_and_a_flood_do_not_stop_or_slow_init",
+    "tests/test_front_door.py::test_a_storm_of_connections_does_not_stop_or_slow_init",
+    "tests/test_front_door.py::test_a_squatter_that_stays_is_named_at_the_init_timeout",
     "tests/test_schedules.py::test_a_peer_killed_under_a_repeated_call_is_reported_fast",
 )
 #: The Docker tests (marked ``swarm``), by node id.

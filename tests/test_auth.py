@@ -133,20 +133,23 @@ _INTRUDER = textwrap.dedent("""
     import swarmfd as fd
     t0 = time.monotonic()
     try:
-        fd.init(2, 1, master_addr="127.0.0.1", master_port=int(sys.argv[1]), timeout=20)
+        fd.init(2, 1, master_addr="127.0.0.1", master_port=int(sys.argv[1]), timeout=20,
+                init_timeout=float(sys.argv[2]))
     except Exception as exc:
         print("ERROR", type(exc).__name__, round(time.monotonic() - t0, 2), exc)
         sys.exit(3)
     print("JOINED")
 """)
+#: How long an intruder tries to join (its init timeout): it never gives up earlier.
+INTRUDER_WAIT = 3.0
 
 
-def _start_intruder(port: int, env: dict[str, str],
-                    drop: tuple[str, ...] = ()) -> subprocess.Popen[str]:
+def _start_intruder(port: int, env: dict[str, str], drop: tuple[str, ...] = (),
+                    wait: float = INTRUDER_WAIT) -> subprocess.Popen[str]:
     """Start a process that tries to join as rank 1 (it retries until rank 0 listens)."""
     full = {k: v for k, v in os.environ.items() if k not in drop}
     full.update(env)
-    return subprocess.Popen([PY, "-c", _INTRUDER, str(port)], env=full, text=True,
+    return subprocess.Popen([PY, "-c", _INTRUDER, str(port), str(wait)], env=full, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
@@ -161,10 +164,6 @@ def _finish(proc: subprocess.Popen[str]) -> tuple[int, str]:
     return proc.returncode, out
 
 
-def _intruder(port: int, env: dict[str, str], drop: tuple[str, ...] = ()) -> tuple[int, str]:
-    return _finish(_start_intruder(port, env, drop))
-
-
 def _patient_pair(ctx: RankCtx) -> list[float]:
     """Rank 0 waits for rank 1 (which joins once released), then they all_reduce."""
     if ctx.rank == 0:
@@ -177,28 +176,46 @@ def _patient_pair(ctx: RankCtx) -> list[float]:
     return [float(x[1]), float(x[-1])]
 
 
-def test_wrong_secret_no_auth_or_no_secret_cannot_join(tmp_path: Path) -> None:
-    """Impostors for rank 1 fail fast with a clear error; then the real rank 1 joins."""
+def _error_line(text: str) -> str:
+    return next((ln for ln in text.splitlines() if ln.startswith("ERROR ")), text)
+
+
+def test_wrong_secret_no_auth_no_secret_or_another_launch_cannot_join(tmp_path: Path) -> None:
+    """Impostors for rank 1, all at once while rank 0 waits: each fails with a clear error
+    and rank 0 is unaffected (the real rank 1 then joins). Another secret or SWARMFD_AUTH
+    gives no cryptographic evidence (rank 0's CURVE server closes the connection, as a
+    squatter would), so those impostors try until their init timeout, then say what they
+    saw (and warn meanwhile); a rank of another launch (SWARMFD_JOB_ID) with the right
+    secret is refused by rank 0 at once."""
     wrong = write_secret_file(str(tmp_path), "wrong")
     with Ranks(_patient_pair, 2, init=False, group_timeout=60.0) as ranks:
         ranks.wait("serving", [0])
         time.sleep(0.5)  # rank 0 is in rendezvous
-        attempts = {
-            "wrong secret": _intruder(ranks.port, {"SWARMFD_SECRET_FILE": wrong}),
-            "auth off": _intruder(ranks.port, {"SWARMFD_AUTH": "off"}),
-            "no secret": _intruder(ranks.port, {}, drop=("SWARMFD_SECRET_FILE",)),
+        procs = {
+            "wrong secret": _start_intruder(ranks.port, {"SWARMFD_SECRET_FILE": wrong}),
+            "auth off": _start_intruder(ranks.port, {"SWARMFD_AUTH": "off"}),
+            "no secret": _start_intruder(ranks.port, {}, drop=("SWARMFD_SECRET_FILE",)),
+            "another launch": _start_intruder(ranks.port, {"SWARMFD_JOB_ID": "job-b"}),
         }
+        attempts = {name: _finish(proc) for name, proc in procs.items()}
         ranks.release()
         out = ranks.results(timeout=60)
-    record("impostors", **{k: v[1].strip()[:200] for k, v in attempts.items()})
+    record("impostors", **{k: v[1].strip()[:300] for k, v in attempts.items()})
     for name, (code, text) in attempts.items():
         assert code == 3, f"{name}: {text}"
-    for name in ("wrong secret", "auth off"):
-        text = attempts[name][1]
-        assert "ERROR AuthenticationError" in text, f"{name}: {text}"
-        assert "authentication handshake with rank 0" in text and "job secret" in text, text
-        elapsed = float(text.split()[2])
-        assert elapsed < 5, f"{name}: took {elapsed} s to fail"
+    where = f"127.0.0.1:{ranks.port}"
+    wrong_text, off_text = attempts["wrong secret"][1], attempts["auth off"][1]
+    assert _error_line(wrong_text).startswith("ERROR RendezvousTimeout"), wrong_text
+    assert (f"something at {where} accepts and closes without speaking swarmfd's handshake"
+            in wrong_text and "another job secret" in wrong_text), wrong_text
+    assert "no rendezvous yet" in wrong_text, wrong_text  # the warning, before the timeout
+    assert _error_line(off_text).startswith("ERROR RendezvousTimeout"), off_text
+    assert f"something at {where} answered" in off_text, off_text
+    assert "another security mechanism" in off_text and "SWARMFD_AUTH=off" in off_text
+    launch = attempts["another launch"][1]
+    assert _error_line(launch).startswith("ERROR RendezvousError"), launch
+    assert "belongs to another launch (SWARMFD_JOB_ID 'job-b'" in launch, launch
+    assert float(_error_line(launch).split()[2]) < 5, launch
     if not os.path.exists(cfg.DEFAULT_SECRET_FILE):
         assert "ERROR ConfigError" in attempts["no secret"][1], attempts["no secret"][1]
     assert out == {0: [3.0, 2997.0], 1: [3.0, 2997.0]}, out
@@ -220,13 +237,13 @@ def test_rank0_timeout_mentions_refused_handshakes(tmp_path: Path) -> None:
     # The intruder starts first and retries until rank 0 listens, so its refused handshakes
     # fall inside rank 0's 4 s wait however slowly either process starts. (Started 1 s
     # after rank 0, its interpreter start-up on a loaded machine raced that window.)
-    intruder = _start_intruder(ranks.port, {"SWARMFD_SECRET_FILE": wrong})
+    intruder = _start_intruder(ranks.port, {"SWARMFD_SECRET_FILE": wrong}, wait=4.5)
     try:
         with ranks:
             out = ranks.results(timeout=30)
     finally:
         code, text = _finish(intruder)
-    assert code == 3 and "ERROR AuthenticationError" in text, text
+    assert code == 3 and "ERROR RendezvousTimeout" in text, text
     assert out[0]["type"] == "RendezvousTimeout", out
     assert "failed the authentication handshake" in out[0]["message"], out
 

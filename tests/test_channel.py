@@ -21,6 +21,7 @@ from swarmfd.comm import wire
 from swarmfd.comm.channel import (
     LOST_PEER_GRACE,
     MAX_CALLS_AHEAD,
+    STASH_ENTRY_BYTES,
     Channel,
     abort_body,
 )
@@ -286,3 +287,54 @@ def test_an_abort_body_fits_its_plane_and_stays_valid_json(limit: int) -> None:
     assert doc["rank"] == 3 and doc["waiting_for"] == 1 and doc["kind"] == "error"
     assert doc["message"].startswith('step 9: "loss" is NaN') or limit < 100
     assert doc["message"].endswith("...")
+
+
+P2P_SIG = wire.Signature(wire.Collective.P2P, wire.ReduceOp.SUM,
+                         wire.dtype_code(np.dtype(np.uint8)), count=1)
+
+
+@pytest.mark.parametrize("plane", PLANES)
+def test_a_peer_that_overfills_the_stash_fails_the_call_naming_it(plane: str) -> None:
+    """Rank 1 (it has the secret, but a bug) sends messages nobody asked for (64 KiB; 2 KiB
+    records on shared memory, what its rings carry) under distinct keys, inside every
+    window the channel accepts: tags of the next call but one, point-to-point pieces, a
+    group rank 0 never made. Rank 0's receive fails with a ProtocolError naming rank 1
+    and the bound, and what rank 1 has waiting there stays within it. Below the bound
+    the same messages are kept and taken as always, and what is taken no longer counts."""
+    size = 2048 if plane == "shm" else 1 << 16
+    limit = 16 * size
+    big = np.ones(size, np.uint8).tobytes()
+    keys = ([(0, 3, tag, wire.Kind.DATA, SIG) for tag in range(10)]
+            + [(5, 1, tag, wire.Kind.P2P, P2P_SIG) for tag in range(10)]
+            + [(999, 1, tag, wire.Kind.DATA, SIG) for tag in range(10)])
+
+    def fn(r: int, ch: Channel, pl: Any) -> Any:
+        if r == 0:
+            ch.stash_limit = limit
+            ch.begin(0, 1)
+            with pytest.raises(ProtocolError) as info:
+                ch.recv(pl, 1, SIG, 0, 1, 0, 16)
+            held = ch.stashed[1]
+            ch.stashed[1] = 0
+            ch.stash.clear()
+            ch.stash_limit = 64 << 20
+            ch.recv(pl, 1, SIG, 0, 1, 0, 16)  # the rest of the first flood, kept
+            ch.begin(0, 2)
+            marker = _value(ch.recv(pl, 1, SIG, 0, 2, 0, 16))  # the second: every key again
+            full = ch.stashed[1]
+            ch.recv_key(pl, (0, 1, 3, 9), SIG, len(big))
+            return str(info.value), held, marker, full, ch.stashed[1]
+        for seq in (1, 2):
+            for g, s, tag, kind, sig in keys:
+                ch.send(pl, 0, sig, g, s, tag, big, kind=kind)
+                ch.flush()
+            ch.send(pl, 0, SIG, 0, seq, 0, _payload(7.0 + seq))
+            ch.flush()
+        return None
+
+    message, held, marker, full, after = run_threads(fn, 2, plane=plane)[0]
+    assert f"rank 1 sent more than {limit / 2**20:g} MiB that this rank has not asked" in message
+    assert "SWARMFD_STASH_MB" in message and "does not follow the protocol" in message
+    assert 0 < held <= limit, held
+    cost = size + STASH_ENTRY_BYTES
+    assert marker == 9.0 and full == len(keys) * cost and after == full - cost, (full, after)

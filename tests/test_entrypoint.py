@@ -343,3 +343,52 @@ def test_core_module_imports_neither_docker_nor_click_nor_zmq():
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
     }
     assert set() == imported & {"docker", "click", "zmq"}
+
+
+# --- the user the ranks run as -----------------------------------------------------------
+
+
+def test_a_root_container_runs_the_command_as_the_images_user():
+    """Started as root: the image's swarmfd user, or SWARMFD_USER's; root with
+    SWARMFD_USER=root; as is when not root, or when the image has no swarmfd user (an
+    image not built from the swarmfd one); a SWARMFD_USER the image lacks is refused."""
+    import pwd
+
+    nobody = pwd.getpwnam("nobody")
+    assert entrypoint.rank_user({"SWARMFD_USER": "nobody"}, 0) == nobody
+    assert entrypoint.rank_user({"SWARMFD_USER": "nobody"}, 1000) is None
+    assert entrypoint.rank_user({"SWARMFD_USER": "root"}, 0) is None
+    has_swarmfd = any(p.pw_name == "swarmfd" for p in pwd.getpwall())
+    assert (entrypoint.rank_user({}, 0) is not None) == has_swarmfd
+    with pytest.raises(ConfigError, match="SWARMFD_USER='no-such-user'"):
+        entrypoint.rank_user({"SWARMFD_USER": "no-such-user"}, 0)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="changing users needs root")
+def test_become_gives_the_checkpoint_directory_then_drops_root():
+    """become(): a root-owned checkpoint directory is given to the user, then the process
+    runs as that user, without root's groups (in a child: it cannot go back)."""
+    import shutil
+    import tempfile
+
+    top = tempfile.mkdtemp(prefix="swarmfd-test-become-")  # (pytest's are root's only)
+    os.chmod(top, 0o755)
+    ckpt = Path(top) / "ckpt"
+    ckpt.mkdir()
+    code = ("import os, pwd, sys\n"
+            "from swarmfd import entrypoint\n"
+            "env = {'SWARMFD_CHECKPOINT_DIR': sys.argv[1]}\n"
+            "entrypoint.become(pwd.getpwnam('nobody'), env)\n"
+            "print(os.getuid(), os.getgid(), os.getgroups(), os.stat(sys.argv[1]).st_uid,\n"
+            "      env['HOME'], os.access(sys.argv[1], os.W_OK))\n")
+    try:
+        out = subprocess.run([sys.executable, "-c", code, str(ckpt)], capture_output=True,
+                             text=True, timeout=30)
+    finally:
+        shutil.rmtree(top)
+    assert out.returncode == 0, out.stderr
+    import pwd
+
+    nobody = pwd.getpwnam("nobody")
+    assert out.stdout.split() == [str(nobody.pw_uid), str(nobody.pw_gid), "[]",
+                                  str(nobody.pw_uid), nobody.pw_dir, "True"], out.stdout

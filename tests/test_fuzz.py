@@ -550,6 +550,69 @@ def test_forged_future_messages_do_not_grow_memory() -> None:
     assert out[0]["rss_growth"] < RSS_SLACK, out[0]
 
 
+def _stash_attack(ctx: RankCtx, attack: bool) -> dict[str, Any]:
+    """Rank 1, with the secret and a bug, sends 1 MiB messages nobody asked for under
+    distinct keys inside every window the channel accepts (tags of rank 0's next call but
+    one, point-to-point pieces, a group nobody made) while rank 0 waits in its second
+    all_reduce (which rank 1 never joins). Rank 0 reports its call's error and how much
+    its memory grew at its peak."""
+    import resource
+
+    from swarmfd import group
+
+    t = group.current().transport
+    assert t is not None
+    x = np.ones(4)
+    fd.all_reduce(x)
+    gc.collect()
+    before = _rss()
+    if ctx.rank == 1:
+        chunk = np.ones(1 << 20, np.uint8)
+        sig = wire.Signature(wire.Collective.ALL_REDUCE, wire.ReduceOp.SUM,
+                             wire.dtype_code(x.dtype), count=4, shape=wire.shape_hash((4,)))
+        p2p = wire.Signature(wire.Collective.P2P, wire.ReduceOp.SUM,
+                             wire.dtype_code(chunk.dtype), count=chunk.size)
+        for i in range(400 if attack else 0):
+            g, kind, signature = ((0, wire.Kind.DATA, sig), (0, wire.Kind.P2P, p2p),
+                                  (4242, wire.Kind.DATA, sig))[i % 3]
+            t.channel.send(t.tcp, 0, signature, g, 3, i, chunk, kind=kind)
+        t.channel.timeout = 2.0  # rank 0 stops reading once it failed
+        with contextlib.suppress(errors.SwarmfdError):
+            t.channel.flush()  # (the socket plane moves bytes only when called)
+        for lane in getattr(t.tcp, "lanes", {}).values():
+            lane.out.clear()  # what rank 0 will never read: no linger over it at exit
+            lane.zc = 0
+        assert ctx.wait_go(60)
+        return {}
+    t0 = time.monotonic()
+    try:
+        fd.all_reduce(x)
+        error: dict[str, Any] = {"type": None}
+    except Exception as exc:
+        error = error_info(exc, t0)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+    return {**error, "growth": peak - before}
+
+
+@pytest.mark.parametrize("transport", ["tcp", "zmq"])
+def test_a_rank_with_the_secret_cannot_grow_a_peers_memory_without_bound(
+        transport: str) -> None:
+    """400 MiB sent under distinct keys to a rank that waits for something else: its call
+    fails with a ProtocolError naming the sender, within seconds, and its memory grows by
+    about the stash bound (SWARMFD_STASH_MB, 32 MiB here; on the zmq plane also what
+    libzmq queues, RX_HWM messages), not by the 400 MiB."""
+    with Ranks(_stash_attack, 2, True, group_timeout=20.0, transport=transport,
+               env={"SWARMFD_STASH_MB": "32"}) as ranks:
+        out = ranks.results([0], timeout=60)[0]
+        ranks.release()
+        ranks.results([1], timeout=30)
+    record(f"stash-attack[{transport}]", **out)
+    assert out["type"] == "ProtocolError", out
+    assert "rank 1 sent more than 32 MiB that this rank has not asked for" in out["message"]
+    assert out["elapsed"] < 15, out
+    assert out["growth"] < (32 + 64 + 48) << 20, f"rank 0 grew by {out['growth'] >> 20} MiB"
+
+
 def _waits_under_flood(ctx: RankCtx, what: str) -> Any:
     fd.barrier()
     if ctx.rank == 1:

@@ -161,6 +161,16 @@ def _port(t: Endpoint) -> int:
     return int(t.endpoint.rsplit(":", 1)[1])
 
 
+def _listening(t: Endpoint, timeout: float = 10.0) -> int:
+    """``t``'s data port, once its setup (running on another thread) listens there: the
+    socket plane listens only while it connects the mesh."""
+    deadline = time.monotonic() + timeout
+    while not t.ch.listened_at:
+        assert time.monotonic() < deadline, "the data port never listened"
+        time.sleep(0.005)
+    return _port(t)
+
+
 def _lane_sock(t: Endpoint, peer: int) -> socket.socket:
     ch = t.ch
     assert isinstance(ch, lanes.SocketPlane)
@@ -210,7 +220,7 @@ def test_strangers_during_setup_are_refused_and_counted(auth: str) -> None:
     th = threading.Thread(target=setup0)
     th.start()
     try:
-        port = _port(t0)
+        port = _listening(t0)
         replies = [
             _stranger(port, os.urandom(300)),  # garbage
             _stranger(port, b"GET / HTTP/1.0\r\n\r\n"),
@@ -254,10 +264,10 @@ def test_a_stranger_with_the_wrong_token_is_refused_by_hmac() -> None:
     sec = security.Security.from_secret(SECRET, False)
     t0 = _make(0, sec)
     try:
-        s = socket.create_connection(("127.0.0.1", _port(t0)), timeout=5)
+        threading.Thread(target=lambda: _swallow(t0), daemon=True).start()
+        s = socket.create_connection(("127.0.0.1", _listening(t0)), timeout=5)
         nonce_c = os.urandom(16)
         s.sendall(handshake.HELLO.pack(lanes.HANDSHAKE_MAGIC, wire.PROTOCOL_VERSION, 1, 0, nonce_c))
-        threading.Thread(target=lambda: _swallow(t0), daemon=True).start()
         reply = b""
         while len(reply) < handshake.HELLO.size:
             reply += s.recv(handshake.HELLO.size - len(reply))

@@ -11,7 +11,11 @@ What the shared-memory setup promises against another local user, guarded here:
   hammers the setup socket and pre-creates the names the old design used, gets no
   descriptor, not even a byte, and the job stays on shared memory without a warning;
 * a real failure on one rank (its descriptor limit) makes every rank fall back to TCP
-  with a warning on stderr naming the rank and the cause, and the job completes.
+  with a warning on stderr naming the rank and the cause, and the job completes;
+* a process of the same uid in the shared directory (SWARMFD_SHM_DIR) that takes the
+  setup socket's name and relays the ranks' connections gets no descriptor: the proofs
+  name the connection, the hub refuses the relayed one, and the job runs over TCP,
+  saying so.
 
 The protocol logic (proofs, refusals, eviction, descriptor checks) is tested in-process
 first; processes only where processes matter.
@@ -44,6 +48,7 @@ from swarmfd.comm.channel import LOST_PEER_GRACE, Channel
 from swarmfd.comm.planes.shm import ShmPlane
 from swarmfd.errors import CollectiveTimeout, MismatchError, PeerLostError
 
+from .attacker import Attacker
 from .robust_harness import RankCtx, Ranks, error_info, record
 
 #: A job token as the rendezvous draws them (16 hex digits).
@@ -448,42 +453,49 @@ def _closed_without_fds(s: socket.socket, timeout: float = 5.0) -> bool:
 @pytest.mark.waits  # bounds an eviction time
 def test_hub_refuses_bad_proofs_and_strangers_then_admits_the_rank(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A wrong key, a replayed proof, a reflected (hub-role) proof, an unknown rank and
-    a silent connection are each closed without a descriptor and counted; the real
-    rank 1 is admitted after them."""
+    """A wrong key, a replayed proof, a reflected (hub-role) proof, an unknown rank, a
+    valid proof made for another connection (what a relay passes on) and a silent
+    connection are each closed without a descriptor and counted (the relayed one also
+    as such); the real rank 1 is admitted after them."""
     monkeypatch.setattr(shm, "HANDSHAKE_LIMIT", 0.3)
     hub, address = _hub([1])
     try:
         key = shm.job_key(TOKEN)
 
-        def attempt(make: Callable[[bytes, bytes], bytes]) -> bool:
+        def attempt(make: Callable[[bytes, bytes, int], bytes]) -> bool:
             s = _connect(address)
             try:
                 hello = s.recv(4096)
                 _, _, hub_rank, nonce_s = shm.HELLO.unpack(hello)
                 assert hub_rank == 0
                 nonce_c = os.urandom(16)
-                s.send(make(nonce_c, nonce_s))
+                s.send(make(nonce_c, nonce_s, shm.peer_inode(s)))
                 return _closed_without_fds(s)
             finally:
                 s.close()
 
-        def hello(rank: int, nonce_c: bytes) -> bytes:
-            return shm.HELLO.pack(shm.SHM_MAGIC, wire.PROTOCOL_VERSION, rank, nonce_c)
+        def hello(rank: int, nonce_c: bytes, seen: int) -> bytes:
+            return (shm.HELLO.pack(shm.SHM_MAGIC, wire.PROTOCOL_VERSION, rank, nonce_c)
+                    + shm.BOUND.pack(seen))
 
         old_nonce = os.urandom(16)
-        assert attempt(lambda nc, ns: hello(1, nc) + shm._mac(shm.job_key("f" * 16), b"c", 1,
-                                                              0, nc, ns))  # another job's key
-        assert attempt(lambda nc, ns: hello(1, nc) + shm._mac(key, b"c", 1, 0, nc, old_nonce))
-        assert attempt(lambda nc, ns: hello(1, nc) + shm._mac(key, b"s", 1, 0, nc, ns))
-        assert attempt(lambda nc, ns: hello(5, nc) + shm._mac(key, b"c", 5, 0, nc, ns))
-        assert attempt(lambda nc, ns: b"GET / HTTP/1.0\r\n\r\n")
+        other = shm.job_key("f" * 16)  # another job's key
+        assert attempt(lambda nc, ns, b: hello(1, nc, b) + shm._mac(other, b"c", 1, 0, nc, ns,
+                                                                    b))
+        assert attempt(lambda nc, ns, b: hello(1, nc, b) + shm._mac(key, b"c", 1, 0, nc,
+                                                                    old_nonce, b))
+        assert attempt(lambda nc, ns, b: hello(1, nc, b) + shm._mac(key, b"s", 1, 0, nc, ns, b))
+        assert attempt(lambda nc, ns, b: hello(5, nc, b) + shm._mac(key, b"c", 5, 0, nc, ns, b))
+        assert attempt(lambda nc, ns, b: hello(1, nc, b + 1) + shm._mac(key, b"c", 1, 0, nc, ns,
+                                                                        b + 1))  # relayed
+        assert hub.relayed == 1
+        assert attempt(lambda nc, ns, b: b"GET / HTTP/1.0\r\n\r\n")
         silent = _connect(address)
         t0 = time.monotonic()
         assert _closed_without_fds(silent)
         assert 0.25 < time.monotonic() - t0 < 2.0  # evicted after HANDSHAKE_LIMIT
         silent.close()
-        assert hub.refused == 6
+        assert hub.refused == 7
         client = shm.Setup(1, [0, 1], TOKEN, "", time.monotonic() + 5)
         client.address = address
         try:
@@ -512,9 +524,10 @@ def test_hub_bounds_connections_in_a_handshake(monkeypatch: pytest.MonkeyPatch) 
     try:
         _, _, _, nonce_s = shm.HELLO.unpack(rank.recv(4096))
         nonce_c = os.urandom(16)
+        seen = shm.peer_inode(rank)
         rank.send(shm.HELLO.pack(shm.SHM_MAGIC, wire.PROTOCOL_VERSION, 1, nonce_c)
-                  + shm._mac(key, b"c", 1, 0, nonce_c, nonce_s))
-        assert rank.recv(4096) == shm._mac(key, b"s", 1, 0, nonce_c, nonce_s)  # proven
+                  + shm.BOUND.pack(seen) + shm._mac(key, b"c", 1, 0, nonce_c, nonce_s, seen))
+        assert rank.recv(4096) == shm._mac(key, b"s", 1, 0, nonce_c, nonce_s, seen)  # proven
         for _ in range(shm.MAX_PENDING + 8):
             socks.append(_connect(address))
         t0 = time.monotonic()
@@ -1025,31 +1038,40 @@ def _tight(call: Callable[..., Any]) -> Callable[..., Any]:
     return tight
 
 
-def _job_with_a_failure(ctx: RankCtx, victim: int, what: str) -> dict[str, Any]:
-    """Rank ``victim`` hits its descriptor limit during its whole shared-memory setup
-    ("setup": at the first descriptor it creates) or only when it receives the others'
-    descriptors ("recv_fds"); stderr is captured as the logging module's last-resort handler
-    writes it (no handler configured)."""
+def _reduce_capturing(init: Callable[[], Any]) -> dict[str, Any]:
+    """``init()``, an all_reduce and a barrier, with stderr captured as the logging
+    module's last-resort handler writes it (no handler configured): whether the rank is
+    on shared memory, the sum, and what it wrote."""
     import swarmfd as fd
-    from swarmfd import group, session
+    from swarmfd import group
 
     captured = io.StringIO()
     sys.stderr = captured
-    if ctx.rank == victim:
-        if what == "setup":  # the whole shared-memory setup: its first descriptor fails
-            session._setup_shm = _tight(session._setup_shm)  # type: ignore[assignment]
-        else:
-            socket.recv_fds = _tight(socket.recv_fds)  # type: ignore[assignment]
     try:
-        fd.init(ctx.world, ctx.rank, master_addr="127.0.0.1", master_port=ctx.port,
-                timeout=ctx.group_timeout)
-        x = np.full(300_000, ctx.rank + 1.0, np.float32)
+        init()
+        x = np.full(300_000, fd.get_rank() + 1.0, np.float32)
         fd.all_reduce(x)
         fd.barrier()
         return {"on_shm": group.current().transport.shm is not None, "sum": float(x[-1]),
                 "stderr": captured.getvalue()}
     finally:
         sys.stderr = sys.__stderr__
+
+
+def _job_with_a_failure(ctx: RankCtx, victim: int, what: str) -> dict[str, Any]:
+    """Rank ``victim`` hits its descriptor limit during its whole shared-memory setup
+    ("setup": at the first descriptor it creates) or only when it receives the others'
+    descriptors ("recv_fds")."""
+    import swarmfd as fd
+    from swarmfd import session
+
+    if ctx.rank == victim:
+        if what == "setup":  # the whole shared-memory setup: its first descriptor fails
+            session._setup_shm = _tight(session._setup_shm)  # type: ignore[assignment]
+        else:
+            socket.recv_fds = _tight(socket.recv_fds)  # type: ignore[assignment]
+    return _reduce_capturing(lambda: fd.init(ctx.world, ctx.rank, master_addr="127.0.0.1",
+                                             master_port=ctx.port, timeout=ctx.group_timeout))
 
 
 @pytest.mark.parametrize(("victim", "what", "cause"), [
@@ -1119,6 +1141,49 @@ def test_setup_socket_in_a_shared_directory(monkeypatch: pytest.MonkeyPatch) -> 
         # Five agreements: three of the setup, two of cross-memory attach.
         assert v["on_shm"] and len(v["seen"]) == 5 and v["seen"][2:] == [[]] * 3, v
         assert v["after"] == [], v
+
+
+# -- real ranks: a relay in the shared directory ------------------------------------------
+
+
+def _job_behind_a_relay(ctx: RankCtx) -> dict[str, Any]:
+    """:func:`_reduce_capturing`; the ranks other than the hub connect to the setup
+    socket 0.3 s late (so the relay, which renames the socket as it appears, is in
+    place)."""
+    real = shm.Setup._hand_over
+
+    def late(self: Any) -> None:
+        if self.rank != self.hub:
+            time.sleep(0.3)
+        real(self)
+
+    shm.Setup._hand_over = late  # type: ignore[method-assign]
+    return _reduce_capturing(ctx.init)
+
+
+def test_a_relay_in_the_shared_directory_gets_no_descriptor_and_changes_nothing() -> None:
+    """Another job's process shares SWARMFD_SHM_DIR under the same uid (as every job's
+    tasks shared the node's volume): it renames the setup socket as it appears, binds
+    its own under the name and passes each rank's connection through, descriptors and
+    all. The proofs name the hub's end of the connection, which through the relay is
+    not the one the rank sees: the hub refuses the relayed proof, the relay gets no
+    descriptor, and both ranks say so and run over TCP, with exact results."""
+    with tempfile.TemporaryDirectory(prefix="swarmfd-test-shm-relay-") as d:
+        env = {shm.ENV_SHM_DIR: d, "SWARMFD_TRANSPORT": "auto"}
+        with Attacker("shm-relay", d, "--duration", 60, wait_ready=True) as relay, \
+                Ranks(_job_behind_a_relay, 2, init=False, transport=None, env=env,
+                      group_timeout=20) as ranks:
+            out = ranks.results(timeout=90)
+        attack = relay.result
+    record("shm-relay", attack=attack, out={r: {k: v[k] for k in ("on_shm", "sum")}
+                                            for r, v in out.items()})
+    assert attack.get("interposed", 0) >= 1 and attack.get("messages", 0) >= 2, attack
+    assert attack.get("descriptors", 0) == 0, attack
+    for r, v in out.items():
+        assert not v["on_shm"] and v["sum"] == 3.0, (r, v)
+        lines = [ln for ln in v["stderr"].splitlines() if "shared memory" in ln]
+        assert len(lines) == 1 and "collectives use TCP" in lines[0], (r, v["stderr"])
+    assert "a process relays them" in out[0]["stderr"], out[0]["stderr"]  # the hub knows
 
 
 # -- real ranks: reading each other's memory ------------------------------------------------

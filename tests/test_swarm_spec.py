@@ -37,6 +37,7 @@ def make_job(**overrides: object) -> S.JobSpec:
         "image_ref": "sha256:" + "ab" * 32,
         "world_size": 3,
         "command": ("python", "train.py"),
+        "launch_id": "0a1b2c3d4e5f",
     }
     values.update(overrides)
     return S.JobSpec(**values)  # type: ignore[arg-type]
@@ -157,11 +158,12 @@ def test_encrypt_network_sets_the_overlay_option():
 
 def test_job_secret_is_mounted_as_a_root_only_file_and_restart_count_is_in_the_env():
     """The secret's ID and name (never its value) in the spec: target swarmfd_secret,
-    uid/gid 0, mode 0400; SWARMFD_RESTART_COUNT carries the restart count."""
+    uid/gid 0, mode 0444 (the ranks run unprivileged); SWARMFD_RESTART_COUNT carries the
+    restart count."""
     spec = S.build_service_spec(make_job(restart_count=2), "sid123")
     assert spec["TaskTemplate"]["ContainerSpec"]["Secrets"] == [{
         "SecretID": "sid123", "SecretName": "job-1-secret",
-        "File": {"Name": "swarmfd_secret", "UID": "0", "GID": "0", "Mode": 0o400}}]
+        "File": {"Name": "swarmfd_secret", "UID": "0", "GID": "0", "Mode": 0o444}}]
     assert env_of(spec)["SWARMFD_RESTART_COUNT"] == "2"
     assert "Secrets" not in S.build_service_spec(make_job())["TaskTemplate"]["ContainerSpec"]
     assert env_of(S.build_service_spec(make_job()))["SWARMFD_RESTART_COUNT"] == "0"
@@ -182,18 +184,31 @@ def test_minimal_spec_has_no_empty_optional_sections():
     assert task["ContainerSpec"]["Mounts"] == [SHM_MOUNT]
 
 
-SHM_MOUNT = {"Type": "volume", "Source": "swarmfd-shm", "Target": "/run/swarmfd-shm",
-             "VolumeOptions": {"NoCopy": True}}
+SHM_MOUNT = {"Type": "volume", "Source": "swarmfd-shm-job-1-0a1b2c3d4e5f",
+             "Target": "/run/swarmfd-shm",
+             "VolumeOptions": {"NoCopy": True, "Labels": {"org.swarmfd.job": "job-1"},
+                               "DriverConfig": {"Name": "local", "Options": {
+                                   "type": "tmpfs", "device": "tmpfs", "o": "size=1m"}}}}
 
 
-def test_ranks_that_may_share_a_node_mount_its_shared_memory_volume():
-    """Several ranks, not --max-per-node 1: the node's volume swarmfd-shm at
-    /run/swarmfd-shm and SWARMFD_SHM_DIR naming it (the contract: -e cannot point it
-    elsewhere while the volume is mounted); -e SWARMFD_SHM_DIR=DIR instead is the user's
-    own directory (and mount), and then nothing is added."""
+def test_ranks_that_may_share_a_node_mount_their_jobs_own_shared_memory_volume():
+    """Several ranks, not --max-per-node 1: a tmpfs volume of the job's own (named after
+    the job and its launch id, labelled with the job) at /run/swarmfd-shm and
+    SWARMFD_SHM_DIR naming it (the contract: -e cannot point it elsewhere while the
+    volume is mounted); -e SWARMFD_SHM_DIR=DIR instead is the user's own directory (and
+    mount), and then nothing is added. Two deploys never share a volume, and a --mount
+    of such a volume (another job's) is refused."""
     spec = S.build_service_spec(make_job(max_per_node=2))
     assert SHM_MOUNT in spec["TaskTemplate"]["ContainerSpec"]["Mounts"]
     assert env_of(spec)["SWARMFD_SHM_DIR"] == S.SHM_TARGET == "/run/swarmfd-shm"
+    assert env_of(spec)["SWARMFD_JOB_ID"] == "0a1b2c3d4e5f"
+    one, two = (S.JobSpec("job-1", "swarmfd", "sha256:" + "ab" * 32, 2, ("python",))
+                for _ in range(2))
+    assert one.launch_id != two.launch_id and one.shm_volume() != two.shm_volume()
+    with pytest.raises(ValueError, match="a job mounts only its own"):
+        make_job(mounts=(S.parse_mount("type=volume,src=swarmfd-shm-other-1234,dst=/x"),))
+    with pytest.raises(ValueError, match="SWARMFD_JOB_ID is set by swarmfd"):
+        make_job(env={"SWARMFD_JOB_ID": "mine"})
     for job in (make_job(max_per_node=1), make_job(world_size=1)):
         spec = S.build_service_spec(job)
         assert "Mounts" not in spec["TaskTemplate"]["ContainerSpec"]

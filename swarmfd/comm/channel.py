@@ -9,7 +9,11 @@ gives every message the same semantics:
   sequence number in that group, and a tag. A message that arrives early (from
   another peer, another group, or a later call of a faster peer) is kept in the
   *stash* until asked for; one for a call more than MAX_CALLS_AHEAD ahead is a
-  protocol error, which bounds the stash.
+  protocol error. What a peer has waiting in the stash is bounded in bytes too
+  (``stash_limit``, ``SWARMFD_STASH_MB``): a peer that sends more than that which
+  nobody asked for yet (distinct tags, point-to-point pieces, groups this rank has
+  not made) fails the call with a :class:`ProtocolError` naming it, so neither a bug
+  nor a rank that holds the secret can grow its peers' memory without bound.
 * **Signatures.** Every header carries the call's signature (collective, op, dtype,
   root, count, shape hash); the first message of a mismatching call raises
   :class:`MismatchError` on the rank that receives it, naming both sides. A message
@@ -47,6 +51,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..config import DEFAULT_STASH_MB, ENV_STASH_MB
 from ..errors import (
     AbortedError,
     CollectiveTimeout,
@@ -79,6 +84,9 @@ WAIT_SLICE = 0.05
 MAX_CALLS_AHEAD = 16
 #: The reason text an abort carries at most (also cut to fit the plane's records).
 MAX_ABORT_TEXT = wire.MAX_ABORT_TEXT
+#: What a stashed message costs besides its payload (its key, header and dict entry,
+#: rounded up): empty messages under distinct keys are not free either.
+STASH_ENTRY_BYTES = 512
 
 _NONE = wire.Signature(wire.Collective.NONE)
 Key = tuple[int, int, int, int]  # (group, src, seq, tag)
@@ -146,13 +154,18 @@ class Channel:
     """Point-to-point messages between this rank and its peers (see module docstring)."""
 
     def __init__(self, rank: int, world_size: int, timeout: float,
-                 swarm_task: bool = False) -> None:
+                 swarm_task: bool = False,
+                 stash_limit: int = DEFAULT_STASH_MB << 20) -> None:
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
         self.planes: list[Plane] = []
         self.peers: list[PeerInfo] = []
         self.stash: dict[Key, tuple[wire.Header, Any]] = {}
+        #: Bytes each peer has waiting in the stash (see the module docstring), and the
+        #: most it may have.
+        self.stashed = [0] * world_size
+        self.stash_limit = stash_limit
         #: rank -> when its connection (on any plane) was found closed or broken.
         self.lost: dict[int, float] = {}
         #: Peers whose listener refused this rank's authentication.
@@ -344,6 +357,7 @@ class Channel:
         stashed = self.stash.pop(key, None)
         if stashed is not None:
             hdr, payload = stashed
+            self.stashed[hdr.src] -= hdr.nbytes + STASH_ENTRY_BYTES
             if not hdr.matches(sig):
                 raise wire.mismatch_error(self.rank, sig, hdr)
             if hdr.nbytes != nbytes:
@@ -396,6 +410,7 @@ class Channel:
         if stashed is None:
             return False, None
         hdr, payload = stashed
+        self.stashed[hdr.src] -= hdr.nbytes + STASH_ENTRY_BYTES
         if not hdr.matches(sig):
             raise wire.mismatch_error(self.rank, sig, hdr)
         self._check_size(hdr, nbytes)
@@ -436,7 +451,7 @@ class Channel:
                 plane.read_payload(hdr, None, between, keep=True)  # drop it
                 raise GroupFailure(hdr.group, exc) from None
             return key, plane.read_payload(hdr, into, between)
-        except PeerLostError as exc:
+        except (PeerLostError, ProtocolError) as exc:  # (the latter: a peer's stash full)
             raise GroupFailure(hdr.group, exc) from None
         except _Cutoff:
             raise GroupFailure(hdr.group, self._incomplete(hdr.src)) from None
@@ -454,7 +469,7 @@ class Channel:
             ahead = (hdr.seq - seq) & 0xFFFFFFFF
             if (ahead <= MAX_CALLS_AHEAD if ahead else
                     sig.coll == _P2P_COLL or hdr.matches(sig)):
-                self.stash[(hdr.group, src, hdr.seq, hdr.tag)] = (hdr, payload)
+                self._stash((hdr.group, src, hdr.seq, hdr.tag), hdr, payload)
                 return
         if self._elsewhere(hdr, payload):
             return
@@ -477,7 +492,7 @@ class Channel:
             raise wire.mismatch_error(self.rank, sig, hdr)
         self._check_window(hdr, seq)
         # Early message (another peer, or a later collective of a faster peer): keep it.
-        self.stash[(hdr.group, hdr.src, hdr.seq, hdr.tag)] = (hdr, payload)
+        self._stash((hdr.group, hdr.src, hdr.seq, hdr.tag), hdr, payload)
 
     def _elsewhere(self, hdr: wire.Header, payload: Any) -> bool:
         """Take a message that is not the current group's collective traffic (garbage,
@@ -496,7 +511,26 @@ class Channel:
         """Keep a point-to-point message until its recv asks for it. (No call window: a
         large message waits at its sender until the receiver is ready, so what waits
         here is small ones and requests to send.)"""
-        self.stash[wire.message_key(hdr)] = (hdr, payload)
+        self._stash(wire.message_key(hdr), hdr, payload)
+
+    def _stash(self, key: Key, hdr: wire.Header, payload: Any) -> None:
+        """Keep a message until a receive asks for it, within what its sender may have
+        waiting here (``stash_limit``); beyond that raise ProtocolError naming the
+        sender (the message is dropped). One under a key already stashed replaces it."""
+        src = hdr.src
+        cost = hdr.nbytes + STASH_ENTRY_BYTES
+        old = self.stash.get(key)
+        held = self.stashed[src] - (old[0].nbytes + STASH_ENTRY_BYTES if old else 0)
+        if held + cost > self.stash_limit:
+            raise ProtocolError(
+                f"{self.activity}: rank {src} sent more than {self.stash_limit / 2**20:g} MiB "
+                f"that this rank has not asked for yet ({held + cost} bytes in messages kept "
+                f"for later calls, tags, groups or receives; {ENV_STASH_MB} bounds it): rank "
+                f"{src} does not follow the protocol; if one of this job's calls really "
+                f"sends that much ahead, raise {ENV_STASH_MB}"
+            )
+        self.stash[key] = (hdr, payload)
+        self.stashed[src] = held + cost
 
     def _check_window(self, hdr: wire.Header, seq: int) -> None:
         """Raise for a message of a call already finished here, or too far ahead."""
@@ -535,7 +569,7 @@ class Channel:
         except (MismatchError, ProtocolError) as exc:
             self.on_group_error(hdr.group, exc, 0)
             return
-        self.stash[(hdr.group, hdr.src, hdr.seq, hdr.tag)] = (hdr, payload)
+        self._stash((hdr.group, hdr.src, hdr.seq, hdr.tag), hdr, payload)
 
     def _first_failed(self, group: int, payload: Any) -> int:
         """The first call of ``group`` (in this rank's numbering) that an abort with
@@ -712,7 +746,7 @@ class Channel:
         if hdr.kind == wire.Kind.ABORT and not abort_is_provisional(payload):
             self._final_abort(hdr, payload, deferrable=True)
         elif keep_data and hdr.kind == wire.Kind.DATA:
-            self.stash[(hdr.group, hdr.src, hdr.seq, hdr.tag)] = (hdr, payload)
+            self._stash((hdr.group, hdr.src, hdr.seq, hdr.tag), hdr, payload)
         elif hdr.kind != wire.Kind.ABORT:
             self.garbage += 1
 

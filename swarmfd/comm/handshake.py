@@ -26,10 +26,12 @@ MAC_SIZE = 32
 
 
 def mac(label: bytes, token: str | bytes, role: bytes, client: int, server: int,
-        nonce_c: bytes, nonce_s: bytes) -> bytes:
+        nonce_c: bytes, nonce_s: bytes, bound: bytes = b"") -> bytes:
     """The proof that the sender knows ``token``, for this connection (``label`` names the
-    channel, ``role`` the side: b"c" the connecting one, b"s" the listening one)."""
-    msg = label + role + struct.pack("<HH", client, server) + nonce_c + nonce_s
+    channel, ``role`` the side: b"c" the connecting one, b"s" the listening one;
+    ``bound``: what both ends know of the connection itself and a relay in its path
+    cannot make alike, see swarmfd.comm.shm_setup)."""
+    msg = label + role + struct.pack("<HH", client, server) + nonce_c + nonce_s + bound
     key = token.encode() if isinstance(token, str) else token
     return hmac.new(key, msg, hashlib.sha256).digest()
 

@@ -17,13 +17,14 @@ same for all: matching, the stash, signatures, deadlines, lost peers, aborts.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import socket
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .wire import Header, Signature
 
-__all__ = ["PeerInfo", "Plane", "PlaneOwner"]
+__all__ = ["PeerInfo", "Plane", "PlaneOwner", "reserve_port"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,9 @@ class PeerInfo:
     plane: str = "socket"
     #: Where it offers its host's shared memory (the shm plane's local socket), or "".
     shm: str = ""
+    #: The launch it belongs to (SWARMFD_JOB_ID, "" for ranks started by hand): rank 0
+    #: refuses a rank of another launch, even one with the same secret.
+    job: str = ""
 
 
 class PlaneOwner(Protocol):
@@ -148,3 +152,30 @@ class Plane(Protocol):
 
     def close(self, linger: float) -> None:
         """Close everything; queued sends get ``linger`` seconds."""
+
+
+def reserve_port(host: str, avoid: Collection[int] = ()) -> socket.socket:
+    """A TCP socket bound on ``host`` to a port the system picks, but none of ``avoid``
+    (see ``avoid`` of :class:`swarmfd.comm.transport.Transport`), and not listening: the
+    port is a rank's data endpoint, announced in the rendezvous, and nobody can connect
+    to it (the kernel resets every attempt) until the plane listens, once the rendezvous
+    is over (see the planes). Without SO_REUSEADDR, so that no other socket can bind the
+    port meanwhile. A port to avoid stays bound until another is found, so that the
+    system does not pick it again."""
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    held: list[socket.socket] = []
+    try:
+        while True:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                sock.bind((host, 0))
+            except BaseException:
+                sock.close()
+                raise
+            if sock.getsockname()[1] not in avoid:
+                return sock
+            held.append(sock)
+    finally:
+        for sock in held:
+            sock.close()

@@ -12,8 +12,19 @@ init. No other fixed port is used.
 
 Strangers at the rendezvous port: frames over MAX_HELLO_MESSAGE and handshakes slower
 than HANDSHAKE_IVL_MS drop the connection; failed handshakes and failed accepts are
-counted for the timeout's message. A joining rank reports another job secret only on
-evidence (see MAX_HANDSHAKE_FAILURES); a handshake rank 0 dropped late is retried.
+counted for the timeout's message. A joining rank never gives up before the init
+deadline because of what answers at rank 0's address: a handshake closed or refused
+there is not evidence of anything. A CURVE server with another key (rank 0 with another
+job secret) cannot open the joiner's hello and closes the connection without a word,
+exactly as a squatter on the port that accepts and closes does, and a refusal (ZMTP
+ERROR) or a greeting with another mechanism is plain text anyone can send. So the
+joiner dials again until the deadline (a squatter that leaves, or a rank 0 that starts
+later on the freed port, is then reached), warns once when handshakes keep failing,
+and its timeout says what it saw (see :class:`_Seen`).
+
+Jobs: every hello carries the rank's launch (SWARMFD_JOB_ID, "" for ranks started by
+hand); rank 0 refuses a rank of another launch (a RendezvousError on that rank) and
+goes on waiting for its own, so two jobs with the same secret and port never mix.
 Nothing received is unpickled: the messages are JSON, validated field by field.
 """
 
@@ -22,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import secrets
 import socket
 import time
@@ -32,7 +44,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from ..errors import AuthenticationError, ProtocolError, RendezvousError, RendezvousTimeout
+from ..errors import ProtocolError, RendezvousError, RendezvousTimeout
 from . import wire
 from .plane import PeerInfo
 from .planes.zmq import HANDSHAKE_FAILED
@@ -48,15 +60,14 @@ __all__ = ["local_address_toward", "rendezvous", "resolve"]
 MAX_HELLO_MESSAGE = 4096
 #: Limit on the peer table a joining rank receives from rank 0 (about 300 bytes a rank).
 MAX_RENDEZVOUS_MESSAGE = 1 << 20
-#: After this many handshakes with rank 0 that it refused (another secret), rendezvous
-#: gives up. Only refusals count: an explicit one (ZAP's), a cryptographic failure, or a
-#: connection rank 0 dropped within QUICK_REFUSAL s of its start (CURVE with another key:
-#: rank 0 cannot open this rank's hello). A handshake dropped later (rank 0 busy, or
-#: flooded by strangers, evicts it after HANDSHAKE_IVL_MS) is retried until the deadline.
-MAX_HANDSHAKE_FAILURES = 2
-QUICK_REFUSAL = 0.5
+#: After this many failed handshakes with whatever answers at rank 0's address, a
+#: joining rank warns (once) that it keeps trying until the init deadline, and why.
+WARN_AFTER_FAILURES = 3
 #: Slice of the rendezvous waits: how often they look after the data plane's listener.
 RENDEZVOUS_SLICE = 0.05
+
+
+_LOG = logging.getLogger("swarmfd")
 
 
 def _now() -> float:
@@ -146,7 +157,7 @@ def _int(value: Any) -> int:
 def _peer(d: dict[str, Any]) -> PeerInfo:
     return PeerInfo(_int(d["rank"]), str(d["endpoint"]), str(d["host"]), _int(d["pid"]),
                     str(d.get("hostkey", "")), str(d.get("token", "")),
-                    str(d.get("plane", "")), str(d.get("shm", "")))
+                    str(d.get("plane", "")), str(d.get("shm", "")), str(d.get("job", "")))
 
 
 def _serve_rendezvous(
@@ -158,7 +169,7 @@ def _serve_rendezvous(
     keepalive(router)
     if t.security is not None:
         t.security.curve_server(router, ZAP_RENDEZVOUS)
-    refused = accept_failed = 0
+    counts = {"refused": 0, "accept_failed": 0}
     bind_ip = _bind_address(master_ip)
     try:
         router.bind(f"tcp://{bind_ip}:{port}")
@@ -177,24 +188,10 @@ def _serve_rendezvous(
         while len(joined) < t.world_size - 1:
             remaining = deadline - _now()
             if remaining <= 0:
-                missing = sorted(set(range(1, t.world_size)) - set(joined))
-                hint = (f"; {refused} connection(s) failed the authentication handshake "
-                        "(strangers, or processes with another job secret or SWARMFD_AUTH "
-                        "setting?)" if refused else "")
-                if accept_failed:
-                    hint += (f"; accepting a connection failed {accept_failed} time(s) (out of "
-                             "descriptors: a flood of connections from strangers?)")
-                raise RendezvousTimeout(
-                    f"rendezvous timed out after {t.join_timeout:g} s: rank 0 waited for "
-                    f"rank(s) {missing} of {t.world_size} to join at port {port}{hint} (give "
-                    "slow starters longer with SWARMFD_INIT_TIMEOUT or init_timeout=)"
-                )
+                raise RendezvousTimeout(_serve_timeout(t, joined, port, counts))
             while monitor.poll(0):
-                if parse_monitor_message(monitor.recv_multipart())["event"] == (
-                        zmq.EVENT_ACCEPT_FAILED):
-                    accept_failed += 1
-                else:
-                    refused += 1
+                event = parse_monitor_message(monitor.recv_multipart())["event"]
+                counts["accept_failed" if event == zmq.EVENT_ACCEPT_FAILED else "refused"] += 1
             t.idle()
             if not router.poll(int(min(remaining, RENDEZVOUS_SLICE) * 1000) + 1):
                 continue
@@ -209,27 +206,11 @@ def _serve_rendezvous(
             except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError,
                     OverflowError):
                 continue  # not a swarmfd hello: ignore
-            error = None
-            if version != wire.PROTOCOL_VERSION:
-                error = (f"protocol version mismatch: rank {peer.rank} speaks swarmfd protocol "
-                         f"{version}, rank 0 speaks {wire.PROTOCOL_VERSION}")
-            elif world != t.world_size:
-                error = (f"world size mismatch: rank {peer.rank} has WORLD_SIZE={world}, rank 0 "
-                         f"has WORLD_SIZE={t.world_size}")
-            elif peer.plane != me.plane:
-                error = (f"data plane mismatch: rank {peer.rank} uses SWARMFD_DATA_PLANE="
-                         f"{peer.plane[:20]!r}, rank 0 uses SWARMFD_DATA_PLANE={me.plane!r} (the "
-                         "default is 'socket', 'zmq' with SWARMFD_ENCRYPT=1); every rank must "
-                         "use the same data plane")
-            elif not 1 <= peer.rank < t.world_size:
-                error = f"rank {peer.rank} is out of range 1..{t.world_size - 1}"
-            elif peer.rank in joined:
-                error = (f"duplicate rank {peer.rank}: host {peer.host} pid {peer.pid} and host "
-                         f"{joined[peer.rank][1].host} pid {joined[peer.rank][1].pid}")
+            error = _refusal(t, me, peer, version, world, joined)
             if error is not None:
                 router.send_multipart([ident, json.dumps({"error": error}).encode()])
-                if version != wire.PROTOCOL_VERSION:
-                    continue  # a stranger of another version does not break this job
+                if version != wire.PROTOCOL_VERSION or peer.job != me.job:
+                    continue  # a rank of another version or launch does not break this job
                 for other_ident, _ in joined.values():
                     router.send_multipart([other_ident, json.dumps({"error": error}).encode()])
                 raise RendezvousError(error)
@@ -244,6 +225,107 @@ def _serve_rendezvous(
         _close_monitored(router, monitor)
 
 
+def _serve_timeout(t: _Rdv, joined: dict[int, tuple[bytes, PeerInfo]], port: int,
+                   counts: dict[str, int]) -> str:
+    """Rank 0's rendezvous timeout: who is missing, and the strangers it saw."""
+    missing = sorted(set(range(1, t.world_size)) - set(joined))
+    hint = (f"; {counts['refused']} connection(s) failed the authentication handshake "
+            "(strangers, or processes with another job secret or SWARMFD_AUTH setting?)"
+            if counts["refused"] else "")
+    if counts["accept_failed"]:
+        hint += (f"; accepting a connection failed {counts['accept_failed']} time(s) (out of "
+                 "descriptors: a flood of connections from strangers?)")
+    return (f"rendezvous timed out after {t.join_timeout:g} s: rank 0 waited for rank(s) "
+            f"{missing} of {t.world_size} to join at port {port}{hint} (give slow starters "
+            "longer with SWARMFD_INIT_TIMEOUT or init_timeout=)")
+
+
+def _refusal(t: _Rdv, me: PeerInfo, peer: PeerInfo, version: int, world: int,
+             joined: dict[int, tuple[bytes, PeerInfo]]) -> str | None:
+    """Why rank 0 refuses a joining rank's hello, or None to admit it."""
+    if version != wire.PROTOCOL_VERSION:
+        return (f"protocol version mismatch: rank {peer.rank} speaks swarmfd protocol "
+                f"{version}, rank 0 speaks {wire.PROTOCOL_VERSION}")
+    if peer.job != me.job:
+        return (f"rank {peer.rank} (host {peer.host}, pid {peer.pid}) belongs to another "
+                f"launch (SWARMFD_JOB_ID {peer.job[:64]!r}, rank 0's is {me.job!r}): two jobs "
+                "meet at one rendezvous port; give each its own port (SWARMFD_PORT, "
+                "MASTER_PORT), or its own secret")
+    if world != t.world_size:
+        return (f"world size mismatch: rank {peer.rank} has WORLD_SIZE={world}, rank 0 has "
+                f"WORLD_SIZE={t.world_size}")
+    if peer.plane != me.plane:
+        return (f"data plane mismatch: rank {peer.rank} uses SWARMFD_DATA_PLANE="
+                f"{peer.plane[:20]!r}, rank 0 uses SWARMFD_DATA_PLANE={me.plane!r} (the "
+                "default is 'socket', 'zmq' with SWARMFD_ENCRYPT=1); every rank must use the "
+                "same data plane")
+    if not 1 <= peer.rank < t.world_size:
+        return f"rank {peer.rank} is out of range 1..{t.world_size - 1}"
+    if peer.rank in joined:
+        return (f"duplicate rank {peer.rank}: host {peer.host} pid {peer.pid} and host "
+                f"{joined[peer.rank][1].host} pid {joined[peer.rank][1].pid}")
+    return None
+
+
+@dataclass
+class _Seen:
+    """What a joining rank saw at rank 0's address, for its warning and its timeout."""
+
+    connected: int = 0
+    closed: int = 0  # closed (or reset) during the handshake, without a word
+    mechanism: int = 0  # a greeting with another security mechanism
+    refused: int = 0  # a ZMTP ERROR (a refusal, in plain text)
+    warned: bool = False
+
+    def add(self, event: int, value: int) -> None:
+        if event == zmq.EVENT_CONNECTED:
+            self.connected += 1
+        elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            self.refused += 1
+        elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value in _MECHANISM_ERRORS:
+            self.mechanism += 1
+        else:
+            self.closed += 1
+
+    @property
+    def failures(self) -> int:
+        return self.closed + self.mechanism + self.refused
+
+    def story(self, t: _Rdv, master_ip: str, port: int) -> str:
+        """What answers at rank 0's address, as a clause of the timeout's message."""
+        where = f"{master_ip}:{port}"
+        mine = ("holds a job secret (CURVE)" if t.security is not None
+                else "runs without authentication (SWARMFD_AUTH=off)")
+        if not self.connected:
+            return (f"nothing accepted a connection at {where}: is rank 0 running, and are "
+                    "MASTER_ADDR and SWARMFD_PORT (else MASTER_PORT + 1) the same on every "
+                    "rank?")
+        parts = []
+        if self.closed:
+            parts.append(
+                f"something at {where} accepts and closes without speaking swarmfd's "
+                f"handshake ({self.closed} connection(s)): a stranger on rank 0's port, or "
+                "rank 0 with another job secret (a CURVE server with another key closes "
+                "just as silently)")
+        if self.mechanism:
+            parts.append(f"something at {where} answered {self.mechanism} time(s) with "
+                         "another security mechanism: rank 0 with another SWARMFD_AUTH "
+                         "setting, or a stranger")
+        if self.refused:
+            parts.append(f"something at {where} refused this rank's handshake "
+                         f"{self.refused} time(s) (an unauthenticated ZMTP ERROR)")
+        if not parts:
+            return f"rank 0 at {where} accepted but never answered (is it overloaded?)"
+        return ("; ".join(parts) + f". This rank {mine}; every rank of a job must read the "
+                "same secret (SWARMFD_SECRET_FILE, default /run/secrets/swarmfd_secret) and "
+                "use the same SWARMFD_AUTH setting")
+
+
+#: Handshake failures (the monitor's value) that mean the greeting offered another
+#: security mechanism (NULL against CURVE, say).
+_MECHANISM_ERRORS = frozenset({zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH})
+
+
 def _join_rendezvous(
     t: _Rdv, me: PeerInfo, master_ip: str, port: int, deadline: float
 ) -> tuple[list[PeerInfo], str]:
@@ -255,35 +337,24 @@ def _join_rendezvous(
         t.security.curve_client(dealer)
     monitor = dealer.get_monitor_socket(HANDSHAKE_FAILED | zmq.EVENT_CONNECTED)
     dealer.connect(f"tcp://{master_ip}:{port}")
-    failures = dropped = 0
-    connected_at = _now()
+    seen = _Seen()
     try:
         dealer.send(_hello(me, t.world_size))
         while True:
             while monitor.poll(0):
-                event = parse_monitor_message(monitor.recv_multipart())["event"]
-                if event == zmq.EVENT_CONNECTED:
-                    connected_at = _now()
-                elif event != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-                    failures = MAX_HANDSHAKE_FAILURES  # refused, or a failed MAC: evidence
-                elif _now() - connected_at < QUICK_REFUSAL:
-                    failures += 1
-                else:
-                    dropped += 1  # rank 0 busy or flooded: libzmq reconnects and resends
-            if failures >= MAX_HANDSHAKE_FAILURES:
-                raise AuthenticationError(_refused_by_rank0(t, me.rank, master_ip, port))
+                event = parse_monitor_message(monitor.recv_multipart())
+                seen.add(event["event"], event["value"])
+            if seen.failures >= WARN_AFTER_FAILURES and not seen.warned:
+                seen.warned = True
+                _LOG.warning("swarmfd rank %d: no rendezvous yet: %s; trying again until the "
+                             "init timeout (%g s)", me.rank,
+                             seen.story(t, master_ip, port), t.join_timeout)
             remaining = deadline - _now()
             if remaining <= 0:
-                hint = (f"; {dropped} handshake(s) with rank 0 were dropped before they "
-                        "completed (rank 0 overloaded, or flooded by strangers?)"
-                        if dropped else "")
                 raise RendezvousTimeout(
                     f"rendezvous timed out after {t.join_timeout:g} s: rank {me.rank} got no "
-                    f"answer from rank 0 at {master_ip}:{port} (MASTER_ADDR, and SWARMFD_PORT "
-                    "else MASTER_PORT + 1: the same on every rank?); is "
-                    f"rank 0 running?{hint} (give slow starters longer with "
-                    "SWARMFD_INIT_TIMEOUT or init_timeout=)"
-                )
+                    f"answer from rank 0: {seen.story(t, master_ip, port)} (give slow "
+                    "starters longer with SWARMFD_INIT_TIMEOUT or init_timeout=)")
             t.idle()
             if not dealer.poll(int(min(remaining, RENDEZVOUS_SLICE) * 1000) + 1):
                 continue
@@ -294,32 +365,23 @@ def _join_rendezvous(
                 continue
             if "error" in reply:
                 raise RendezvousError(f"rank 0 refused rank {me.rank}: {reply['error']}")
-            try:
-                peers = [_peer(p) for p in reply["peers"]]
-                token = str(reply["token"])
-            except (KeyError, TypeError, ValueError):
-                raise ProtocolError("rank 0 sent a malformed peer table") from None
-            if [p.rank for p in peers] != list(range(t.world_size)):
-                raise ProtocolError("rank 0 sent a peer table with wrong ranks")
-            if not token.isalnum():
-                raise ProtocolError("rank 0 sent a malformed job token")
-            return peers, token
+            return _table(t, reply)
     finally:
         _close_monitored(dealer, monitor)
 
 
-def _refused_by_rank0(t: _Rdv, rank: int, master_ip: str, port: int) -> str:
-    if t.security is None:
-        mine = "runs without authentication (SWARMFD_AUTH=off)"
-    else:
-        mine = "holds a job secret"
-    return (
-        f"rank {rank} cannot join: the authentication handshake with rank 0 at "
-        f"{master_ip}:{port} failed. This process {mine}; rank 0 runs with another job secret"
-        f"{' or with authentication' if t.security is None else ' or without authentication'}"
-        ". Every rank of a job must read the same secret (SWARMFD_SECRET_FILE, default "
-        "/run/secrets/swarmfd_secret) and the same SWARMFD_AUTH setting"
-    )
+def _table(t: _Rdv, reply: dict[str, Any]) -> tuple[list[PeerInfo], str]:
+    """The peer table and job token of rank 0's reply, checked."""
+    try:
+        peers = [_peer(p) for p in reply["peers"]]
+        token = str(reply["token"])
+    except (KeyError, TypeError, ValueError):
+        raise ProtocolError("rank 0 sent a malformed peer table") from None
+    if [p.rank for p in peers] != list(range(t.world_size)):
+        raise ProtocolError("rank 0 sent a peer table with wrong ranks")
+    if not token.isalnum():
+        raise ProtocolError("rank 0 sent a malformed job token")
+    return peers, token
 
 
 def _close_monitored(sock: zmq.Socket, monitor: zmq.Socket) -> None:

@@ -37,7 +37,21 @@ is closed at accept); then both sides prove they hold the job's key, derived fro
 the job token (HMAC-SHA256 over both ranks and a nonce from each side, the
 construction of the socket data plane's handshake: :func:`swarmfd.comm.handshake.mac`).
 Only then do descriptors move, and each is checked before it is used (a sealed memfd
-of the segment's size; the write end of a pipe). The hub serves its socket from a
+of the segment's size; the write end of a pipe).
+
+**Bound to the connection.** A process that can rename the socket file (one that
+shares ``SWARMFD_SHM_DIR`` under the same uid) could bind its own under the name and
+pass each rank's connection through to the hub: proofs over nonces alone would pass
+through it unchanged, and it would keep a copy of every descriptor. So the proofs also
+cover the hub's end of the very connection: the socket the hub accepted, by its inode,
+which the hub reads with ``fstat`` and the rank asks the kernel for (``sock_diag``: the
+peer of its own socket, :func:`peer_inode`; it works across network namespaces, as the
+rank's socket and the hub's end live in the rank's). Through a relay the rank's peer
+is the relay's socket, not the one the hub accepted: the hub refuses the proof (and
+says a relay was in the path), and no descriptor moves. (A relay that already holds
+descriptors cannot be made to give them back: the binding keeps it from getting any.)
+Where the kernel cannot say (no ``unix_diag``), a rank proves with 0, which a hub
+that can ask the kernel refuses. The hub serves its socket from a
 thread of its own while the ranks agree over TCP, so a flood of connections cannot
 hold up setup: another user's connection lives for one ``accept`` and ``close``;
 at most ``MAX_PENDING`` same-user connections wait for their proof at once (a new one
@@ -103,9 +117,23 @@ TABLE_CHUNK = 100
 MAX_REASON = 300
 #: Handshake greeting: magic, protocol version, sender rank, 16-byte nonce.
 HELLO = struct.Struct("<8sBH16s")
-SHM_MAGIC = b"SWFDSHM1"
+#: After a connecting rank's greeting: the inode of the hub's end of the connection, as
+#: the kernel told the rank (0: it could not), which both proofs cover.
+BOUND = struct.Struct("<Q")
+SHM_MAGIC = b"SWFDSHM2"
 MAC_SIZE = 32
-_MAC_LABEL = b"swarmfd shared-memory socket v1\0"
+_MAC_LABEL = b"swarmfd shared-memory socket v2\0"
+#: sock_diag (linux/sock_diag.h, linux/unix_diag.h): ask for one unix socket by inode,
+#: with its peer's inode.
+_NETLINK_SOCK_DIAG = 4
+_SOCK_DIAG_BY_FAMILY = 20
+_NLMSG_ERROR = 2
+_UDIAG_SHOW_PEER = 4
+_UNIX_DIAG_PEER = 2
+_NL_HEADER = struct.Struct("=IHHII")
+_UNIX_DIAG_REQ = struct.Struct("=BBHIII2I")
+_UNIX_DIAG_MSG = struct.Struct("=BBBBI2I")
+_NO_COOKIE = 0xFFFFFFFF
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -284,8 +312,64 @@ class _Segments:
 
 
 def _mac(key: bytes, role: bytes, client: int, server: int, nonce_c: bytes,
-         nonce_s: bytes) -> bytes:
-    return handshake.mac(_MAC_LABEL, key, role, client, server, nonce_c, nonce_s)
+         nonce_s: bytes, bound: int) -> bytes:
+    return handshake.mac(_MAC_LABEL, key, role, client, server, nonce_c, nonce_s,
+                         BOUND.pack(bound))
+
+
+def peer_inode(sock: socket.socket) -> int:
+    """The inode of the socket at the other end of the unix socket ``sock``, as the kernel
+    knows it (sock_diag, UNIX_DIAG_PEER; 0 while the other end is not accepted yet).
+    Raises OSError where the kernel cannot say (no unix_diag, netlink forbidden)."""
+    ino = os.fstat(sock.fileno()).st_ino
+    req = _UNIX_DIAG_REQ.pack(socket.AF_UNIX, 0, 0, 0xFFFFFFFF, ino, _UDIAG_SHOW_PEER,
+                              _NO_COOKIE, _NO_COOKIE)
+    head = _NL_HEADER.pack(_NL_HEADER.size + len(req), _SOCK_DIAG_BY_FAMILY, 1, 1, 0)
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_SOCK_DIAG) as nl:
+        nl.settimeout(2.0)
+        nl.sendto(head + req, (0, 0))
+        data = nl.recv(8192)
+    length, kind, _, _, _ = _NL_HEADER.unpack_from(data)
+    if kind == _NLMSG_ERROR:
+        err = -struct.unpack_from("=i", data, _NL_HEADER.size)[0]
+        raise OSError(err, f"sock_diag: {os.strerror(err)}")
+    at = _NL_HEADER.size + _UNIX_DIAG_MSG.size
+    if _UNIX_DIAG_MSG.unpack_from(data, _NL_HEADER.size)[4] != ino:
+        raise OSError(0, "sock_diag answered about another socket")
+    while at + 4 <= min(length, len(data)):
+        size, kind = struct.unpack_from("=HH", data, at)
+        if kind == _UNIX_DIAG_PEER and size >= 8:
+            return int(struct.unpack_from("=I", data, at + 4)[0])
+        at += max(4, (size + 3) & ~3)
+    return 0
+
+
+def _seen(sock: socket.socket) -> int:
+    """The inode of the other end of ``sock`` (the hub's, once it accepted), or 0 where the
+    kernel cannot say (see the module docstring)."""
+    try:
+        return peer_inode(sock)
+    except OSError as exc:
+        _LOG.debug("swarmfd: sock_diag cannot name this connection's other end (%s): the "
+                   "shared-memory handshake is not bound to it", exc)
+        return 0
+
+
+def _relayed(count: int) -> str:
+    """What the hub says of connections whose valid proof named another connection."""
+    return (f"this rank's shared-memory socket got {count} connection(s) carrying a rank's "
+            "valid proof made for another connection: a process relays them, sitting "
+            "between the ranks and the socket (one that can rename files in "
+            f"{ENV_SHM_DIR} took its name?); it got no descriptor")
+
+
+def _can_diagnose(sock: socket.socket) -> bool:
+    """Whether the kernel answers :func:`peer_inode` here (asked about ``sock`` itself)."""
+    try:
+        peer_inode(sock)
+    except OSError:
+        return False
+    return True
 
 
 def _peer_uid(sock: socket.socket) -> int:
@@ -335,10 +419,14 @@ class _Hub:
         self.admitted: dict[int, _Conn] = {}
         #: Connections closed without being admitted (other users, failed handshakes).
         self.refused = 0
+        #: Valid proofs made for another connection: a relay was in the path.
+        self.relayed = 0
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._bound = False
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        #: Whether a rank's proof must name this connection (the kernel can say which).
+        self.binding = _can_diagnose(self.listener)
         try:
             if not address.startswith("\0"):
                 # The file bind() creates takes the socket's mode: 0600 from the start (a
@@ -452,7 +540,7 @@ class _Hub:
             if c.stage == "hello":
                 # A plain recv: descriptors sent along (there should be none) are closed
                 # by the kernel.
-                msg = c.sock.recv(HELLO.size + MAC_SIZE + 1)
+                msg = c.sock.recv(HELLO.size + BOUND.size + MAC_SIZE + 1)
                 c.sock.send(self._prove(c, msg, pending))
                 c.stage = "fds"
                 return
@@ -471,20 +559,27 @@ class _Hub:
         self.admitted[c.rank] = c
 
     def _prove(self, c: _Conn, msg: bytes, pending: dict[socket.socket, _Conn]) -> bytes:
-        """Check a connecting rank's greeting and proof; return the hub's proof."""
-        if len(msg) != HELLO.size + MAC_SIZE:
+        """Check a connecting rank's greeting and proof, for this very connection (see
+        the module docstring); return the hub's proof."""
+        if len(msg) != HELLO.size + BOUND.size + MAC_SIZE:
             raise ValueError("not a swarmfd greeting")
         magic, version, rank, nonce = HELLO.unpack_from(msg)
+        (seen,) = BOUND.unpack_from(msg, HELLO.size)
         if magic != SHM_MAGIC or version != wire.PROTOCOL_VERSION:
             raise ValueError("not a swarmfd greeting")
         if (rank not in self.clients or rank in self.admitted
                 or any(p.rank == rank for p in pending.values())):
             raise ValueError(f"a connection claims rank {rank}, unexpected or taken")
-        if not hmac.compare_digest(msg[HELLO.size:],
-                                   _mac(self.key, b"c", rank, self.rank, nonce, c.nonce)):
+        if not hmac.compare_digest(msg[HELLO.size + BOUND.size:],
+                                   _mac(self.key, b"c", rank, self.rank, nonce, c.nonce, seen)):
             raise ValueError(f"bad proof from a connection claiming rank {rank}")
+        mine = os.fstat(c.sock.fileno()).st_ino
+        if seen != mine and (seen or self.binding):
+            if seen:
+                self.relayed += 1  # rank's valid proof, made for another connection
+            raise ValueError(f"rank {rank}'s proof names another connection (a relay?)")
         c.rank = rank
-        return _mac(self.key, b"s", rank, self.rank, nonce, c.nonce)
+        return _mac(self.key, b"s", rank, self.rank, nonce, c.nonce, seen)
 
 
 class Setup:
@@ -526,10 +621,12 @@ class Setup:
                 reason = f"shared-memory setup failed: {exc}"
             failed = agree(reason)
             if failed:
+                relayed = self.server.relayed if self.server is not None else 0
                 _LOG.warning(
                     "swarmfd rank %d: shared memory between the ranks of this host is "
-                    "unavailable, collectives use TCP (slower): %s", self.rank,
-                    "; ".join(f"rank {r}: {why}" for r, why in sorted(failed.items())))
+                    "unavailable, collectives use TCP (slower): %s%s", self.rank,
+                    "; ".join(f"rank {r}: {why}" for r, why in sorted(failed.items())),
+                    f"; {_relayed(relayed)}" if relayed and "relay" not in reason else "")
                 self.close()
                 return None
         channel, self.channel = self.channel, None
@@ -599,11 +696,14 @@ class Setup:
             magic, version, rank, nonce_s = HELLO.unpack(msg)
             if magic != SHM_MAGIC or version != wire.PROTOCOL_VERSION or rank != hub:
                 raise Unavailable("not a swarmfd greeting")
+            seen = _seen(sock)  # the hub's end of this connection (it accepted already)
             nonce_c = os.urandom(16)
             sock.send(HELLO.pack(SHM_MAGIC, wire.PROTOCOL_VERSION, self.rank, nonce_c)
-                      + _mac(self.key, b"c", self.rank, hub, nonce_c, nonce_s))
-            if not hmac.compare_digest(self._recv(MAC_SIZE + 1),
-                                       _mac(self.key, b"s", self.rank, hub, nonce_c, nonce_s)):
+                      + BOUND.pack(seen)
+                      + _mac(self.key, b"c", self.rank, hub, nonce_c, nonce_s, seen))
+            if not hmac.compare_digest(
+                    self._recv(MAC_SIZE + 1),
+                    _mac(self.key, b"s", self.rank, hub, nonce_c, nonce_s, seen)):
                 raise Unavailable("its owner did not prove it belongs to this job")
             socket.send_fds(sock, [b"F"], [channel.memfd, channel.writer])
             if self._recv(2) != b"A":
@@ -662,8 +762,10 @@ class Setup:
         channel = self.channel
         admitted = self.server.finish()  # every other rank said it handed over: all here
         if set(admitted) != set(self.ranks[1:]):
-            raise Unavailable(f"rank(s) {sorted(set(self.ranks[1:]) - set(admitted))} did not "
-                              "hand over their segments")
+            relayed = self.server.relayed
+            raise Unavailable(
+                f"rank(s) {sorted(set(self.ranks[1:]) - set(admitted))} did not hand over "
+                "their segments" + (f"; {_relayed(relayed)}" if relayed else ""))
         segments = {self.rank: (channel.memfd, channel.writer)}
         for r, c in admitted.items():
             writer, c.writer = c.writer, -1

@@ -22,7 +22,7 @@ Setup, in :meth:`Transport.join`: bind the TCP plane's listener on the interface
 that routes to rank 0, run the rendezvous (:mod:`swarmfd.comm.rendezvous`), connect
 the TCP plane's mesh (authenticated; its listener closes on the socket plane), then
 set up shared memory among each host's ranks. Every step is bounded by the init
-deadline; strangers cannot stop or slow it (see README "Security").
+deadline; strangers cannot stop or slow it (see docs/security.md).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from collections.abc import Collection, Sequence
 
 import zmq
 
-from ..config import DATA_PLANES
+from ..config import DATA_PLANES, DEFAULT_STASH_MB
 from . import rendezvous as _rdv
 from .channel import WAIT_SLICE, Channel
 from .plane import PeerInfo, Plane
@@ -81,7 +81,8 @@ class Transport:
     def __init__(self, rank: int, world_size: int, timeout: float, bind_host: str,
                  security: Security | None = None, plane: str = "socket",
                  join_timeout: float | None = None, avoid: Collection[int] = (),
-                 swarm_task: bool = False) -> None:
+                 swarm_task: bool = False, stash_limit: int = DEFAULT_STASH_MB << 20,
+                 job: str = "") -> None:
         """``avoid``: ports the TCP plane's listener must not take, though the system may
         pick them: the rendezvous port and MASTER_PORT. A launcher picks those free,
         releases them and starts the ranks, and rank 0 binds them only later; a data
@@ -100,7 +101,9 @@ class Transport:
         self.join_timeout = timeout if join_timeout is None else join_timeout
         self.security = security
         self.plane = plane
-        self.channel = Channel(rank, world_size, timeout, swarm_task)
+        self.channel = Channel(rank, world_size, timeout, swarm_task, stash_limit)
+        #: The launch this rank belongs to (see PeerInfo.job).
+        self.job = job
         self.ctx = zmq.Context(io_threads=1)
         self.ctx.setsockopt(zmq.LINGER, 0)
         self.auth: Authenticator | None = None
@@ -142,7 +145,7 @@ class Transport:
     def me(self, host: str, hostkey: str, shm: str = "") -> PeerInfo:
         """What this rank tells the others at rendezvous."""
         return PeerInfo(self.rank, self.endpoint, host, os.getpid(), hostkey, self.token,
-                        self.plane, shm)
+                        self.plane, shm, self.job)
 
     def rendezvous(self, me: PeerInfo, master_ip: str, master_port: int,
                    deadline: float) -> list[PeerInfo]:

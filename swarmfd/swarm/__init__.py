@@ -52,8 +52,8 @@ Decisions worth knowing:
   through Swarm's service log stream, the only way to reach them.
 * ``LOCAL_RANK`` is per container by default (0 of 1). ``--local-ranks node`` makes
   swarmfd derive it per node at rendezvous instead. Either way a rank's host is its
-  node (``SWARMFD_NODE``), and ranks that may share a node mount its volume
-  ``swarmfd-shm`` to share memory there (see :mod:`.spec`).
+  node (``SWARMFD_NODE``), and ranks that may share a node mount a volume of their
+  job's own there to share memory (see :mod:`.spec`).
 * A rank whose node the manager declares down is *lost*: Swarm keeps showing its task
   as running, so deploy treats it as ended and names it, with its node, as the cause
   of the failure (the ranks that failed meanwhile lost their peer).

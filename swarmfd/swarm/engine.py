@@ -28,6 +28,7 @@ from .spec import (
     LABEL_JOB,
     LABEL_STOPPED,
     LABEL_WORLD_SIZE,
+    SHM_VOLUME_PREFIX,
     JobSpec,
     build_network_spec,
     build_service_spec,
@@ -53,6 +54,7 @@ __all__ = [
     "other_nodes",
     "remove_job",
     "remove_service",
+    "remove_shm_volumes",
     "resolve_image",
     "set_labels",
     "stop_job",
@@ -472,6 +474,8 @@ class Removal:
     services: list[str] = field(default_factory=list)
     networks: list[str] = field(default_factory=list)
     secrets: list[str] = field(default_factory=list)
+    #: The job's shared-memory volumes on this node (see swarmfd.swarm.spec).
+    volumes: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
 
@@ -491,10 +495,12 @@ def remove_job(client: docker.DockerClient, name: str, *,
     Services first; then wait (at most ``timeout`` seconds) until their containers on
     this node are gone, because a network cannot be removed while a container still
     holds an endpoint on it, and a job of the same name may follow; then the networks
-    (retried within the same bound) and secrets. Without ``wait`` (a job whose tasks
-    all ended, under a name nobody reuses) the containers are left to Swarm, which
-    removes them within seconds. Raises :class:`JobNotFoundError` when nothing carries
-    the label.
+    (retried within the same bound), secrets, and the job's shared-memory volume on this
+    node (a node's volume lives in that node's engine: on other nodes it stays, an empty
+    tmpfs volume record, until ``docker volume prune`` there). Without ``wait`` (a job
+    whose tasks all ended, under a name nobody reuses) the containers are left to Swarm,
+    which removes them within seconds. Raises :class:`JobNotFoundError` when nothing
+    carries the label.
     """
     started = time.monotonic()
     deadline = started + timeout
@@ -515,8 +521,25 @@ def remove_job(client: docker.DockerClient, name: str, *,
         with contextlib.suppress(docker.errors.NotFound):
             client.api.remove_secret(secret["ID"])
         removal.secrets.append(secret.get("Spec", {}).get("Name", secret["ID"]))
+    removal.volumes = remove_shm_volumes(client, name)
     removal.seconds = time.monotonic() - started
     return removal
+
+
+def remove_shm_volumes(client: docker.DockerClient, name: str) -> list[str]:
+    """Remove job ``name``'s shared-memory volumes on this node (their containers are gone,
+    see :func:`remove_job`); return their names. Only volumes named and labelled as the
+    job's (swarmfd.swarm.spec.JobSpec.shm_volume) are touched."""
+    found = client.api.volumes(filters={"label": f"{LABEL_JOB}={name}"}).get("Volumes") or []
+    removed = []
+    for vol in found:
+        vname = str(vol.get("Name", ""))
+        if not vname.startswith(f"{SHM_VOLUME_PREFIX}{name}-"):
+            continue
+        with contextlib.suppress(docker.errors.NotFound):
+            client.api.remove_volume(vname)
+        removed.append(vname)
+    return removed
 
 
 def _wait_containers_gone(client: docker.DockerClient, service_id: str, deadline: float) -> None:

@@ -18,11 +18,15 @@ Every rank knows its node (``SWARMFD_NODE={{.Node.Hostname}}``): the ranks of on
 node are one host for swarmfd (its host group, and the two-level collectives that
 keep a node's traffic in shared memory). Two tasks on one node are two containers,
 with no IPC namespace or /dev/shm in common, so when a job may place several ranks
-on a node each rank also mounts the node's volume SHM_VOLUME at SHM_TARGET
-(``SWARMFD_SHM_DIR``): there they meet to hand each other their shared-memory
-segments (see :mod:`swarmfd.comm.shm_setup`; the socket file is gone once they have).
-The local driver creates the volume on each node where a rank starts; it stays
-empty after the job (``docker volume rm swarmfd-shm`` on a node removes it).
+on a node each rank also mounts a volume of that job's own (:meth:`JobSpec.shm_volume`,
+``swarmfd-shm-<job>-<launch id>``) at SHM_TARGET (``SWARMFD_SHM_DIR``): there they meet
+to hand each other their shared-memory segments (see :mod:`swarmfd.comm.shm_setup`;
+the socket file is gone once they have). No other job's task mounts it, so no other
+job's rank can watch that directory, take the socket's name or sit between the ranks
+(with one volume for every job on a node, one could). It is a tmpfs of the local
+driver, created on each node where a rank starts, labelled with the job: its contents
+vanish when the job's last container there ends, and ``swarmfd rm`` (and the end of a
+followed job) removes the volume itself on the node it runs on.
 
 ``/dev/shm`` is another matter: swarmfd's segments do not use it, but torch's
 DataLoader workers hand their batches over there, and a container's is 64 MiB. Swarm
@@ -60,7 +64,7 @@ __all__ = [
     "SECRET_TARGET",
     "SHM_DEV",
     "SHM_TARGET",
-    "SHM_VOLUME",
+    "SHM_VOLUME_PREFIX",
     "JobSpec",
     "build_network_spec",
     "build_service_spec",
@@ -108,6 +112,7 @@ RESERVED_ENV = {
     "SWARMFD_INIT_TIMEOUT": "--init-timeout",
     "SWARMFD_JOB": "--name",
     "SWARMFD_RESTART_COUNT": "--max-restarts (deploy counts the restarts)",
+    "SWARMFD_JOB_ID": "(deploy draws one per job)",
 }
 
 #: ``--checkpoint-volume NAME``: the named volume is mounted here in every rank, and
@@ -116,12 +121,20 @@ CHECKPOINT_TARGET = "/checkpoints"
 ENV_CHECKPOINT_DIR = "SWARMFD_CHECKPOINT_DIR"
 _VOLUME_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
-#: The node's volume where a job's ranks on one node meet to share memory (see the
-#: module docstring), mounted at SHM_TARGET and named by SWARMFD_SHM_DIR (the name
-#: swarmfd.config reads; not imported: this package stays apart from the core).
-SHM_VOLUME = "swarmfd-shm"
+#: Where a job's ranks on one node meet to share memory: a volume of the job's own (see
+#: the module docstring and JobSpec.shm_volume), mounted at SHM_TARGET and named by
+#: SWARMFD_SHM_DIR (the name swarmfd.config reads; not imported: this package stays apart
+#: from the core).
+SHM_VOLUME_PREFIX = "swarmfd-shm-"
 SHM_TARGET = "/run/swarmfd-shm"
 ENV_SHM_DIR = "SWARMFD_SHM_DIR"
+#: The volume's driver options: a tmpfs (nothing reaches a disk, and nothing outlives the
+#: job's containers on a node); its sockets need no room.
+SHM_VOLUME_DRIVER = {"Name": "local",
+                     "Options": {"type": "tmpfs", "device": "tmpfs", "o": "size=1m"}}
+#: The launch a rank belongs to (swarmfd.config.ENV_JOB_ID): rank 0 refuses ranks of
+#: another launch.
+ENV_JOB_ID = "SWARMFD_JOB_ID"
 
 #: ``deploy --shm-size``: a tmpfs of this size at SHM_DEV in every rank (the module
 #: docstring). The default fits torch DataLoader workers whose prefetched batches
@@ -130,9 +143,11 @@ ENV_SHM_DIR = "SWARMFD_SHM_DIR"
 DEFAULT_SHM_SIZE = 1 << 30
 SHM_DEV = "/dev/shm"
 
-#: The job secret in every rank: ``/run/secrets/<SECRET_TARGET>``, readable by root only.
+#: The job secret in every rank: ``/run/secrets/<SECRET_TARGET>``, owned by root, readable
+#: by the container's users (the ranks run as the image's unprivileged user, see
+#: swarmfd.entrypoint; nobody else runs in a rank's container), writable by none.
 SECRET_TARGET = "swarmfd_secret"
-SECRET_MODE = 0o400
+SECRET_MODE = 0o444
 
 _JOB_NAME_RE = re.compile(r"^[a-z]([a-z0-9-]*[a-z0-9])?$")
 _LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]*[A-Za-z0-9])?$")
@@ -449,6 +464,8 @@ class JobSpec:
     shm_size: int | None = None  # bytes of the tmpfs at /dev/shm; None: the engine's
     restart_count: int = 0
     version: str = ""
+    #: This deploy's launch id (SWARMFD_JOB_ID in every rank; names its shm volume).
+    launch_id: str = field(default_factory=lambda: secrets.token_hex(6))
 
     def __post_init__(self) -> None:
         validate_job_name(self.name)
@@ -519,6 +536,12 @@ class JobSpec:
                 self.shm_size, int) or self.shm_size < 1):
             raise ValueError(f"--shm-size must be a size of at least 1 byte, got "
                              f"{self.shm_size!r}")
+        for m in self.mounts:
+            if str(m.get("Source", "")).startswith(SHM_VOLUME_PREFIX):
+                raise ValueError(
+                    f"--mount: {m.get('Source')} is a volume where a job's ranks share memory "
+                    f"(swarmfd's own, {SHM_VOLUME_PREFIX}<job>-<id>): a job mounts only its "
+                    "own, which deploy adds")
         targets = [m.get("Target") for m in self.all_mounts()]
         duplicates = sorted({t for t in targets if targets.count(t) > 1})
         if duplicates:
@@ -554,16 +577,22 @@ class JobSpec:
             mounts.append({"Type": "volume", "Source": self.checkpoint_volume,
                            "Target": CHECKPOINT_TARGET})
         if self.shares_nodes():
-            mounts.append({"Type": "volume", "Source": SHM_VOLUME, "Target": SHM_TARGET,
-                           "VolumeOptions": {"NoCopy": True}})
+            mounts.append({"Type": "volume", "Source": self.shm_volume(), "Target": SHM_TARGET,
+                           "VolumeOptions": {"NoCopy": True, "Labels": self.job_labels(),
+                                             "DriverConfig": dict(SHM_VOLUME_DRIVER)}})
         if self.shm_size:
             mounts.append({"Type": "tmpfs", "Target": SHM_DEV,
                            "TmpfsOptions": {"SizeBytes": self.shm_size, "Mode": 0o1777}})
         return mounts
 
+    def shm_volume(self) -> str:
+        """The volume of this job's own where its ranks on a node meet to share memory
+        (see the module docstring): one name per deploy, never another job's."""
+        return f"{SHM_VOLUME_PREFIX}{self.name}-{self.launch_id}"
+
     def shares_nodes(self) -> bool:
         """True when ranks may share a node (more than one rank, not --max-per-node 1):
-        they then mount the node's shared-memory volume, unless ``-e SWARMFD_SHM_DIR``
+        they then mount the job's shared-memory volume, unless ``-e SWARMFD_SHM_DIR``
         names a directory of the user's own."""
         return (self.world_size > 1 and self.max_per_node != 1
                 and ENV_SHM_DIR not in self.env)
@@ -580,6 +609,7 @@ class JobSpec:
             "MASTER_ADDR": "{{.Service.Name}}-1",
             "MASTER_PORT": str(self.master_port),
             "SWARMFD_JOB": self.name,
+            ENV_JOB_ID: self.launch_id,
             "SWARMFD_RESTART_COUNT": str(self.restart_count),
         }
         if self.timeout is not None:
@@ -614,8 +644,9 @@ def build_service_spec(job: JobSpec, secret_id: str | None = None) -> dict[str, 
     """The Engine API ``ServiceSpec`` of the job (``POST /services/create`` body).
 
     ``secret_id``: the job's Docker secret (``<job>-secret``), mounted in every rank at
-    ``/run/secrets/swarmfd_secret``, owned by root, mode 0400. Only its ID and name are
-    in the spec; its content never is (nor in the environment or command line).
+    ``/run/secrets/swarmfd_secret``, owned by root, mode 0444 (SECRET_MODE). Only its ID
+    and name are in the spec; its content never is (nor in the environment or command
+    line).
     """
     container: dict[str, Any] = {
         "Image": job.image_ref,

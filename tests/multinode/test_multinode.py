@@ -254,7 +254,7 @@ HIER_PREFIX = "HIER-RESULT "
 def test_two_level_collectives_with_two_ranks_per_node(
         multinode: Any, job_name: Callable[[str], str]) -> None:
     """2 ranks per node (N=6 on 3 nodes), default deploy options: the two containers of a
-    node share memory through the node's swarmfd-shm volume, and every collective takes
+    node share memory through their job's own volume on it, and every collective takes
     the two-level path (tests/hier_job.py --expect-two-level: each rank checks every
     result and fails on a silent fall-back to flat TCP)."""
     n = 2 * len(multinode.nodes)

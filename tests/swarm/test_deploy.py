@@ -454,7 +454,8 @@ SECRET_PROBE = (
     "path = '/run/secrets/swarmfd_secret'\n"
     "st = os.stat(path)\n"
     "value = open(path).read().strip()\n"
-    "print(f'secret {len(value)} {oct(stat.S_IMODE(st.st_mode))} {st.st_uid}', flush=True)\n"
+    "print(f'secret {len(value)} {oct(stat.S_IMODE(st.st_mode))} {st.st_uid} "
+    "as {os.getuid()}', flush=True)\n"
     "# for the test only: hand the value to the host, to look for it where it must not be\n"
     "with open(f'/out/secret-{os.environ[\"RANK\"]}', 'w') as f:\n"
     "    f.write(value)\n"
@@ -467,15 +468,18 @@ def test_job_secret_is_mounted_in_every_rank_and_exposed_nowhere(
         swarm: Any, swarmfd_image: str, tmp_path: Path,
         job_name: Callable[[str], str]) -> None:
     """deploy creates <job>-secret (labelled), every rank reads the same 64 hex digits at
-    /run/secrets/swarmfd_secret (root, 0400); the value is in no env, argument, label or
-    log line; rm removes the secret with the job."""
+    /run/secrets/swarmfd_secret (root's, 0444) as the image's unprivileged user (uid
+    10001, so /out, a bind mount, is opened to it); the value is in no env, argument,
+    label or log line; rm removes the secret with the job."""
     name = job_name("secret")
+    tmp_path.chmod(0o777)
     proc = swarmfd("deploy", swarmfd_image, "-n", "2", "--name", name, "--keep",
                    "--mount", f"type=bind,src={tmp_path},dst=/out", "--",
                    "python", "-c", SECRET_PROBE, timeout=90)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = rank_lines(proc.stdout)
-    assert lines == {0: ["secret 64 0o400 0"], 1: ["secret 64 0o400 0"]}, proc.stdout
+    assert lines == {0: ["secret 64 0o444 0 as 10001"], 1: ["secret 64 0o444 0 as 10001"]}, \
+        proc.stdout
     values = {(tmp_path / f"secret-{r}").read_text() for r in (0, 1)}
     assert len(values) == 1
     value = values.pop()
@@ -487,7 +491,7 @@ def test_job_secret_is_mounted_in_every_rank_and_exposed_nowhere(
     container = service["Spec"]["TaskTemplate"]["ContainerSpec"]
     assert container["Secrets"] == [{
         "SecretID": found[0]["ID"], "SecretName": f"{name}-secret",
-        "File": {"Name": "swarmfd_secret", "UID": "0", "GID": "0", "Mode": 0o400}}]
+        "File": {"Name": "swarmfd_secret", "UID": "0", "GID": "0", "Mode": 0o444}}]
     inspected = str(swarm.api.inspect_service(service["ID"])) + str(found)
     logs = swarmfd("logs", name, timeout=60)
     assert logs.returncode == 0, logs.stderr

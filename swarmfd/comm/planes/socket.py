@@ -27,19 +27,22 @@ this module implements it:
   payload's read that has to block asks not to be woken before a good part of the
   rest is there (``SO_RCVLOWAT``, see LOWAT_BYTES), not once a TCP segment.
 
-Setup and security. The listening socket is bound when the transport is created
-and announced in the (CURVE-encrypted) rendezvous; after the mesh is connected it
-is closed, so once ``init`` returned a stranger cannot even connect. Each
+Setup and security. The data port is bound when the transport is created and
+announced in the (CURVE-encrypted) rendezvous, but the socket listens only once the
+rendezvous is over, while the mesh connects (and the last rank, which nobody dials,
+never listens); then it is closed, so a stranger has nothing to connect to during the
+rendezvous, however long it takes, nor once ``init`` returned. Each
 connection starts with a mutual challenge-response handshake (see HANDSHAKE_MAGIC):
 both sides send magic, version, ranks and a fresh random nonce; with a job secret
 the listener then proves it knows the connector's per-session data token
 (HMAC-SHA256 over both ranks and nonces), the connector proves it knows the
 listener's, and the listener ends with an explicit verdict. A reader of the network
-learns nothing replayable (the nonces are fresh). Against strangers during setup:
-the listener accepts everything at once (also while the rank is still in the
-rendezvous, :meth:`SocketPlane.idle`), gives each unknown connection HANDSHAKE_STEP_LIMIT
-per step and evicts the stalest one when MAX_PENDING_HANDSHAKES are in progress, so
-silent connections cannot hold the door shut. Such connections are closed and
+learns nothing replayable (the nonces are fresh). Against a flood of strangers while
+it listens: the listener accepts in batches of ACCEPT_BATCH between which the
+handshakes in progress move on, reads each connection's hello as it accepts it, gives
+each unknown connection HANDSHAKE_STEP_LIMIT per step and, when MAX_PENDING_HANDSHAKES
+are in progress, evicts a silent one first, so silent connections cannot hold the
+door shut nor push a peer's handshake out. Such connections are closed and
 counted, never admitted, never fatal. A connecting rank whose handshake fails
 without evidence (closed, reset, refused) dials again until the init deadline; only
 a listener's wrong MAC, or its explicit refusal after it proved itself, is reported
@@ -69,7 +72,7 @@ import numpy as np
 from ...errors import AuthenticationError, ProtocolError, RendezvousTimeout
 from .. import wire
 from ..handshake import HELLO, MAC_SIZE, NO_RANK, mac, verify
-from ..plane import PeerInfo, PlaneOwner
+from ..plane import PeerInfo, PlaneOwner, reserve_port
 from ..spin import Spinner
 
 __all__ = ["SocketPlane"]
@@ -89,12 +92,11 @@ TAKE_POLLS = 16
 #: one segment at a time, and a wake-up for each cost a select, a recv and the Python
 #: around them. Non-blocking reads still take what is there, and a closed or failed
 #: connection wakes the select at once. Measured on two simulated hosts at 5 Gbit/s, one
-#: rank each (benchmarks/hierarchy.py --shape 2x1@5gbit, 4 interleaved runs,
-#: 2026-12-04; benchmarks/results/session-20261204-h.md): CPU a call per rank 0.76 /
-#: 3.23 / 14.9 ms at 1 / 4 / 16 MiB against 1.39 / 4.93 / 22.4 before, the same time a
-#: call (the link's); 2x2 ranks spread, flat ring: 4-11 % less CPU; on loopback
-#: (compare.py, calls.py --loop, N=2 and N=4, 1-16 MiB) the same time and CPU within
-#: the noise. 256 KiB and 1 MiB measured alike.
+#: rank each (benchmarks/hierarchy.py --shape 2x1@5gbit, 4 interleaved runs): CPU a call
+#: per rank 0.76 / 3.23 / 14.9 ms at 1 / 4 / 16 MiB against 1.39 / 4.93 / 22.4 before,
+#: the same time a call (the link's); 2x2 ranks spread, flat ring: 4-11 % less CPU; on
+#: loopback (compare.py, calls.py --loop, N=2 and N=4, 1-16 MiB) the same time and CPU
+#: within the noise. 256 KiB and 1 MiB measured alike.
 LOWAT_BYTES = 512 << 10
 #: Smaller remainders block as before (a small message's latency is untouched).
 LOWAT_MIN = 64 << 10
@@ -112,12 +114,22 @@ ACCEPT = b"\x01"
 REFUSE = b"\x00"
 _MAC_LABEL = b"swarmfd socket data plane v2\0"
 #: Unknown (accepted) connections whose handshake is in progress at once. A new one at
-#: the limit evicts the one that has waited longest for its next step: a legitimate
-#: peer answers each step within a round trip (measured well under 10 ms here, under
-#: load), so a flood of 1000 new connections a second (the threat model's rate) still
-#: leaves each connection about a second to complete, and silent ones cannot hold the
-#: slots. An evicted legitimate connection is not fatal: the connecting rank retries.
+#: the limit evicts a silent one (nothing received: see EVICT_SCAN), else the one that
+#: has waited longest for its next step. A peer's hello is read as its connection is
+#: accepted (it sends it as it connects), so a peer is past the silent ones from its
+#: first step and answers each next one within a round trip: a flood of silent
+#: connections only ever evicts its own. An evicted legitimate connection is not fatal:
+#: the connecting rank dials again.
 MAX_PENDING_HANDSHAKES = 1024
+#: How many of the stalest handshakes a new connection at the limit looks through for a
+#: silent one to evict.
+EVICT_SCAN = 64
+#: Connections the listener accepts in a row before the handshakes in progress (and the
+#: rank's own dials) get their turn: a flood in the accept queue cannot starve them.
+ACCEPT_BATCH = 64
+#: Connections a second that did not authenticate at which a setup timeout names a flood
+#: of them as its cause (a job's own retries make a few).
+FLOOD_RATE = 100
 #: How long an unknown connection may take for each step of its handshake (its hello,
 #: its MAC) before it is closed: strangers that connect and stay silent cost a slot for
 #: at most this long.
@@ -128,7 +140,8 @@ HANDSHAKE_STEP_LIMIT = 1.0
 RETRY_FIRST = 0.01
 RETRY_MAX = 0.25
 #: Listen backlog (the kernel caps it at net.core.somaxconn): connections that wait to be
-#: accepted while the rank is still in the rendezvous cost no descriptor of this process.
+#: accepted cost no descriptor of this process, and a peer's connection queued behind a
+#: flood is accepted, not dropped (a dropped SYN is sent again only after a second).
 LISTEN_BACKLOG = 4096
 #: At close, how long to read (and drop) what peers still send until they close too.
 CLOSE_DRAIN = 1.0
@@ -223,22 +236,6 @@ class _Impostor(Exception):
     """The listener failed to prove it is the rank we dialled (a MAC that fails)."""
 
 
-def listen(host: str, avoid: Collection[int] = ()) -> socket.socket:
-    """A listening socket on ``host``, on a port the system picks but none of ``avoid``
-    (see ``avoid`` of :class:`swarmfd.comm.transport.Transport`). A port to avoid stays bound
-    until another is found, so that the system does not pick it again."""
-    held: list[socket.socket] = []
-    try:
-        while True:
-            sock = socket.create_server((host, 0), backlog=LISTEN_BACKLOG)
-            if sock.getsockname()[1] not in avoid:
-                return sock
-            held.append(sock)
-    finally:
-        for sock in held:
-            sock.close()
-
-
 class SocketPlane:
     """The full mesh of one rank and its progress engine (see module docstring)."""
 
@@ -261,7 +258,7 @@ class SocketPlane:
         self.world_size = world_size
         self.token = token
         self.keepalive = keepalive
-        self.listener: socket.socket | None = listen(bind_host, avoid)
+        self.listener: socket.socket | None = reserve_port(bind_host, avoid)
         self.listener.setblocking(False)
         self.endpoint = f"tcp://{bind_host}:{self.listener.getsockname()[1]}"
         self.sel = selectors.DefaultSelector()
@@ -275,92 +272,67 @@ class SocketPlane:
         self.strangers = 0
         #: Accepted connections whose handshake was still in progress when setup ended.
         self.strangers_pending = 0
+        #: When the listener opened (0: never), for the flood's rate in a timeout.
+        self.listened_at = 0.0
         #: Handshakes in progress: accepted ones in eviction order (oldest progress first).
         self._accepted: collections.OrderedDict[socket.socket, _Handshake] = (
             collections.OrderedDict())
         self._dialled: dict[socket.socket, _Handshake] = {}
         self._hs_sel: selectors.BaseSelector | None = selectors.DefaultSelector()
-        self._hs_sel.register(self.listener, selectors.EVENT_READ, None)
+        self._tokens: dict[int, str] = {}
+        #: The dialled peers' retry state: when to dial next, the next delay, attempts,
+        #: the last failure.
+        self._retry_at: dict[int, float] = {}
+        self._backoff: dict[int, float] = {}
+        self._attempts: dict[int, int] = {}
+        self._last_error: dict[int, str] = {}
         self.closed = False
 
     # -- setup --------------------------------------------------------------------------
 
     def idle(self) -> None:
-        """Accept (and age out) waiting connections while the rank is busy elsewhere (the
-        rendezvous): a flood cannot fill the listen backlog before :meth:`connect` runs.
-        Hellos are not answered yet: the peers' tokens are not known."""
-        if self.listener is not None:
-            self._accept(_now())
-            self._evict_stale(_now())
+        """Nothing to look after during the rendezvous: the listener opens only in
+        :meth:`connect`, once every peer's token is known (so strangers have nothing to
+        connect to, or queue at, meanwhile)."""
 
     def connect(self, peers: Sequence[PeerInfo], deadline: float) -> None:
         """Connect the mesh (handshakes included) by ``deadline``, then stop listening.
 
-        Rank i dials every rank j < i and accepts from every j > i. A dialled handshake
+        Rank i dials every rank j < i and accepts from every j > i: it listens only now,
+        and only if some rank dials it (the last rank never does). A dialled handshake
         that fails without evidence (the listener closed or reset it, or was not
         listening yet) is dialled again until ``deadline``; only a failed MAC or an
         explicit refusal from a listener that proved itself raise
         :class:`AuthenticationError`. Accepted connections that fail are closed and
         counted, never fatal.
         """
-        tokens = {p.rank: p.token for p in peers}
+        self._tokens = {p.rank: p.token for p in peers}
         endpoints = {p.rank: p.endpoint for p in peers}
         hs_sel = self._hs_sel
         assert hs_sel is not None
-        retry_at: dict[int, float] = {j: 0.0 for j in range(self.rank)}
-        backoff: dict[int, float] = {}
-        attempts: dict[int, int] = {}
-        last_error: dict[int, str] = {}
+        self._retry_at = {j: 0.0 for j in range(self.rank)}
         try:
+            self._listen()
             while len(self.lanes) < self.world_size - 1:
                 now = _now()
                 if now > deadline:
-                    raise RendezvousTimeout(self._setup_timeout(attempts, last_error))
-                for j, at in list(retry_at.items()):
+                    raise RendezvousTimeout(self._setup_timeout())
+                for j, at in list(self._retry_at.items()):
                     if at <= now:
-                        del retry_at[j]
-                        attempts[j] = attempts.get(j, 0) + 1
+                        del self._retry_at[j]
+                        self._attempts[j] = self._attempts.get(j, 0) + 1
                         hs = self._dial(j, endpoints[j], now)
                         self._dialled[hs.sock] = hs
                         hs_sel.register(hs.sock, selectors.EVENT_READ | selectors.EVENT_WRITE,
                                         hs)
                 wait = min(0.05, max(0.0, deadline - now))
-                if retry_at:
-                    wait = min(wait, max(0.0, min(retry_at.values()) - now))
+                if self._retry_at:
+                    wait = min(wait, max(0.0, min(self._retry_at.values()) - now))
                 for key, _ in hs_sel.select(wait):
                     if key.data is None:
                         self._accept(_now())
-                        continue
-                    hs = key.data
-                    if hs.sock not in self._accepted and hs.sock not in self._dialled:
-                        continue  # evicted by an accept earlier in this batch
-                    try:
-                        done = self._step(hs, tokens)
-                    except (_Refused, _Impostor) as exc:
-                        self._drop(hs)
-                        raise AuthenticationError(
-                            f"rank {self.rank}: rank {hs.peer}'s data socket "
-                            f"({hs.endpoint}) {exc}; does it run with another job secret or "
-                            "SWARMFD_AUTH setting?"
-                        ) from None
-                    except (OSError, ValueError) as exc:
-                        self._drop(hs)
-                        if hs.peer == NO_RANK:
-                            self.strangers += 1
-                        else:
-                            # No evidence against the peer: a flood evicted us, or it is
-                            # not listening yet. Dial again.
-                            last_error[hs.peer] = str(exc) or type(exc).__name__
-                            delay = backoff.get(hs.peer, RETRY_FIRST)
-                            backoff[hs.peer] = min(RETRY_MAX, delay * 2)
-                            retry_at[hs.peer] = _now() + delay
-                        continue
-                    if done:
-                        self._finish(hs)
-                    else:
-                        hs_sel.modify(hs.sock, selectors.EVENT_READ
-                                      | (selectors.EVENT_WRITE if hs.outbuf or not hs.connected
-                                         else 0), hs)
+                    elif key.data.sock in self._accepted or key.data.sock in self._dialled:
+                        self._advance(key.data)  # (else evicted earlier in this batch)
                 self._evict_stale(_now())
         finally:
             self.strangers_pending += len(self._accepted)
@@ -370,17 +342,64 @@ class SocketPlane:
             self._hs_sel = None
             self.stop_listening()
 
-    def _setup_timeout(self, attempts: dict[int, int], last_error: dict[int, str]) -> str:
+    def _listen(self) -> None:
+        """Open the listener, if any rank dials this one; else give its port back."""
+        if self.listener is None or self._hs_sel is None:
+            return
+        if self.rank == self.world_size - 1:
+            self.stop_listening()
+            return
+        self.listener.listen(LISTEN_BACKLOG)
+        self.listened_at = _now()
+        self._hs_sel.register(self.listener, selectors.EVENT_READ, None)
+
+    def _advance(self, hs: _Handshake) -> None:
+        """One step of a handshake in progress: admit it when done; a failure closes it
+        (a dialled one is dialled again, an accepted one counted), or raises
+        AuthenticationError on evidence (see :meth:`connect`)."""
+        try:
+            done = self._step(hs, self._tokens)
+        except (_Refused, _Impostor) as exc:
+            self._drop(hs)
+            raise AuthenticationError(
+                f"rank {self.rank}: rank {hs.peer}'s data socket ({hs.endpoint}) {exc}; does "
+                "it run with another job secret or SWARMFD_AUTH setting?") from None
+        except (OSError, ValueError) as exc:
+            self._drop(hs)
+            if hs.peer == NO_RANK:
+                self.strangers += 1
+            else:
+                # No evidence against the peer: a flood evicted us, or it is not listening
+                # yet. Dial again.
+                self._last_error[hs.peer] = str(exc) or type(exc).__name__
+                delay = self._backoff.get(hs.peer, RETRY_FIRST)
+                self._backoff[hs.peer] = min(RETRY_MAX, delay * 2)
+                self._retry_at[hs.peer] = _now() + delay
+            return
+        if done:
+            self._finish(hs)
+        elif self._hs_sel is not None:
+            self._hs_sel.modify(hs.sock, selectors.EVENT_READ
+                                | (selectors.EVENT_WRITE if hs.outbuf or not hs.connected
+                                   else 0), hs)
+
+    def _setup_timeout(self) -> str:
         missing = sorted(set(range(self.world_size)) - {self.rank} - set(self.lanes))
-        dialled = [f"rank {j}: {attempts[j]} attempt(s), last: {last_error[j]}"
-                   for j in missing if attempts.get(j) and j in last_error]
+        dialled = [f"rank {j}: {self._attempts[j]} attempt(s), last: {self._last_error[j]}"
+                   for j in missing if self._attempts.get(j) and j in self._last_error]
+        strangers = self.strangers + len(self._accepted)
+        seconds = max(1e-3, _now() - self.listened_at) if self.listened_at else 0.0
+        if seconds and strangers / seconds >= FLOOD_RATE:
+            cause = (f"a flood of connections at this rank's listener: {strangers} that did "
+                     f"not authenticate in {seconds:.1f} s ({strangers / seconds:.0f} a "
+                     "second), from strangers; the peers' own dials were lost among them")
+        else:
+            cause = (f"{self.strangers} connection(s) that did not authenticate were closed "
+                     f"and {len(self._accepted)} were still in their handshake")
         return (
             f"rank {self.rank} could not set up its data connections with rank(s) {missing} "
             f"within the timeout (socket data plane at {self.endpoint}"
-            + (f"; {'; '.join(dialled)}" if dialled else "")
-            + f"; {self.strangers} connection(s) that did not authenticate were closed and "
-            f"{len(self._accepted)} were still in their handshake: strangers, or the "
-            "missing ranks never connected)"
+            + (f"; {'; '.join(dialled)}" if dialled else "") + f"; {cause})"
         )
 
     def stop_listening(self) -> None:
@@ -401,28 +420,46 @@ class SocketPlane:
         return hs
 
     def _accept(self, now: float) -> None:
-        """Accept every waiting connection; at the limit, evict the stalest handshake."""
+        """Accept up to ACCEPT_BATCH waiting connections (then the handshakes in progress
+        get their turn), making room at the limit (:meth:`_make_room`), and read each
+        one's hello at once: a peer sends it as it connects, so it is usually there, and
+        the connection is then past the silent ones, which are evicted first."""
         if self.listener is None or self._hs_sel is None:
             return
-        while True:
+        for _ in range(ACCEPT_BATCH):
             try:
                 sock, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
                 if exc.errno in (errno.EMFILE, errno.ENFILE) and self._accepted:
-                    self._evict_oldest()  # free a descriptor for the newcomer
+                    self._evict(next(iter(self._accepted.values())))  # free a descriptor
                     continue
                 return
             if len(self._accepted) >= MAX_PENDING_HANDSHAKES:
-                self._evict_oldest()
+                self._make_room()
             sock.setblocking(False)
             hs = _Handshake(sock, NO_RANK, now)
             self._accepted[sock] = hs
             self._hs_sel.register(sock, selectors.EVENT_READ, hs)
+            self._advance(hs)
 
-    def _evict_oldest(self) -> None:
-        _, hs = self._accepted.popitem(last=False)
+    def _make_room(self) -> None:
+        """Evict one accepted handshake: the longest silent one (nothing received yet)
+        among the EVICT_SCAN stalest, else the stalest of all."""
+        victim = None
+        for i, hs in enumerate(self._accepted.values()):
+            if victim is None:
+                victim = hs
+            if hs.stage == "hello" and not hs.inbuf:
+                victim = hs
+                break
+            if i >= EVICT_SCAN:
+                break
+        if victim is not None:
+            self._evict(victim)
+
+    def _evict(self, hs: _Handshake) -> None:
         self._drop(hs)
         self.strangers += 1
 
@@ -432,7 +469,7 @@ class SocketPlane:
             hs = next(iter(self._accepted.values()))
             if now - hs.last <= HANDSHAKE_STEP_LIMIT:
                 return
-            self._evict_oldest()
+            self._evict(hs)
 
     def _drop(self, hs: _Handshake) -> None:
         self._accepted.pop(hs.sock, None)

@@ -17,11 +17,14 @@ The bound socket is what a stranger can reach for as long as the job runs (libzm
 unbind would drop its connections too), so it refuses frames over
 MAX_HANDSHAKE_FRAME and drops a connection that has not authenticated within
 HANDSHAKE_IVL_MS; a socket monitor on the DEALER reports a peer whose connection
-closed (by its endpoint).
+closed (by its endpoint). It binds only once the rendezvous is over (its port is held
+until then by a plain socket that does not listen,
+:func:`~swarmfd.comm.plane.reserve_port`), so a storm of connections at it cannot slow
+the rendezvous, whose sockets share libzmq's I/O thread with it.
 
 One receiving socket, not one per peer: at N=4, plain pyzmq exchanging 4 KiB with
 every peer took 182-213 us a round with a DEALER per peer (polled) against 155-165 us
-with one DEALER and 153-185 us with 8ec62ae's PUSH/PULL (4 interleaved runs,
+with one DEALER and 153-185 us with a PUSH/PULL pair per peer (4 interleaved runs,
 benchmarks/zmq_patterns.py), and 165-168 us with one DEALER whose receiver reads each
 message's metadata, as this plane does.
 
@@ -41,9 +44,9 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from ...errors import AuthenticationError, ProtocolError, RendezvousTimeout
+from ...errors import AuthenticationError, ProtocolError, RendezvousError, RendezvousTimeout
 from .. import spin, wire
-from ..plane import PeerInfo, PlaneOwner
+from ..plane import PeerInfo, PlaneOwner, reserve_port
 from ..security import (
     DATA_ATTEMPTS,
     ZAP_DATA,
@@ -77,6 +80,12 @@ MAX_FRAME = wire.HEADER_SIZE + wire.MAX_PAYLOAD + 4096
 #: Limit on every frame the bound ROUTER receives. It only sends, so what arrives is
 #: handshakes (a PLAIN hello is under 600 bytes, CURVE's under 400).
 MAX_HANDSHAKE_FRAME = 4096
+#: Messages (each at most MAX_FRAME) libzmq queues from one peer on the receiving socket
+#: before it stops reading that connection: a peer that sends while this rank does not
+#: read (it computes, or its call failed) pins at most this many in its memory, besides
+#: the channel's stash (SWARMFD_STASH_MB); the sender's own queue takes the rest, and the
+#: kernel's window holds it back (docs/security.md).
+RX_HWM = 64
 #: Frames a stranger left on the bound socket that one check_lost reads and drops (a
 #: bound on the time it takes from the rank's own work; check_lost runs at least every
 #: wait slice while the rank waits, and the socket's receive queue holds one message a
@@ -115,41 +124,9 @@ def _now() -> float:
     return time.monotonic()
 
 
-#: How long a port this plane unbound (an avoided one) may take to be free again:
-#: libzmq closes a listener in its I/O thread, after zmq_unbind returns.
-UNBIND_WAIT = 1.0
-
-
-def _bind_avoiding(sock: zmq.Socket, host: str, avoid: Collection[int]) -> int:
-    """Bind ``sock`` on ``host`` to a port the system picks but none of ``avoid`` (see
-    ``avoid`` of :class:`swarmfd.comm.transport.Transport`); its port. An avoided port stays
-    bound until another is, then is unbound, and this waits (at most UNBIND_WAIT) until
-    it can be bound again: rank 0 binds its rendezvous next."""
-    held: list[tuple[str, int]] = []
-    while True:
-        port = sock.bind_to_random_port(f"tcp://{host}")
-        if port not in avoid:
-            break
-        held.append((sock.last_endpoint.decode(), port))
-    end = _now() + UNBIND_WAIT
-    for endpoint, gone in held:
-        sock.unbind(endpoint)
-        while not _bindable(host, gone) and _now() < end:
-            time.sleep(0.002)
-    return port
-
-
-def _bindable(host: str, port: int) -> bool:
-    """Whether a listener could bind ``port`` on ``host`` now (as libzmq's do: with
-    SO_REUSEADDR)."""
-    host = host.strip("[]")
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError:
-            return False
-    return True
+#: The first delay before the receiving socket dials a peer's ROUTER again (ms; it
+#: doubles up to 0.1 s): the peer binds as it leaves the rendezvous.
+RECONNECT_FIRST_MS = 5
 
 
 class ZmqPlane:
@@ -205,11 +182,13 @@ class ZmqPlane:
         # docstring), with a proof from its session token on the PLAIN plane: set before
         # bind, since a listener copies the options it has then.
         self.router.setsockopt(zmq.METADATA, f"X-Rank:{server_proof(token, rank)}".encode())
-        port = _bind_avoiding(self.router, bind_host, avoid)
-        self.endpoint = f"tcp://{bind_host}:{port}"
-        # Counts the peers whose DEALER authenticated (setup waits for all of them).
+        self.reserved: socket.socket | None = reserve_port(bind_host, avoid)
+        self.endpoint = f"tcp://{bind_host}:{self.reserved.getsockname()[1]}"
+        # Counts the peers whose DEALER authenticated, and failed accepts (descriptors).
+        # Not failed handshakes: a storm of strangers makes one each, which this rank's
+        # Python would read one by one (thousands a second) while it sets up.
         self.router_monitor: zmq.Socket | None = self.router.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED | zmq.EVENT_ACCEPT_FAILED)
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_ACCEPT_FAILED)
         self.inbound = 0
         self.accept_failed = 0
         self.dropped = 0  # stranger frames read off the bound socket (_drop_strangers)
@@ -219,10 +198,14 @@ class ZmqPlane:
         #: The one receiving socket, connected to every peer's ROUTER in connect().
         self.rx = ctx.socket(zmq.DEALER)
         self.rx.setsockopt(zmq.ROUTING_ID, self.ids[rank])
-        self.rx.setsockopt(zmq.RCVHWM, 0)
+        self.rx.setsockopt(zmq.RCVHWM, RX_HWM)
         self.rx.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
         self.rx.setsockopt(zmq.RCVTIMEO, WAIT_SLICE_MS)
         self.rx.setsockopt(zmq.LINGER, 0)
+        # A peer's ROUTER binds as its rank leaves the rendezvous, maybe after this rank
+        # dials it: dial again soon (libzmq's default waits 0.1 s), backing off to 0.1 s.
+        self.rx.setsockopt(zmq.RECONNECT_IVL, RECONNECT_FIRST_MS)
+        self.rx.setsockopt(zmq.RECONNECT_IVL_MAX, 100)
         keepalive(self.rx)
         self.rx_monitor: zmq.Socket | None = None
         self.peers: list[int] = []
@@ -279,6 +262,7 @@ class ZmqPlane:
         t = self.t
         rx = self.rx
         self.setup_start = _now()
+        self._bind()
         by_rank = {p.rank: p for p in peers}
         self.rx_monitor = rx.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED
                                                 | zmq.EVENT_HANDSHAKE_SUCCEEDED)
@@ -335,6 +319,20 @@ class ZmqPlane:
         # monitor, so that they cannot pile up in it.
         self._stop_router_monitor()
 
+    def _bind(self) -> None:
+        """Bind the ROUTER to the port held since init (see the module docstring)."""
+        reserved, self.reserved = self.reserved, None
+        if reserved is None:
+            return
+        reserved.close()
+        try:
+            self.router.bind(self.endpoint)
+        except zmq.ZMQError as exc:
+            raise RendezvousError(
+                f"rank {self.rank} cannot bind its zmq data socket at {self.endpoint}, the "
+                f"port it held since init ({exc}): another process took it in between"
+            ) from None
+
     def _probe(self, peer: int) -> bool:
         """Whether this ROUTER routes to ``peer``'s routing id: an empty frame sent to it
         (ROUTER_MANDATORY refuses an id no connection holds), which its receiver skips."""
@@ -367,6 +365,9 @@ class ZmqPlane:
             with contextlib.suppress(zmq.ZMQError):
                 self.rx.disable_monitor()
             mon.close(linger=0)
+        if self.reserved is not None:
+            self.reserved.close()
+            self.reserved = None
         self.rx.close(linger=0)
         self.router.close(linger=int(linger * 1000))
 
