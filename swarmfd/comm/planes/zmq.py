@@ -162,26 +162,7 @@ class ZmqPlane:
         self.security = security
         self.auth = auth
         self.ctx = ctx
-        self.router = ctx.socket(zmq.ROUTER)
-        sec = security
-        if sec is not None:
-            if sec.encrypt:
-                sec.curve_server(self.router, ZAP_DATA)
-            else:
-                self.router.setsockopt(zmq.ZAP_DOMAIN, ZAP_DATA.encode())
-                self.router.setsockopt(zmq.PLAIN_SERVER, 1)
-        stranger_facing(self.router, MAX_HANDSHAKE_FRAME)
-        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.router.setsockopt(zmq.SNDHWM, 0)
-        # Nothing legitimate is ever received on it: without authentication (AUTH=off) a
-        # stranger's messages wait unread in its queue, so keep that queue minimal.
-        self.router.setsockopt(zmq.RCVHWM, 1)
-        self.router.setsockopt(zmq.LINGER, int(min(timeout, 5.0) * 1000))
-        keepalive(self.router)
-        # Every message this ROUTER sends carries its rank to the receiver (see the module
-        # docstring), with a proof from its session token on the PLAIN plane: set before
-        # bind, since a listener copies the options it has then.
-        self.router.setsockopt(zmq.METADATA, f"X-Rank:{server_proof(token, rank)}".encode())
+        self.router = self._router(ctx, security, timeout, token, rank)
         self.reserved: socket.socket | None = reserve_port(bind_host, avoid)
         self.endpoint = f"tcp://{bind_host}:{self.reserved.getsockname()[1]}"
         # Counts the peers whose DEALER authenticated, and failed accepts (descriptors).
@@ -234,6 +215,32 @@ class ZmqPlane:
         #: in the DEALER, where read_payload reads them).
         self.back: zmq.Frame | None = None
         self.spinner = Spinner()
+
+    @staticmethod
+    def _router(ctx: zmq.Context, sec: Security | None, timeout: float, token: str,
+                rank: int) -> zmq.Socket:
+        """The ROUTER that sends: authenticated (CURVE, or PLAIN with one-time tokens),
+        facing strangers, its receive queue minimal."""
+        router = ctx.socket(zmq.ROUTER)
+        if sec is not None:
+            if sec.encrypt:
+                sec.curve_server(router, ZAP_DATA)
+            else:
+                router.setsockopt(zmq.ZAP_DOMAIN, ZAP_DATA.encode())
+                router.setsockopt(zmq.PLAIN_SERVER, 1)
+        stranger_facing(router, MAX_HANDSHAKE_FRAME)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        router.setsockopt(zmq.SNDHWM, 0)
+        # Nothing legitimate is ever received on it: without authentication (AUTH=off) a
+        # stranger's messages wait unread in its queue, so keep that queue minimal.
+        router.setsockopt(zmq.RCVHWM, 1)
+        router.setsockopt(zmq.LINGER, int(min(timeout, 5.0) * 1000))
+        keepalive(router)
+        # Every message this ROUTER sends carries its rank to the receiver (see the module
+        # docstring), with a proof from its session token on the PLAIN plane: set before
+        # bind, since a listener copies the options it has then.
+        router.setsockopt(zmq.METADATA, f"X-Rank:{server_proof(token, rank)}".encode())
+        return router
 
     def idle(self) -> None:
         """Count the events of the bound socket while the rank waits in the rendezvous."""
