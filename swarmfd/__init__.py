@@ -19,6 +19,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from . import elastic
 from .accumulate import GradAccum
 from .collectives import (
     all_gather,
@@ -50,6 +51,7 @@ from .errors import (
     CollectiveError,
     CollectiveTimeout,
     ConfigError,
+    ElasticError,
     MismatchError,
     NotInitializedError,
     PeerLostError,
@@ -84,6 +86,7 @@ __all__ = [
     "CollectiveTimeout",
     "Config",
     "ConfigError",
+    "ElasticError",
     "GradAccum",
     "Group",
     "MismatchError",
@@ -105,6 +108,7 @@ __all__ = [
     "broadcast_object",
     "checkpoint_barrier",
     "cleanup",
+    "elastic",
     "gather",
     "get_config",
     "get_rank",

@@ -40,6 +40,22 @@ and, for the job's security (see :func:`load_secret`):
                       deploy`` draw one): ranks of another launch are refused at
                       rendezvous, even with the same secret; see :func:`job_id`
 
+and, for elastic jobs (see :func:`elastic_options` and :mod:`swarmfd.elastic`):
+
+``SWARMFD_ELASTIC``   ``1``: a lost rank costs a re-formation of the world, not the job
+``SWARMFD_ELASTIC_MIN_N`` the fewest ranks the job goes on with (default 1)
+``SWARMFD_ELASTIC_TIMEOUT`` seconds the job may stay below the minimum (default 60)
+``SWARMFD_ELASTIC_JOIN`` ``1``: this process replaces a lost rank and joins the running
+                      job; ``auto``: it joins when a formed job answers, else it starts
+                      with the others (a Swarm task, which cannot tell a restart)
+``SWARMFD_ELASTIC_PEERS`` where the ranks' elastic agents listen: ``host:port`` items,
+                      one per starting rank (``swarmfd run``), or a name whose every
+                      address is one (``tasks.<service>`` on a Swarm)
+``SWARMFD_ELASTIC_PORT`` the agents' port where PEERS gives none (default: the
+                      rendezvous port + 1)
+``SWARMFD_ELASTIC_DONE`` a file ``swarmfd run`` writes once the job has finished: a
+                      replacement that finds no member then exits 0
+
 and, for where the ranks are (see :func:`transport_mode`, :func:`node_name`):
 
 ``SWARMFD_TRANSPORT`` ``auto`` (the default: shared memory between the ranks of one
@@ -70,6 +86,7 @@ from .errors import ConfigError
 
 __all__ = [
     "DATA_PLANES",
+    "DEFAULT_ELASTIC_TIMEOUT",
     "DEFAULT_ENCRYPT",
     "DEFAULT_MASTER_PORT",
     "DEFAULT_RENDEZVOUS_PORT_OFFSET",
@@ -80,6 +97,13 @@ __all__ = [
     "ENV_AUTH",
     "ENV_CMA",
     "ENV_DATA_PLANE",
+    "ENV_ELASTIC",
+    "ENV_ELASTIC_DONE",
+    "ENV_ELASTIC_JOIN",
+    "ENV_ELASTIC_MIN_N",
+    "ENV_ELASTIC_PEERS",
+    "ENV_ELASTIC_PORT",
+    "ENV_ELASTIC_TIMEOUT",
     "ENV_ENCRYPT",
     "ENV_HIERARCHY",
     "ENV_INIT_TIMEOUT",
@@ -109,12 +133,14 @@ __all__ = [
     "SPIN_MODES",
     "TRANSPORTS",
     "Config",
+    "ElasticOptions",
     "Options",
     "auth_enabled",
     "check_secret",
     "cma_enabled",
     "config_from_env",
     "data_plane",
+    "elastic_options",
     "encrypt_enabled",
     "hierarchy_mode",
     "job_id",
@@ -173,6 +199,16 @@ ENV_CMA = "SWARMFD_CMA"
 ENV_STASH_MB = "SWARMFD_STASH_MB"
 #: The launch a rank belongs to (see :func:`job_id`).
 ENV_JOB_ID = "SWARMFD_JOB_ID"
+#: Elastic jobs (see :func:`elastic_options`).
+ENV_ELASTIC = "SWARMFD_ELASTIC"
+ENV_ELASTIC_MIN_N = "SWARMFD_ELASTIC_MIN_N"
+ENV_ELASTIC_TIMEOUT = "SWARMFD_ELASTIC_TIMEOUT"
+ENV_ELASTIC_JOIN = "SWARMFD_ELASTIC_JOIN"
+ENV_ELASTIC_PEERS = "SWARMFD_ELASTIC_PEERS"
+ENV_ELASTIC_PORT = "SWARMFD_ELASTIC_PORT"
+ENV_ELASTIC_DONE = "SWARMFD_ELASTIC_DONE"
+#: Seconds an elastic job may stay below its minimum of ranks (SWARMFD_ELASTIC_TIMEOUT).
+DEFAULT_ELASTIC_TIMEOUT = 60.0
 #: Set by a Swarm service for each task (``{{.Task.Slot}}``, 1-based): see swarmfd.entrypoint.
 ENV_TASK_SLOT = "SWARMFD_TASK_SLOT"
 #: How long the container entrypoint waits for MASTER_ADDR to resolve.
@@ -245,6 +281,28 @@ class Options:
     stash_limit: int = DEFAULT_STASH_MB << 20
     #: SWARMFD_JOB_ID: the launch this rank belongs to ("": ranks started by hand).
     job: str = ""
+    #: SWARMFD_ELASTIC and its companions; None: not an elastic job.
+    elastic: ElasticOptions | None = None
+
+
+@dataclass(frozen=True)
+class ElasticOptions:
+    """An elastic job's settings (the ``SWARMFD_ELASTIC_*`` variables, see
+    :func:`elastic_options`)."""
+
+    #: SWARMFD_ELASTIC_MIN_N: the fewest ranks the job goes on with.
+    min_n: int = 1
+    #: SWARMFD_ELASTIC_TIMEOUT: seconds the job may stay below ``min_n``.
+    timeout: float = DEFAULT_ELASTIC_TIMEOUT
+    #: SWARMFD_ELASTIC_JOIN: "" (a starting rank), "1" (a replacement) or "auto".
+    join: str = ""
+    #: SWARMFD_ELASTIC_PEERS: (host, port or None) of every starting rank's agent, or
+    #: names each of whose addresses is one.
+    peers: tuple[tuple[str, int | None], ...] = ()
+    #: SWARMFD_ELASTIC_PORT: the agents' port where ``peers`` gives none.
+    port: int = DEFAULT_MASTER_PORT + DEFAULT_RENDEZVOUS_PORT_OFFSET + 1
+    #: SWARMFD_ELASTIC_DONE: the file ``swarmfd run`` writes once the job finished.
+    done_file: str = ""
 
 
 #: glibc's own malloc settings in the environment, which SWARMFD_MALLOC=tuned respects.
@@ -262,7 +320,8 @@ def options_from_env(environ: Mapping[str, str] | None = None) -> Options:
         malloc="system" if any(name in env for name in GLIBC_SETTINGS) else malloc,
         cma=cma_enabled(env), node=node_name(env), shm_dir=shm_dir(env),
         swarm_task=bool((env.get(ENV_TASK_SLOT) or "").strip()),
-        torch_port=master_port(env), stash_limit=stash_limit(env), job=job_id(env))
+        torch_port=master_port(env), stash_limit=stash_limit(env), job=job_id(env),
+        elastic=elastic_options(env))
 
 
 @dataclass(frozen=True)
@@ -653,6 +712,48 @@ def job_id(environ: Mapping[str, str] | None = None) -> str:
                           "expected at most 64 letters, digits, '-', '_' or '.' (swarmfd "
                           "run and swarmfd deploy set it; unset it to start ranks by hand)")
     return raw
+
+
+def elastic_options(environ: Mapping[str, str] | None = None) -> ElasticOptions | None:
+    """The elastic settings of the environment (module docstring), or None when
+    ``SWARMFD_ELASTIC`` is unset or 0; every value checked."""
+    env = os.environ if environ is None else environ
+    if not _parse_env_switch(env, ENV_ELASTIC, False, "1 (an elastic job) or 0"):
+        return None
+    join = (env.get(ENV_ELASTIC_JOIN) or "").strip().lower()
+    if join not in ("", "0", "1", "auto"):
+        raise ConfigError(f"environment variable {ENV_ELASTIC_JOIN}={env.get(ENV_ELASTIC_JOIN)!r} "
+                          "is invalid: expected 1 (this process replaces a lost rank), auto "
+                          "(it joins when a formed job answers) or 0")
+    timeout = parse_env_float(env, ENV_ELASTIC_TIMEOUT)
+    own = parse_env_port(env, ENV_ELASTIC_PORT)
+    return ElasticOptions(
+        min_n=parse_env_int(env, ENV_ELASTIC_MIN_N, minimum=1) or 1,
+        timeout=DEFAULT_ELASTIC_TIMEOUT if timeout is None else timeout,
+        join="" if join == "0" else join, peers=_peers(env.get(ENV_ELASTIC_PEERS) or ""),
+        port=own if own is not None else _next_port(rendezvous_port(env)),
+        done_file=(env.get(ENV_ELASTIC_DONE) or "").strip())
+
+
+def _next_port(port: int) -> int:
+    return port + 1 if port < 65535 else port - 1
+
+
+def _peers(raw: str) -> tuple[tuple[str, int | None], ...]:
+    """SWARMFD_ELASTIC_PEERS: ``host[:port]`` items, comma-separated."""
+    out = []
+    for item in (i.strip() for i in raw.split(",")):
+        if not item:
+            continue
+        host, sep, port = item.rpartition(":")
+        if not sep:
+            host, port = item, ""
+        if not host or any(c.isspace() for c in host) or (
+                sep and not (port.isdigit() and 1 <= int(port) <= 65535)):
+            raise ConfigError(f"environment variable {ENV_ELASTIC_PEERS}: {item[:80]!r} is not "
+                              "host[:port] (a host name or address, a TCP port 1..65535)")
+        out.append((host, int(port) if sep else None))
+    return tuple(out)
 
 
 def check_secret(secret: str | bytes, origin: str) -> bytes:

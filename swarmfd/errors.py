@@ -17,6 +17,7 @@ __all__ = [
     "CollectiveError",
     "CollectiveTimeout",
     "ConfigError",
+    "ElasticError",
     "MismatchError",
     "NotInitializedError",
     "PeerLostError",
@@ -82,6 +83,11 @@ class RendezvousTimeout(RendezvousError, TimeoutError):
 
 class AuthenticationError(RendezvousError, PermissionError):
     """This process could not prove it belongs to the job (another or no job secret)."""
+
+
+class ElasticError(SwarmfdError, RuntimeError):
+    """An elastic job could not re-form its world: too few ranks for longer than its
+    timeout, this process was declared lost, or state that cannot move to a new world."""
 
 
 class AbortedTimeout(AbortedError, CollectiveTimeout):

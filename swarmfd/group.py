@@ -292,6 +292,9 @@ class _State:
         default_factory=dict)
     #: The new_group ids of groups this rank is not a member of.
     outside: set[int] = dataclasses.field(default_factory=set)
+    #: The generation of an elastic job this world is (0: the first; see
+    #: swarmfd.membership); every world of a job that is not elastic is its first.
+    generation: int = 0
 
 
 _state: _State | None = None
@@ -326,6 +329,12 @@ def resolve_group(group: Any, what: str) -> Group:
         raise TypeError(f"swarmfd.{what}: group must be a swarmfd.Group (from new_group or "
                         f"host_group) or None for the world, got {type(group).__name__}")
     if group._state is not s:
+        if group._state.generation < s.generation:
+            raise ValueError(
+                f"swarmfd.{what}: {group!r} was made in generation {group._state.generation} "
+                f"of this elastic job, and the world was re-formed since (generation "
+                f"{s.generation}, {s.config.world_size} ranks): make it again in a reset "
+                "callback (state.register_reset_callbacks)")
         raise ValueError(f"swarmfd.{what}: {group!r} belongs to an earlier process group "
                          "(before cleanup); create it again after init")
     return group

@@ -121,6 +121,11 @@ from types import FrameType, MappingProxyType
 from typing import IO, Any, ClassVar
 
 from .config import (
+    ENV_ELASTIC,
+    ENV_ELASTIC_DONE,
+    ENV_ELASTIC_JOIN,
+    ENV_ELASTIC_PEERS,
+    ENV_ELASTIC_PORT,
     ENV_LOCAL_RANK,
     ENV_LOCAL_WORLD_SIZE,
     ENV_MASTER_ADDR,
@@ -175,6 +180,11 @@ RESERVED_ENV: Mapping[str, str] = MappingProxyType({
     ENV_RESTART_COUNT: "--max-restarts (the launcher counts the restarts)",
     ENV_SECRET_FILE: "nothing: every run makes a fresh job secret",
     "SWARMFD_JOB_ID": "nothing: every attempt draws one (rank 0 refuses other launches)",
+    ENV_ELASTIC: "--elastic",
+    ENV_ELASTIC_JOIN: "nothing: the launcher starts replacements itself (--elastic)",
+    ENV_ELASTIC_PEERS: "nothing: the launcher gives each rank's agent a port (--elastic)",
+    ENV_ELASTIC_PORT: "nothing: the launcher gives each rank's agent a port (--elastic)",
+    ENV_ELASTIC_DONE: "nothing: the launcher writes it (--elastic)",
 })
 #: ``SWARMFD_TRACEBACK=1`` in the launcher's environment: ``tracebacks`` by default
 #: (``swarmfd run --tracebacks``; see the module docstring, "Failure").
@@ -748,6 +758,7 @@ class _Attempt:
         self.readers: list[list[threading.Thread]] = []
         self.waiters: list[threading.Thread] = []
         self.exits: list[tuple[int, int]] = []  # (rank, returncode) in the order they ended
+        self.ended: list[subprocess.Popen[bytes]] = []  # the processes of exits, in order
         self.interrupted = threading.Event()  # set before a launcher signal is forwarded
         self.failed = threading.Event()  # set as soon as a rank exits non-zero
         self.stopped = False
@@ -789,28 +800,34 @@ class _Attempt:
 
     def _start_readers(self) -> None:
         for rank, proc in enumerate(self.procs):
-            prefix = f"[rank {rank}] ".encode() if self.config.prefix else b""
-            threads = []
-            collapse = None if self.config.tracebacks else self._collapsing
-            for fd, pipe in ((1, proc.stdout), (2, proc.stderr)):
-                assert pipe is not None
-                t = threading.Thread(
-                    target=_pump,
-                    args=(pipe, fd, prefix, self.output, collapse if fd == 2 else None),
-                    name=f"swarmfd-run-rank{rank}-fd{fd}",
-                    daemon=True,
-                )
-                t.start()
-                threads.append(t)
-            self.readers.append(threads)
-            waiter = threading.Thread(
-                target=self._wait_for,
-                args=(rank, proc),
-                name=f"swarmfd-run-rank{rank}-wait",
+            self._watch(rank, proc)
+
+    def _watch(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
+        """Copy ``proc``'s output (rank ``rank``'s) and reap it, on threads of their own."""
+        prefix = f"[rank {rank}] ".encode() if self.config.prefix else b""
+        threads = []
+        collapse = None if self.config.tracebacks else self._collapsing
+        for fd, pipe in ((1, proc.stdout), (2, proc.stderr)):
+            assert pipe is not None
+            t = threading.Thread(
+                target=_pump,
+                args=(pipe, fd, prefix, self.output, collapse if fd == 2 else None),
+                name=f"swarmfd-run-rank{rank}-fd{fd}",
                 daemon=True,
             )
-            waiter.start()
-            self.waiters.append(waiter)
+            t.start()
+            threads.append(t)
+        while len(self.readers) <= rank:
+            self.readers.append([])
+        self.readers[rank].extend(threads)
+        waiter = threading.Thread(
+            target=self._wait_for,
+            args=(rank, proc),
+            name=f"swarmfd-run-rank{rank}-wait",
+            daemon=True,
+        )
+        waiter.start()
+        self.waiters.append(waiter)
 
     def _collapsing(self) -> bool:
         """Whether the ranks' tracebacks of lost peers and interruptions are cut now."""
@@ -822,6 +839,7 @@ class _Attempt:
         if rc != 0:
             self.failed.set()  # before its peers can find it gone (LOST_PEER_GRACE)
         self.exits.append((rank, rc))  # list.append is atomic; the order is the exit order
+        self.ended.append(proc)
 
     def _supervise(self) -> _Outcome:
         n = self.config.nproc
@@ -866,6 +884,11 @@ class _Attempt:
             _group_alive(p.pid) for p in self.procs
         )
 
+    def _slot(self, proc: subprocess.Popen[bytes]) -> int:
+        """The rank ``proc`` was started as (a replacement: the rank it replaced)."""
+        env_rank = getattr(proc, "swarmfd_rank", None)
+        return env_rank if env_rank is not None else self.procs.index(proc)
+
     def _stop(self, sig: int) -> None:
         """Signal every rank's group, wait ``grace`` (cut short by a new signal), then SIGKILL."""
         self.stopped = True
@@ -893,7 +916,7 @@ class _Attempt:
         # Ranks that exited 0 may have left processes in their groups: stop them
         # too. Also covers an exception in this module after a partial spawn.
         if self._alive():
-            leftovers = [r for r, p in enumerate(self.procs) if _group_alive(p.pid)]
+            leftovers = sorted({self._slot(p) for p in self.procs if _group_alive(p.pid)})
             if leftovers and self.succeeded:
                 self.output.note(
                     f"stopping processes left running by rank(s) {', '.join(map(str, leftovers))}"
@@ -910,6 +933,83 @@ class _Attempt:
         for proc in self.procs:
             if not _group_alive(proc.pid):  # else the guardian keeps trying after we exit
                 self.guardian.forget(proc.pid)
+
+
+class _ElasticAttempt(_Attempt):
+    """The N ranks of an elastic job (``--elastic``, see swarmfd.elastic): a rank that
+    dies is started again as a replacement that joins the running job, up to
+    ``max_restarts`` times per rank; the others are never stopped for it.
+
+    A rank is replaced when a signal ended it (SIGKILL, a crash), the job has not
+    finished, and some other rank still runs (a replacement needs members to join):
+    a rank whose program exited with a code of its own ended the job on purpose (an
+    exception: its peers raise too), and is not. The first rank to exit 0 means the
+    elastic function returned on every member: the job has finished, nothing is
+    replaced any more, and ``SWARMFD_ELASTIC_DONE`` is written, so that a replacement
+    still waiting exits 0. The run exits 0 once every process has ended, if the job
+    finished; else with the code of the first rank that failed and was not replaced.
+    """
+
+    def __init__(self, *args: Any, done_file: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.done_file = done_file
+        self.current: dict[int, subprocess.Popen[bytes]] = {}
+
+    def _spawn(self) -> None:
+        super()._spawn()
+        self.current = dict(enumerate(self.procs))
+
+    def _replace(self, rank: int, restart: int) -> None:
+        """Start a replacement of ``rank`` (no preexec_fn: the reader threads run; the
+        guardian stops it should the launcher be killed)."""
+        env = dict(self.env)
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), SWARMFD_ELASTIC_JOIN="1",
+                   SWARMFD_RESTART_COUNT=str(restart))
+        proc = subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True)
+        proc.swarmfd_rank = rank  # type: ignore[attr-defined]
+        self.procs.append(proc)
+        self.guardian.add(proc.pid)
+        self.current[rank] = proc
+        self._watch(rank, proc)
+
+    def _supervise(self) -> _Outcome:
+        restarts = [0] * self.config.nproc
+        handled, first_failure, finished = 0, None, False
+        while True:
+            if self.signals.received:
+                return super()._supervise()  # an interruption: as without --elastic
+            while handled < len(self.ended):
+                (rank, rc), proc = self.exits[handled], self.ended[handled]
+                handled += 1
+                if rc == 0:
+                    if not finished:
+                        finished = True
+                        with open(self.done_file, "w"):
+                            pass
+                    continue
+                others = any(p.poll() is None for r, p in self.current.items() if p is not proc)
+                if rc < 0 and not finished and others and \
+                        restarts[rank] < self.config.max_restarts:
+                    restarts[rank] += 1
+                    self._drain(rank)
+                    self.output.note(f"rank {rank} {_describe_exit(rc)}; starting a replacement "
+                                     f"that joins the job (restart {restarts[rank]} of "
+                                     f"{self.config.max_restarts} of this rank)")
+                    self._replace(rank, restarts[rank])
+                    continue
+                if first_failure is None:
+                    first_failure = rc
+                self._drain(rank)
+                self.output.note(f"rank {rank} {_describe_exit(rc)}" + (
+                    "; the others go on without it" if others and not finished else ""))
+            if handled == len(self.ended) and all(p.poll() is not None
+                                                  for p in self.current.values()):
+                self.succeeded = finished
+                return _Outcome(0 if finished or first_failure is None
+                                else exit_code_of(first_failure))
+            time.sleep(_POLL)
 
 
 def _ports(config: LaunchConfig) -> tuple[int, int]:
@@ -963,7 +1063,7 @@ def rank_threads(nproc: int, cores: int | None = None) -> int:
 
 
 def _rank_env(config: LaunchConfig, port: int, swarmfd_port: int, restart: int,
-              secret_file: str) -> dict[str, str]:
+              secret_file: str, agents: Sequence[int] = ()) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     env.update(config.env)
@@ -980,7 +1080,15 @@ def _rank_env(config: LaunchConfig, port: int, swarmfd_port: int, restart: int,
         SWARMFD_JOB_ID=secrets.token_hex(6),  # this attempt's ranks only (rendezvous)
     )
     env.update(config.rank_env())
+    if config.elastic:
+        env.update({ENV_ELASTIC: "1", ENV_ELASTIC_DONE: _done_file(secret_file),
+                    ENV_ELASTIC_PEERS: ",".join(f"{config.master_addr}:{p}" for p in agents)})
     return env
+
+
+def _done_file(secret_file: str) -> str:
+    """Where an elastic run notes that its job finished (beside the secret, as private)."""
+    return os.path.join(os.path.dirname(secret_file), "finished")
 
 
 def _write_secret() -> tuple[str, str]:
@@ -1032,6 +1140,12 @@ def launch(
                 if signals.received:  # arrived between two attempts: do not start another
                     return 128 + signals.received[0]
                 port, swarmfd_port = _ports(config)
+                if config.elastic:  # one attempt: the ranks that die are replaced one by one
+                    agents = find_free_ports(config.master_addr, config.nproc,
+                                             avoid=(port, swarmfd_port))
+                    env = _rank_env(config, port, swarmfd_port, 0, secret_file, agents)
+                    return _ElasticAttempt(config, argv, env, output, guardian, signals,
+                                           done_file=_done_file(secret_file)).run().code
                 env = _rank_env(config, port, swarmfd_port, restart, secret_file)
                 outcome = _Attempt(config, argv, env, output, guardian, signals).run()
                 if outcome.code == 0 or outcome.interrupted:

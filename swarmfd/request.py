@@ -32,10 +32,17 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-from .config import ENV_INIT_TIMEOUT, ENV_TIMEOUT, check_int, check_seconds
+from .config import (
+    ENV_ELASTIC_MIN_N,
+    ENV_ELASTIC_TIMEOUT,
+    ENV_INIT_TIMEOUT,
+    ENV_TIMEOUT,
+    check_int,
+    check_seconds,
+)
 
-__all__ = ["ENV_HELP", "JobRequest", "OptionSpec", "field_default", "option",
-           "option_specs", "parse_env_items"]
+__all__ = ["DEFAULT_ELASTIC_RESTARTS", "ENV_HELP", "JobRequest", "OptionSpec", "field_default",
+           "option", "option_specs", "parse_env_items"]
 
 
 @dataclass(frozen=True)
@@ -102,6 +109,9 @@ def field_default(f: Field[Any]) -> Any:
     return f.default_factory() if f.default_factory is not MISSING else None
 
 
+#: ``--max-restarts`` under ``--elastic`` when not given: replacements per rank.
+DEFAULT_ELASTIC_RESTARTS = 3
+
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 #: The help of ``-e`` (both commands).
@@ -161,9 +171,23 @@ class JobRequest:
         help="Seconds the ranks wait for each other to start (sets SWARMFD_INIT_TIMEOUT; "
              "default: the timeout).")
     max_restarts: int = option(
-        "--max-restarts", type=int, default=0, show_default=True, metavar="K",
+        "--max-restarts", type=int, metavar="K",
         help="When a rank fails, stop the whole group and start it again, up to K times "
-             "(SWARMFD_RESTART_COUNT counts them; the same job secret).")
+             "(SWARMFD_RESTART_COUNT counts them; the same job secret). With --elastic: "
+             "start a rank that died again as a replacement that joins the running job, "
+             "up to K times per rank.  [default: 0; 3 with --elastic]")
+    elastic: bool = option(
+        "--elastic", default=False, flag_value=True,
+        help="An elastic job (fd.elastic.run): when a rank is lost, the others re-form "
+             "the world without it and go on from their last commit; a replacement joins "
+             "at their next commit. Sets SWARMFD_ELASTIC=1.")
+    min_n: int | None = option(
+        "--min-n", type=int, metavar="N", env=ENV_ELASTIC_MIN_N,
+        help="With --elastic: the fewest ranks the job goes on with.  [default: 1]")
+    elastic_timeout: float | None = option(
+        "--elastic-timeout", type=float, metavar="SECONDS", env=ENV_ELASTIC_TIMEOUT,
+        help="With --elastic: how long the job may stay below --min-n before every "
+             "rank fails, naming the lost ranks.  [default: 60]")
     prefix: bool = option("--no-prefix", default=True, flag_value=False,
                           help="Do not prefix output lines with '[rank R] '.")
 
@@ -180,10 +204,30 @@ class JobRequest:
             if getattr(self, name) is not None:
                 check_seconds(self.option_name(name), getattr(self, name),
                               type_error=TypeError, value_error=ValueError)
+        if self.max_restarts is None:
+            self._set("max_restarts", DEFAULT_ELASTIC_RESTARTS if self.elastic is True else 0)
         check_int("--max-restarts", self.max_restarts, minimum=0, what="a number of restarts",
                   type_error=TypeError, value_error=ValueError)
+        self._check_elastic()
         if not isinstance(self.prefix, bool):
             raise TypeError(f"prefix must be a bool, got {self.prefix!r}")
+
+    def _check_elastic(self) -> None:
+        if not isinstance(self.elastic, bool):
+            raise TypeError(f"elastic must be a bool, got {self.elastic!r}")
+        for name in ("min_n", "elastic_timeout"):
+            if getattr(self, name) is not None and not self.elastic:
+                raise ValueError(f"{self.option_name(name)} needs --elastic (it sets what an "
+                                 "elastic job does when it loses ranks)")
+        if self.min_n is not None:
+            check_int("--min-n", self.min_n, minimum=1, what="a number of ranks",
+                      type_error=TypeError, value_error=ValueError)
+            if self.min_n > self.nproc:
+                raise ValueError(f"--min-n {self.min_n} is more than the job's ranks (-n "
+                                 f"{self.nproc}): expected 1 <= --min-n <= -n")
+        if self.elastic_timeout is not None:
+            check_seconds("--elastic-timeout", self.elastic_timeout, type_error=TypeError,
+                          value_error=ValueError)
 
     def example(self) -> str:
         """The command with its options, shown when COMMAND is missing."""

@@ -15,18 +15,22 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+import os
+import socket
 import time
 from collections import Counter
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 
-from . import collectives
+from . import collectives, membership
 from . import group as _group
 from .comm import malloc as _malloc
 from .comm import shm_setup
 from .comm import spin as _spin
 from .comm import transport as _transport
+from .comm.agent import Agent
 from .comm.plane import PeerInfo
 from .comm.security import Security
 from .config import (
@@ -36,19 +40,33 @@ from .config import (
     ENV_RANK,
     ENV_WORLD_SIZE,
     Config,
+    ElasticOptions,
     config_from_env,
     require_secret,
 )
 from .engine import Engine
-from .errors import AlreadyInitializedError, ConfigError, SwarmfdError
+from .errors import (
+    AlreadyInitializedError,
+    CollectiveTimeout,
+    ConfigError,
+    ElasticError,
+    NotInitializedError,
+    PeerLostError,
+    RendezvousError,
+    RendezvousTimeout,
+    SwarmfdError,
+)
 from .group import DOMAINS_GID, SETUP_GID, Group, _State
+from .membership import Member, World, watch_forming
 
-__all__ = ["ABORT_LINGER", "cleanup", "init", "init_from_env"]
+__all__ = ["ABORT_LINGER", "FORMING_TIMEOUT", "JOIN_SILENCE", "cleanup", "elastic_state",
+           "init", "init_from_env", "reform"]
 
 #: Seconds a failed group's sockets may take at cleanup to deliver the abort messages.
 ABORT_LINGER = 0.5
 #: Environment variables init set (see _export_local_ranks); cleanup removes them.
 _exported: list[str] = []
+_LOG = logging.getLogger("swarmfd")
 
 
 def init(
@@ -88,7 +106,6 @@ def init(
     ``SWARMFD_SECRET_FILE`` (default ``/run/secrets/swarmfd_secret``), unless
     ``SWARMFD_AUTH=off``. Only processes holding it can join, send data or abort.
     """
-    import os
 
     if (world_size is None) != (rank is None):
         raise TypeError("swarmfd.init: give both world_size and rank, or neither (then both "
@@ -144,6 +161,16 @@ def _reserved_ports(config: Config) -> set[int]:
 
 
 def _start(config: Config, secret: str | bytes | None = None) -> Config:
+    if config.options.elastic is not None:
+        return _elastic_start(config, secret)
+    return _form(config, secret)
+
+
+def _form(config: Config, secret: str | bytes | None = None, agent: Agent | None = None,
+          watch: Callable[[], None] | None = None, generation: int = 0) -> Config:
+    """Form the world ``config`` describes: the transport, its rendezvous (``agent``:
+    this rank's elastic agent, told the others; ``watch``: called as it waits, see
+    :class:`~swarmfd.comm.transport.Transport`), the mesh, shared memory, the groups."""
     with _group.STATE_LOCK:
         active = _group.active()
         if active is not None:
@@ -157,7 +184,7 @@ def _start(config: Config, secret: str | bytes | None = None) -> Config:
                 local_rank=config.local_rank or 0,
                 local_world_size=config.local_world_size or 1,
             )
-            state = _State(config, None, [config.options.node])
+            state = _State(config, None, [config.options.node], generation=generation)
             _group.make_groups(state)
             _group.activate(state)
             _export_local_ranks(config)
@@ -174,7 +201,9 @@ def _start(config: Config, secret: str | bytes | None = None) -> Config:
         t = _transport.Transport(config.rank, config.world_size, config.timeout, bind_ip,
                                  security, plane, config.join_timeout,
                                  avoid=_reserved_ports(config), swarm_task=opts.swarm_task,
-                                 stash_limit=opts.stash_limit, job=opts.job)
+                                 stash_limit=opts.stash_limit, job=opts.job,
+                                 agent=f"{agent.inc}@{agent.advertise(master_ip)}"
+                                 if agent is not None else "", watch=watch)
         try:
             hostkey = shm_setup.host_key() if mode == "auto" else ""
             me = t.me(opts.node, hostkey)
@@ -187,7 +216,7 @@ def _start(config: Config, secret: str | bytes | None = None) -> Config:
             _spin.configure(opts.spin, hosts.count(hosts[config.rank]),
                             threads_per_rank=2 if zmq_io else 1)
             config = _with_local_ranks(config, hosts)
-            state = _State(config, t, hosts, hierarchy=opts.hierarchy)
+            state = _State(config, t, hosts, hierarchy=opts.hierarchy, generation=generation)
             _group.make_groups(state)
             state.engine = _engine(state)
             _group.activate(state)
@@ -202,7 +231,7 @@ def _start(config: Config, secret: str | bytes | None = None) -> Config:
             if len(set(state.hosts)) > 1:  # (on one host no group is two-level)
                 _share_domains(state)
         except BaseException:
-            cleanup()
+            _close_state()
             raise
         for g in state.groups.values():
             g.forget()  # the calls worked out before shared memory was there
@@ -335,8 +364,6 @@ def _export_local_ranks(config: Config) -> None:
     (they were what the config was built from); :func:`cleanup` removes the ones
     set here, so a later group (or a child process) does not inherit stale values.
     """
-    import os
-
     for name, value in ((ENV_LOCAL_RANK, config.local_rank),
                         (ENV_LOCAL_WORLD_SIZE, config.local_world_size)):
         if value is not None and not os.environ.get(name, "").strip():
@@ -346,8 +373,15 @@ def _export_local_ranks(config: Config) -> None:
 
 def cleanup() -> None:
     """Leave the group and close every socket. Idempotent; a later :func:`init` works again."""
-    import os
+    global _elastic
+    _close_state()
+    ctx, _elastic = _elastic, None
+    if ctx is not None:
+        ctx.agent.close()
 
+
+def _close_state() -> None:
+    """End this process's membership of the current world (the elastic agent stays)."""
     with _group.STATE_LOCK:
         s = _group.release()
         while _exported:
@@ -371,6 +405,221 @@ def cleanup() -> None:
         pass
     finally:
         t.close()
+
+
+# -- elastic jobs ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Elastic:
+    """This process's part in an elastic job, beside the current generation's _State: its
+    agent (it outlives the generations), the settings, the secret init was given, and the
+    world of the current generation (:mod:`swarmfd.membership`)."""
+
+    agent: Agent
+    options: ElasticOptions
+    config: Config
+    secret: str | bytes | None
+    world: World | None = None
+
+
+_elastic: _Elastic | None = None
+#: Seconds a new generation may take to build its transport (rendezvous, mesh, shared
+#: memory) before the attempt counts as lost and the members re-form again.
+FORMING_TIMEOUT = 15.0
+#: Seconds a replacement waits without an answer from any member before it concludes
+#: that the job has ended.
+JOIN_SILENCE = 10.0
+
+
+def elastic_state() -> _Elastic | None:
+    """This process's part in an elastic job (None: not an elastic job, or not init)."""
+    return _elastic
+
+
+def _elastic_start(config: Config, secret: str | bytes | None) -> Config:
+    """init of an elastic job: start the agent, then form generation 0 with the others,
+    or (a replacement) wait to be let in and form the generation that admits it."""
+    global _elastic
+    opts = config.options.elastic
+    assert opts is not None
+    if _elastic is None:
+        _elastic = _Elastic(_make_agent(config, opts, secret), opts, config, secret)
+    ctx = _elastic
+    if opts.join == "1":
+        start = time.monotonic()
+        config = _enter(ctx, _await_admission(ctx))
+        w = ctx.world
+        assert w is not None
+        _LOG.warning("swarmfd: this replacement joined the job at generation %d as rank %d of "
+                     "%d after %.2f s", w.gen, w.rank, w.size, time.monotonic() - start)
+        return config
+    try:
+        config = _form(config, secret, ctx.agent)
+    except BaseException:
+        cleanup()
+        raise
+    s = _group.active()
+    assert s is not None
+    peers = s.transport.peers if s.transport is not None else []
+    agents = [p.agent for p in peers] or [f"{ctx.agent.inc}@{ctx.agent.advertise(_LOOPBACK)}"]
+    _settle(ctx, World(0, tuple(Member.parse(a) for a in agents), config.rank,
+                       previous=config.world_size, was=tuple(range(config.world_size))))
+    return config
+
+
+_LOOPBACK = "127.0.0.1"
+
+
+def _make_agent(config: Config, opts: ElasticOptions, secret: str | bytes | None) -> Agent:
+    """This process's agent, on its entry of SWARMFD_ELASTIC_PEERS (a starting rank's,
+    by its starting RANK) or on SWARMFD_ELASTIC_PORT of every interface."""
+    mine = opts.peers[config.rank] if config.rank < len(opts.peers) else None
+    if mine is not None and mine[1] is not None:
+        host = _transport.resolve(mine[0], time.monotonic() + config.join_timeout)
+        port = mine[1]
+
+        def advertise(toward: str) -> str:
+            return f"{host}:{port}"
+    else:
+        host, port = "*", opts.port
+
+        def advertise(toward: str) -> str:
+            return f"{_transport.local_address_toward(toward)}:{port}"
+    # (A world of one has no secret to check; an elastic one may grow, so it needs one.)
+    security = _security(dataclasses.replace(config, world_size=max(2, config.world_size)),
+                         secret)
+    return Agent((host, port), advertise, security, config.options.job)
+
+
+def _targets(opts: ElasticOptions) -> Callable[[], list[str]]:
+    """Where a replacement sends its ``join``: every entry of SWARMFD_ELASTIC_PEERS,
+    names resolved to each of their addresses (``tasks.<service>``: every task)."""
+    def targets() -> list[str]:
+        out = []
+        for host, port in opts.peers:
+            try:
+                infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+            except OSError:
+                continue
+            for ip in dict.fromkeys(str(i[4][0]) for i in infos):
+                out.append(f"{ip}:{port if port is not None else opts.port}")
+        return out
+    return targets
+
+
+def _await_admission(ctx: _Elastic) -> World:
+    """A replacement: ask every member to let it in, until a coordinator posts the world
+    that admits it. A job that has finished meanwhile ends this process (exit 0); one
+    whose members have all gone silent raises :class:`ElasticError`."""
+    agent, opts = ctx.agent, ctx.options
+    agent.set_info(phase="joining")
+    agent.joining(_targets(opts))
+    start = time.monotonic()
+    deadline = start + ctx.config.join_timeout
+    try:
+        while True:
+            for msg in agent.take("world", "finished"):
+                if msg["op"] == "finished":
+                    _job_over("the job finished before this replacement could join")
+                if msg.get("to") == agent.inc:
+                    try:
+                        return World.from_message(msg)
+                    except ValueError as exc:
+                        _LOG.warning("swarmfd: %s, ignored", exc)
+            if opts.done_file and os.path.exists(opts.done_file):
+                _job_over("the job had finished when this replacement started")
+            now = time.monotonic()
+            if now - (agent.heard() or start) > JOIN_SILENCE:
+                raise ElasticError(
+                    f"no member of the job answered this replacement for {JOIN_SILENCE:g} s "
+                    "(SWARMFD_ELASTIC_PEERS): the job has ended, or its members cannot be "
+                    "reached from here")
+            if now > deadline:
+                raise RendezvousTimeout(
+                    f"this replacement was not let into the job within {ctx.config.join_timeout:g} "
+                    "s (SWARMFD_INIT_TIMEOUT): the members let replacements in at their next "
+                    "commit (state.commit()); does the job commit?")
+            time.sleep(0.02)
+    finally:
+        agent.joining(None)
+
+
+def _job_over(why: str) -> None:
+    """A replacement with nothing to join: say so, and end the process with exit code 0."""
+    import sys
+
+    print(f"swarmfd: {why}; exiting (code 0)", file=sys.stderr, flush=True)
+    cleanup()
+    raise SystemExit(0)
+
+
+def _enter(ctx: _Elastic, world: World) -> Config:
+    """Build ``world``'s transport (its rendezvous at its rank 0); a member lost meanwhile
+    (:func:`swarmfd.membership.watch_forming`) or a transport that cannot be built in
+    FORMING_TIMEOUT seconds sends the members into another re-formation."""
+    base, agent = ctx.config, ctx.agent
+    while True:
+        agent.set_info(gen=world.gen, phase="forming", members={m.inc for m in world.members})
+        config = Config(world_size=world.size, rank=world.rank, master_addr=world.master,
+                        rendezvous_port=world.port, timeout=base.timeout,
+                        init_timeout=FORMING_TIMEOUT, options=dataclasses.replace(
+                            base.options, job=f"{base.options.job}.g{world.gen}"))
+        try:
+            config = _form(config, ctx.secret, agent,
+                           watch_forming(agent, world, time.monotonic()), world.gen)
+        except (PeerLostError, RendezvousError, CollectiveTimeout) as exc:
+            _LOG.warning("swarmfd rank %d: generation %d could not be formed (%s); re-forming",
+                         world.rank, world.gen, exc)
+            new = _membership_round(ctx, world, lambda: (), False)
+            if new is None:
+                raise ElasticError("this rank was let go while the world was re-formed") from exc
+            world = new
+            continue
+        _settle(ctx, world)
+        return config
+
+
+def _settle(ctx: _Elastic, world: World) -> None:
+    ctx.world = world
+    ctx.agent.set_info(gen=world.gen, phase="member", members={m.inc for m in world.members})
+
+
+def _membership_round(ctx: _Elastic, world: World, seen_lost: Callable[[], Iterable[int]],
+                      leave: bool) -> World | None:
+    opts = ctx.options
+    return membership.reform(ctx.agent, world, seen_lost=seen_lost, leave=leave,
+                             min_n=opts.min_n, timeout=opts.timeout,
+                             port=ctx.config.rendezvous_port)
+
+
+def reform(*, leave: bool = False) -> World | None:
+    """Leave the current generation of an elastic job and form the next one with the
+    other members that take part, and the replacements that asked to join
+    (:mod:`swarmfd.membership`): its World, this process's place in it; None when this
+    rank leaves (``leave``: it asked to, at a commit). The old world's transport stays
+    open until the new world is decided (its closed connections are evidence of who is
+    lost), then closes; groups made in it refuse every call, saying so."""
+    ctx = _elastic
+    if ctx is None or ctx.world is None:
+        raise NotInitializedError("swarmfd.reform: this process is not a member of an "
+                                  "elastic job (SWARMFD_ELASTIC=1, then init)")
+    old = _group.active()
+
+    def seen_lost() -> list[int]:
+        if old is None or old.transport is None:
+            return []
+        ch = old.transport.channel
+        ch.drain()
+        return list(ch.lost)
+
+    new = _membership_round(ctx, ctx.world, seen_lost, leave)
+    _close_state()
+    if new is None:
+        ctx.world = None
+        return None
+    _enter(ctx, new)
+    return ctx.world
 
 
 atexit.register(cleanup)

@@ -105,7 +105,8 @@ def test_run_and_deploy_share_the_options_of_job_request() -> None:
     """Every JobRequest option is an option of both commands, declared alike."""
     run, deploy = _params("run"), _params("deploy")
     shared = [f.name for f, _spec in option_specs(JobRequest)]
-    assert shared == ["nproc", "env", "timeout", "init_timeout", "max_restarts", "prefix"]
+    assert shared == ["nproc", "env", "timeout", "init_timeout", "max_restarts", "elastic",
+                      "min_n", "elastic_timeout", "prefix"]
     for name in shared:
         assert run[name].to_info_dict() == deploy[name].to_info_dict(), name
 

@@ -761,6 +761,19 @@ class Channel:
                 f"{self.why_lost(src)} before it signalled"
             )
 
+    def drain(self, limit: int = 10_000) -> None:
+        """Read and drop what waits on every plane, whatever it is, without blocking: a
+        world being left (an elastic re-formation) still learns which of its peers'
+        connections closed, as every plane records that as it reads."""
+        for plane in self.planes:
+            with contextlib.suppress(Exception):
+                plane.check_lost()
+                for _ in range(limit):
+                    hdr = plane.next_header(0)
+                    if hdr is None:
+                        break
+                    plane.read_payload(hdr, None, _cutoff(LOST_PEER_GRACE), keep=False)
+
     def set_group(self, group: int) -> None:
         """The group whose call is running now (its aborts raise; others' are reported)."""
         self._group = group

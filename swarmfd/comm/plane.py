@@ -50,6 +50,9 @@ class PeerInfo:
     #: The launch it belongs to (SWARMFD_JOB_ID, "" for ranks started by hand): rank 0
     #: refuses a rank of another launch, even one with the same secret.
     job: str = ""
+    #: Its elastic agent (``incarnation@host:port``, :mod:`swarmfd.comm.agent`), "" when
+    #: the job is not elastic.
+    agent: str = ""
 
 
 class PlaneOwner(Protocol):

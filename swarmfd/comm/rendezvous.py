@@ -157,7 +157,8 @@ def _int(value: Any) -> int:
 def _peer(d: dict[str, Any]) -> PeerInfo:
     return PeerInfo(_int(d["rank"]), str(d["endpoint"]), str(d["host"]), _int(d["pid"]),
                     str(d.get("hostkey", "")), str(d.get("token", "")),
-                    str(d.get("plane", "")), str(d.get("shm", "")), str(d.get("job", "")))
+                    str(d.get("plane", "")), str(d.get("shm", "")), str(d.get("job", "")),
+                    str(d.get("agent", "")))
 
 
 def _serve_rendezvous(

@@ -32,7 +32,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import zmq
 
@@ -82,13 +82,18 @@ class Transport:
                  security: Security | None = None, plane: str = "socket",
                  join_timeout: float | None = None, avoid: Collection[int] = (),
                  swarm_task: bool = False, stash_limit: int = DEFAULT_STASH_MB << 20,
-                 job: str = "") -> None:
+                 job: str = "", agent: str = "",
+                 watch: Callable[[], None] | None = None) -> None:
         """``avoid``: ports the TCP plane's listener must not take, though the system may
         pick them: the rendezvous port and MASTER_PORT. A launcher picks those free,
         releases them and starts the ranks, and rank 0 binds them only later; a data
         plane's listener of any rank of that host could get one in between, and rank 0
         then could not serve the rendezvous ("Address already in use": once in about 300
-        jobs here), or torch.distributed beside swarmfd its store."""
+        jobs here), or torch.distributed beside swarmfd its store.
+
+        ``agent``: this rank's elastic agent, told the others at rendezvous (see
+        :class:`PeerInfo`); ``watch``: called as the rendezvous waits (an elastic
+        re-formation raises from it when a member of the new world is lost)."""
         if plane not in DATA_PLANES:
             raise ValueError(f"unknown data plane {plane!r}: expected one of {DATA_PLANES}")
         if plane == "socket" and security is not None and security.encrypt:
@@ -102,8 +107,10 @@ class Transport:
         self.security = security
         self.plane = plane
         self.channel = Channel(rank, world_size, timeout, swarm_task, stash_limit)
-        #: The launch this rank belongs to (see PeerInfo.job).
+        #: The launch this rank belongs to (see PeerInfo.job), and its elastic agent.
         self.job = job
+        self.agent = agent
+        self.watch = watch
         self.ctx = zmq.Context(io_threads=1)
         self.ctx.setsockopt(zmq.LINGER, 0)
         self.auth: Authenticator | None = None
@@ -145,7 +152,7 @@ class Transport:
     def me(self, host: str, hostkey: str, shm: str = "") -> PeerInfo:
         """What this rank tells the others at rendezvous."""
         return PeerInfo(self.rank, self.endpoint, host, os.getpid(), hostkey, self.token,
-                        self.plane, shm, self.job)
+                        self.plane, shm, self.job, self.agent)
 
     def rendezvous(self, me: PeerInfo, master_ip: str, master_port: int,
                    deadline: float) -> list[PeerInfo]:
@@ -153,9 +160,14 @@ class Transport:
         self.channel.activity = "rendezvous"
         peers, self.job_token = _rdv.rendezvous(
             self.ctx, me, self.world_size, master_ip, master_port, deadline,
-            security=self.security, join_timeout=self.join_timeout, idle=self.tcp.idle)
+            security=self.security, join_timeout=self.join_timeout, idle=self._idle)
         self.peers = self.channel.peers = peers
         return peers
+
+    def _idle(self) -> None:
+        self.tcp.idle()
+        if self.watch is not None:
+            self.watch()
 
     def connect(self, peers: Sequence[PeerInfo] | None = None,
                 deadline: float | None = None) -> None:

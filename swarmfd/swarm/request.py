@@ -211,6 +211,9 @@ class DeployRequest(JobRequest):
             raise ValueError("--push runs the image from the registry already: drop --pull")
         if self.keep and self.remove:
             raise ValueError("--keep and --rm contradict each other: give one")
+        if self.elastic:
+            raise ValueError("deploy --elastic is not available yet: run an elastic job with "
+                             "`swarmfd run --elastic`")
         if self.detach and self.max_restarts:
             raise ValueError("--max-restarts needs deploy to follow the job (to restart it): "
                              "not with --detach")
