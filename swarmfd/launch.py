@@ -947,7 +947,8 @@ class _ElasticAttempt(_Attempt):
     elastic function returned on every member: the job has finished, nothing is
     replaced any more, and ``SWARMFD_ELASTIC_DONE`` is written, so that a replacement
     still waiting exits 0. The run exits 0 once every process has ended, if the job
-    finished; else with the code of the first rank that failed and was not replaced.
+    finished; else with the code of the last rank that failed (the one that ended the
+    job: the ranks lost before did not).
     """
 
     def __init__(self, *args: Any, done_file: str, **kwargs: Any) -> None:
@@ -976,7 +977,7 @@ class _ElasticAttempt(_Attempt):
 
     def _supervise(self) -> _Outcome:
         restarts = [0] * self.config.nproc
-        handled, first_failure, finished = 0, None, False
+        handled, last_failure, finished = 0, None, False
         while True:
             if self.signals.received:
                 return super()._supervise()  # an interruption: as without --elastic
@@ -999,16 +1000,15 @@ class _ElasticAttempt(_Attempt):
                                      f"{self.config.max_restarts} of this rank)")
                     self._replace(rank, restarts[rank])
                     continue
-                if first_failure is None:
-                    first_failure = rc
+                last_failure = rc
                 self._drain(rank)
                 self.output.note(f"rank {rank} {_describe_exit(rc)}" + (
                     "; the others go on without it" if others and not finished else ""))
             if handled == len(self.ended) and all(p.poll() is not None
                                                   for p in self.current.values()):
                 self.succeeded = finished
-                return _Outcome(0 if finished or first_failure is None
-                                else exit_code_of(first_failure))
+                return _Outcome(0 if finished or last_failure is None
+                                else exit_code_of(last_failure))
             time.sleep(_POLL)
 
 

@@ -222,14 +222,14 @@ def test_a_rank_declared_lost_that_comes_back_is_refused() -> None:
 # -- whole jobs -------------------------------------------------------------------------------
 
 
-def _job(tmp_path: Path, *args: str, env: dict[str, str], timeout: float = 90
-         ) -> tuple[int, bytes]:
-    """``swarmfd run ARGS elastic_job.py`` with ``env`` for the ranks: its exit code and
-    output (stdout and stderr together)."""
+def run_elastic_job(tmp_path: Path, *args: str, env: dict[str, str], timeout: float = 90,
+                    script: str = SCRIPT) -> tuple[int, bytes]:
+    """``swarmfd run ARGS script`` with ``env`` for the ranks: its exit code and output
+    (stdout and stderr together)."""
     kill_dir = tmp_path / "kills"
     kill_dir.mkdir(exist_ok=True)
     extra = [a for k, v in {**env, "KILL_DIR": str(kill_dir)}.items() for a in ("-e", f"{k}={v}")]
-    proc = subprocess.Popen([sys.executable, "-m", "swarmfd", "run", *args, *extra, SCRIPT],
+    proc = subprocess.Popen([sys.executable, "-m", "swarmfd", "run", *args, *extra, script],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -269,7 +269,7 @@ def test_losses_of_every_position_on_shared_memory_two_at_once_and_one_while_re_
     re-forms the world; then the first and the last die at the same step; then a middle
     one. Each comes back as a replacement at a commit; the job finishes with every
     sample processed exactly as often as without a fault."""
-    code, out = _job(tmp_path, "-n", "4", "--elastic", env={
+    code, out = run_elastic_job(tmp_path, "-n", "4", "--elastic", env={
         "KILLS": "6:last,16:first,16:last,26:middle", "DIE_IN_REFORM": "1", "EPOCHS": "3",
         "SAMPLES": "200", "STEP_SLEEP": "0.05"})
     _check_finished(code, out, 4, 3, losses=5, events=3)
@@ -277,7 +277,7 @@ def test_losses_of_every_position_on_shared_memory_two_at_once_and_one_while_re_
 
 
 def test_losses_of_every_position_over_tcp(tmp_path: Path) -> None:
-    code, out = _job(tmp_path, "-n", "4", "--elastic", env={
+    code, out = run_elastic_job(tmp_path, "-n", "4", "--elastic", env={
         "KILLS": "6:first,16:middle,26:last", "EPOCHS": "3", "SAMPLES": "200",
         "STEP_SLEEP": "0.05", "SWARMFD_TRANSPORT": "tcp"})
     _check_finished(code, out, 4, 3, losses=3, events=3)
@@ -285,8 +285,9 @@ def test_losses_of_every_position_over_tcp(tmp_path: Path) -> None:
 
 def test_below_min_n_for_longer_than_the_timeout_every_survivor_fails_saying_so(
         tmp_path: Path) -> None:
-    code, out = _job(tmp_path, "-n", "3", "--elastic", "--min-n", "3", "--max-restarts",
-                     "0", "--elastic-timeout", "1", env={"KILLS": "4:last"})
+    code, out = run_elastic_job(tmp_path, "-n", "3", "--elastic", "--min-n", "3",
+                                "--max-restarts", "0", "--elastic-timeout", "1",
+                                env={"KILLS": "4:last"})
     text = out.decode(errors="replace")
     assert code != 0, text
     assert text.count("ElasticError") >= 2 and "below the minimum of 3" in text, text
@@ -294,7 +295,7 @@ def test_below_min_n_for_longer_than_the_timeout_every_survivor_fails_saying_so(
 
 
 def test_a_users_exception_ends_the_job_instead_of_re_forming_it(tmp_path: Path) -> None:
-    code, out = _job(tmp_path, "-n", "3", "--elastic", env={"RAISE_AT": "4"})
+    code, out = run_elastic_job(tmp_path, "-n", "3", "--elastic", env={"RAISE_AT": "4"})
     text = out.decode(errors="replace")
     assert code == 1, text
     assert "ValueError: a bug at step 4" in text and "replacement" not in text, text

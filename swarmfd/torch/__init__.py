@@ -34,7 +34,7 @@ except ImportError as exc:  # pragma: no cover - exercised where torch is absent
         "swarmfd.torch needs PyTorch, which swarmfd does not install: "
         "pip install torch==2.13.0 (the CPU wheel)") from exc
 
-from . import comm_hooks
+from . import comm_hooks, elastic
 from .c10d import ProcessGroupSwarmfd, register
 from .collectives import all_reduce, all_reduce_gradients, broadcast
 from .ddp import DistributedDataParallel, GradBucket
@@ -57,4 +57,5 @@ __all__ = [
     "broadcast_optimizer_state",
     "broadcast_parameters",
     "comm_hooks",
+    "elastic",
 ]

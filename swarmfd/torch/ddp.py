@@ -188,6 +188,24 @@ class DistributedDataParallel(torch.nn.Module):
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
         first = (_buckets.FIRST_BUCKET_BYTES / 1e6 if first_bucket_mb is None
                  else float(first_bucket_mb))
+        self.module = module
+        self.find_unused_parameters = bool(find_unused_parameters)
+        self.broadcast_buffers = bool(broadcast_buffers)
+        self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
+        self.require_backward_grad_sync = True
+        self.bucket_bytes_cap = int(cap * 1e6)
+        self._group = group
+        self._first_bucket_bytes = int(first * 1e6)
+        self._overlap_option = overlap
+        self._hook: tuple[Any, Callable[..., Any]] | None = None
+        self._handles: list[Any] = []
+        weakref.finalize(self, _remove_handles, self._handles)
+        self._setup()
+
+    def _setup(self) -> None:
+        """What depends on the group: rank 0's parameters, the buckets, the hooks (made
+        again by :meth:`_reset_world`)."""
+        module, group = self.module, self._group
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         for n, p in named:
             check_cpu(p, f"parameter {n!r}", "DistributedDataParallel")
@@ -198,18 +216,11 @@ class DistributedDataParallel(torch.nn.Module):
             check_cpu(b, f"buffer {n!r}", "DistributedDataParallel")
         params = [p for _, p in named]
         other = live_owner(DDP_OWNERS, params)
-        if other is not None:
+        if other is not None and other is not self:
             raise RuntimeError("swarmfd.torch.DistributedDataParallel: this module's "
                                "parameters are already wrapped by another live "
                                "DistributedDataParallel; wrap a module once")
 
-        self.module = module
-        self.find_unused_parameters = bool(find_unused_parameters)
-        self.broadcast_buffers = bool(broadcast_buffers)
-        self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
-        self.require_backward_grad_sync = True
-        self.bucket_bytes_cap = int(cap * 1e6)
-        self._group = group
         self._size = fd.get_world_size(group)
         self._rank = fd.get_rank(group)
         self._names = {id(p): n for n, p in named}
@@ -224,7 +235,7 @@ class DistributedDataParallel(torch.nn.Module):
                     s.name = self._names.get(id(s.param), s.name)
         else:
             buckets = _buckets.assign(named, self._size, self.bucket_bytes_cap,
-                                      int(first * 1e6))
+                                      self._first_bucket_bytes)
         self._buckets = buckets
         self._slots = [s for b in buckets for s in b.slots]
         self._slot_index = {id(s): i for i, s in enumerate(self._slots)}
@@ -237,6 +248,7 @@ class DistributedDataParallel(torch.nn.Module):
             group, b.numel * b.comm_dtype.itemsize, b.numel, len(b.slots))
             for ok, b in zip(one, buckets, strict=True)]
         self._in_place_zero = one
+        overlap = self._overlap_option
         if overlap is None:
             overlap = 2 * fd.host_group().size <= usable_cores()
         self._overlap = bool(overlap)
@@ -252,18 +264,34 @@ class DistributedDataParallel(torch.nn.Module):
         # Under ZeRO the buckets' parts are equal: the padding takes part as zeros.
         self._pads = [torch.zeros(b.padded - b.numel, dtype=b.comm_dtype) for b in buckets]
         self._zero: weakref.ref[Any] | None = weakref.ref(zero) if zero is not None else None
-        self._hook: tuple[Any, Callable[..., Any]] | None = None
         self._reset_backward()
         self._armed = False
 
-        self._handles: list[Any] = []
         if self._size > 1:
             me = weakref.ref(self)
             for slot in self._slots:
                 self._handles.append(slot.param.register_post_accumulate_grad_hook(
                     _make_hook(me, slot)))
-        weakref.finalize(self, _remove_handles, self._handles)
         set_owner(DDP_OWNERS, params, self)
+
+    def _reset_world(self) -> None:
+        """Build again for a new world (an elastic job re-formed it: see
+        swarmfd.torch.elastic.TorchState): what the constructor does with the same
+        module and options, its collectives included, so that a replacement that wraps
+        its model at the same time runs the same ones. Its ZeroRedundancyOptimizer (if
+        any) is built again after it, and takes its buckets, as when made after it."""
+        if self._group is not None:
+            raise fd.ElasticError(
+                "swarmfd.torch.DistributedDataParallel: its group was made with new_group, "
+                "which an elastic job cannot carry into a new world: wrap the model over "
+                "the world (group=None)")
+        _remove_handles(self._handles)
+        params = [s.param for s in self._slots]
+        for p in params:
+            for kind in (DDP_OWNERS, ZERO_OWNERS):
+                if hasattr(p, kind):
+                    delattr(p, kind)
+        self._setup()
 
     # -- what torch's DDP offers ------------------------------------------------------
 

@@ -125,6 +125,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             raise ValueError("ZeroRedundancyOptimizer: pass group or process_group, not both")
         self._optimizer_class = optimizer_class
         self._sg = group if group is not None else process_group
+        self._bucket_cap = int(float(bucket_cap_mb) * 1e6)
         self._size = fd.get_world_size(self._sg)
         self._rank = fd.get_rank(self._sg)
         self._constructing = True
@@ -155,7 +156,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             buckets = ddp._buckets
         else:
             named = [(f"parameter {i}", p) for i, p in enumerate(self._params)]
-            buckets = _buckets.assign(named, self._size, int(float(bucket_cap_mb) * 1e6))
+            buckets = _buckets.assign(named, self._size, self._bucket_cap)
         self._build(buckets)
         if ddp is not None:
             ddp._attach_zero(self)
@@ -367,18 +368,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def _consolidate_bucket(self, b: _buckets.Bucket, runs: list[_Run], local: Any, to: int,
                             index: dict[int, int], state: dict[int, dict[str, Any]]) -> None:
-        lo = self._rank * b.part
-        groups = sorted({self._group_of[id(s.param)] for s in b.slots})
-        keys = sorted({k for gi in groups for k, kind in self._kinds[gi].items()
-                       if kind == "elementwise"})
         # The same keys on every rank (from the probe), gathered flat, one at a time.
-        for key in keys:
-            mine = torch.zeros(b.part, dtype=b.dtype)  # torch keeps state in the param's
-            if local is not None:
-                for run in runs:
-                    value = local.state.get(run.tensor, {}).get(key)
-                    if isinstance(value, torch.Tensor):
-                        mine[run.start - lo:run.stop - lo].copy_(value.reshape(-1))
+        for key in self._bucket_keys(b):
+            mine = self._part(b, runs, local, key)  # torch keeps state in the param's dtype
             full = np.empty((self._size, b.part), dtype=bits(mine).dtype)
             fd.all_gather(bits(mine), out=full, group=self._sg)
             if self._rank != to:
@@ -386,16 +378,42 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             whole = torch.from_numpy(full.reshape(-1))
             if mine.dtype in (torch.bfloat16, torch.bool):
                 whole = whole.view(mine.dtype)
-            for s in b.slots:
-                if s.param.numel() == 0:
-                    continue
-                entry = state.setdefault(index[id(s.param)], {})
-                entry[key] = whole[s.offset:s.offset + s.numel].clone().view(s.param.shape)
-        if self._rank != to:
-            return
-        # Scalars (step counts) and non-tensor entries: equal on every rank; take this
-        # rank's, or the probe's kind of value when this rank owns nothing here.
-        scalars = self._local_scalars()
+            self._fill(b, key, whole, index, state)
+        if self._rank == to:
+            self._fill_scalars(b, self._local_scalars(), index, state)
+
+    def _bucket_keys(self, b: _buckets.Bucket) -> list[str]:
+        """The elementwise state entries of bucket ``b``'s parameter groups (sorted)."""
+        groups = sorted({self._group_of[id(s.param)] for s in b.slots})
+        return sorted({k for gi in groups for k, kind in self._kinds[gi].items()
+                       if kind == "elementwise"})
+
+    def _part(self, b: _buckets.Bucket, runs: list[_Run], local: Any, key: str) -> torch.Tensor:
+        """This rank's part of bucket ``b``'s state entry ``key``, flat (``b.part``
+        elements; zeros where it has none)."""
+        lo = self._rank * b.part
+        mine = torch.zeros(b.part, dtype=b.dtype)
+        if local is not None:
+            for run in runs:
+                value = local.state.get(run.tensor, {}).get(key)
+                if isinstance(value, torch.Tensor):
+                    mine[run.start - lo:run.stop - lo].copy_(value.reshape(-1))
+        return mine
+
+    def _fill(self, b: _buckets.Bucket, key: str, whole: torch.Tensor, index: dict[int, int],
+              state: dict[int, dict[str, Any]]) -> None:
+        """Entry ``key`` of each parameter of bucket ``b`` in ``state`` (the plain
+        optimizer's format), from the bucket's ``whole`` flat state."""
+        for s in b.slots:
+            if s.param.numel() == 0:
+                continue
+            entry = state.setdefault(index[id(s.param)], {})
+            entry[key] = whole[s.offset:s.offset + s.numel].clone().view(s.param.shape)
+
+    def _fill_scalars(self, b: _buckets.Bucket, scalars: dict[int, dict[str, Any]],
+                      index: dict[int, int], state: dict[int, dict[str, Any]]) -> None:
+        """The scalar entries (step counts: equal on every rank) of bucket ``b``'s
+        parameters in ``state``, from ``scalars`` (per parameter group)."""
         for s in b.slots:
             gi = self._group_of[id(s.param)]
             entry = state.setdefault(index[id(s.param)], {})
@@ -403,6 +421,62 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 if kind != "elementwise" and key in scalars.get(gi, {}):
                     v = scalars[gi][key]
                     entry[key] = v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+
+    # -- elastic jobs (swarmfd.torch.elastic.TorchState) ----------------------------------
+
+    def _shards(self) -> tuple[list[torch.Tensor], dict[int, dict[str, Any]]]:
+        """This rank's part of the state: for each bucket, each elementwise entry (as
+        :meth:`_bucket_keys` orders them), its ``b.part`` elements; and the scalar entries
+        per parameter group."""
+        self._wait_params()
+        parts = [self._part(b, runs, local, key)
+                 for b, runs, local in zip(self._buckets, self._runs, self._local, strict=True)
+                 for key in self._bucket_keys(b)]
+        return parts, self._local_scalars()
+
+    def _load_wholes(self, wholes: list[torch.Tensor], scalars: dict[int, dict[str, Any]]
+                     ) -> None:
+        """Load the whole state (for each bucket and entry, as :meth:`_shards` orders
+        them, the flat state of the bucket's ``numel`` elements, or more): each rank keeps
+        its part, as load_state_dict does."""
+        index = {id(p): i for i, p in enumerate(self._params)}
+        state: dict[int, dict[str, Any]] = {}
+        at = 0
+        for b in self._buckets:
+            for key in self._bucket_keys(b):
+                self._fill(b, key, wholes[at], index, state)
+                at += 1
+            self._fill_scalars(b, scalars, index, state)
+        self.load_state_dict({"state": state, "param_groups": self._groups_for_dict()})
+
+    def _reset_world(self) -> None:
+        """Lay the shards out again for a new world (an elastic job re-formed it: see
+        swarmfd.torch.elastic.TorchState), over the buckets of its DistributedDataParallel
+        (built again first) if any: the parameters keep their values, the local
+        optimizers start empty (:meth:`_load_wholes` brings the state back)."""
+        if self._sg is not None:
+            raise fd.ElasticError(
+                "ZeroRedundancyOptimizer: its group was made with new_group, which an "
+                "elastic job cannot carry into a new world: shard over the world "
+                "(group=None)")
+        self._gathers = []  # (of the old world, whose engine is closed)
+        self._size, self._rank = fd.get_world_size(), fd.get_rank()
+        for p in self._params:
+            if hasattr(p, ZERO_OWNERS):
+                delattr(p, ZERO_OWNERS)
+        ddp = live_owner(DDP_OWNERS, self._params)
+        if ddp is not None:
+            buckets = ddp._buckets
+        else:
+            named = [(f"parameter {i}", p) for i, p in enumerate(self._params)]
+            buckets = _buckets.assign(named, self._size, self._bucket_cap)
+        self._build(buckets)
+        if ddp is not None:
+            ddp._attach_zero(self)
+            self._ddp = weakref.ref(ddp)
+        set_owner(ZERO_OWNERS, self._params, self)
+        self._reduced = False
+        self._consolidated = None
 
     def _local_scalars(self) -> dict[int, dict[str, Any]]:
         """Per parameter group, the non-elementwise state entries of any owned run."""

@@ -57,15 +57,24 @@ if os.environ.get("DIE_IN_REFORM") and SLOT == 1 and FIRST:
 
 
 def maybe_kill(step: int) -> None:
+    """Die if this rank is at a position KILLS names for ``step``, the first time the
+    job reaches it (the generation then is written down: the ranks of that generation
+    at the position die, not those that redo the step after the rollback)."""
     rank, world = fd.get_rank(), fd.get_world_size()
-    here = {"first": rank == 0, "last": rank == world - 1,
-            "middle": 0 < rank < world - 1}
+    gen = str(fd.session.elastic_state().world.gen)
+    here = {"first": rank == 0, "last": rank == world - 1, "middle": 0 < rank < world - 1}
     for n, where in enumerate(KILLS.get(step, [])):
-        if here.get(where):
-            marker = os.path.join(KILL_DIR, f"killed-{step}-{n}")
-            if not os.path.exists(marker):
-                open(marker, "w").close()
-                die()
+        marker = os.path.join(KILL_DIR, f"killed-{step}-{n}")
+        if not here.get(where):
+            continue
+        try:
+            with open(marker, "x") as f:
+                f.write(gen)
+        except FileExistsError:
+            with open(marker) as f:
+                if f.read() != gen:
+                    continue
+        die()
 
 
 fd.init_from_env()
@@ -78,7 +87,7 @@ state.register_reset_callbacks([lambda: print(f"reset: now rank {fd.get_rank()} 
 
 @fd.elastic.run
 def train(state):
-    for state.epoch in range(state.epoch, EPOCHS):
+    for state.epoch in range(state.epoch, EPOCHS):  # noqa: B020 (the epoch lives in the state)
         for idx in state.sampler.batches(BATCH):
             local = np.zeros(SAMPLES)
             np.add.at(local, idx, 1)
