@@ -3,9 +3,9 @@
 Nothing here implements behaviour; each command is a thin click wrapper over a library
 module: ``launch`` for ``run`` (its options are :class:`swarmfd.launch.LaunchConfig`'s
 fields, see :mod:`swarmfd.cli_options`), ``bench`` for ``bench``, and the Swarm package
-for ``build``, ``deploy``, ``ls``, ``ps``, ``logs`` and ``rm``, whose commands
-(:mod:`swarmfd.swarm.cli`) are imported only when one of them runs, so that ``swarmfd
-run`` never loads the docker SDK.
+for ``build``, ``deploy``, ``ls``, ``ps``, ``logs``, ``rm``, ``scale`` and ``doctor``,
+whose commands (:mod:`swarmfd.swarm.cli`) are imported only when one of them runs, so
+that ``swarmfd run`` never loads the docker SDK.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from .cli_options import build_request, request_options, usage_errors
 from .launch import LaunchConfig, launch
 
 #: The Docker Swarm commands, defined in this module (imported when one of them runs).
-SWARM_COMMANDS = ("build", "deploy", "ls", "ps", "logs", "rm", "doctor")
+SWARM_COMMANDS = ("build", "deploy", "ls", "ps", "logs", "rm", "scale", "doctor")
 _SWARM_CLI = "swarmfd.swarm.cli"
 
 

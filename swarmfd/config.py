@@ -74,6 +74,7 @@ Every value is validated here, once; bad input raises :class:`ConfigError`
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import math
@@ -546,7 +547,14 @@ def config_from_env(environ: Mapping[str, str] | None = None, **overrides: objec
         "restart_count": parse_env_int(env, ENV_RESTART_COUNT, minimum=0) or 0,
         "init_timeout": parse_env_float(env, ENV_INIT_TIMEOUT),
     }
-    values["options"] = options_from_env(env)
+    values["options"] = options = options_from_env(env)
+    elastic = options.elastic
+    if elastic is not None and elastic.join and values["rank"] >= values["world_size"]:  # type: ignore[operator]
+        # A task beyond the starting world (a Swarm service scaled up) can only be a
+        # replacement: its init waits to be let in, and the world it gets decides.
+        values["options"] = dataclasses.replace(
+            options, elastic=dataclasses.replace(elastic, join="1"))
+        values["world_size"] = int(values["rank"]) + 1  # type: ignore[call-overload]
     values.update({k: v for k, v in overrides.items() if v is not None})
     if values["world_size"] == 1 and values["master_addr"] is None:
         values["local_rank"] = values["local_rank"] if values["local_rank"] is not None else 0

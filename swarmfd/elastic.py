@@ -73,9 +73,12 @@ from . import group as _group
 from .errors import ElasticError, PeerLostError, SwarmfdError
 from .membership import JOINER_FRESH
 
-__all__ = ["ElasticError", "ElasticSampler", "State", "Stateful", "run"]
+__all__ = ["FINISH_LINGER", "ElasticError", "ElasticSampler", "State", "Stateful",
+           "request_leave", "run"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+#: Seconds the members of a Swarm job that lost ranks answer "finished" after the end.
+FINISH_LINGER = 3.0
 _LOG = logging.getLogger("swarmfd")
 
 
@@ -99,15 +102,7 @@ class _WorldChanged(Exception):
         self.at = time.monotonic()
 
 
-#: Set by a handler of SIGTERM on a Swarm task (``swarmfd scale`` down): this rank
-#: leaves at its next commit.
-_leave_requested = False
-
-
-def request_leave() -> None:
-    """Ask this rank to leave the job at its next commit (without a rollback)."""
-    global _leave_requested
-    _leave_requested = True
+request_leave = session.request_leave
 
 
 def _kind(value: Any) -> str:
@@ -208,9 +203,10 @@ class State:
             return
         n, me = _group.get_world_size(), _group.get_rank()
         votes = np.zeros(n + 1, dtype=np.int64)
-        if me == 0:
-            votes[0] = len(ctx.agent.joiners(JOINER_FRESH))
-        votes[1 + me] = int(_leave_requested)
+        if me == 0 and ctx.world is not None:
+            members = {m.inc for m in ctx.world.members}
+            votes[0] = sum(j["inc"] not in members for j in ctx.agent.joiners(JOINER_FRESH))
+        votes[1 + me] = int(session.leave_requested())
         collectives.all_reduce(votes)
         if votes.any():
             raise _WorldChanged(int(votes[0]), [r for r in range(n) if votes[1 + r]], me)
@@ -397,6 +393,10 @@ def _finish() -> None:
         return
     collectives.barrier()
     ctx.agent.finish()
+    if ctx.options.join == "auto" and _group.get_world_size() < ctx.config.world_size:
+        # A Swarm task: a replacement of a lost rank may be starting (nothing outside the
+        # Swarm knows the job ended): answer it "finished" for a moment, so it exits 0.
+        time.sleep(FINISH_LINGER)
 
 
 def _tell_others(exc: BaseException) -> None:

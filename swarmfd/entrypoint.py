@@ -17,7 +17,8 @@ and this entrypoint, before it runs the command:
 
 1. sets ``RANK = SWARMFD_TASK_SLOT - 1`` unless ``RANK`` is already set, and checks
    that the slot is within ``WORLD_SIZE`` (a service with more replicas than
-   ``WORLD_SIZE`` is a deployment error, reported with exit code 2);
+   ``WORLD_SIZE`` is a deployment error, reported with exit code 2), except in an
+   elastic job (``SWARMFD_ELASTIC=1``), whose service may be scaled up;
 2. sets ``LOCAL_RANK=0`` and ``LOCAL_WORLD_SIZE=1`` when unset (one rank per container:
    the rank within its container, which is also the right device index when each
    container sees only its own GPU). When ``SWARMFD_NODE`` is set (``swarmfd deploy``
@@ -32,7 +33,8 @@ and this entrypoint, before it runs the command:
    run that many threads in a container throttled to fewer (as ``swarmfd run`` gives
    each local rank its share of the cores: swarmfd.launch). Without a limit the
    entrypoint cannot know how many tasks share the node, and leaves it unset;
-4. waits until ``MASTER_ADDR`` resolves, at most ``SWARMFD_RESOLVE_TIMEOUT`` seconds
+4. (not in an elastic job, whose ranks find each other themselves) waits until
+   ``MASTER_ADDR`` resolves, at most ``SWARMFD_RESOLVE_TIMEOUT`` seconds
    (default: ``SWARMFD_INIT_TIMEOUT`` when set, else 60; exit code 3 on timeout),
    because rank 0's name exists in DNS only once its container has started. It is
    gone again once rank 0's task has ended: a command that never joins the group
@@ -78,6 +80,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from .config import (
+    ENV_ELASTIC,
     ENV_INIT_TIMEOUT,
     ENV_LOCAL_RANK,
     ENV_LOCAL_WORLD_SIZE,
@@ -187,7 +190,7 @@ def task_env(environ: Mapping[str, str], cpus: float | None = None) -> dict[str,
                 f"{ENV_TASK_SLOT}={slot} is set but {ENV_WORLD_SIZE} is not: the service must "
                 f"set {ENV_WORLD_SIZE} to its number of replicas"
             )
-        if slot > world_size:
+        if slot > world_size and not _elastic(env):
             raise ConfigError(
                 f"{ENV_TASK_SLOT}={slot} exceeds {ENV_WORLD_SIZE}={world_size}: the service "
                 f"runs more replicas than {ENV_WORLD_SIZE}; set replicas = {ENV_WORLD_SIZE}"
@@ -320,6 +323,13 @@ def _describe(env: Mapping[str, str]) -> str:
     return " ".join(f"{n}={env[n]}" for n in names if env.get(n))
 
 
+def _elastic(env: Mapping[str, str]) -> bool:
+    """An elastic job's task: any slot may be a replacement (a scaled service has slots
+    beyond WORLD_SIZE), and MASTER_ADDR may be a lost rank's name, resolved never again:
+    swarmfd finds the job's ranks itself (swarmfd.session), so nothing waits for it."""
+    return env.get(ENV_ELASTIC, "").strip() in ("1", "on", "true", "yes")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the entrypoint; on success this never returns (the command replaces it)."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -337,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(USAGE, end="", file=sys.stderr)
         return EXIT_USAGE
     master = env.get(ENV_MASTER_ADDR, "").strip()
-    if master:
+    if master and not _elastic(env):
         try:
             waited = wait_for_host(master, timeout)
         except RendezvousTimeout as exc:

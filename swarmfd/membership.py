@@ -280,6 +280,11 @@ def _coordinate(r: _Round, min_n: int, timeout: float, port: int) -> World | Non
     joiners = [Member(j["inc"], j["endpoint"]) for j in r.agent.joiners(JOINER_FRESH)]
     r.agent.watch((j.endpoint for j in joiners), more=True)  # connected before the post
     members, was = plan(w.members, r.lost, leaving, joiners)
+    if not members and leaving and not r.lost:  # every rank was asked to stop: the end
+        for i in leaving - {w.rank}:
+            r.agent.post(w.members[i].endpoint, {"op": "left", "gen": w.gen + 1,
+                                                 "to": w.members[i].inc})
+        return LEFT
     if len(members) < max(min_n, 1):
         if not late:
             return None

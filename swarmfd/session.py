@@ -59,8 +59,9 @@ from .errors import (
 from .group import DOMAINS_GID, SETUP_GID, Group, _State
 from .membership import Member, World, watch_forming
 
-__all__ = ["ABORT_LINGER", "FORMING_TIMEOUT", "JOIN_SILENCE", "cleanup", "elastic_state",
-           "init", "init_from_env", "reform"]
+__all__ = ["ABORT_LINGER", "FORMING_TIMEOUT", "JOIN_SILENCE", "PROBE", "cleanup",
+           "elastic_state", "init", "init_from_env", "leave_requested", "reform",
+           "request_leave"]
 
 #: Seconds a failed group's sockets may take at cleanup to deliver the abort messages.
 ABORT_LINGER = 0.5
@@ -446,9 +447,13 @@ def _elastic_start(config: Config, secret: str | bytes | None) -> Config:
     if _elastic is None:
         _elastic = _Elastic(_make_agent(config, opts, secret), opts, config, secret)
     ctx = _elastic
-    if opts.join == "1":
-        start = time.monotonic()
-        config = _enter(ctx, _await_admission(ctx))
+    if opts.join == "auto":
+        _leave_on_sigterm()
+    start = time.monotonic()
+    admitted = _await_admission(ctx, PROBE if opts.join == "auto" else None) \
+        if opts.join else None
+    if admitted is not None:
+        config = _enter(ctx, admitted)
         w = ctx.world
         assert w is not None
         _LOG.warning("swarmfd: this replacement joined the job at generation %d as rank %d of "
@@ -508,41 +513,96 @@ def _targets(opts: ElasticOptions) -> Callable[[], list[str]]:
     return targets
 
 
-def _await_admission(ctx: _Elastic) -> World:
+def _await_admission(ctx: _Elastic, probe: float | None) -> World | None:
     """A replacement: ask every member to let it in, until a coordinator posts the world
     that admits it. A job that has finished meanwhile ends this process (exit 0); one
-    whose members have all gone silent raises :class:`ElasticError`."""
+    whose members have all gone silent raises :class:`ElasticError`. With ``probe``
+    (SWARMFD_ELASTIC_JOIN=auto): None when no formed job answered in ``probe`` seconds
+    (the ranks are starting together: this one forms the first world with them)."""
     agent, opts = ctx.agent, ctx.options
     agent.set_info(phase="joining")
     agent.joining(_targets(opts))
     start = time.monotonic()
     deadline = start + ctx.config.join_timeout
+    formed = False
     try:
         while True:
-            for msg in agent.take("world", "finished"):
-                if msg["op"] == "finished":
+            for msg in agent.take("world", "finished", "ack"):
+                if msg["op"] == "finished" or msg.get("phase") == "finished":
                     _job_over("the job finished before this replacement could join")
-                if msg.get("to") == agent.inc:
+                formed = formed or msg.get("phase") in ("member", "reforming")
+                if msg["op"] == "world" and msg.get("to") == agent.inc:
                     try:
                         return World.from_message(msg)
                     except ValueError as exc:
                         _LOG.warning("swarmfd: %s, ignored", exc)
-            if opts.done_file and os.path.exists(opts.done_file):
-                _job_over("the job had finished when this replacement started")
             now = time.monotonic()
-            if now - (agent.heard() or start) > JOIN_SILENCE:
-                raise ElasticError(
-                    f"no member of the job answered this replacement for {JOIN_SILENCE:g} s "
-                    "(SWARMFD_ELASTIC_PEERS): the job has ended, or its members cannot be "
-                    "reached from here")
-            if now > deadline:
-                raise RendezvousTimeout(
-                    f"this replacement was not let into the job within {ctx.config.join_timeout:g} "
-                    "s (SWARMFD_INIT_TIMEOUT): the members let replacements in at their next "
-                    "commit (state.commit()); does the job commit?")
+            if probe is not None and not formed and now - start > probe:
+                return None
+            _check_waiting(ctx, start, deadline, now)
             time.sleep(0.02)
     finally:
         agent.joining(None)
+
+
+#: How long a task that may be a replacement (SWARMFD_ELASTIC_JOIN=auto) listens for a
+#: formed job before it takes part in forming the first world.
+PROBE = 2.0
+
+
+def _check_waiting(ctx: _Elastic, start: float, deadline: float, now: float) -> None:
+    """A replacement still waiting: the reasons to stop (the job finished, it was asked
+    to stop, no member answers, the init timeout)."""
+    opts = ctx.options
+    if opts.done_file and os.path.exists(opts.done_file):
+        _job_over("the job had finished when this replacement started")
+    if _leave:
+        _job_over("this replacement was asked to stop (SIGTERM) before it was let in")
+    if now - (ctx.agent.heard() or start) > JOIN_SILENCE:
+        raise ElasticError(
+            f"no member of the job answered this replacement for {JOIN_SILENCE:g} s "
+            "(SWARMFD_ELASTIC_PEERS): the job has ended, or its members cannot be "
+            "reached from here")
+    if now > deadline:
+        raise RendezvousTimeout(
+            f"this replacement was not let into the job within {ctx.config.join_timeout:g} "
+            "s (SWARMFD_INIT_TIMEOUT): the members let replacements in at their next "
+            "commit (state.commit()); does the job commit?")
+
+
+_leave = False
+
+
+def leave_requested() -> bool:
+    """Whether this rank was asked to leave the job at its next commit."""
+    return _leave
+
+
+def request_leave() -> None:
+    """Ask this rank to leave the job at its next commit (without a rollback)."""
+    global _leave
+    _leave = True
+
+
+def _leave_on_sigterm() -> None:
+    """On a Swarm task, SIGTERM (``swarmfd scale`` down, ``docker stop``) asks the rank to
+    leave at its next commit; a second one ends it as SIGTERM does."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        if _leave:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        request_leave()
+        _LOG.warning("swarmfd: asked to stop (SIGTERM): this rank leaves the job at its next "
+                     "commit (a second SIGTERM ends it now)")
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 def _job_over(why: str) -> None:
@@ -582,7 +642,9 @@ def _enter(ctx: _Elastic, world: World) -> Config:
 
 def _settle(ctx: _Elastic, world: World) -> None:
     ctx.world = world
-    ctx.agent.set_info(gen=world.gen, phase="member", members={m.inc for m in world.members})
+    incs = {m.inc for m in world.members}
+    ctx.agent.set_info(gen=world.gen, phase="member", members=incs)
+    ctx.agent.forget_joiners(incs)  # (they asked every member; the coordinator let them in)
 
 
 def _membership_round(ctx: _Elastic, world: World, seen_lost: Callable[[], Iterable[int]],

@@ -22,7 +22,7 @@ import pytest
 import swarmfd as fd
 from swarmfd.comm.agent import Agent
 from swarmfd.comm.security import Security
-from swarmfd.config import ConfigError, elastic_options
+from swarmfd.config import ConfigError, config_from_env, elastic_options
 from swarmfd.launch import LaunchConfig, find_free_ports
 from swarmfd.membership import Member, World, plan
 
@@ -69,6 +69,11 @@ def test_elastic_settings_are_read_once_and_checked() -> None:
     assert opts is not None and opts.min_n == 2 and opts.port == 29602
     assert opts.peers == (("127.0.0.1", 4001), ("tasks.job", 4002), ("tasks.job", None))
     assert elastic_options({}) is None
+    # A task beyond the starting world (a scaled-up service) can only be a replacement.
+    beyond = config_from_env({**env, "SWARMFD_ELASTIC_JOIN": "auto", "WORLD_SIZE": "3",
+                              "RANK": "4", "MASTER_ADDR": "job-1"})
+    assert beyond.rank == 4 and beyond.world_size == 5
+    assert beyond.options.elastic is not None and beyond.options.elastic.join == "1"
     for name, value in (("SWARMFD_ELASTIC_PEERS", "host:99999"),
                         ("SWARMFD_ELASTIC_JOIN", "yes"), ("SWARMFD_ELASTIC_MIN_N", "0")):
         with pytest.raises(ConfigError, match=name):
@@ -265,11 +270,12 @@ def _check_finished(code: int, out: bytes, n: int, epochs: int, losses: int, eve
 
 def test_losses_of_every_position_on_shared_memory_two_at_once_and_one_while_re_forming(
         tmp_path: Path) -> None:
-    """N=4 on shared memory: the last rank dies; the rank that starts as 1 dies as it
-    re-forms the world; then the first and the last die at the same step; then a middle
-    one. Each comes back as a replacement at a commit; the job finishes with every
-    sample processed exactly as often as without a fault."""
-    code, out = run_elastic_job(tmp_path, "-n", "4", "--elastic", env={
+    """N=4 on shared memory, --min-n 3: the last rank dies; the rank that starts as 1
+    dies as it re-forms the world (below the minimum now: the survivors wait for a
+    replacement); then the first and the last die at the same step; then a middle one.
+    Each comes back as a replacement; the job finishes with every sample processed
+    exactly as often as without a fault."""
+    code, out = run_elastic_job(tmp_path, "-n", "4", "--elastic", "--min-n", "3", env={
         "KILLS": "6:last,16:first,16:last,26:middle", "DIE_IN_REFORM": "1", "EPOCHS": "3",
         "SAMPLES": "200", "STEP_SLEEP": "0.05"})
     _check_finished(code, out, 4, 3, losses=5, events=3)

@@ -392,3 +392,9 @@ def test_become_gives_the_checkpoint_directory_then_drops_root():
     nobody = pwd.getpwnam("nobody")
     assert out.stdout.split() == [str(nobody.pw_uid), str(nobody.pw_gid), "[]",
                                   str(nobody.pw_uid), nobody.pw_dir, "True"], out.stdout
+
+
+def test_an_elastic_job_takes_slots_beyond_its_starting_world():
+    """A scaled-up elastic service has slots beyond WORLD_SIZE: replacements, not errors."""
+    env = task_env({**SWARM_ENV, "SWARMFD_TASK_SLOT": "5", "SWARMFD_ELASTIC": "1"})
+    assert env["RANK"] == "4"

@@ -1027,3 +1027,45 @@ def test_build_rejects_bad_input_before_contacting_docker(tmp_path):
     result = CliRunner().invoke(main, ["build", "-H", "tcp://127.0.0.1:9", str(tmp_path),
                                        "--push", "ftp://x"])
     assert result.exit_code == 2 and "without a scheme" in result.output
+
+
+# --- elastic jobs ---------------------------------------------------------------------------
+
+
+def test_an_elastic_job_restarts_failed_tasks_at_once_and_every_task_may_join() -> None:
+    spec = S.build_service_spec(make_job(elastic=True, elastic_restarts=3))
+    task = spec["TaskTemplate"]
+    assert task["RestartPolicy"] == {"Condition": "on-failure", "Delay": 0, "Window": 0,
+                                     "MaxAttempts": 3}
+    assert task["ContainerSpec"]["StopGracePeriod"] == S.ELASTIC_STOP_GRACE * 10**9
+    env = env_of(spec)
+    assert env["SWARMFD_ELASTIC"] == "1" and env["SWARMFD_ELASTIC_JOIN"] == "auto"
+    assert env["SWARMFD_ELASTIC_PEERS"] == "tasks.{{.Service.Name}}"
+    assert spec["Labels"][S.LABEL_ELASTIC] == "1"
+    plain = S.build_service_spec(make_job())
+    assert plain["TaskTemplate"]["RestartPolicy"]["Condition"] == "none"
+    assert "SWARMFD_ELASTIC" not in env_of(plain) and S.LABEL_ELASTIC not in plain["Labels"]
+    # --max-restarts 0: Swarm's MaxAttempts 0 would mean "no limit": no restart policy then
+    no_restart = S.build_service_spec(make_job(elastic=True, elastic_restarts=0))
+    assert no_restart["TaskTemplate"]["RestartPolicy"]["Condition"] == "none"
+
+
+def test_following_an_elastic_job_reports_failures_and_waits_for_every_slot() -> None:
+    from swarmfd.swarm.follow import _Elastic
+
+    said: list[str] = []
+    watch = _Elastic(said.append, "job")
+    failed = TaskView.from_api(task(2, "failed", exit_code=137, tid="old"))
+    running = {0: TaskView.from_api(task(1, "running")), 1: failed}
+    assert watch.update(running, {}) is None and "rank 1 exited with code 137" in said[0]
+    replaced = {0: TaskView.from_api(task(1, "complete")),
+                1: TaskView.from_api(task(2, "complete", tid="new"))}
+    watch.settled = None
+    assert watch.update(replaced, {}) is None  # settling: a replacement may come
+    watch.settled = -1e9  # long ago
+    done = watch.update(replaced, {})
+    assert done is not None and done.outcome == "done" and done.exit_code == 0
+    lost = _Elastic(said.append, "job")
+    lost.settled = -1e9
+    ended = lost.update({0: failed}, {})
+    assert ended is not None and ended.outcome == "failed" and ended.exit_code == 137

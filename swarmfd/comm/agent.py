@@ -385,7 +385,9 @@ class Agent:
                 gen = msg.get("gen")
                 s.gen = gen if isinstance(gen, int) and not isinstance(gen, bool) else -1
             elif op == "ack":
-                self._heard = now
+                if msg.get("phase") in ("member", "reforming", "forming", "finished"):
+                    self._heard = now
+                    self._mail.append({**msg, "at": now, "from": endpoint})
             elif op in ("finished", "refused"):
                 self._heard = now
                 self._mail.append({**msg, "at": now, "from": endpoint})
@@ -460,9 +462,12 @@ class Agent:
                 endpoints = []
             for endpoint in endpoints:
                 where = parse_endpoint(endpoint)
-                if where is not None:
+                if where is None:
+                    continue
+                mine = self.advertise(where[0])
+                if mine != endpoint:  # (tasks.<service> lists this task too)
                     body = self._encode({**message, "op": "join", "inc": self.inc,
-                                         "endpoint": self.advertise(where[0])})
+                                         "endpoint": mine})
                     self._send(endpoint, body, out, poller)
 
 

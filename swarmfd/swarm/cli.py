@@ -485,6 +485,41 @@ def rm(ctx: click.Context, jobs: tuple[str, ...], timeout: float, host: str | No
         ctx.exit(EXIT_ERROR)
 
 
+# --- scale ------------------------------------------------------------------------------
+
+
+@click.command("scale")
+@click.argument("job")
+@click.argument("ranks", type=click.IntRange(min=1), metavar="N")
+@_host_option
+@click.pass_context
+@_swarm_errors
+def scale(ctx: click.Context, job: str, ranks: int, host: str | None) -> None:
+    """Grow or shrink the running elastic JOB (deploy --elastic) to N ranks.
+
+    New ranks join the job at its next commit; ranks taken away (the highest task
+    slots) leave it at their next commit, without a rollback (a rank that does not
+    commit within 30 s of the stop is lost instead, and the others roll back to their
+    last commit). The job's ranks are numbered again at each change (`swarmfd logs`
+    shows it).
+
+    \b
+    Examples:
+      swarmfd scale swarmfd-keen-3fa9 6
+    """
+    from .engine import scale_job
+
+    client, _node = _connect(host)
+    try:
+        before = scale_job(client, job, ranks)
+    finally:
+        client.close()
+    click.echo(f"scaled {job} from {before} to {ranks} ranks: "
+               + ("the new ranks join at the next commit" if ranks > before
+                  else "the ranks taken away leave at their next commit" if ranks < before
+                  else "no change"))
+
+
 # --- doctor -----------------------------------------------------------------------------
 
 
@@ -562,5 +597,6 @@ def doctor(ctx: click.Context, image: str | None, build_dir: str | None,
 #: The commands, by name, for swarmfd's command group, which lists their names without
 #: importing this module (swarmfd.cli.SWARM_COMMANDS: a new command goes in both).
 COMMANDS: dict[str, click.Command] = {
-    command.name: command for command in (build, deploy, ls, ps, logs, rm, doctor)  # type: ignore[misc]
+    command.name: command  # type: ignore[misc]
+    for command in (build, deploy, ls, ps, logs, rm, scale, doctor)
 }

@@ -97,7 +97,9 @@ def run_deploy(
 
     With ``--max-restarts`` K, a failed group is torn down (its service removed, its
     network and secret kept) and created again with ``SWARMFD_RESTART_COUNT`` k+1, up
-    to K times; each restart is reported on ``progress``.
+    to K times; each restart is reported on ``progress``. An elastic job's tasks are
+    restarted by Swarm itself, one by one (:mod:`.spec`), and followed until every
+    slot has ended (:func:`.follow.follow_job`).
 
     Raises :class:`~.errors.SwarmJobError` (or a subclass) before anything is created
     when a check fails; the message says what to do.
@@ -155,8 +157,10 @@ def run_deploy(
         progress(f"created job {job.name}: {ranks} of {job.image} ({image.ref[:19]})")
         while True:
             followed = follow_job(client, job.name, service_id, job.world_size, node_id,
-                                  output=output, progress=progress, started=started, poll=poll)
-            if followed.outcome != "failed" or job.restart_count >= max_restarts:
+                                  output=output, progress=progress, started=started, poll=poll,
+                                  elastic=job.elastic)
+            if followed.outcome != "failed" or job.restart_count >= max_restarts or \
+                    job.elastic:  # (an elastic job's ranks are restarted one by one)
                 break
             attempt = job.restart_count + 1
             progress(f"restart {attempt}/{max_restarts} of job {job.name}: "
@@ -180,7 +184,7 @@ def run_deploy(
         if followed.outcome == "done":
             progress(f"job {job.name} done: {followed.message}"
                      + (f" (after {job.restart_count} restart(s))" if job.restart_count else ""))
-        elif max_restarts:
+        elif max_restarts and not job.elastic:
             progress(f"job {job.name} failed after {job.restart_count} restart(s) "
                      f"(--max-restarts {max_restarts}): {followed.message}")
         else:

@@ -23,6 +23,7 @@ import docker.errors
 
 from .errors import EngineUnavailableError, JobNotFoundError, SwarmJobError
 from .spec import (
+    LABEL_ELASTIC,
     LABEL_FAILURE,
     LABEL_IMAGE,
     LABEL_JOB,
@@ -56,6 +57,7 @@ __all__ = [
     "remove_service",
     "remove_shm_volumes",
     "resolve_image",
+    "scale_job",
     "set_labels",
     "stop_job",
 ]
@@ -388,13 +390,14 @@ def stop_job(client: docker.DockerClient, service_id: str, node_id: str, world_s
     return StopReport(stopped=tuple(v.rank for v in local), scaled_down=scaled)
 
 
-def set_labels(client: docker.DockerClient, service_id: str, labels: dict[str, str]) -> None:
-    """Add ``labels`` to a service without touching its tasks.
+def set_labels(client: docker.DockerClient, service_id: str, labels: dict[str, str],
+               replicas: int | None = None) -> None:
+    """Add ``labels`` to a service (and set its ``replicas``) without touching its tasks.
 
     The update sends the service's current spec exactly as stored, with only the
-    service labels changed. (The SDK's ``fetch_current_spec`` would send the spec with
-    the engine's defaults filled in, e.g. ``StopGracePeriod``: a different task
-    template, which makes Swarm replace every running task.)
+    service labels (and the replicas) changed. (The SDK's ``fetch_current_spec`` would
+    send the spec with the engine's defaults filled in, e.g. ``StopGracePeriod``: a
+    different task template, which makes Swarm replace every running task.)
     """
     current = client.api.inspect_service(service_id)
     spec = current["Spec"]
@@ -404,11 +407,35 @@ def set_labels(client: docker.DockerClient, service_id: str, labels: dict[str, s
         task_template=spec["TaskTemplate"],
         name=spec["Name"],
         labels={**(spec.get("Labels") or {}), **labels},
-        mode=spec.get("Mode"),
+        mode=spec.get("Mode") if replicas is None else {"Replicated": {"Replicas": replicas}},
         update_config=spec.get("UpdateConfig"),
         rollback_config=spec.get("RollbackConfig"),
         endpoint_spec=spec.get("EndpointSpec"),
     )
+
+
+def scale_job(client: docker.DockerClient, name: str, ranks: int) -> int:
+    """Grow or shrink the elastic job ``name`` to ``ranks`` ranks (its service's
+    replicas; new tasks join the running job, stopped ones leave it at a commit);
+    returns the number it had. :class:`.errors.JobNotFoundError` for no such job,
+    :class:`.errors.SwarmJobError` for a job that is not elastic, or ``ranks`` below
+    its minimum (``--min-n``)."""
+    service = find_service(client, name)
+    if service is None:
+        raise JobNotFoundError(f"no job named {name!r} (`swarmfd ls` lists the jobs)")
+    spec = service.get("Spec", {})
+    if (spec.get("Labels") or {}).get(LABEL_ELASTIC) != "1":
+        raise SwarmJobError(f"job {name} is not elastic: its world has the size it was "
+                            "deployed with (deploy it with --elastic to scale it)")
+    env = spec.get("TaskTemplate", {}).get("ContainerSpec", {}).get("Env") or []
+    min_n = next((int(e.partition("=")[2]) for e in env
+                  if e.startswith("SWARMFD_ELASTIC_MIN_N=") and e.partition("=")[2].isdigit()), 1)
+    if ranks < min_n:
+        raise SwarmJobError(f"job {name} needs at least {min_n} ranks (--min-n): cannot scale "
+                            f"it to {ranks}")
+    before = world_size_of(service)
+    set_labels(client, service["ID"], {LABEL_WORLD_SIZE: str(ranks)}, replicas=ranks)
+    return before
 
 
 def world_size_of(service: dict[str, Any]) -> int:

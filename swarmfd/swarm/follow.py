@@ -342,8 +342,10 @@ def follow_job(
     poll: float = DEFAULT_POLL,
     stop_timeout: float = STOP_TIMEOUT,
     drain_timeout: float = DRAIN_TIMEOUT,
+    elastic: bool = False,
 ) -> FollowResult:
-    """Follow job ``name`` until every rank completed, one failed, or Ctrl-C.
+    """Follow job ``name`` until every rank completed, one failed, or Ctrl-C (an
+    ``elastic`` job: until every slot has ended, see :class:`_Elastic`).
 
     ``output`` receives every rank's lines (``None``: no logs); ``progress`` gets one
     line per change of the phase counts, the pending reasons Swarm gives, the moment
@@ -359,6 +361,7 @@ def follow_job(
     reasons: dict[int, str] = {}
     all_running: float | None = None
     polls = 0
+    watch = _Elastic(progress, name) if elastic else None
     try:
         while True:
             views = job_tasks(client, service_id)
@@ -380,8 +383,20 @@ def follow_job(
                     and any(v.phase == "running" for v in views.values())):
                 all_running = elapsed
                 progress(f"{name}: all {world_size} ranks running after {elapsed:.1f} s")
-            failure = first_failure(views.values())
             nodes = node_states(client)
+            if watch is not None:
+                history = [TaskView.from_api(t)
+                           for t in client.api.tasks(filters={"service": service_id})]
+                ended = watch.update(views, nodes, history)
+                if ended is not None:
+                    if pump is not None:
+                        pump.drain(drain_timeout, progress, name)
+                    ended.all_running_after = all_running
+                    ended.elapsed = time.monotonic() - t0
+                    return ended
+                time.sleep(poll)
+                continue
+            failure = first_failure(views.values())
             lost = _lost(views, nodes)
             if failure is not None or lost:
                 return _stop_after_failure(client, name, service_id, world_size, node_id,
@@ -409,6 +424,61 @@ def follow_job(
     finally:
         if pump is not None:
             pump.close()
+
+
+#: Seconds every slot of an elastic job must have stayed ended before it counts as over
+#: (Swarm creates the replacement of a failed task a moment after the failure).
+ELASTIC_SETTLE = 3.0
+
+
+class _Elastic:
+    """Following an elastic job: a rank that fails or is lost is reported, not acted on
+    (Swarm starts its replacement, which joins the running job); the job is over once
+    every slot's newest task has ended (a task of a node that left counts as ended) for
+    ELASTIC_SETTLE seconds: done if a rank completed (the elastic function returned on
+    every member: they exit 0 together), else failed with the last failure's code."""
+
+    def __init__(self, progress: Callable[[str], None], name: str) -> None:
+        self.progress, self.name = progress, name
+        self.told: set[str] = set()
+        self.completed = False
+        self.last_failure: TaskView | None = None
+        self.settled: float | None = None
+
+    def update(self, views: dict[int, TaskView], nodes: dict[str, NodeState],
+               history: list[TaskView] | None = None) -> FollowResult | None:
+        """``views``: each slot's newest task; ``history``: every task of the job (a
+        failed one is often replaced before a poll sees it as the newest)."""
+        lost = {v.task_id for v in _lost(views, nodes)}
+        for view in sorted([*views.values(), *(history or [])], key=lambda v: v.updated):
+            if view.task_id in self.told:
+                continue
+            if view.phase == "done":
+                self.completed = True
+            elif view.phase == "failed" or view.task_id in lost:
+                self.told.add(view.task_id)
+                self.last_failure = view
+                what = (failure_message(view) if view.task_id not in lost
+                        else f"rank {view.rank} was lost with its node")
+                self.progress(f"{self.name}: {what}; the others go on without it (Swarm "
+                              "starts a replacement while it has restarts left)")
+        # Once the job has completed, a replacement Swarm could not place yet (pending)
+        # has nothing to join any more.
+        ended = all(v.terminal or v.task_id in lost or (self.completed and v.phase == "pending")
+                    for v in views.values())
+        if not views or not ended:
+            self.settled = None
+            return None
+        now = time.monotonic()
+        self.settled = self.settled or now
+        if now - self.settled < ELASTIC_SETTLE:
+            return None
+        if self.completed:
+            return FollowResult("done", 0, "the elastic function returned on every member")
+        failure = self.last_failure
+        return FollowResult("failed", exit_code_for(failure) if failure else 1,
+                            failure_message(failure) if failure else "every rank stopped",
+                            failure=failure)
 
 
 class _Tails:

@@ -211,10 +211,7 @@ class DeployRequest(JobRequest):
             raise ValueError("--push runs the image from the registry already: drop --pull")
         if self.keep and self.remove:
             raise ValueError("--keep and --rm contradict each other: give one")
-        if self.elastic:
-            raise ValueError("deploy --elastic is not available yet: run an elastic job with "
-                             "`swarmfd run --elastic`")
-        if self.detach and self.max_restarts:
+        if self.detach and self.max_restarts and not self.elastic:
             raise ValueError("--max-restarts needs deploy to follow the job (to restart it): "
                              "not with --detach")
         if self.detach and self.remove:
@@ -251,6 +248,7 @@ class DeployRequest(JobRequest):
             else spec_lib.parse_checkpoint_volume(self.checkpoint_volume),
             shm_size=spec_lib.DEFAULT_SHM_SIZE if self.shm_size is None
             else spec_lib.parse_memory(self.shm_size, "--shm-size"),
+            elastic=self.elastic, elastic_restarts=self.max_restarts if self.elastic else 0,
             version=__version__)
 
     @property

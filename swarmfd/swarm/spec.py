@@ -28,6 +28,15 @@ driver, created on each node where a rank starts, labelled with the job: its con
 vanish when the job's last container there ends, and ``swarmfd rm`` (and the end of a
 followed job) removes the volume itself on the node it runs on.
 
+An elastic job (``deploy --elastic``, :mod:`swarmfd.elastic`) differs in three things:
+its tasks restart on failure, at once (condition ``on-failure``, delay 0: Swarm's default
+5 s delay would spend most of the time a loss may cost), up to ``--max-restarts`` times
+per slot; every task may be a replacement (``SWARMFD_ELASTIC_JOIN=auto``: it joins when
+a formed job answers at ``tasks.<service>``, the DNS name of every task, else it forms
+the first world with the others); and a task stopped (``swarmfd scale`` down) gets
+ELASTIC_STOP_GRACE to leave at a commit before SIGKILL. Nothing outside the Swarm
+supervises it: it works with ``--detach``.
+
 ``/dev/shm`` is another matter: swarmfd's segments do not use it, but torch's
 DataLoader workers hand their batches over there, and a container's is 64 MiB. Swarm
 services have no ``--shm-size`` (moby/moby#26714), so with ``shm_size`` (``deploy
@@ -50,8 +59,10 @@ __all__ = [
     "CHECKPOINT_TARGET",
     "DEFAULT_MASTER_PORT",
     "DEFAULT_SHM_SIZE",
+    "ELASTIC_STOP_GRACE",
     "ENV_CHECKPOINT_DIR",
     "ENV_SHM_DIR",
+    "LABEL_ELASTIC",
     "LABEL_FAILURE",
     "LABEL_IMAGE",
     "LABEL_JOB",
@@ -85,6 +96,12 @@ LABEL_JOB = "org.swarmfd.job"
 LABEL_WORLD_SIZE = "org.swarmfd.world-size"
 LABEL_IMAGE = "org.swarmfd.image"
 LABEL_VERSION = "org.swarmfd.version"
+#: Set on the service of an elastic job ("1"): ``swarmfd scale`` takes only those.
+LABEL_ELASTIC = "org.swarmfd.elastic"
+#: Seconds a task of an elastic job has from SIGTERM to SIGKILL: it leaves at its next
+#: commit (a rank that does not commit that soon is lost instead, and the others roll
+#: back to their last commit).
+ELASTIC_STOP_GRACE = 30
 #: Set on the service when a rank failed: which rank, its exit code and node.
 LABEL_FAILURE = "org.swarmfd.failure"
 #: Set with it: the ranks swarmfd stopped because of that failure ("0,2").
@@ -113,6 +130,9 @@ RESERVED_ENV = {
     "SWARMFD_JOB": "--name",
     "SWARMFD_RESTART_COUNT": "--max-restarts (deploy counts the restarts)",
     "SWARMFD_JOB_ID": "(deploy draws one per job)",
+    "SWARMFD_ELASTIC": "--elastic",
+    "SWARMFD_ELASTIC_JOIN": "--elastic (every task may be a replacement)",
+    "SWARMFD_ELASTIC_PEERS": "--elastic (tasks.<job> names every task)",
 }
 
 #: ``--checkpoint-volume NAME``: the named volume is mounted here in every rank, and
@@ -463,6 +483,9 @@ class JobSpec:
     checkpoint_volume: str | None = None
     shm_size: int | None = None  # bytes of the tmpfs at /dev/shm; None: the engine's
     restart_count: int = 0
+    #: An elastic job (module docstring), whose slots restart up to this many times each.
+    elastic: bool = False
+    elastic_restarts: int = 0
     version: str = ""
     #: This deploy's launch id (SWARMFD_JOB_ID in every rank; names its shm volume).
     launch_id: str = field(default_factory=lambda: secrets.token_hex(6))
@@ -630,6 +653,9 @@ class JobSpec:
                             LOCAL_WORLD_SIZE="1")
         if self.shares_nodes():
             contract[ENV_SHM_DIR] = SHM_TARGET
+        if self.elastic:
+            contract.update(SWARMFD_ELASTIC="1", SWARMFD_ELASTIC_JOIN="auto",
+                            SWARMFD_ELASTIC_PEERS="tasks.{{.Service.Name}}")
         # Defaults first (the user may override them), the contract last (it may not).
         merged = {**defaults, **self.env, **contract}
         return [f"{k}={v}" for k, v in merged.items()]
@@ -687,11 +713,16 @@ def build_service_spec(job: JobSpec, secret_id: str | None = None) -> dict[str, 
         placement["Constraints"] = list(job.constraints)
     if job.max_per_node is not None:
         placement["MaxReplicas"] = job.max_per_node
+    if job.elastic:
+        container["StopGracePeriod"] = ELASTIC_STOP_GRACE * 10**9
     task: dict[str, Any] = {
         "ContainerSpec": container,
         # One-shot ranks: a task that ends is never restarted (a restarted rank could not
-        # rejoin a running group; `swarmfd deploy` stops the job when a rank fails).
-        "RestartPolicy": {"Condition": "none", "MaxAttempts": 0},
+        # rejoin a running group; `swarmfd deploy` stops the job when a rank fails); an
+        # elastic job's failed task is, at once: the new one joins the running job.
+        "RestartPolicy": {"Condition": "on-failure", "Delay": 0, "Window": 0,
+                          "MaxAttempts": job.elastic_restarts}
+        if job.elastic and job.elastic_restarts else {"Condition": "none", "MaxAttempts": 0},
         "Networks": [{"Target": job.name}] + [{"Target": n} for n in job.networks],
     }
     if resources:
@@ -705,6 +736,8 @@ def build_service_spec(job: JobSpec, secret_id: str | None = None) -> dict[str, 
     }
     if job.version:
         labels[LABEL_VERSION] = job.version
+    if job.elastic:
+        labels[LABEL_ELASTIC] = "1"
     return {
         "Name": job.name,
         "Labels": labels,

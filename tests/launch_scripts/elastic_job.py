@@ -101,6 +101,8 @@ def train(state):
                 raise ValueError(f"a bug at step {state.steps}")
             if state.batch % COMMIT_EVERY == 0:
                 state.commit()
+                if state.commits == 1 and fd.get_rank() == 0:
+                    print("first commit", flush=True)
             time.sleep(STEP_SLEEP)
         state.batch = 0
         state.sampler.set_epoch(state.epoch + 1)

@@ -1,0 +1,82 @@
+"""An elastic job on a real Swarm: ``deploy --elastic``, a rank's container killed with
+``docker kill``, Swarm's replacement joins the running job, which finishes (deploy exits
+0), and ``swarmfd ps`` shows the replacement in the killed rank's slot.
+
+The job is tests/launch_scripts/elastic_job.py, bind-mounted read-only: its result
+counts how many times each sample was processed in the committed history.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from swarmfd.swarm.spec import LABEL_JOB
+from tests.swarm_jobs import job_names, rank_lines, wait_until
+
+pytestmark = pytest.mark.swarm
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = ROOT / "tests" / "launch_scripts"
+RESULT = re.compile(r"RESULT rank=(\d+) world=(\d+) gen=(\d+) min=(\d+) max=(\d+)")
+
+
+@pytest.fixture
+def job_name(swarm: Any) -> Iterator[Callable[[str], str]]:
+    with job_names(swarm, "sfde") as make:
+        yield make
+
+
+def _tasks(swarm: Any, name: str) -> list[dict[str, Any]]:
+    """The job's tasks ([] until deploy created its service)."""
+    services = swarm.api.services(filters={"label": f"{LABEL_JOB}={name}"})
+    return swarm.api.tasks(filters={"service": services[0]["ID"]}) if services else []
+
+
+def test_a_killed_container_is_replaced_and_the_job_finishes(
+        swarm: Any, swarmfd_image: str, job_name: Callable[[str], str]) -> None:
+    name = job_name("kill")
+    deploy = subprocess.Popen(
+        [sys.executable, "-m", "swarmfd", "deploy", swarmfd_image, "-n", "3", "--elastic",
+         "--min-n", "2", "--keep", "--name", name, "--mount",
+         f"type=bind,src={SCRIPTS},dst=/scripts,readonly", "-e", "EPOCHS=3",
+         "-e", "SAMPLES=240", "-e", "STEP_SLEEP=0.25", "-e", "KILL_DIR=/tmp",
+         "--", "python", "/scripts/elastic_job.py"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        wait_until(lambda: deploy.poll() is not None or len(
+            [t for t in _tasks(swarm, name) if t["Status"]["State"] == "running"]) == 3, 120,
+                   "three running ranks")
+        assert deploy.poll() is None, deploy.communicate()
+        first = next(t for t in _tasks(swarm, name) if t["Slot"] == 1)
+        wait_until(lambda: b"first commit" in swarm.api.logs(
+            first["Status"]["ContainerStatus"]["ContainerID"]), 120, "the first commit")
+        victim = next(t for t in _tasks(swarm, name) if t["Slot"] == 2)
+        swarm.api.kill(victim["Status"]["ContainerStatus"]["ContainerID"])
+        out, err = deploy.communicate(timeout=240)
+    finally:
+        if deploy.poll() is None:
+            deploy.kill()
+            deploy.communicate()
+    assert deploy.returncode == 0, out + err
+    assert "rank 1 exited with code 137" in err, err
+    results = [tuple(int(g) for g in m.groups()) for m in RESULT.finditer(out)]
+    assert results and all(r[3] == 3 for r in results), out  # no sample skipped
+    assert any("swarmfd: generation" in line for line in rank_lines(err).get(0, [])), err
+    assert any("this replacement joined the job" in line
+               for line in rank_lines(err).get(1, [])), err
+    assert all(r[1] == 3 for r in results), out  # the replacement is in the final world
+    slot2 = sorted((t for t in _tasks(swarm, name) if t["Slot"] == 2),
+                   key=lambda t: t["CreatedAt"])
+    assert len(slot2) >= 2 and slot2[-1]["ID"] != victim["ID"], slot2
+    ps = subprocess.run([sys.executable, "-m", "swarmfd", "ps", name], capture_output=True,
+                        text=True, timeout=60, cwd=ROOT)
+    assert ps.returncode == 0, ps.stderr
+    row = next(line for line in ps.stdout.splitlines()[2:] if line.startswith("1 "))
+    assert row.split()[1] == "complete" and slot2[-1]["ID"][:12] in row.split(), ps.stdout
