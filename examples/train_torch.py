@@ -29,6 +29,15 @@ What it shows:
    (``broadcast_parameters``/``broadcast_optimizer_state``), and training goes on
    from the next epoch, ending where an uninterrupted run ends.
 
+5. ``--elastic`` (under ``swarmfd run --elastic``): an elastic job (``fd.elastic``):
+   the model and optimizer in a ``TorchState``, the data split by an
+   ``ElasticSampler``, a commit every ``--commit-every`` steps. A rank lost (try
+   ``--kill-at-step 40 --kill-at-step 120``: the last rank kills itself there) costs the
+   others a re-formation and the steps since their last commit; its replacement joins
+   at their next commit; the run ends at the accuracy of an undisturbed one::
+
+       swarmfd run -n 4 --elastic examples/train_torch.py --elastic --kill-at-step 40
+
 Exit code 0; 1 if the replicas differ or the accuracy is below ``--min-accuracy``;
 3 for the simulated failure of ``--fail-at-epoch``.
 """
@@ -38,6 +47,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -74,6 +84,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "on the first attempt only")
     p.add_argument("--min-accuracy", type=float, default=0.0,
                    help="exit 1 below this final test accuracy (default 0)")
+    p.add_argument("--elastic", action="store_true",
+                   help="an elastic job (run it with swarmfd run --elastic): lost ranks "
+                        "cost a re-formation, replacements join at a commit")
+    p.add_argument("--commit-every", type=int, default=10,
+                   help="with --elastic: steps between commits (default 10)")
+    p.add_argument("--kill-at-step", type=int, action="append", default=[],
+                   help="testing aid, with --elastic: the last rank kills itself (SIGKILL) "
+                        "right after the commit of this global step (a multiple of "
+                        "--commit-every); repeatable")
     args = p.parse_args(argv)
     if args.checkpoint_dir is None and os.environ.get(ENV_CHECKPOINT_DIR):
         args.checkpoint_dir = Path(os.environ[ENV_CHECKPOINT_DIR])
@@ -183,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
              f"global batch {args.batch_size} ({args.batch_size // world} per rank), "
              f"{len(y_train)} train / {len(y_test)} test digits")
 
+    if args.elastic:
+        acc = train_elastic(args, model, opt, x_train, y_train, x_test, y_test)
+        return report(model, acc, len(y_test), args.min_accuracy)
     ckpt = args.checkpoint_dir / CHECKPOINT_NAME if args.checkpoint_dir else None
     fd.print(f"checkpoints: {ckpt}" if ckpt else
              "checkpoints: off (--checkpoint-dir or SWARMFD_CHECKPOINT_DIR)")
@@ -220,17 +242,59 @@ def main(argv: list[str] | None = None) -> int:
             return 3
     if start >= args.epochs:
         acc = accuracy(model, x_test, y_test)
+    return report(model, acc, len(y_test), args.min_accuracy)
 
+
+def report(model: torch.nn.Module, acc: float, tested: int, min_accuracy: float) -> int:
+    """Print the accuracy and whether every replica is the same; the exit code."""
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     rows = fd.all_gather(flat.numpy())
     same = all((r == rows[0]).all() for r in rows)
     digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
-    fd.print(f"final test accuracy: {acc:.4f} ({len(y_test)} test digits)")
-    fd.print(f"params identical on all {world} ranks: {'OK' if same else 'NO'} "
+    fd.print(f"final test accuracy: {acc:.4f} ({tested} test digits)")
+    fd.print(f"params identical on all {fd.get_world_size()} ranks: {'OK' if same else 'NO'} "
              f"(checksum {digest})")
-    if not same or acc < args.min_accuracy:
+    if not same or acc < min_accuracy:
         return 1
     return 0
+
+
+def train_elastic(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                  x_train: torch.Tensor, y_train: torch.Tensor, x_test: torch.Tensor,
+                  y_test: torch.Tensor) -> float:
+    """The epochs as an elastic job (5. in the module docstring); the final accuracy."""
+    sampler = sft.elastic.ElasticSampler(len(y_train), shuffle=True, seed=args.seed)
+    state = sft.elastic.TorchState(model, opt, sampler=sampler, epoch=0, steps=0, killed=[])
+
+    @fd.elastic.run
+    def train(state: sft.elastic.TorchState) -> float:
+        for state.epoch in range(state.epoch, args.epochs):  # noqa: B020 (kept in the state)
+            model.train()
+            per_rank = -(-args.batch_size // fd.get_world_size())  # the world may change
+            for batch in state.sampler.batches(per_rank):
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x_train[batch]),
+                                                  y_train[batch]).backward()
+                opt.step()
+                state.sampler.record_batch(state.steps, per_rank)
+                state.steps += 1
+                if state.steps % args.commit_every == 0:
+                    kill = state.steps in args.kill_at_step and state.steps not in state.killed
+                    if kill:
+                        state.killed.append(state.steps)  # (committed: never twice)
+                    state.commit()
+                    if kill and fd.get_rank() == fd.get_world_size() - 1:
+                        print(f"rank {fd.get_rank()}: killed at step {state.steps} (testing "
+                              "aid)", file=sys.stderr, flush=True)
+                        os.kill(os.getpid(), signal.SIGKILL)
+            model.eval()
+            acc = accuracy(model, x_test, y_test)
+            fd.print(f"epoch {state.epoch + 1:3d}/{args.epochs}  test acc {acc:.4f}  "
+                     f"({fd.get_world_size()} ranks)")
+            state.sampler.set_epoch(state.epoch + 1)
+        return accuracy(model, x_test, y_test)
+
+    return train(state)
 
 
 if __name__ == "__main__":

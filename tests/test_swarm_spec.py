@@ -1069,3 +1069,15 @@ def test_following_an_elastic_job_reports_failures_and_waits_for_every_slot() ->
     lost.settled = -1e9
     ended = lost.update({0: failed}, {})
     assert ended is not None and ended.outcome == "failed" and ended.exit_code == 137
+    # A rank that left at a commit exits 0 alone: the others, made before, still run.
+    left = _Elastic(said.append, "job")
+    left.settled = -1e9
+    member = TaskView.from_api(task(1, "running", created="2024-01-01T00:00:00Z"))
+    leaver = TaskView.from_api(task(2, "complete", ts="2024-01-01T00:05:00Z"))
+    assert left.update({0: member, 1: leaver}, {}) is None
+    # A replacement made after the members exited 0 came too late: done, and stopped.
+    late = TaskView.from_api(task(2, "running", created="2024-01-01T00:09:00Z", tid="late"))
+    finished = TaskView.from_api(task(1, "complete", ts="2024-01-01T00:08:00Z"))
+    left.settled = -1e9
+    end = left.update({0: finished, 1: late}, {})
+    assert end is not None and end.outcome == "done" and left.late == [late]

@@ -388,6 +388,11 @@ def follow_job(
                 history = [TaskView.from_api(t)
                            for t in client.api.tasks(filters={"service": service_id})]
                 ended = watch.update(views, nodes, history)
+                if ended is not None and watch.late:
+                    progress(f"{name}: stopping {len(watch.late)} replacement(s) that came "
+                             "after the job had finished")
+                    with contextlib.suppress(docker.errors.APIError):
+                        client.services.get(service_id).scale(0)
                 if ended is not None:
                     if pump is not None:
                         pump.drain(drain_timeout, progress, name)
@@ -433,10 +438,12 @@ ELASTIC_SETTLE = 3.0
 
 class _Elastic:
     """Following an elastic job: a rank that fails or is lost is reported, not acted on
-    (Swarm starts its replacement, which joins the running job); the job is over once
-    every slot's newest task has ended (a task of a node that left counts as ended) for
-    ELASTIC_SETTLE seconds: done if a rank completed (the elastic function returned on
-    every member: they exit 0 together), else failed with the last failure's code."""
+    (Swarm starts its replacement, which joins the running job); the job is over once a
+    rank completed (the elastic function returned on every member: they exit 0
+    together; a task still running then came too late, and is stopped), or once every
+    slot's newest task has ended (a task of a node that left counts as ended) without
+    that: failed, with the last failure's code. Either must hold for ELASTIC_SETTLE
+    seconds."""
 
     def __init__(self, progress: Callable[[str], None], name: str) -> None:
         self.progress, self.name = progress, name
@@ -444,6 +451,8 @@ class _Elastic:
         self.completed = False
         self.last_failure: TaskView | None = None
         self.settled: float | None = None
+        #: Tasks still there when the job was done (replacements that came too late).
+        self.late: list[TaskView] = []
 
     def update(self, views: dict[int, TaskView], nodes: dict[str, NodeState],
                history: list[TaskView] | None = None) -> FollowResult | None:
@@ -462,9 +471,13 @@ class _Elastic:
                         else f"rank {view.rank} was lost with its node")
                 self.progress(f"{self.name}: {what}; the others go on without it (Swarm "
                               "starts a replacement while it has restarts left)")
-        # Once the job has completed, a replacement Swarm could not place yet (pending)
-        # has nothing to join any more.
-        ended = all(v.terminal or v.task_id in lost or (self.completed and v.phase == "pending")
+        # The members exit 0 together once the function returned on every one: a task
+        # still there that was made after the newest exit 0 came too late (Swarm
+        # reschedules the tasks of a lost node, whatever their restart policy), with
+        # nothing to join. (A rank that left at a commit exits 0 too, alone: the others,
+        # made before it, still run.)
+        done = [v.updated for v in [*views.values(), *(history or [])] if v.phase == "done"]
+        ended = all(v.terminal or v.task_id in lost or (done and v.created > max(done))
                     for v in views.values())
         if not views or not ended:
             self.settled = None
@@ -474,6 +487,7 @@ class _Elastic:
         if now - self.settled < ELASTIC_SETTLE:
             return None
         if self.completed:
+            self.late = [v for v in views.values() if not v.terminal and v.task_id not in lost]
             return FollowResult("done", 0, "the elastic function returned on every member")
         failure = self.last_failure
         return FollowResult("failed", exit_code_for(failure) if failure else 1,

@@ -153,15 +153,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             if ddp._group is not self._sg:
                 raise ValueError("ZeroRedundancyOptimizer: its group differs from that of the "
                                  "DistributedDataParallel of these parameters")
-            buckets = ddp._buckets
-        else:
-            named = [(f"parameter {i}", p) for i, p in enumerate(self._params)]
-            buckets = _buckets.assign(named, self._size, self._bucket_cap)
-        self._build(buckets)
-        if ddp is not None:
-            ddp._attach_zero(self)
-            self._ddp = weakref.ref(ddp)
-        set_owner(ZERO_OWNERS, self._params, self)
+        self._lay_out(ddp)
         self._reduced = False  # DDP left the reduced gradients in _shard_grads
         self._gathers: list[Any] = []
         self._consolidated: dict[str, Any] | None = None
@@ -464,7 +456,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         for p in self._params:
             if hasattr(p, ZERO_OWNERS):
                 delattr(p, ZERO_OWNERS)
-        ddp = live_owner(DDP_OWNERS, self._params)
+        self._lay_out(live_owner(DDP_OWNERS, self._params))
+        self._reduced = False
+        self._consolidated = None
+
+    def _lay_out(self, ddp: Any) -> None:
+        """The shards over ``ddp``'s buckets (None: buckets of this optimizer's own)."""
         if ddp is not None:
             buckets = ddp._buckets
         else:
@@ -475,8 +472,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             ddp._attach_zero(self)
             self._ddp = weakref.ref(ddp)
         set_owner(ZERO_OWNERS, self._params, self)
-        self._reduced = False
-        self._consolidated = None
 
     def _local_scalars(self) -> dict[int, dict[str, Any]]:
         """Per parameter group, the non-elementwise state entries of any owned run."""

@@ -8,10 +8,7 @@ rollback), plus the repeats that even out a split's last step. Every rank prints
 
 Faults, from the environment:
 
-* ``KILLS="7:first,17:middle"``: at global step 7, the rank that is rank 0 of the world
-  then kills itself (SIGKILL); at step 17, a middle one; ``last``: the last rank;
-  ``ranks``: "first,last" both at once. Each kill happens once (a file in
-  ``KILL_DIR`` marks it), so the steps redone after a rollback do not repeat it.
+* ``KILLS`` and ``KILL_DIR``: see elastic_kills.py.
 * ``DIE_IN_REFORM="1"``: the rank that starts as rank 1 dies as soon as it takes part
   in its first re-formation (a loss during a re-formation).
 * ``RAISE_AT=5``: the rank that starts as rank 1 raises ValueError at step 5 (a bug of
@@ -19,10 +16,10 @@ Faults, from the environment:
 """
 
 import os
-import signal
 import time
 
 import numpy as np
+from elastic_kills import die, maybe_kill
 
 import swarmfd as fd
 import swarmfd.membership
@@ -32,18 +29,9 @@ SAMPLES = int(os.environ.get("SAMPLES", "120"))
 BATCH = int(os.environ.get("BATCH", "4"))
 COMMIT_EVERY = int(os.environ.get("COMMIT_EVERY", "5"))
 STEP_SLEEP = float(os.environ.get("STEP_SLEEP", "0.02"))
-KILLS = {}
-for item in filter(None, os.environ.get("KILLS", "").split(",")):
-    step, _, where = item.partition(":")
-    KILLS.setdefault(int(step), []).append(where)
-KILL_DIR = os.environ.get("KILL_DIR", "")
 RAISE_AT = int(os.environ.get("RAISE_AT", "0"))
 SLOT = int(os.environ.get("RANK", "0"))
 FIRST = not os.environ.get("SWARMFD_ELASTIC_JOIN")
-
-
-def die() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 if os.environ.get("DIE_IN_REFORM") and SLOT == 1 and FIRST:
@@ -54,27 +42,6 @@ if os.environ.get("DIE_IN_REFORM") and SLOT == 1 and FIRST:
         return _reform(*args, **kwargs)
 
     swarmfd.membership.reform = reform_then_die
-
-
-def maybe_kill(step: int) -> None:
-    """Die if this rank is at a position KILLS names for ``step``, the first time the
-    job reaches it (the generation then is written down: the ranks of that generation
-    at the position die, not those that redo the step after the rollback)."""
-    rank, world = fd.get_rank(), fd.get_world_size()
-    gen = str(fd.session.elastic_state().world.gen)
-    here = {"first": rank == 0, "last": rank == world - 1, "middle": 0 < rank < world - 1}
-    for n, where in enumerate(KILLS.get(step, [])):
-        marker = os.path.join(KILL_DIR, f"killed-{step}-{n}")
-        if not here.get(where):
-            continue
-        try:
-            with open(marker, "x") as f:
-                f.write(gen)
-        except FileExistsError:
-            with open(marker) as f:
-                if f.read() != gen:
-                    continue
-        die()
 
 
 fd.init_from_env()

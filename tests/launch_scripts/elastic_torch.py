@@ -7,14 +7,13 @@ optimizer's whole state (consolidated) must be the one the last commit recorded
 (``state.opt_sum``): prints ``VERIFIED`` when it was. At the end every rank prints
 whether its parameters equal every other rank's, and the count of samples processed.
 
-Faults as in elastic_job.py: ``KILLS="6:first,16:middle"`` (``middle`` kills every
-middle rank at that step).
+Faults: ``KILLS`` and ``KILL_DIR``, see elastic_kills.py.
 """
 
 import os
-import signal
 
 import torch
+from elastic_kills import maybe_kill
 
 import swarmfd as fd
 import swarmfd.torch as sft
@@ -24,32 +23,6 @@ SAMPLES = int(os.environ.get("SAMPLES", "96"))
 BATCH = int(os.environ.get("BATCH", "4"))
 COMMIT_EVERY = int(os.environ.get("COMMIT_EVERY", "3"))
 ZERO = os.environ.get("ZERO") == "1"
-KILL_DIR = os.environ.get("KILL_DIR", "")
-KILLS: dict[int, list[str]] = {}
-for item in filter(None, os.environ.get("KILLS", "").split(",")):
-    step, _, where = item.partition(":")
-    KILLS.setdefault(int(step), []).append(where)
-
-
-def maybe_kill(step: int) -> None:
-    """Die if this rank is at a position KILLS names for ``step``, the first time the
-    job reaches it (the generation then is written down: the ranks of that generation
-    at the position die, not those that redo the step after the rollback)."""
-    rank, world = fd.get_rank(), fd.get_world_size()
-    gen = str(fd.session.elastic_state().world.gen)
-    here = {"first": rank == 0, "last": rank == world - 1, "middle": 0 < rank < world - 1}
-    for n, where in enumerate(KILLS.get(step, [])):
-        marker = os.path.join(KILL_DIR, f"killed-{step}-{n}")
-        if not here.get(where):
-            continue
-        try:
-            with open(marker, "x") as f:
-                f.write(gen)
-        except FileExistsError:
-            with open(marker) as f:
-                if f.read() != gen:
-                    continue
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def opt_sum(opt) -> float:

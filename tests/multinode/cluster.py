@@ -413,6 +413,13 @@ class Cluster:
         """Stop node ``index``'s container (its engine and every task on it go away)."""
         self.host.api.stop(self.nodes[index - 1].container_id, timeout=timeout)
 
+    def start_node(self, index: int, timeout: float = READY_WAIT) -> None:
+        """Start node ``index``'s stopped container again and wait until the manager lists
+        the node as ready (its engine keeps its Swarm state in the container)."""
+        node = self.nodes[index - 1]
+        self.host.api.start(node.container_id)
+        self._wait_listed_ready(node, timeout)
+
     def disconnect_node(self, index: int) -> None:
         """Cut node ``index`` off the other nodes (a network partition: its processes
         live on, nothing tells the peers, packets are simply lost)."""
@@ -425,6 +432,9 @@ class Cluster:
         node = self.nodes[index - 1]
         self.host.api.connect_container_to_network(node.container_id, self.network_name,
                                                    ipv4_address=node.ip)
+        self._wait_listed_ready(node, timeout)
+
+    def _wait_listed_ready(self, node: Node, timeout: float) -> None:
         deadline = _now() + timeout
         with self.manager.client() as mgr:
             while True:
@@ -434,7 +444,7 @@ class Cluster:
                     return
                 if _now() > deadline:
                     raise RuntimeError(f"{node.name} is {states.get(node.name)!r}, not ready, "
-                                       f"{timeout:.0f} s after reconnecting it")
+                                       f"{timeout:.0f} s after it came back")
                 time.sleep(0.3)
 
     def ipsec_error(self) -> str:

@@ -374,7 +374,76 @@ def test_own_project_reaches_the_other_nodes_through_the_registry(
                       if "warning" in line or "rejected" in line))
 
 
-# --- 5. a node is lost mid-job (last: it stops a node) ----------------------------------
+# --- 5. a node is lost mid-job (last: they stop a node) --------------------------------
+
+ELASTIC = (
+    "import os, time, numpy as np\n"
+    "import swarmfd as fd\n"
+    "fd.init_from_env()\n"
+    "print(f'up {fd.get_rank()} {os.environ[\"SWARMFD_NODE\"]}', flush=True)\n"
+    "state = fd.elastic.State(x=np.zeros(4096, np.float32), step=0)\n"
+    "@fd.elastic.run\n"
+    "def train(state):\n"
+    "    while state.step < 200:\n"
+    "        g = np.ones(4096, np.float32)\n"
+    "        fd.all_reduce_mean(g)\n"
+    "        state.x += g\n"
+    "        state.step += 1\n"
+    "        if state.step % 10 == 0:\n"
+    "            state.commit()\n"
+    "        time.sleep(0.05)\n"
+    "train(state)\n"
+    "print(f'done {fd.get_rank()} of {fd.get_world_size()} x={state.x[0]:.0f}', flush=True)\n"
+)
+
+
+def test_an_elastic_job_finishes_on_the_other_nodes_when_one_stops(
+        multinode: Any, job_name: Callable[[str], str]) -> None:
+    """deploy --elastic, one rank per node: node 2 stops dead mid-job (its container
+    SIGKILLed: no FIN, no RST). The ranks on the others find its rank lost (TCP
+    keepalive), re-form the world without it, resume from their last commit and finish
+    (every step counted once: x = 200); deploy exits 0, stopping the replacement Swarm
+    may start too late. Node 2 is started again."""
+    n = len(multinode.nodes)
+    if n < 3:
+        pytest.skip("needs at least three nodes")
+    name = job_name("elastic")
+    victim = multinode.nodes[1]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("DOCKER_HOST", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "swarmfd", "deploy", "--host", multinode.manager.docker_host,
+         multinode.image_id, "-n", str(n), "--name", name, "--max-per-node", "1", "--rm",
+         "--elastic", "--", "python", "-c", ELASTIC],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    out, err = _Reader(proc.stdout), _Reader(proc.stderr)
+    try:
+        wait_until(lambda: proc.poll() is not None or sum(
+            "] up " in line for _t, line in out.lines) == n, 120, "every rank up")
+        assert proc.poll() is None, f"deploy ended early:\n{out.text()}\n{err.text()}"
+        time.sleep(3.0)
+        stopped = time.time()
+        multinode.kill_node(victim.index)
+        try:
+            proc.wait(timeout=180)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"deploy did not end:\n{out.text()}\n{err.text()}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        multinode.start_node(victim.index)
+    out.join(10)
+    err.join(10)
+    assert proc.returncode == 0, out.text() + err.text()
+    done = re.findall(r"\] done (\d+) of (\d+) x=(\d+)", out.text())
+    assert len(done) == n - 1 and all(d[1:] == (str(n - 1), "200") for d in done), out.text()
+    reformed = [t - stopped for t, line in err.lines if "swarmfd: generation 1 after a lost "
+                "rank" in line]
+    assert reformed, err.text()
+    print(f"\nelastic node loss: the survivors re-formed {min(reformed):.1f}-"
+          f"{max(reformed):.1f} s after {victim.name} was killed")
+
 
 LOOP = (
     "import os, time, numpy as np\n"
