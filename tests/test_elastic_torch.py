@@ -73,3 +73,26 @@ def test_a_replacement_joins_a_zero_job_while_the_survivors_rebuild_ddp(
     results = [m.groups() for m in RESULT.finditer(out)]
     assert len(results) == 3, text
     assert all(r[1:] == (b"3", b"True", b"2", b"2") for r in results), text
+
+
+def test_a_loss_under_fully_shard_ends_the_job_saying_it_is_out_of_scope() -> None:
+    """A model with a unit of fully_shard (an FSDPModule in its classes): TorchState's
+    verdict on a loss is an ElasticError that says so (fully_shard's own class is
+    recognised by name: swarmfd.torch.elastic does not import it)."""
+    import swarmfd as fd
+
+    class FSDPModule(torch.nn.Module):  # the name fully_shard's units carry
+        pass
+
+    class FSDPLinear(torch.nn.Linear, FSDPModule):
+        pass
+
+    state = sft.elastic.TorchState(torch.nn.Sequential(FSDPLinear(2, 2)))
+    lost = fd.PeerLostError("lost rank 1")
+    try:
+        state._check_elastic_loss(lost)
+    except fd.ElasticError as exc:
+        assert "fully_shard" in str(exc) and "lost rank 1" in str(exc)
+    else:
+        raise AssertionError("no ElasticError")
+    sft.elastic.TorchState(torch.nn.Linear(2, 2))._check_elastic_loss(lost)  # DDP: goes on
