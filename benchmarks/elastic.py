@@ -209,10 +209,13 @@ def recovery(args: argparse.Namespace, system: str, position: str) -> dict[str, 
         else:
             _job([sys.executable, "-m", "swarmfd", "run", "-n", str(args.n), "--max-restarts",
                   "1", "--", *_me(args, "restart-worker", **extra)], args.job_timeout)
-        records = [json.loads(line) for p in Path(events).glob("*.jsonl")
-                   for line in p.read_text().splitlines()]
-    kill = next(r["t"] for r in records if r["kind"] == "kill")
-    after = [r for r in records if r["kind"] == "step" and r["t"] > kill]
+        per_process = [[json.loads(line) for line in p.read_text().splitlines()]
+                       for p in Path(events).glob("*.jsonl")]
+    kill = next(r["t"] for rs in per_process for r in rs if r["kind"] == "kill")
+    # Each process's first step after the kill (later ones follow a replacement's join).
+    first = [next((r for r in rs if r["kind"] == "step" and r["t"] > kill), None)
+             for rs in per_process]
+    after = [r for r in first if r is not None]
     survivors = [r["t"] for r in after if not r["join"]]
     joined = [r["t"] for r in after if r["join"]] or survivors
     return {"survivors": max(survivors) - kill if survivors else float("nan"),

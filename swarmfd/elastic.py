@@ -213,17 +213,20 @@ class State:
 
     def save(self) -> None:
         """Copy every value (what :meth:`commit` keeps, without its collective)."""
+        old = self._saved or {}
         saved = {}
         for name in self._names:
             value = getattr(self, name)
             kind = _kind(value)
+            before = old.get(name)
             if kind == "array":
-                saved[name] = value.copy()
+                saved[name] = _keep(value, before)
             elif kind == "arrays":
-                saved[name] = [v.copy() for v in value]
+                saved[name] = _keep_all(value, before)
             elif kind == "stateful":
                 plain, arrays = value.elastic_state()
-                saved[name] = (copy.deepcopy(plain), [a.copy() for a in arrays])
+                saved[name] = (copy.deepcopy(plain),
+                               _keep_all(arrays, before[1] if isinstance(before, tuple) else None))
             else:
                 _check_plain(value, name)
                 saved[name] = copy.deepcopy(value)
@@ -282,6 +285,22 @@ class State:
             for value, name, at, count in loads:
                 value.load_elastic_state(plain[name], arrays[at:at + count])
             object.__setattr__(self, "commits", plain["commits"])
+
+
+def _keep(value: np.ndarray, previous: Any) -> np.ndarray:
+    """A copy of ``value``, written into ``previous`` when it fits (a commit then
+    allocates nothing: fresh pages cost more than the copy)."""
+    if isinstance(previous, np.ndarray) and previous is not value and \
+            previous.shape == value.shape and previous.dtype == value.dtype:
+        np.copyto(previous, value)
+        return previous
+    return value.copy()
+
+
+def _keep_all(values: Sequence[np.ndarray], previous: Any) -> list[np.ndarray]:
+    before = previous if isinstance(previous, list) and len(previous) == len(values) \
+        else [None] * len(values)
+    return [_keep(v, b) for v, b in zip(values, before, strict=True)]
 
 
 _RESERVED = frozenset(name for name in dir(State) if not name.startswith("_")) | {"commits"}

@@ -76,6 +76,27 @@ def _tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     return out
 
 
+def _keep(value: Any, previous: Any) -> Any:
+    """A copy of ``value`` (tensors, and dicts, lists and tuples of them and of plain
+    values: a state_dict), written into ``previous``'s tensors where they fit: a commit
+    then allocates nothing (fresh pages for a new copy each time cost 3-4x the copy
+    itself, benchmarks/elastic.py's MLP: docs/elastic.md)."""
+    if isinstance(value, torch.Tensor):
+        if (isinstance(previous, torch.Tensor) and previous is not value
+                and previous.shape == value.shape and previous.dtype == value.dtype):
+            return previous.copy_(value.detach())
+        return value.detach().clone()
+    if isinstance(value, dict):
+        before = previous if isinstance(previous, dict) else {}
+        return {k: _keep(v, before.get(k)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        before = previous if isinstance(previous, (list, tuple)) and \
+            len(previous) == len(value) else [None] * len(value)
+        kept = [_keep(v, b) for v, b in zip(value, before, strict=True)]
+        return tuple(kept) if isinstance(value, tuple) else kept
+    return copy.deepcopy(value)
+
+
 class TorchState(_core.State):
     """An elastic state with a torch ``model`` and its ``optimizer`` (module docstring);
     ``**values`` as :class:`swarmfd.elastic.State`'s."""
@@ -109,14 +130,15 @@ class TorchState(_core.State):
 
     def save(self) -> None:
         super().save()
+        old = self._torch_saved
         saved: dict[str, Any] = {}
         if self.model is not None:
-            saved["model"] = [t.detach().clone() for t in _tensors(self.model)]
+            saved["model"] = _keep(_tensors(self.model), old.get("model"))
         zero = self._zero()
         if zero is not None:
             saved["zero"] = _save_shards(zero)
         elif self.optimizer is not None:
-            saved["optimizer"] = copy.deepcopy(self.optimizer.state_dict())
+            saved["optimizer"] = _keep(self.optimizer.state_dict(), old.get("optimizer"))
         object.__setattr__(self, "_torch_saved", saved)
 
     def restore(self) -> None:
