@@ -73,6 +73,16 @@ it printed before it exited, and every other error pass unchanged. ``tracebacks`
 (``--tracebacks``, or ``SWARMFD_TRACEBACK=1``) prints these tracebacks, and those of
 an interruption, whole.
 
+Elastic jobs (``--elastic``, :mod:`swarmfd.elastic`). A rank that a signal ended is
+started again as a replacement (``SWARMFD_ELASTIC_JOIN=1``, the same ``RANK``) that
+joins the running job, up to ``max_restarts`` times per rank (3 by default); the others
+are not stopped. Each rank's elastic agent listens on a port of its own
+(``SWARMFD_ELASTIC_PEERS``: every rank's, by starting rank), and ``SWARMFD_ELASTIC_DONE``
+names a file the launcher writes once a rank exited 0 (the job finished: a replacement
+still waiting then exits 0). The run exits 0 once every process ended, if the job
+finished (:class:`_ElasticAttempt`). A replacement is not pinned (``bind_cores``): it
+starts while the launcher's reader threads run, where a ``preexec_fn`` is not safe.
+
 Interruption. SIGINT (Ctrl-C), SIGTERM or SIGHUP to the launcher is forwarded
 to every rank; after ``grace`` seconds (or at a second signal) the ranks are
 killed. The launcher then exits with 128+signal (130 for Ctrl-C). It never
