@@ -61,13 +61,10 @@ rest from its locals' slots. Each link carries what the other hosts need once: a
 much as the flat ring in host order, without the TCP hops inside the hosts.
 
 **Streams.** Between two hosts the large all_reduce and the all_gather use at most
-STREAMS TCP connections each way, whatever the number of ranks a host holds (a
-small all_gather, a connection per rank): more
-streams spread the kernel's TCP work over more ranks, but K streams sharing a shaped
-link with a shallow queue lost packets together and stalled on retransmission
-timeouts (see STREAMS).
+STREAMS TCP connections each way, whatever the number of ranks a host holds (a small
+all_gather: a connection per rank); STREAMS says why.
 
-**reduce_scatter** (:func:`reduce_scatter`, two hosts, from 1 MiB): each host computes
+**reduce_scatter** (:func:`reduce_scatter`, two hosts, large): each host computes
 the host partials of every block over its slots, the partials of the other host's
 blocks cross over at most STREAMS streams, and each rank combines its own block's
 two partials: a link carries the other host's blocks once, (N - L) / N of S, against
@@ -77,6 +74,8 @@ The other collectives (all_to_all, gather, scatter) run flat.
 
 Tags: the phases between hosts use the call's own tags (round-major, < 2^30, plus
 ACK and SIG of :mod:`.tcp`); those inside a host a sub-op's from LOCAL_TAGS.
+
+The barriers, the bytes on each host's link and the cost of each: docs/algorithms.md.
 """
 
 from __future__ import annotations
@@ -110,24 +109,14 @@ __all__ = [
 #: Bytes one rank moves through its slot per round of a large call (at most a slot).
 ROUND_BYTES = SEGMENT_BYTES
 #: TCP streams each way between two hosts for the large all_reduce and the all_gather
-#: (see _all_reduce_two_hosts and all_gather). Measured with benchmarks/hierarchy.py
-#: (2026-12-02, 2 interleaved runs a shape; benchmarks/results/hierarchy-20261202-
-#: streams.md), 16 / 64 MiB all_reduce at 2x4 ranks, host placement:
-#: * 500 Mbit/s (the network is the limit; bound 268 / 1074 ms): 1 stream 294-299 /
-#:   1147-1164 ms, 2 streams 295-303 / 1146-1311 ms, 3 streams 357-507 / 1746-1894 ms,
-#:   4 (one per shard, the earlier algorithm) 535-1367 / 3610-5611 ms: with 3 or more
-#:   streams the tbf queue (221 KB) overflowed and retransmission timeouts stalled calls;
-#: * 2 Gbit/s (4 ranks a core: the CPU is the limit): 1 stream 125-138 / 442-500 ms,
-#:   2 streams 121-122 / 417-422 ms, 4 streams 97-111 / 386-401 ms: more streams spread
-#:   the kernel's TCP work over more ranks.
-#: Two keeps every shape near its bound where the link is the limit, at up to 1.1x the
-#: time of a stream per shard where the CPU is.
+#: (see _all_reduce_two_hosts and all_gather): more streams spread the kernel's TCP work
+#: over more ranks where the CPU is the limit, but three or more overflowed a shaped
+#: link's queue together and stalled on retransmission timeouts where the link is.
+#: Two keeps every shape near its bound (docs/algorithms.md).
 STREAMS = 2
 #: An all_gather of rows up to this size, in one round, sends every rank's row itself
 #: (a stream per rank, one barrier) instead of through STREAMS carriers (two
-#: barriers): at 3+1 ranks, 5 Gbit/s, 64 KiB took 0.63-0.82 ms that way against
-#: 1.20-1.35 ms through carriers, and at 2x4, 500 Mbit/s, 4.9-5.3 against 4.6-4.8 ms
-#: (benchmarks/hierarchy.py, 2026-12-02, 2 interleaved runs).
+#: barriers), which is faster while the rows are small (docs/algorithms.md).
 SMALL_GATHER_BYTES = 64 << 10
 #: Rounds of an all_gather sent ahead of the one being received (more would sit in
 #: the send queue, which only moves while the rank waits on TCP).
@@ -137,7 +126,7 @@ GATHER_AHEAD = 2
 LOCAL_TAGS = 1 << 31
 #: Tag base of the rings of the shards among their owners (more than two hosts), one
 #: block of SHARD_TAGS tags per shard (a ring of a 1 GiB shard uses about 2000), apart
-#: from a call's size exchange (from 2^30, collectives._exchange).
+#: from a call's second phase (from 2^30, collectives._SECOND_PHASE_TAGS).
 RING_TAGS = 3 << 29
 SHARD_TAGS = 1 << 20
 
@@ -378,9 +367,8 @@ def _all_reduce_two_hosts(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout,
     written, and the barriers in between tell that everyone read it. Before a partial
     it sent three rounds earlier is overwritten (by another owner after the next
     barrier, or by itself), a carrier waits until the kernel took it (normally long
-    done). A host of one
-    rank has no slot: it carries every stream, owns every shard and sends from its
-    array.
+    done). A host of one rank has no slot: it carries every stream, owns every shard
+    and sends from its array.
     """
     p = _TwoHosts(op, buf, lay, local, round_bytes, streams)
     if local is None:
