@@ -20,28 +20,19 @@ cut into K *shards*; on a host of L ranks shard q belongs to local index q mod L
   index j exchanges host partials with local index j mod L_g of every other host g
   and everyone reduces the H partials in host order. One barrier and one network
   hop; each link carries L copies of S, which only small buffers can afford.
-* *large* (:func:`all_reduce_large`): rounds of at most ROUND_BYTES per rank; round
-  t holds piece t of every shard. In each round every local copies the pieces of
-  the shards it does not own into its slot (a reduce-scatter inside the host), a
-  barrier, and each owner reduces its pieces from the others' slots into its own
-  slot (its own operand first, then local order): the host partial of that piece,
-  computed once. Between two hosts the shards travel on at most STREAMS TCP streams
-  each way: a stream's *carrier* on each host sends the host's partials of its
-  shards, from the owners' slots, to the other host's carrier, and receives the
-  other host's into its own slot. After a later barrier every local computes every
-  shard's result, ``ufunc(first host's, second's)``, into its own array: the same
-  bits everywhere. The partials of round t leave in round t or t + 1 and are
-  combined in round t + 2, so the link carries them while the hosts work on the
-  next rounds.
-  Each host's link carries S each way: the two-level bound 2(H-1)/H S for H = 2,
-  against 2(N-1)/N S for the best flat ring. With more than two hosts the phases
-  run one after the other: the reduce-scatter of every round, then a flat
-  all-reduce (ring, in host order) of each shard among its H owners, then the
-  all-gather.
+* *large* (:func:`all_reduce_large`): rounds of at most ROUND_BYTES per rank, round
+  t holding piece t of every shard: a reduce-scatter inside each host (each owner
+  computes the host partial of its pieces once: its own operand first, then local
+  order), the partials between hosts, then every shard's result inside each host.
+  Two hosts pipeline the rounds over at most STREAMS TCP streams each way
+  (:func:`_all_reduce_two_hosts`): each host's link carries S each way, the two-level
+  bound 2(H-1)/H S for H = 2, against 2(N-1)/N S for the best flat ring. More hosts
+  run the phases one after the other, with a flat all-reduce of each shard among its
+  H owners between them.
 
-Every element is reduced once inside its host and once between hosts (a ring
-reduces it once as well), then copied: float results are bitwise identical on
-every rank.
+Every element's operands combine in one order (inside its host, then between hosts),
+computed once and copied, or computed alike from the same operands on every rank:
+float results are bitwise identical on every rank.
 
 **broadcast**: the root's host is the first of a chain of host *leaders* (the root;
 elsewhere local index i_root mod L), in host order from the root's host, over TCP;
@@ -59,10 +50,6 @@ at most STREAMS TCP streams each way, round by round; every rank publishes its o
 row in its slot, a stream's receiver the rows it received, and everyone copies the
 rest from its locals' slots. Each link carries what the other hosts need once: as
 much as the flat ring in host order, without the TCP hops inside the hosts.
-
-**Streams.** Between two hosts the large all_reduce and the all_gather use at most
-STREAMS TCP connections each way, whatever the number of ranks a host holds (a small
-all_gather: a connection per rank); STREAMS says why.
 
 **reduce_scatter** (:func:`reduce_scatter`, two hosts, large): each host computes
 the host partials of every block over its slots, the partials of the other host's
