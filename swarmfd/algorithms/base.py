@@ -178,11 +178,8 @@ class Op:
         """``yield from`` this: the message as an array of ``count`` items of ``dtype``,
         valid until the next receive into ``scratch`` (from :meth:`scratch`). On the
         socket plane it lands in ``scratch``: a receive without a buffer would allocate
-        one per piece. Measured 2026-12-03 at N=2: back-to-back all_reduces (5
-        alternated runs) 0.88x the time at 9 MB, 0.92x at 64 MiB, the same at 1 MiB;
-        compare.py (4 interleaved runs, input reset between calls) 0.98-0.99x at 16 and
-        64 MiB, N=4 0.97x at 64 MiB, reduce_scatter 0.97-1.01x. On the zmq plane it is
-        the frame itself (received into a buffer: 1.04x the time at 9 MB)."""
+        one per piece. On the zmq plane it is the frame itself, which a copy into a
+        buffer would only slow down (docs/algorithms.md)."""
         if scratch is None:
             data = yield (self, frm, tag, count * dtype.itemsize, None)
             return np.frombuffer(data, dtype=dtype, count=count)
@@ -317,8 +314,8 @@ def spans(buf: np.ndarray | Parts, a: int, b: int) -> Iterator[tuple[np.ndarray,
 
 
 #: In a ring over :class:`Parts`, consecutive arrays (or array ends) smaller than this
-#: travel together, copied into one message; a larger one travels as views of itself.
-#: (A message costs 20-50 us of Python and system calls; 64 KiB copy in about 10 us.)
+#: travel together, copied into one message; a larger one travels as views of itself:
+#: a message costs more than copying this much (docs/algorithms.md).
 SMALL_SPAN_BYTES = 64 << 10
 
 
@@ -384,11 +381,10 @@ def take(buf: np.ndarray | Parts, a: int, b: int) -> np.ndarray:
 
 def divide_by(x: np.ndarray, n: int) -> None:
     """``x`` /= ``n`` in place (a mean's last step), bit for bit as ``np.divide(x, n,
-    out=x)`` but faster: floats are divided by ``n`` as their own type, not as a Python
-    int (0.021 against 0.041 ms for 128 Ki float32 here), and multiplied by 1 / ``n``
-    where ``n`` is a power of two up to 1024 (0.010 ms): 1 / ``n`` is then exact in
-    every float type, float16 included, so the product is the very quotient, correctly
-    rounded once either way."""
+    out=x)`` but faster (docs/algorithms.md): floats are divided by ``n`` as their own
+    type, not as a Python int, and multiplied by 1 / ``n`` where ``n`` is a power of
+    two up to 1024: 1 / ``n`` is then exact in every float type, float16 included, so
+    the product is the very quotient, correctly rounded once either way."""
     kind = x.dtype.kind
     if kind != "f" or n <= 0:
         np.divide(x, n, out=x)
@@ -410,8 +406,7 @@ def reduce_in_order(out: np.ndarray, operands: Sequence[np.ndarray], ufunc: np.u
     """``out`` = ((operands[0] op operands[1]) op operands[2]) ..., the operands in the
     order given (rank order: every rank that reduces gets the same bits). The first two
     are combined straight into ``out``: one pass over it fewer than copying the first
-    operand in and adding the rest (64 KiB on shared memory, N=2: see
-    benchmarks/results/session-20261204-e.md)."""
+    operand in and adding the rest."""
     if len(operands) == 1:
         np.copyto(out, operands[0])
         return

@@ -20,28 +20,19 @@ cut into K *shards*; on a host of L ranks shard q belongs to local index q mod L
   index j exchanges host partials with local index j mod L_g of every other host g
   and everyone reduces the H partials in host order. One barrier and one network
   hop; each link carries L copies of S, which only small buffers can afford.
-* *large* (:func:`all_reduce_large`): rounds of at most ROUND_BYTES per rank; round
-  t holds piece t of every shard. In each round every local copies the pieces of
-  the shards it does not own into its slot (a reduce-scatter inside the host), a
-  barrier, and each owner reduces its pieces from the others' slots into its own
-  slot (its own operand first, then local order): the host partial of that piece,
-  computed once. Between two hosts the shards travel on at most STREAMS TCP streams
-  each way: a stream's *carrier* on each host sends the host's partials of its
-  shards, from the owners' slots, to the other host's carrier, and receives the
-  other host's into its own slot. After a later barrier every local computes every
-  shard's result, ``ufunc(first host's, second's)``, into its own array: the same
-  bits everywhere. The partials of round t leave in round t or t + 1 and are
-  combined in round t + 2, so the link carries them while the hosts work on the
-  next rounds.
-  Each host's link carries S each way: the two-level bound 2(H-1)/H S for H = 2,
-  against 2(N-1)/N S for the best flat ring. With more than two hosts the phases
-  run one after the other: the reduce-scatter of every round, then a flat
-  all-reduce (ring, in host order) of each shard among its H owners, then the
-  all-gather.
+* *large* (:func:`all_reduce_large`): rounds of at most ROUND_BYTES per rank, round
+  t holding piece t of every shard: a reduce-scatter inside each host (each owner
+  computes the host partial of its pieces once: its own operand first, then local
+  order), the partials between hosts, then every shard's result inside each host.
+  Two hosts pipeline the rounds over at most STREAMS TCP streams each way
+  (:func:`_all_reduce_two_hosts`): each host's link carries S each way, the two-level
+  bound 2(H-1)/H S for H = 2, against 2(N-1)/N S for the best flat ring. More hosts
+  run the phases one after the other, with a flat all-reduce of each shard among its
+  H owners between them.
 
-Every element is reduced once inside its host and once between hosts (a ring
-reduces it once as well), then copied: float results are bitwise identical on
-every rank.
+Every element's operands combine in one order (inside its host, then between hosts),
+computed once and copied, or computed alike from the same operands on every rank:
+float results are bitwise identical on every rank.
 
 **broadcast**: the root's host is the first of a chain of host *leaders* (the root;
 elsewhere local index i_root mod L), in host order from the root's host, over TCP;
@@ -60,14 +51,7 @@ row in its slot, a stream's receiver the rows it received, and everyone copies t
 rest from its locals' slots. Each link carries what the other hosts need once: as
 much as the flat ring in host order, without the TCP hops inside the hosts.
 
-**Streams.** Between two hosts the large all_reduce and the all_gather use at most
-STREAMS TCP connections each way, whatever the number of ranks a host holds (a
-small all_gather, a connection per rank): more
-streams spread the kernel's TCP work over more ranks, but K streams sharing a shaped
-link with a shallow queue lost packets together and stalled on retransmission
-timeouts (see STREAMS).
-
-**reduce_scatter** (:func:`reduce_scatter`, two hosts, from 1 MiB): each host computes
+**reduce_scatter** (:func:`reduce_scatter`, two hosts, large): each host computes
 the host partials of every block over its slots, the partials of the other host's
 blocks cross over at most STREAMS streams, and each rank combines its own block's
 two partials: a link carries the other host's blocks once, (N - L) / N of S, against
@@ -77,6 +61,8 @@ The other collectives (all_to_all, gather, scatter) run flat.
 
 Tags: the phases between hosts use the call's own tags (round-major, < 2^30, plus
 ACK and SIG of :mod:`.tcp`); those inside a host a sub-op's from LOCAL_TAGS.
+
+The barriers, the bytes on each host's link and the cost of each: docs/algorithms.md.
 """
 
 from __future__ import annotations
@@ -110,24 +96,14 @@ __all__ = [
 #: Bytes one rank moves through its slot per round of a large call (at most a slot).
 ROUND_BYTES = SEGMENT_BYTES
 #: TCP streams each way between two hosts for the large all_reduce and the all_gather
-#: (see _all_reduce_two_hosts and all_gather). Measured with benchmarks/hierarchy.py
-#: (2026-12-02, 2 interleaved runs a shape; benchmarks/results/hierarchy-20261202-
-#: streams.md), 16 / 64 MiB all_reduce at 2x4 ranks, host placement:
-#: * 500 Mbit/s (the network is the limit; bound 268 / 1074 ms): 1 stream 294-299 /
-#:   1147-1164 ms, 2 streams 295-303 / 1146-1311 ms, 3 streams 357-507 / 1746-1894 ms,
-#:   4 (one per shard, the earlier algorithm) 535-1367 / 3610-5611 ms: with 3 or more
-#:   streams the tbf queue (221 KB) overflowed and retransmission timeouts stalled calls;
-#: * 2 Gbit/s (4 ranks a core: the CPU is the limit): 1 stream 125-138 / 442-500 ms,
-#:   2 streams 121-122 / 417-422 ms, 4 streams 97-111 / 386-401 ms: more streams spread
-#:   the kernel's TCP work over more ranks.
-#: Two keeps every shape near its bound where the link is the limit, at up to 1.1x the
-#: time of a stream per shard where the CPU is.
+#: (see _all_reduce_two_hosts and all_gather): more streams spread the kernel's TCP work
+#: over more ranks where the CPU is the limit, but three or more overflowed a shaped
+#: link's queue together and stalled on retransmission timeouts where the link is.
+#: Two keeps every shape near its bound (docs/algorithms.md).
 STREAMS = 2
 #: An all_gather of rows up to this size, in one round, sends every rank's row itself
 #: (a stream per rank, one barrier) instead of through STREAMS carriers (two
-#: barriers): at 3+1 ranks, 5 Gbit/s, 64 KiB took 0.63-0.82 ms that way against
-#: 1.20-1.35 ms through carriers, and at 2x4, 500 Mbit/s, 4.9-5.3 against 4.6-4.8 ms
-#: (benchmarks/hierarchy.py, 2026-12-02, 2 interleaved runs).
+#: barriers), which is faster while the rows are small (docs/algorithms.md).
 SMALL_GATHER_BYTES = 64 << 10
 #: Rounds of an all_gather sent ahead of the one being received (more would sit in
 #: the send queue, which only moves while the rank waits on TCP).
@@ -137,7 +113,7 @@ GATHER_AHEAD = 2
 LOCAL_TAGS = 1 << 31
 #: Tag base of the rings of the shards among their owners (more than two hosts), one
 #: block of SHARD_TAGS tags per shard (a ring of a 1 GiB shard uses about 2000), apart
-#: from a call's size exchange (from 2^30, collectives._exchange).
+#: from a call's second phase (from 2^30, collectives._SECOND_PHASE_TAGS).
 RING_TAGS = 3 << 29
 SHARD_TAGS = 1 << 20
 
@@ -378,9 +354,8 @@ def _all_reduce_two_hosts(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout,
     written, and the barriers in between tell that everyone read it. Before a partial
     it sent three rounds earlier is overwritten (by another owner after the next
     barrier, or by itself), a carrier waits until the kernel took it (normally long
-    done). A host of one
-    rank has no slot: it carries every stream, owns every shard and sends from its
-    array.
+    done). A host of one rank has no slot: it carries every stream, owns every shard
+    and sends from its array.
     """
     p = _TwoHosts(op, buf, lay, local, round_bytes, streams)
     if local is None:

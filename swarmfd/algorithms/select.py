@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 #: Two ranks all-reduce up to this many bytes as one message each way (the pair
-#: exchange); above it the ring's pipelined pieces win.
+#: exchange); above it the ring's pipelined pieces win (docs/algorithms.md).
 PAIR_MAX_BYTES = wire.PIECE_BYTES
 #: Up to this many bytes, all_reduce, reduce, broadcast, all_gather and reduce_scatter
 #: over messages use a direct exchange (one hop instead of 2(N-1) for the ring) ...
@@ -92,8 +92,9 @@ def _direct(nbytes: int, size: int) -> bool:
 
 def _doubling(nbytes: int, size: int, plane: Any) -> bool:
     """Recursive doubling instead of the direct exchange: a power-of-two group from 4,
-    not where an I/O thread makes each hop cost more than a message saves, and its last
-    round's message (N/2 buffers) within a message's limit."""
+    not where an I/O thread makes each hop cost more than a message saves
+    (docs/algorithms.md), and its last round's message (N/2 buffers) within a
+    message's limit."""
     return (not plane.io_thread and size >= 4 and size & (size - 1) == 0
             and size // 2 * nbytes <= wire.MAX_PAYLOAD)
 
@@ -207,8 +208,7 @@ def barrier(plane: Any) -> Choice:
 
 #: An uneven all_gather's part (one rank's rows) of at most this many bytes travels with
 #: its row count, in one round (:func:`.tcp.all_gather_counts`); a larger one is announced
-#: by its count, then all parts move by the table (two rounds). One round instead of two
-#: is about half a small call's time.
+#: by its count, then all parts move by the table (two rounds).
 ALL_GATHER_V_INLINE_BYTES = 64 << 10
 
 
@@ -260,13 +260,8 @@ def all_gather_parts(plane: Any, largest: int, size: int, equal: bool,
 
 #: Up to this many bytes the two-level all_reduce sends whole host partials between
 #: hosts (one barrier, one network hop; at most a slot); above it the sharded pipeline.
-#: The small path puts L copies of S on each link, the pipeline S. Measured with
-#: benchmarks/hierarchy.py (2026-12-02, 2 interleaved runs, host placement), small /
-#: pipelined ms at 64 / 128 / 256 KiB: 2x2@5gbit 0.94 / 1.24, 1.30 / 1.53, 1.86 / 1.89;
-#: 2x4@2gbit 4.12 / 5.00, 5.27 / 5.26, 7.31 / 5.68; 2x2@1gbit 1.18 / 1.45, 2.56 / 1.62,
-#: 4.81 / 3.23; 2x4@500mbit 5.32 / 5.26, 10.27 / 5.61, 129 (retransmission timeouts) /
-#: 7.71 (benchmarks/results/hierarchy-20261202-1140-small-threshold-ab.json; it was
-#: 256 KiB until then).
+#: The small path puts L copies of S on each link, the pipeline S: above this the
+#: pipeline was as fast or faster (docs/algorithms.md).
 HIER_SMALL_BYTES = 64 << 10
 
 
@@ -296,13 +291,7 @@ def two_level_layout(hosts: Sequence[str], domains: Sequence[int], me: int,
 #: (log2 N messages a rank) and the two-level small one would make some rank exchange
 #: host partials with more peers than that (:func:`small_fan`: a host of one rank
 #: beside a host of three exchanges with all three, and waits for them behind their
-#: barrier). Measured with benchmarks/hierarchy.py (2026-12-04, 5 interleaved runs;
-#: benchmarks/results/hierarchy-20261204-small.md), 3+1 ranks, two-level / flat time
-#: at 4 / 16 / 64 / 256 KiB: 5 Gbit/s by host 1.24 / 1.12 / 1.02 / 0.78, spread 1.46 /
-#: 1.10 / 0.90 / 0.70; 1 Gbit/s by host 1.10 / 1.20 / 0.94 / 0.34, spread 1.17 / 1.06 /
-#: 0.94 / 0.34. Where the fan is within log2 N (2x2, 2x4: 0.75-1.15 at 4 and 16 KiB)
-#: or the flat one is the direct exchange (2+1, 3+2, 4+1: 0.79-1.15, 4 runs),
-#: two-level.
+#: barrier; docs/algorithms.md).
 HIER_FAN_FLAT_MAX_BYTES = 16 << 10
 
 
@@ -343,11 +332,7 @@ def _broadcast_two_level(nbytes: int, lay: hier.Layout, root: int) -> bool:
     A small broadcast (the flat one is then the direct send: one hop from the root to
     every rank) stays flat when no other host than the root's holds several of the
     group's ranks: the direct send then puts one copy on each other host's link anyway,
-    and the two-level one only adds its shared-memory stage. Measured with
-    benchmarks/hierarchy.py (2026-12-02, 3 interleaved runs, 5 Gbit/s, root on the
-    larger host), two-level against flat at 4 KiB / 64 KiB / 256 KiB: 3+1 0.89 / 0.83 /
-    0.97x by host and 0.91 / 0.89 / 1.11x spread; 2x2, where the direct send crosses the
-    link twice, 1.06 / 1.22 / 1.31x by host and 0.97 / 1.01 / 1.16x spread.
+    and the two-level one only adds its shared-memory stage (docs/algorithms.md).
     """
     others_full = any(len(h) > 1 for h in lay.hosts if root not in h)
     return others_full or not _direct(nbytes, lay.size)
@@ -356,14 +341,7 @@ def _broadcast_two_level(nbytes: int, lay: hier.Layout, root: int) -> bool:
 #: Up to this many bytes a reduce whose root's host is the only one holding several of
 #: the group's ranks stays flat (the direct send: every other host's single rank sends
 #: one copy over its link either way, and the two-level reduce only adds the barrier
-#: inside the root's host). Measured with benchmarks/hierarchy.py (2026-12-04, root 0,
-#: 3+1 ranks at 5 Gbit/s; benchmarks/results/hierarchy-20261204-small.md), medians
-#: of 5 interleaved runs, flat / two-level ms: by host 0.51 / 0.62 at 4 KiB, 0.52 /
-#: 0.64 at 16 KiB, 0.58 / 0.67 at 64 KiB; spread (the root's host holds ranks 0, 2 and
-#: 3) 0.48 / 0.61, 0.51 / 0.51, 0.61 / 0.52. From 32 KiB the two placements disagree
-#: (3 runs at 32 KiB: by host 0.51 / 0.63, spread 0.54 / 0.50), so only up to 16 KiB.
-#: Where another host holds several ranks the two-level reduce was as fast or faster
-#: at every size (2x2, 2x4, 500 Mbit/s to 5 Gbit/s).
+#: inside the root's host); above it the placements disagree (docs/algorithms.md).
 HIER_REDUCE_ALONE_MAX_BYTES = 16 << 10
 
 
@@ -375,13 +353,8 @@ def _reduce_two_level(nbytes: int, lay: hier.Layout, root: int) -> bool:
 
 
 #: From this many bytes (the whole buffer) a group on two hosts reduce-scatters
-#: two-level (:func:`hier.reduce_scatter`); below it, and on more hosts, flat. Measured
-#: on simulated hosts (2026-12-02, 2 runs each, benchmarks/results/hierarchy-20261202-
-#: streams.md), flat / two-level ms at 64 KiB, 1 MiB and 16 MiB: 2x4@500mbit 3.9-4.9 /
-#: 3.9-4.3, 15.6-15.8 / 11.0-11.4, 259-263 / 144; 2x2@5gbit 0.86-1.15 / 1.36-1.50,
-#: 3.0-3.6 / 2.5-3.4, 36.4-36.5 / 25.6-31.1; 3+1@5gbit 0.83-0.95 / 1.24-1.26,
-#: 2.7-2.9 / 2.9, 31.5-34.6 / 29.7-33.4; 2x4@2gbit and 2x2@1gbit faster two-level at
-#: every size.
+#: two-level (:func:`hier.reduce_scatter`); below it, and on more hosts, flat
+#: (docs/algorithms.md).
 HIER_SCATTER_MIN_BYTES = 1 << 20
 
 
@@ -389,19 +362,7 @@ HIER_SCATTER_MIN_BYTES = 1 << 20
 #: keeps more than HIER_GATHER_SAVES_BYTES off the busiest host's link (into it, one
 #: way) than the flat one (:func:`flat_gather_rows_in`): below that the flat one's
 #: network round beats the two-level one's round plus its barrier inside the host,
-#: above it the link decides. Larger rows always run two-level. Measured with
-#: benchmarks/hierarchy.py (2026-12-04, 3-5 interleaved runs, medians;
-#: benchmarks/results/hierarchy-20261204-small.md), flat / two-level ms by row size:
-#: * 2x2 by host (the flat doubling carries 2 rows more into a host): 16 KiB 0.48 /
-#:   0.61 at 5 Gbit/s, 0.52 / 0.58 at 1 Gbit/s; 32 KiB 0.56 / 0.63 and 0.95 / 0.61;
-#: * 2x4 by host (12 rows more): 4 KiB 1.25 / 1.41 at 2 Gbit/s, 1.41 / 1.48 at 500
-#:   Mbit/s; 8 KiB 1.27 / 1.34 and 1.84 / 1.47; 16 KiB 1.82 / 1.45 and 4.12 / 1.57;
-#: * no row more (2x2 and 2x4 spread, where the doubling's first round crosses; 3+1,
-#:   whose one-rank host takes its 3 rows either way): 3+1 by host 0.34 / 0.45 at 4
-#:   KiB, 0.44 / 0.65 at 16 KiB, 0.47 / 0.67 at 32 KiB; 2x2 spread 0.34 / 0.52 and
-#:   0.48 / 0.55; 2x4 spread at 2 Gbit/s level to 32 KiB (1.29-1.59 against
-#:   1.32-1.58). At 64 KiB they disagree: 2x4 spread 2.34 / 1.97, 2x2 spread 0.66 /
-#:   0.69, 3+1 by host 0.69 / 0.77 (5 runs each).
+#: above it the link decides. Larger rows always run two-level (docs/algorithms.md).
 HIER_GATHER_FLAT_MAX_BYTES = 32 << 10
 HIER_GATHER_SAVES_BYTES = 48 << 10
 

@@ -1,7 +1,7 @@
 """Algorithms over shared memory (the ranks of one host, :mod:`swarmfd.comm.planes.shm`).
 
 Each round moves up to SEGMENT_BYTES: every rank copies its part into its own slot
-of its segment, a barrier (records through the members' inboxes) tells that all
+of its segment, a barrier (records through the plane) tells that all
 did, then each reads the others' slots. Slots rotate (SLOTS of them in the group's
 area), so a rank rewrites a slot only after every member passed a later barrier,
 that is, after everyone finished reading it.
@@ -14,14 +14,14 @@ that is, after everyone finished reading it.
   own buffer and the others' slots into its slot, and copy it back to its buffer. The
   barrier after copy-in r also tells that everyone finished reducing r-1. Each chunk
   is reduced once (its owner's operand first, then the others in rank order), so
-  every rank has the same bits. (Copying the whole round in and reducing in the slot
-  moved about 5.5 round sizes of memory per rank at N=2, this 4.5: interleaved A/B,
-  benchmarks/ab.py, 2026-12-02, N=2 0.82-0.96x the time at 1-64 MiB, N=4 0.88-1.0x.)
-  A mean (``divide``) is divided by the owner in its reduced chunk, while the chunk is
-  in cache, instead of in a pass over the whole buffer afterwards; and the buffer may
-  be :class:`~.base.Parts`, several arrays reduced as one without a staging copy
-  (a list all_reduce, a DDP bucket's gradients): the copies in and out go from and
-  to the arrays themselves.
+  every rank has the same bits. (That moves less memory than copying the whole round
+  in and reducing in the slot: docs/algorithms.md.) A mean (``divide``) is divided by
+  the owner in its reduced chunk, while it is in cache; the buffer may be
+  :class:`~.base.Parts`, several arrays reduced as one without a staging copy (a list
+  all_reduce, a DDP bucket's gradients): the copies go from and to the arrays.
+* **all_reduce**, from CMA_MIN_BYTES where the host allows cross-memory attach: each
+  rank reduces its 1/N chunk reading the peers' buffers and writes the result into
+  them (:func:`all_reduce_cma`): one copy each way instead of two.
 * **broadcast**: the root copies in, barrier, everyone copies out.
 * **reduce**: everyone copies in, barrier, the root reduces in rank order.
 * **all_gather**: everyone copies in, barrier, everyone copies the others' out (also
@@ -29,6 +29,8 @@ that is, after everyone finished reading it.
 * **reduce_scatter**: everyone copies in, barrier, each reduces its own part.
 * **all_to_all**: everyone copies in, barrier, each copies the parts meant for it.
 * **gather**, **scatter**: through the members' segments, the root copying out or in.
+
+The barriers, copies and cost of each: docs/algorithms.md.
 """
 
 from __future__ import annotations
@@ -49,24 +51,12 @@ __all__ = ["CMA_MAX_ARRAYS", "CMA_MIN_BYTES", "COUNT_BYTES", "SMALL_BYTES", "all
 #: Up to this many bytes every rank reduces the whole round itself (one barrier); above
 #: it each rank reduces its 1/N and copies the rest (two barriers' worth of rounds).
 SMALL_BYTES = 1 << 18
-#: From this many bytes an all_reduce reads the peers' buffers directly where the host
-#: allows it (:func:`_all_reduce_cma`). Measured against the segments (compare.py, 4
-#: interleaved runs each, 2026-12-03; time ratios at N=2 / N=4): 1 MiB 1.26 / 1.39,
-#: 2 MiB 1.10 / 1.16, 3 MiB 1.03 / 1.08, 4 MiB 0.82 / 0.88, 16 MiB 0.66 / 0.67,
-#: 64 MiB 0.87 / 0.69 (each read pins the peer's pages; three barriers a call then).
-#: Since the reduced chunks are written into the peers' buffers (two barriers a call,
-#: about a fifth less memory traffic; 2026-12-04, a machine whose process_vm_readv of
-#: 16 MiB took 1.6x a memcpy), against the reading version: compare.py 4-5 interleaved
-#: runs, medians of the per-run ratios N=2 0.9-1.0 at 4-16 MiB and 0.9 at 64 MiB, N=4
-#: 0.9-1.1 at 4 MiB and 0.8-0.95 from 16 MiB; 1 MiB stays slower than the segments
-#: (1.4-3x there); benchmarks/results/session-20261204-h.md.
+#: From this many bytes an all_reduce reads and writes the peers' buffers directly where
+#: the host allows it (:func:`all_reduce_cma`): below it pinning the peers' pages costs
+#: more than the copy it saves (docs/algorithms.md).
 CMA_MIN_BYTES = 4 << 20
-#: The block of a peer's chunk read into scratch and reduced at once (stays in cache:
-#: this machine's L2 is 2 MiB a core). 512 KiB against 256 KiB (compare.py, 10
-#: interleaved runs, 2026-12-04; time ratios, medians of the per-run ratios): N=2 0.97-0.98
-#: at 16 MiB and 0.96-0.99 at 64 MiB, N=4 0.96-0.98 and 0.98-1.00, 4 MiB 0.99-1.00;
-#: 1 MiB blocks 1.03-1.07 (half as many reads and Python steps again, but a block that no
-#: longer stays in cache beside the chunk it is added into costs more than they save).
+#: The block of a peer's chunk read into scratch and reduced at once: it stays in cache
+#: beside the chunk it is added into (docs/algorithms.md).
 CMA_BLOCK_BYTES = 1 << 19
 #: The most arrays whose addresses a slot holds (a count, then an address and a length
 #: each, as int64).
@@ -153,12 +143,10 @@ def all_reduce_cma(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
     attach, see the module docstring): each rank publishes its arrays' addresses in its
     slot; barrier; each reduces its own 1/N chunk in its buffer, block by block, reading
     the others' chunk into a block of scratch (its own operand first, then the others in
-    rank order, as the segment algorithm: the same bits), and writes each reduced block,
+    rank order: each element reduced once, by its owner), and writes each reduced block,
     still in cache, straight into every peer's buffer; a last barrier tells that every
     rank's buffer is complete. Chunk c of every buffer is read and written by rank c
-    only, so nothing races. Against reading the others' reduced chunks after a second
-    barrier (the earlier version: three barriers, and the reduced chunks read back from
-    memory): see CMA_MIN_BYTES."""
+    only, so nothing races."""
     N, me = op.size, op.me
     pids = op.shm.cma_pids
     itemsize = buf.itemsize

@@ -6,11 +6,11 @@ every rank (a contract: float sums depend on their order).
 
 * **all_reduce, pair** (N=2, S <= PAIR_MAX_BYTES): one message each way, in place;
   operands in rank order.
-* **all_reduce, direct** (S <= SMALL_BYTES, N <= SMALL_MAX_WORLD): every rank sends
-  its buffer to every other and reduces all N in rank order: one hop instead of
-  2(N-1).
+* **all_reduce, direct** (S <= DIRECT_MAX_BYTES, N <= DIRECT_MAX_WORLD of
+  :mod:`.select`): every rank sends its buffer to every other and reduces all N in
+  rank order: one hop instead of 2(N-1).
 * **all_reduce, recursive doubling** (the same sizes, N a power of two from 4, on the
-  socket plane: :func:`.select.all_reduce` says why not on the zmq plane): log2 N
+  socket plane: :func:`.select._doubling` says why not on the zmq plane): log2 N
   rounds of a swap with one partner gather every rank's buffer, reduced in rank order
   as in direct; fewer messages than direct (2 against 3 a rank at N=4), the same bytes.
 * **all_reduce, ring**: reduce-scatter then all-gather over N chunks of the flat
@@ -41,7 +41,8 @@ That saves one message a call: at N=2 a small broadcast or reduce sends 3 instea
 
 The rings and the chains follow the op's ring order (``Op.ring``, the group's: by
 host; or a ``ring`` given to the algorithm; rank order without either): ordered by
-host, they cross each host's link as few times as possible.
+host, they cross each host's link as few times as possible. The steps, messages, bytes
+and cost of each: docs/algorithms.md.
 """
 
 from __future__ import annotations
@@ -106,10 +107,9 @@ def all_reduce_pair(op: Op, buf: np.ndarray, ufunc: np.ufunc, divide: int = 0) -
     """Two ranks, one message each way: send the whole buffer, reduce the peer's into it.
 
     One hop instead of the ring's two, and no copy of the result. Operands are taken
-    in rank order (rank 0's first), so both ranks compute the same bits. (Sent in
-    pieces, each reduced as it arrived, it was slower in an interleaved A/B: ab.py, N=2,
-    socket plane, 2026-12-01: 256 KiB pieces 1.14x one message's time at 1 MiB, 128 KiB
-    pieces 1.43x: more messages, more Python steps.)
+    in rank order (rank 0's first), so both ranks compute the same bits. One message,
+    not pieces reduced as they arrive: more messages cost more Python steps than the
+    overlap saves (docs/algorithms.md).
     """
     peer = 1 - op.me
     op.send(peer, 0, buf, copy=True)  # copied: buf is overwritten below

@@ -4,7 +4,7 @@ transport uses it.
 
 Through shared memory every byte is copied twice: into a segment, then out of it.
 With cross-memory attach a rank reads its peer's buffer straight into its own (one
-copy, at the speed of a memcpy here: 16 MiB in 1.26 ms against 1.14 ms, 2026-12-03).
+copy, at about the speed of a memcpy: docs/performance.md).
 The kernel allows it between processes of one user when ptrace would be allowed
 (Yama's ``ptrace_scope`` may forbid it between siblings; Docker's default seccomp
 profile forbids the call itself without CAP_SYS_PTRACE; another pid namespace hides

@@ -9,17 +9,14 @@ large free the mmap threshold rises to that size and the trim threshold to twice
 From then on the free space at the top of the heap keeps crossing the trim threshold:
 the freeing thread returns it to the kernel (brk, or madvise in a thread's arena) and
 the allocating thread grows the heap again, and every page of a new buffer is faulted
-in and zeroed anew. Measured at N=4 on 2 cores (zmq plane, 1 MiB all_reduce, a ring of
-256 KiB pieces): a rank's thread spent 167-333 us of system time a call against
-67-133 us with fixed thresholds (set through glibc's environment variables), and the
-call took 3.67-3.75 ms against 2.93-3.15 ms; 8ec62ae took 3.31-3.33 ms, and
-3.00-3.12 ms with the same fixed thresholds (two alternated runs of each).
+in and zeroed anew: system time a call, and the call's time, grow with it
+(docs/performance.md).
 
 So on the zmq plane init fixes both thresholds, which also stops glibc's adapting
 (mallopt): buffers up to MMAP_THRESHOLD come from the heap and are reused, and the
 heap keeps up to TRIM_THRESHOLD of free space at its top. (The socket plane allocates
-and frees on the rank's own thread; there fixed thresholds measured 1.06x glibc's own
-time at N=4 and 1 MiB, runs 0.99-1.11, and 1.01x at 16 MiB, so they are not set.)
+and frees on the rank's own thread, where fixed thresholds gained nothing: they are
+not set there.)
 The cost is memory the process keeps mapped: at most TRIM_THRESHOLD at the top of
 each heap beyond what it uses. glibc itself moves the mmap threshold up to 32 MiB as
 it sees large frees, so 4 MiB is within what a process gets anyway.

@@ -59,13 +59,13 @@ ZAP_RENDEZVOUS = "swarmfd-rendezvous"
 ZAP_DATA = "swarmfd-data"
 #: A connection to a bound socket (the rendezvous port, the zmq data socket) that has not
 #: authenticated within this many ms is dropped (libzmq's default is 30 s). A legitimate
-#: handshake takes a few ms (a CURVE one under 5 ms here, on a loaded machine).
+#: handshake takes a few ms, CURVE's included (docs/security.md).
 HANDSHAKE_IVL_MS = 2000
 #: One-time tokens a rank has for its zmq data connection to each peer (unencrypted):
 #: a refused one is followed by the next (see the module docstring).
 DATA_ATTEMPTS = 8
 #: TCP keepalive on every connection (idle s, interval s, probes): a host that vanished
-#: (no FIN) is found within about idle + interval * probes seconds (measured 3.9 s); a
+#: (no FIN) is found within about idle + interval * probes seconds (docs/security.md); a
 #: stopped process still answers (its kernel does), so a SIGSTOP stays a timeout.
 KEEPALIVE = (1, 1, 3)
 #: pyzmq's authenticator logs credentials at DEBUG; its logger here never does.

@@ -2,9 +2,9 @@
 
 A rank that waits for a peer's message can sleep in the kernel (select, poll, a
 blocking receive) or poll for it for a while first. Sleeping costs a wake-up when the
-message comes, tens of microseconds each on this 2-core VM (more under load); a peer
-on another core usually answers within microseconds, so polling for a bounded time
-catches its message without any wake-up. Polling burns CPU time that training needs,
+message comes, tens of microseconds each (more under load); a peer on another core
+usually answers within microseconds, so polling for a bounded time catches its
+message without any wake-up. Polling burns CPU time that training needs,
 though, and when ranks outnumber cores it steals the very CPU the peer needs to send.
 So:
 
@@ -26,35 +26,12 @@ So:
   little: it is no miss, and a spinner that blocked at once polls again. Without that,
   two ranks that both came to block at once (a slow start: imports, setup) stayed so:
   each one's retry poll waited for a peer that had to be woken first, longer than the
-  poll lasts, and missed again. Measured
-  (2026-12-05, N=2, 4 KiB all_reduce on shared memory, 300 calls after a barrier each,
-  as ``swarmfd bench`` times them): in 4 of 20 jobs both ranks blocked at once
-  throughout, 117-119 us a call against 28-31 us (compare.py's medians of that cell read
-  30-116 us across 5 runs); with :meth:`Spinner.woke`, none of 48 jobs (28-61 us;
-  benchmarks/results/session-20261205.md).
+  poll lasts, and missed again.
 
 ``SWARMFD_SPIN=0`` turns polling off everywhere (every wait blocks at once),
 ``SWARMFD_SPIN=1`` forces it on (still adaptive; yielding where threads outnumber
-cores), ``auto`` (or unset) decides per job.
-
-Measured: on a quieter machine (benchmarks/compare.py, 5 interleaved runs, load
-average 1-2, 2026-12-01 20:18, benchmarks/results/compare-20261201-201758.*), at N=2
-(polling on under ``auto``) every wait blocking at once (``SWARMFD_SPIN=0``) took
-1.11-1.16x the time of the 4 KiB and 64 KiB all_reduce on shared memory and on the
-socket plane (medians; 0.99-1.14x for broadcast). Under a load average of 4-5 from
-other work (ab.py, 100 calls a size, 17:10) the ratios were 0.92-1.06 on every plane,
-CPU time per call equal within 3%: the peers are rarely running when a wait polls
-there, so the misses turn polling off.
-
-Yielding polls where two busy threads share a core, against blocking at once
-(2026-12-04, benchmarks/calls.py --loop, 3000 back-to-back 4 KiB all_reduces, 8
-alternated runs each; benchmarks/results/session-20261204-g.md): N=4 on 2 cores,
-shared memory 0.67-0.89x the time (every run faster), main-thread CPU a call 123-143
-against 127-147 us; socket plane 0.81-1.04x; zmq plane at N=2 (two ranks, two I/O
-threads) 0.77-0.96x. At four busy threads a core (the zmq plane at N=4) yielding
-polls took 0.99-1.13x the time and 20-30 % more CPU (the I/O threads need the cores
-the polls give away only now and then): those waits block at once, as before. A DDP
-step at N=4 on shared memory (benchmarks/train.py): the same within the noise.
+cores), ``auto`` (or unset) decides per job. What polling, yielding and the late
+wake-ups gain, and where they do not: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -79,26 +56,23 @@ __all__ = [
 ]
 
 #: How long a wait polls before it blocks. A peer on another core usually answers within
-#: microseconds; 50 us catches a loopback TCP round trip here (20-40 us for a 1-byte
-#: ping-pong) and a shared-memory record, and bounds what a fruitless poll costs.
+#: microseconds; 50 us catches a loopback TCP round trip and a shared-memory record,
+#: and bounds what a fruitless poll costs.
 SPIN_SECONDS = 50e-6
 #: How long a wait polls before it blocks when busy threads outnumber cores: each poll
-#: gives the core away first (os.sched_yield, 1.6 us here), so the wait's polls are
-#: fewer and a peer's turn on the core counts into it.
+#: gives the core away first (os.sched_yield), so the wait's polls are fewer and a
+#: peer's turn on the core counts into it.
 YIELD_SECONDS = 200e-6
 #: Busy threads a core may have (the host's ranks, and their libzmq I/O threads) for
 #: waits to poll, yielding, rather than block at once (see the module docstring).
 MAX_THREADS_PER_CORE = 2
 #: A wait whose message came within this many seconds after its poll gave up (or after
 #: it blocked at once) was late by little: the peer keeps up, and the wake-ups cost the
-#: time (tens of microseconds each here, a peer that must be woken first adds its own).
+#: time (tens of microseconds each, a peer that must be woken first adds its own).
 #: Such a wait is no miss (:meth:`Spinner.woke`). Four polls' budget: a wait that blocks
 #: for longer waits for a peer that is busy, and polling would burn the CPU it needs.
 #: Not where busy threads share cores (yielding polls), where a poll takes CPU time from
-#: the peers: its one A/B at N=4 on 2 cores (compare.py, 6 interleaved runs, 2026-12-05)
-#: read 0.77-0.87x the time at 4-64 KiB and 1.13-1.20x at 1 MiB (7-27 % more CPU a
-#: call), but two identical trees differed there by 0.80-1.26x a run: nothing shown
-#: either way, so those waits keep the policy as it was.
+#: the peers and a measurement showed nothing beyond the noise (docs/performance.md).
 LATE_SECONDS = 4 * SPIN_SECONDS
 #: Consecutive fruitless polls after which waits block at once for a while.
 MAX_MISSES = 8
@@ -191,7 +165,7 @@ class Spinner:
         miss, and where waits were blocking at once they poll again from the next one.
         Only where every busy thread has a core of its own: where polls give their core
         away (:func:`yielding`) they take CPU time from the peers, and a blocked wait
-        counts as a miss, as before (see LATE_SECONDS)."""
+        counts as a miss (see LATE_SECONDS)."""
         t = self.gave_up
         if not t:
             return

@@ -97,7 +97,8 @@ NO_ROOT = 0xFFFF
 
 #: Target size of one data message: collectives cut every buffer into pieces of about
 #: this many bytes (well below glibc's 32 MiB mmap cliff), so no message is ever larger
-#: than MAX_PAYLOAD and a receiver can refuse anything bigger (MAXMSGSIZE).
+#: than MAX_PAYLOAD and a receiver can refuse anything bigger (MAXMSGSIZE). Larger
+#: pieces gained nothing, smaller ones cost steps (docs/algorithms.md).
 PIECE_BYTES = 1 << 20
 #: The largest payload of any message: a piece, rounded up to whole elements (<= 16 bytes
 #: each), with room to spare. Transport.send refuses larger ones (a bug, not an input).
@@ -224,10 +225,10 @@ def shape_hash(shape: tuple[object, ...]) -> int:
 #: recover_shape gives up on element counts above this (trial division gets slow).
 _RECOVER_MAX_COUNT = 1 << 32
 #: recover_shape's budget: it tries the shapes of 2, 3 and 4 dimensions in turn while their
-#: total cost fits (in units of about 0.15 us: a 4-D shape costs 1, a 2-D or 3-D one 3).
-#: Measured worst case over counts up to _RECOVER_MAX_COUNT: 25-30 ms (a miss, on a busy
-#: 2-core machine). Without it a highly composite count such as 3491888400 (1920 divisors,
-#: 7.2 million 4-D shapes) would take about 1 s (the former 3-D search took 0.18 s).
+#: total cost fits (in units of one 4-D shape's hash; a 2-D or 3-D one costs 3). It keeps
+#: the worst case over counts up to _RECOVER_MAX_COUNT to tens of milliseconds: a highly
+#: composite count such as 3491888400 (1920 divisors, 7.2 million 4-D shapes) would take
+#: about a second without it.
 _RECOVER_MAX_WORK = 200_000
 
 

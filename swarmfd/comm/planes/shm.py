@@ -28,14 +28,8 @@ ranks get each other's descriptors is :mod:`swarmfd.comm.shm_setup`.
 
 This module implements :class:`swarmfd.comm.plane.Plane` (records only: no payload
 larger than a record); the message semantics are the channel's, as on every plane.
-
-The rings against the pipes (2026-12-05; a pipe's write and read are a system call
-each, about 1 us here, and a poll of an empty pipe raises): compare.py, 8 interleaved
-runs, medians of the per-run time ratios: all_reduce N=2 0.94 at 4 KiB, 0.96 at 64 KiB,
-0.98 at 1 MiB, N=4 0.89, 0.89 and 0.92; broadcast N=2 0.94, 0.92 and 1.03, N=4 0.86,
-0.89 and 0.95
-(benchmarks/results/compare-20261205-015916-rings-ab.*). Back to back at N=2, 4 KiB
-all_reduce: 25.0-27.3 against 27.2-30.1 us a call (4 alternated jobs each).
+The rings replace the pipes where they can because a pipe's write and read are a
+system call each, and a poll of an empty pipe raises (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -102,8 +96,9 @@ REGION_VIEWS = 1024
 #: Longest record written to an inbox (POSIX guarantees atomic writes up to PIPE_BUF).
 MAX_RECORD = 4096
 #: Looks at a peer's ring for the record a wait expects (:meth:`ShmPlane.take`) before
-#: the wait goes to the channel's receive, which polls on, then sleeps: about what a
-#: peer that runs the same call a step behind needs to catch up (docs/performance.md).
+#: the wait goes to the channel's receive, which polls on, then sleeps: a look is cheap,
+#: and these last about as long as a peer that runs the same call a step behind needs
+#: to catch up (docs/performance.md).
 POLLS = 200
 _pack_header = wire.pack_header
 _unpack_header = wire.unpack_header
@@ -119,7 +114,7 @@ def _fence() -> None:
     after it. Acquiring and releasing a lock executes locked instructions (glibc's
     semaphore operations under CPython's lock), which x86 never reorders with loads or
     stores. It keeps a rank that goes to sleep and a peer that adds a record from each
-    missing the other's store (see ShmPlane.next_header): about 0.1 us."""
+    missing the other's store (see ShmPlane.next_header)."""
     _fence_lock.acquire()
     _fence_lock.release()
 
@@ -208,11 +203,10 @@ class ShmPlane:
         its own ring towards that peer, in its own segment, and counts them (a counter
         in its control block); the peer reads them in order and counts what it read (in
         its own control block), which frees the slots. Every word has one writer, and
-        records need no system call: a pipe's write and read cost about 1 us each here,
-        and a poll of an empty pipe raises an exception (BlockingIOError). A rank that
-        gives up polling marks itself SLEEPING before it blocks in its inbox; a peer that
-        adds a record and finds it so writes a byte there to wake it (see
-        :meth:`next_header`)."""
+        records need no system call (a pipe's write and read are one each, and a poll of
+        an empty pipe raises BlockingIOError). A rank that gives up polling marks itself
+        SLEEPING before it blocks in its inbox; a peer that adds a record and finds it so
+        writes a byte there to wake it (see :meth:`next_header`)."""
         local = {r: i for i, r in enumerate(self.ranks)}
         me, slots = local[self.rank], self.ring_slots
         data = {r: memoryview(mm) for r, mm in self.segments.items()}
@@ -248,8 +242,8 @@ class ShmPlane:
         """``count`` items of ``dtype`` at byte ``offset`` of ``rank``'s segment.
 
         Kept (at most REGION_VIEWS of them): a call of the same size in the same slot
-        asks again, and a cached view costs a third of a new one (0.11 against 0.34 us
-        here), of which a small call makes several."""
+        asks again, and a cached view costs a third of a new one, of which a small call
+        makes several."""
         key = (rank, offset, dtype, count)
         view = self.regions.get(key)
         if view is None:

@@ -1,13 +1,11 @@
 """The socket plane: plain TCP connections and a single-threaded progress engine.
 
-Why. On the unencrypted TCP path ZeroMQ itself was the floor: libzmq's I/O thread
+Why. On the unencrypted TCP path ZeroMQ itself is the floor: libzmq's I/O thread
 (two busy threads per rank, four for two ranks on a 2-core host), the hand-offs
-between it and Python, and a copy out of its receive buffers. Measured on loopback
-(N=2, both ranks send S bytes in 1 MiB pieces and receive S bytes): pyzmq
-PUSH/PULL took 9.5-10.2 ms for 16 MiB and 35-46 ms for 64 MiB whatever the
-options; one thread per rank doing non-blocking ``send`` + ``recv_into`` straight
-into the array took 6.2 ms and 20.5 ms. That is the model of MPI and gloo, and
-this module implements it:
+between it and Python, and a copy out of its receive buffers. One thread per rank
+doing non-blocking ``send`` + ``recv_into`` straight into the array moves the same
+bytes in half to two thirds of the time (docs/performance.md). That is the model of
+MPI and gloo, and this module implements it:
 
 * one TCP connection per pair of ranks (the full mesh, rank i connects to every
   j < i and accepts from every j > i), each with TCP_NODELAY and keepalive;
@@ -83,22 +81,18 @@ RECV_BUFFER = 128 << 10
 #: is then free at once); larger ones are queued as zero-copy views unless copy=True.
 SMALL_SEND = 64 << 10
 #: Reads of a peer's connection that found nothing, before a wait goes to the channel's
-#: receive (:meth:`SocketPlane.take`): about what a small message over loopback takes to
-#: come (docs/performance.md).
+#: receive (:meth:`SocketPlane.take`): together about as long as a small message over
+#: loopback takes to come (docs/performance.md).
 TAKE_POLLS = 16
 #: A payload read that has to block, with at least LOWAT_MIN bytes still to come, asks
 #: the kernel (SO_RCVLOWAT) not to wake it before min(the rest, LOWAT_BYTES) bytes are
 #: queued: on a link slower than the CPU (another host) the rest of a piece trickles in
 #: one segment at a time, and a wake-up for each cost a select, a recv and the Python
 #: around them. Non-blocking reads still take what is there, and a closed or failed
-#: connection wakes the select at once. Measured on two simulated hosts at 5 Gbit/s, one
-#: rank each (benchmarks/hierarchy.py --shape 2x1@5gbit, 4 interleaved runs): CPU a call
-#: per rank 0.76 / 3.23 / 14.9 ms at 1 / 4 / 16 MiB against 1.39 / 4.93 / 22.4 before,
-#: the same time a call (the link's); 2x2 ranks spread, flat ring: 4-11 % less CPU; on
-#: loopback (compare.py, calls.py --loop, N=2 and N=4, 1-16 MiB) the same time and CPU
-#: within the noise. 256 KiB and 1 MiB measured alike.
+#: connection wakes the select at once. Across hosts it saves CPU, on loopback it
+#: changes nothing (docs/performance.md).
 LOWAT_BYTES = 512 << 10
-#: Smaller remainders block as before (a small message's latency is untouched).
+#: Smaller remainders block without it (a small message's latency is untouched).
 LOWAT_MIN = 64 << 10
 #: At most this many queued buffers go into one sendmsg.
 MAX_IOV = 64
@@ -605,8 +599,8 @@ class SocketPlane:
         sock = hs.sock
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         _keepalive(sock, *self.keepalive)
-        # SO_SNDBUF/SO_RCVBUF stay the kernel's (autotuned): 1 MiB and 4 MiB buffers
-        # measured no better at 64 KiB-64 MiB (interleaved compare.py runs, N=2).
+        # SO_SNDBUF/SO_RCVBUF stay the kernel's (autotuned): larger fixed buffers were no
+        # better (docs/performance.md).
         lane = _Lane(rank, sock)
         self.lanes[rank] = lane
         lane.mask = selectors.EVENT_READ
@@ -889,8 +883,8 @@ class SocketPlane:
         assert lane is not None
         self.current = None
         n = hdr.nbytes
-        # A new buffer is uninitialised: bytearray(n) would zero it first (interleaved
-        # A/B, N=2: 0.95-0.98x the time at 64 KiB-16 MiB).
+        # A new buffer is uninitialised: bytearray(n) would zero it first, a pass over
+        # the memory that costs time (docs/performance.md).
         buf = np.empty(n, np.uint8) if into is None else None
         target = memoryview(buf if buf is not None else into).cast("B")
         got = min(n, lane.rend - lane.rstart)

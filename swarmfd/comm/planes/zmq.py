@@ -22,11 +22,9 @@ until then by a plain socket that does not listen,
 :func:`~swarmfd.comm.plane.reserve_port`), so a storm of connections at it cannot slow
 the rendezvous, whose sockets share libzmq's I/O thread with it.
 
-One receiving socket, not one per peer: at N=4, plain pyzmq exchanging 4 KiB with
-every peer took 182-213 us a round with a DEALER per peer (polled) against 155-165 us
-with one DEALER and 153-185 us with a PUSH/PULL pair per peer (4 interleaved runs,
-benchmarks/zmq_patterns.py), and 165-168 us with one DEALER whose receiver reads each
-message's metadata, as this plane does.
+One receiving socket, not one per peer: polling a DEALER per peer was the slowest of
+the patterns compared (benchmarks/zmq_patterns.py; docs/performance.md), and one
+DEALER is as fast as a PUSH/PULL pair per peer, with every message's source known.
 
 Messages: a :mod:`swarmfd.comm.wire` header with its payload inline (one frame) up
 to INLINE_MAX_BYTES, else a header frame and a payload frame (copied up to
@@ -69,10 +67,9 @@ WAIT_SLICE = WAIT_SLICE_MS / 1000
 #: Payloads up to this size travel inline (one frame with the header, copied).
 INLINE_MAX_BYTES = 64 << 10
 #: Larger payloads up to this size are copied into their own frame (one memcpy, done
-#: without the GIL); still larger ones go zero-copy. Measured at N=2 over TCP (interleaved
-#: A/B): a 256 KiB all_reduce took 2.9-3.4x longer inline (a 256 KiB Python bytes object
-#: per copy) and 64 KiB 1.5x longer zero-copy (the tracking) than this copy; the ring's
-#: 1 MiB pieces stream 1.2-1.3x faster zero-copy than copied.
+#: without the GIL); still larger ones go zero-copy. Inline they would cost a Python
+#: bytes object per copy, zero-copy the tracking; only the ring's 1 MiB pieces gain
+#: from going zero-copy (docs/performance.md).
 COPY_MAX_BYTES = 512 << 10
 #: Limit on one frame a DEALER receives: the largest legitimate one (a header with an
 #: inline payload, or a payload of MAX_PAYLOAD) plus CURVE's few bytes of overhead.
@@ -92,18 +89,17 @@ RX_HWM = 64
 #: connection, RCVHWM=1).
 STRANGER_READS = 256
 #: Socket options and flags as plain ints: pyzmq's constants are enums, and an expression
-#: such as ``sock.get(zmq.EVENTS) & zmq.POLLIN`` builds enum values on every call (2.6 us
-#: against 1.4 us with ints, measured here; the receive path checks readiness several
-#: times per message).
+#: such as ``sock.get(zmq.EVENTS) & zmq.POLLIN`` builds enum values on every call, about
+#: twice the time of the ints (the receive path checks readiness several times per
+#: message).
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 _RCVMORE = int(zmq.RCVMORE)
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
 #: libzmq's send and receive without pyzmq's Python wrapper (zmq.Socket.send, which only
-#: handles the DRAFT routing_id and group arguments): about 0.5 us less per frame, and
-#: every message is two frames (routing id, then data). Measured here: 1.05 against 1.6 us
-#: a send (100-byte frames, 3 runs).
+#: handles the DRAFT routing_id and group arguments): about a third less per frame, and
+#: every message is two frames (routing id, then data).
 _send = zmq.backend.Socket.send
 _recv = zmq.backend.Socket.recv
 _unpack_header = wire.unpack_header
@@ -487,8 +483,8 @@ class ZmqPlane:
 
         Without polling, a wait of one slice is one blocking recv and nothing else: it
         returns at once when a message is queued, and reading ZMQ_EVENTS first costs a
-        poll() system call (libzmq processes its command mailbox). At N=4 on 2 cores that
-        was 1.5 of the 6.8 poll() calls a rank made per 4 KiB broadcast (strace)."""
+        poll() system call (libzmq processes its command mailbox), a good part of a small
+        call's system calls."""
         rx = self.rx
         if not spin.ENABLED and timeout == WAIT_SLICE:
             return self._recv_frame(0)
@@ -542,7 +538,7 @@ class ZmqPlane:
             self._drain()
             self.unknown += 1
             return None
-        raw = memoryview(frame)  # (not frame.buffer: 0.10 against 0.17 us here)
+        raw = memoryview(frame)  # (not frame.buffer, which is slower)
         # Whether a frame follows, as libzmq reported it with this one (no getsockopt).
         self.more = more = frame.more
         try:
@@ -620,9 +616,10 @@ class ZmqPlane:
         """Read and drop what reached the bound socket, at most STRANGER_READS frames a
         call. It only sends: no peer sends to it, so whatever arrives is a stranger's
         (possible with SWARMFD_AUTH=off; with authentication ZAP admits no stranger).
-        Left unread, each such message kept its connection's pipe alive after the
-        stranger had gone (libzmq delivers a closed pipe's pending messages before it
-        frees the pipe): a job fuzzed for 5, 15 and 45 s grew by 5, 18 and 55 MiB."""
+        Left unread, each such message keeps its connection's pipe alive after the
+        stranger has gone (libzmq delivers a closed pipe's pending messages before it
+        frees the pipe): a job's memory would grow for as long as strangers connect
+        (docs/security.md)."""
         router = self.router
         for _ in range(STRANGER_READS):
             try:
