@@ -248,6 +248,10 @@ def test_detach_logs_ls_ps(swarm: Any, swarmfd_image: str, tmp_path: Path,
     which runs the image by ID although it was given by tag, with the options given."""
     name = job_name("show")
     (tmp_path / "hello.txt").write_text("from-the-host")
+    # The ranks run as the image's unprivileged user: a bind-mounted directory must be
+    # readable by it, as for any container that does not run as root.
+    tmp_path.chmod(0o755)
+    (tmp_path / "hello.txt").chmod(0o644)
     tag = f"sfdt-image:{uuid.uuid4().hex[:8]}"
     repo, _, version = tag.partition(":")
     assert swarm.images.get(swarmfd_image).tag(repo, version)
