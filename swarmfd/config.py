@@ -46,6 +46,15 @@ and, for where the ranks are (see :func:`transport_mode`, :func:`node_name`):
 ``SWARMFD_HIERARCHY`` ``auto`` (two-level collectives where they are faster) or
                       ``off`` (the flat algorithms, for comparison)
 
+and, for what a running job tells of itself (see :mod:`swarmfd.observe`):
+
+``SWARMFD_STALL_WARN`` seconds a collective may wait before the waiting rank logs
+                      which ranks have not entered it (default 60; 0: never); its
+                      timeout is unchanged
+``SWARMFD_STATUS``    seconds between the status lines each rank writes to stderr for
+                      ``swarmfd top`` (unset or 0: none); ``swarmfd run`` and ``swarmfd
+                      deploy`` set it
+
 Every value is validated here, once; bad input raises :class:`ConfigError`
 (a ``ValueError``) naming the variable, the value and what was expected.
 """
@@ -67,6 +76,7 @@ __all__ = [
     "DEFAULT_MASTER_PORT",
     "DEFAULT_RENDEZVOUS_PORT_OFFSET",
     "DEFAULT_SECRET_FILE",
+    "DEFAULT_STALL_WARN",
     "DEFAULT_TIMEOUT",
     "DOCKER_SECRETS_DIR",
     "ENV_AUTH",
@@ -88,6 +98,8 @@ __all__ = [
     "ENV_SECRET_FILE",
     "ENV_SHM_DIR",
     "ENV_SPIN",
+    "ENV_STALL_WARN",
+    "ENV_STATUS",
     "ENV_TIMEOUT",
     "ENV_TRANSPORT",
     "ENV_WORLD_SIZE",
@@ -115,6 +127,7 @@ __all__ = [
     "parse_env_float",
     "parse_env_int",
     "parse_env_port",
+    "parse_env_seconds",
     "rendezvous_port",
     "require_secret",
     "shm_dir",
@@ -131,6 +144,8 @@ DEFAULT_MASTER_PORT = 29500
 #: torch whichever of the two initialises first.
 DEFAULT_RENDEZVOUS_PORT_OFFSET = 1
 DEFAULT_TIMEOUT = 300.0
+#: SWARMFD_STALL_WARN when unset: a collective waiting this long is reported.
+DEFAULT_STALL_WARN = 60.0
 
 ENV_WORLD_SIZE = "WORLD_SIZE"
 ENV_RANK = "RANK"
@@ -157,6 +172,10 @@ ENV_SPIN = "SWARMFD_SPIN"
 ENV_MALLOC = "SWARMFD_MALLOC"
 #: Whether the ranks of a host may read each other's memory (see swarmfd.comm.cma).
 ENV_CMA = "SWARMFD_CMA"
+#: Seconds before a waiting collective is reported (see swarmfd.comm.status).
+ENV_STALL_WARN = "SWARMFD_STALL_WARN"
+#: Seconds between a rank's status lines (see swarmfd.statusline).
+ENV_STATUS = "SWARMFD_STATUS"
 #: Set by a Swarm service for each task (``{{.Task.Slot}}``, 1-based): see swarmfd.entrypoint.
 ENV_TASK_SLOT = "SWARMFD_TASK_SLOT"
 #: How long the container entrypoint waits for MASTER_ADDR to resolve.
@@ -219,6 +238,10 @@ class Options:
     swarm_task: bool = False
     #: MASTER_PORT when it is a valid port (torch's store: the data planes keep off it).
     torch_port: int | None = None
+    #: SWARMFD_STALL_WARN: seconds before a waiting collective is reported (0: never).
+    stall_warn: float = DEFAULT_STALL_WARN
+    #: SWARMFD_STATUS: seconds between status lines on stderr (0: none).
+    status: float = 0.0
 
 
 #: glibc's own malloc settings in the environment, which SWARMFD_MALLOC=tuned respects.
@@ -236,7 +259,12 @@ def options_from_env(environ: Mapping[str, str] | None = None) -> Options:
         malloc="system" if any(name in env for name in GLIBC_SETTINGS) else malloc,
         cma=cma_enabled(env), node=node_name(env), shm_dir=shm_dir(env),
         swarm_task=bool((env.get(ENV_TASK_SLOT) or "").strip()),
-        torch_port=master_port(env))
+        torch_port=master_port(env),
+        stall_warn=parse_env_seconds(env, ENV_STALL_WARN, DEFAULT_STALL_WARN,
+                                     "seconds a collective may wait before it is "
+                                     "reported, 0 to never report"),
+        status=parse_env_seconds(env, ENV_STATUS, 0.0, "seconds between status lines "
+                                 "(swarmfd run and deploy set it), 0 for none"))
 
 
 @dataclass(frozen=True)
@@ -432,6 +460,23 @@ def parse_env_float(environ: Mapping[str, str], name: str) -> float | None:
         raise ConfigError(
             f"environment variable {name}={raw!r} is invalid: expected a positive number of seconds"
         )
+    return value
+
+
+def parse_env_seconds(environ: Mapping[str, str], name: str, default: float,
+                      expected: str) -> float:
+    """A number of seconds >= 0 from the environment (``default`` when unset or empty);
+    ConfigError naming the variable, its value and ``expected`` otherwise."""
+    raw = environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise ConfigError(f"environment variable {name}={raw!r} is invalid: expected "
+                          f"{expected}")
     return value
 
 

@@ -28,6 +28,10 @@ non-contiguous array (the write-back runs on whichever thread completes the op).
 A Work that is never waited for still completes, and its failure still breaks its
 group; only its result is never seen.
 
+Counters. A collective that completes here adds to its group's counters
+(:class:`swarmfd.counters.CallStats`): its time from submission to completion, and
+what its receives waited for their messages (which may overlap the caller's compute).
+
 Failure. When an op fails, its group breaks (see :mod:`swarmfd.group`): the op's Work
 raises the error, and so does every other pending Work of that group.
 """
@@ -38,6 +42,7 @@ import collections
 import threading
 import time
 from collections.abc import Callable
+from time import perf_counter
 from typing import Any
 
 from .algorithms.base import FLUSH, Op, request
@@ -181,12 +186,18 @@ def joined(parts: list[Work], name: str, then: Callable[[], Any]) -> Work:
 class _Task:
     """A Work's running state: its op, its algorithm, and what it waits for."""
 
-    __slots__ = ("finish", "gen", "group", "key", "op", "posting", "req", "since", "started",
-                 "work")
+    __slots__ = ("finish", "gen", "group", "key", "most", "nbytes", "on", "op", "posting", "req",
+                 "since", "started", "t0", "waited", "work")
 
     def __init__(self, work: Work, group: Any, op: Op, gen: Any,
-                 finish: Callable[[Any], Any] | None) -> None:
+                 finish: Callable[[Any], Any] | None, nbytes: int = 0) -> None:
         self.work = work
+        #: For the counters: when it was submitted, its buffer's bytes, what its receives
+        #: waited in all, the longest wait and the rank it waited for.
+        self.t0 = perf_counter()
+        self.nbytes = nbytes
+        self.waited = self.most = 0.0
+        self.on = -1
         self.group = group
         self.op = op
         self.gen = gen
@@ -255,10 +266,12 @@ class Engine:
         return not self.queues and not self.p2p
 
     def submit(self, group: Any, op: Op, gen: Any, name: str,
-               finish: Callable[[Any], Any] | None = None, *, p2p: bool = False) -> Work:
-        """Queue an operation; start it on this thread when its group has nothing pending."""
+               finish: Callable[[Any], Any] | None = None, *, p2p: bool = False,
+               nbytes: int = 0) -> Work:
+        """Queue an operation (a collective's buffer of ``nbytes``, for the counters);
+        start it on this thread when its group has nothing pending."""
         work = Work(self, name)
-        task = _Task(work, group, op, gen, finish)
+        task = _Task(work, group, op, gen, finish, nbytes)
         with self._driving():
             if p2p:
                 self.p2p.append(task)
@@ -333,6 +346,7 @@ class Engine:
                 key, payload = hit
                 task = owners.pop(key)
                 posted.pop(key)
+                _waited(task)
                 task.key = task.posting = None
                 self._resume(task, payload)
         now = _now()
@@ -371,6 +385,7 @@ class Engine:
                 self._fail(task, exc)
                 return True
             if found:
+                _waited(task)
                 task.key = task.posting = None
                 self._resume(task, payload)
                 return True
@@ -416,6 +431,10 @@ class Engine:
             self._fail(task, exc)
             return
         self._remove(task)
+        if not _is_p2p(task):
+            op = task.op
+            task.group.stats.record(op.seq, perf_counter() - task.t0, task.nbytes,
+                                    task.waited, task.on)
         task.work._finish(result)
 
     def _remove(self, task: _Task) -> None:
@@ -546,6 +565,14 @@ class Engine:
             task.work._finish(error=error or RuntimeError(
                 f"swarmfd: {task.work.name} was pending when the process group was cleaned "
                 "up"))
+
+
+def _waited(task: _Task) -> None:
+    """The message ``task`` waited for since it posted its receive came: count the wait."""
+    waited = _now() - task.since
+    task.waited += waited
+    if waited > task.most:
+        task.most, task.on = waited, task.key[1]  # type: ignore[index]
 
 
 def _is_p2p(task: _Task) -> bool:

@@ -87,6 +87,7 @@ WAITS = (
     "tests/test_lanes.py::test_a_closed_peer_is_a_lost_peer_after_its_data",
     "tests/test_front_door.py::test_silent_strangers_and_a_flood_do_not_stop_or_slow_init",
     "tests/test_prepared.py::test_a_peer_killed_under_a_prepared_call_is_reported_fast",
+    "tests/test_observe.py::test_a_late_rank_is_reported_by_the_others_before_the_timeout",
 )
 #: The Docker tests (marked ``swarm``), by node id.
 MULTINODE = "tests/multinode/"
