@@ -1,89 +1,56 @@
 """The ``swarmfd`` command line: parse, call the library, map errors to exit codes.
 
-Nothing here implements behaviour; each command is a thin click wrapper over
-a library module (``launch`` for ``run``, ``bench`` for ``bench``, the
-``swarm`` package for ``build`` and the Docker Swarm commands, imported lazily so
-that ``swarmfd run`` never loads the docker SDK).
+Nothing here implements behaviour; each command is a thin click wrapper over a library
+module: ``launch`` for ``run`` (its options are :class:`swarmfd.launch.LaunchConfig`'s
+fields, see :mod:`swarmfd.cli_options`), ``bench`` for ``bench``, and the Swarm package
+for ``build``, ``deploy``, ``ls``, ``ps``, ``logs`` and ``rm``, whose commands
+(:mod:`swarmfd.swarm.cli`) are imported only when one of them runs, so that ``swarmfd
+run`` never loads the docker SDK.
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 import click
 
 from . import __version__
+from .cli_options import build_request, request_options, usage_errors
+from .launch import LaunchConfig, launch
+
+#: The Docker Swarm commands, defined in this module (imported when one of them runs).
+SWARM_COMMANDS = ("build", "deploy", "ls", "ps", "logs", "rm")
+_SWARM_CLI = "swarmfd.swarm.cli"
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Commands(click.Group):
+    """The ``swarmfd`` group, whose Swarm commands are loaded when first asked for."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*self.commands, *SWARM_COMMANDS])
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in SWARM_COMMANDS:
+            return importlib.import_module(_SWARM_CLI).COMMANDS[cmd_name]
+        return super().get_command(ctx, cmd_name)
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="swarmfd")
 def main() -> None:
-    """swarmfd: data-parallel training primitives over a ZeroMQ ring, local or on Docker Swarm."""
+    """swarmfd: data-parallel training primitives over shared memory and TCP, run locally
+    or on Docker Swarm."""
 
 
 # --- swarmfd run (launch.py) -------------------------------------------------
 
 
-def _parse_env_items(items: tuple[str, ...]) -> dict[str, str]:
-    env: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(
-                f"{item!r} is not KEY=VALUE (example: -e OMP_NUM_THREADS=1)",
-                param_hint="'-e' / '--env'",
-            )
-        env[key] = value
-    return env
-
-
-@main.command(
-    "run",
-    context_settings={"allow_interspersed_args": False},
-)
-@click.option("-n", "--nproc", type=int, required=True, metavar="N",
-              help="Number of ranks (processes) to start, >= 1.")
-@click.option("--master-addr", default=None, metavar="HOST",
-              help="Address of rank 0, set as MASTER_ADDR.  [default: 127.0.0.1]")
-@click.option("--master-port", type=int, default=None, metavar="PORT",
-              help="MASTER_PORT, torch.distributed's port.  [default: a free port, new per "
-                   "restart]")
-@click.option("--swarmfd-port", type=int, default=None, metavar="PORT",
-              help="SWARMFD_PORT, swarmfd's rendezvous port.  [default: --master-port + 1 "
-                   "when that is given, else a second free port, new per restart]")
-@click.option("--timeout", type=float, default=None, metavar="SECONDS",
-              help="Seconds a collective may wait for a peer (sets SWARMFD_TIMEOUT).")
-@click.option("--init-timeout", type=float, default=None, metavar="SECONDS",
-              help="Seconds init waits for every rank to join (sets SWARMFD_INIT_TIMEOUT; "
-                   "default: the timeout).")
-@click.option("-e", "--env", "env_items", multiple=True, metavar="KEY=VALUE",
-              help="Extra environment variable for every rank; repeatable.")
-@click.option("--no-prefix", is_flag=True,
-              help="Do not prefix output lines with '[rank R] '.")
-@click.option("--max-restarts", type=int, default=0, show_default=True, metavar="K",
-              help="Restart the whole group up to K times when a rank fails.")
-@click.option("--grace", type=float, default=3.0, show_default=True, metavar="SECONDS",
-              help="Time between SIGTERM (or a forwarded Ctrl-C) and SIGKILL when stopping ranks.")
-@click.option("--bind-cores/--no-bind-cores", default=None,
-              help="Run each rank only on its own share of this host's cores, as Open MPI's "
-                   "--bind-to core (steadier small collectives; its threads, libzmq's I/O "
-                   "thread too, share them). Off by default: two jobs at once would pin to "
-                   "the same cores.  [default: on if SWARMFD_BIND_CORES=1]")
+@main.command("run", context_settings={"allow_interspersed_args": False})
+@request_options(LaunchConfig)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="[--] COMMAND...")
 @click.pass_context
-def run(
-    ctx: click.Context,
-    nproc: int,
-    master_addr: str | None,
-    master_port: int | None,
-    swarmfd_port: int | None,
-    timeout: float | None,
-    init_timeout: float | None,
-    env_items: tuple[str, ...],
-    no_prefix: bool,
-    max_restarts: int,
-    grace: float,
-    bind_cores: bool | None,
-    command: tuple[str, ...],
-) -> None:
+def run(ctx: click.Context, command: tuple[str, ...], **options: Any) -> None:
     """Start N local ranks of COMMAND and supervise them.
 
     Each rank gets WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
@@ -94,36 +61,17 @@ def run(
     (in this shell or with -e), each gets its share of this host's cores as
     OMP_NUM_THREADS (torch's and numpy's compute threads), at least 1. Output
     lines are prefixed with the rank. The first failing rank stops the others
-    and sets the exit code; Ctrl-C stops every rank (exit 130).
+    and sets the exit code; once it has, another rank's traceback that only says it
+    lost its peer is cut to one line (--tracebacks shows it whole). Ctrl-C stops
+    every rank (exit 130).
 
     \b
     Examples:
       swarmfd run -n 4 train.py --epochs 3
       swarmfd run -n 2 --max-restarts 2 -e OMP_NUM_THREADS=1 -- python -m mypkg.train
     """
-    from .launch import LaunchConfig, bind_cores_from_env, launch
-
-    if not command:
-        raise click.UsageError(
-            "missing COMMAND: give the program to run, e.g. 'swarmfd run -n 2 train.py'", ctx
-        )
-    try:
-        config = LaunchConfig(
-            nproc=nproc,
-            command=command,
-            env=_parse_env_items(env_items),
-            timeout=timeout,
-            init_timeout=init_timeout,
-            prefix=not no_prefix,
-            max_restarts=max_restarts,
-            grace=grace,
-            bind_cores=bind_cores if bind_cores is not None else bind_cores_from_env(),
-            master_port=master_port,
-            swarmfd_port=swarmfd_port,
-            **({"master_addr": master_addr} if master_addr is not None else {}),
-        )
-    except (ValueError, TypeError) as exc:
-        raise click.UsageError(str(exc), ctx) from None
+    with usage_errors(ctx):
+        config = build_request(LaunchConfig, options, command=command)
     try:
         code = launch(config)
     except FileNotFoundError as exc:
@@ -251,7 +199,3 @@ def bench(
             click.echo(f"swarmfd bench: {wrong} wrong result elements (see the #wrong column)",
                        err=True)
         ctx.exit(1)
-
-
-# --- Docker commands (cli_swarm.py registers build, deploy, ls, ps, logs, rm) -
-from .cli_swarm import register; register(main)  # noqa: E402, E702, I001

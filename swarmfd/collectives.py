@@ -15,6 +15,7 @@ every rank.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -22,6 +23,7 @@ import numpy as np
 
 from . import group as _group
 from . import inputs as _in
+from . import objects as _objects
 from .algorithms import p2p as _p2p_algo
 from .algorithms import select
 from .algorithms.base import Op, Parts
@@ -30,6 +32,7 @@ from .comm import wire
 from .comm.wire import Collective, ReduceOp, Signature
 from .engine import Work, completed, joined
 from .errors import MismatchError, ProtocolError
+from .objects import MAX_OBJECT_BYTES
 
 __all__ = ["MAX_OBJECT_BYTES", "all_gather", "all_gather_object", "all_reduce", "all_reduce_mean",
            "all_to_all", "barrier", "broadcast", "broadcast_object", "gather", "irecv",
@@ -397,16 +400,28 @@ def reduce_scatter_run(g: _group.Group, src: np.ndarray | Parts, parts: list[tup
 
 
 def _splits(value: Any, n: int, what: str) -> list[int] | None:
+    """``value`` as ``n`` row counts: ints (numpy's too), never a bool, a float or a
+    string read as one; None stays None."""
     if value is None:
         return None
-    try:
-        splits = [int(v) for v in value]
-    except (TypeError, ValueError):
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         raise TypeError(f"swarmfd.all_to_all: {what} must be a list of {n} row counts, got "
-                        f"{value!r}") from None
-    if len(splits) != n or any(s < 0 for s in splits):
+                        f"{value!r}")
+    splits = []
+    for i, v in enumerate(value):
+        try:
+            if isinstance(v, (bool, np.bool_)):
+                raise TypeError
+            splits.append(operator.index(v))
+        except TypeError:
+            raise TypeError(f"swarmfd.all_to_all: {what}[{i}] is {v!r} ({type(v).__name__}): "
+                            "expected a whole number of rows, an int") from None
+        if splits[-1] < 0:
+            raise ValueError(f"swarmfd.all_to_all: {what}[{i}] is {v!r}: expected a "
+                             "non-negative number of rows")
+    if len(splits) != n:
         raise ValueError(f"swarmfd.all_to_all: {what} must be {n} non-negative row counts "
-                         f"(one per rank of the group), got {splits}")
+                         f"(one per rank of the group), got {len(splits)}: {splits}")
     return splits
 
 
@@ -684,67 +699,30 @@ def irecv(x: Any, src: int, tag: int = 0, *, group: Any = None,
 
 # -- objects ------------------------------------------------------------------------------
 
-#: The largest object broadcast_object / all_gather_object move (encoded), on every rank:
-#: a receiver refuses a larger announced size before it allocates anything.
-MAX_OBJECT_BYTES = 64 << 20
-
-
-def _encode(obj: Any, name: str) -> np.ndarray:
-    if isinstance(obj, (bytes, bytearray, memoryview)):
-        data = b"B" + bytes(obj)
-    else:
-        import json
-
-        try:
-            data = b"J" + json.dumps(obj, separators=(",", ":"), allow_nan=True).encode()
-        except (TypeError, ValueError) as exc:
-            raise TypeError(f"swarmfd.{name} takes JSON-serializable values (dict, list, str, "
-                            f"int, float, bool, None) or bytes, never pickled objects: {exc}"
-                            ) from None
-    if len(data) > MAX_OBJECT_BYTES:
-        raise ValueError(f"swarmfd.{name}: the object is {len(data)} bytes encoded, over the "
-                         f"limit of {MAX_OBJECT_BYTES} (send arrays with the array collectives)")
-    return np.frombuffer(data, np.uint8)
-
-
-def _decode(raw: np.ndarray, name: str, src: int) -> Any:
-    data = raw.tobytes()
-    if data[:1] == b"B":
-        return data[1:]
-    if data[:1] == b"J":
-        import json
-
-        try:
-            return json.loads(data[1:].decode("utf-8"))
-        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-            raise ProtocolError(f"swarmfd.{name}: rank {src} sent an object that is not "
-                                     f"valid JSON ({exc})") from None
-    raise ProtocolError(f"swarmfd.{name}: rank {src} sent an object of unknown encoding")
-
 
 def broadcast_object(obj: Any, src: int = 0, *, group: Any = None,
                      group_src: int | None = None) -> Any:
-    """``src``'s ``obj`` on every rank: a JSON-serializable value or bytes (never pickled),
-    at most MAX_OBJECT_BYTES encoded. Other ranks' ``obj`` is ignored."""
+    """``src``'s ``obj`` on every rank, ``src`` included, as :mod:`swarmfd.objects`
+    encodes it (plain values, tuples, sets, bytes; never pickled), at most
+    MAX_OBJECT_BYTES encoded. Other ranks' ``obj`` is ignored. An object that cannot be
+    sent raises the same TypeError or ValueError on every rank."""
     g = _group.resolve_group(group, "broadcast_object()")
     root = _root(g, src, group_src, "src", "broadcast_object")
-    data = _encode(obj, "broadcast_object") if g.rank == root else None
+    data = _objects.encode(obj) if g.rank == root else None
     length = np.array([0 if data is None else data.size], np.int64)
     broadcast(length, group=g, group_src=root)
     n = int(length[0])
     if not 0 <= n <= MAX_OBJECT_BYTES:
         raise ProtocolError(f"swarmfd.broadcast_object: rank {g.ranks[root]} announced an "
-                                 f"object of {n} bytes (at most {MAX_OBJECT_BYTES})")
+                            f"object of {n} bytes (at most {MAX_OBJECT_BYTES})")
     buf = data.copy() if data is not None else np.empty(n, np.uint8)
     broadcast(buf, group=g, group_src=root)
-    return obj if g.rank == root else _decode(buf, "broadcast_object", g.ranks[root])
+    return _objects.decode(buf, "broadcast_object", g.ranks[root])
 
 
 def all_gather_object(obj: Any, *, group: Any = None) -> list[Any]:
-    """Every rank's ``obj`` (JSON-serializable or bytes; see :func:`broadcast_object`), as
-    a list in group-rank order."""
+    """Every rank's ``obj`` (see :func:`broadcast_object`), as a list in group-rank
+    order, decoded alike on every rank (this rank's own entry included)."""
     g = _group.resolve_group(group, "all_gather_object()")
-    data = _encode(obj, "all_gather_object")
-    parts = all_gather(data, group=g)
-    return [obj if r == g.rank else _decode(p, "all_gather_object", g.ranks[r])
-            for r, p in enumerate(parts)]
+    parts = all_gather(_objects.encode(obj), group=g)
+    return _objects.decode_all(parts, "all_gather_object", g.ranks)

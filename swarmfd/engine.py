@@ -507,9 +507,8 @@ class Engine:
                 continue
             if ch.gone(src, now):
                 self._fail(task, PeerLostError(
-                    f"{task.work.name}: lost rank {src} ({ch.where(src)}): its connection "
-                    "closed (the process died or exited, or its host stopped answering TCP "
-                    "keepalive probes) before it sent its data"))
+                    f"{task.work.name}: lost rank {src} ({ch.where(src)}): "
+                    f"{ch.why_lost(src)} before it sent its data"))
                 continue
             if now - task.since > self.timeout:
                 ch.set_group(task.op.gid)

@@ -32,11 +32,10 @@ every process by default, and OpenBLAS's threads spin while they wait for work: 
 ranks on C cores then run N x C threads that take turns on the cores the ranks'
 collectives need. torchrun sets OMP_NUM_THREADS=1 for the same reason; this
 launcher gives each rank its share of the cores instead (one thread each when
-ranks are as many as cores or more). Measured here (2 cores; 3 interleaved runs, start
-to end): the README's ``swarmfd run -n 2 examples/train.py`` took 1.42-1.59 s without
-it and 0.74-0.76 s with it; ``-n 4``, 1.38-1.39 s and 1.24-1.32 s. A value the user
-gives, in the launcher's environment or with ``-e``, is passed through unchanged; a
-single rank is left to the libraries' own defaults (torch's counts physical cores, where
+ranks are as many as cores or more), which halved the README's two-rank example on
+two cores (the measurement: docs/performance.md). A value the user gives, in the
+launcher's environment or with ``-e``, is passed through unchanged; a single rank is
+left to the libraries' own defaults (torch's counts physical cores, where
 the affinity mask counts hyperthreads), as torchrun does.
 
 Cores. With ``bind_cores`` (``--bind-cores``, or ``SWARMFD_BIND_CORES=1`` in the
@@ -48,12 +47,8 @@ message hand-off between the two costs no wake-up on another core (Open MPI's
 ``--bind-to core``, DeepSpeed's ``--bind_cores_to_rank``). It is off by default, as in
 torchrun (Open MPI binds by default, DeepSpeed on request): two jobs at once on one host
 would pin their ranks to the same cores, and a pinned rank cannot move away from other
-work on its core. Measured here (2 cores, compare.py, 5
-interleaved runs, 2026-12-05, benchmarks/results/session-20261205.md), pinned against
-not: the zmq plane's all_reduce at N=2 0.91x the time at 4 KiB (92-111 us against
-94-257), 0.80x at 16 MiB, but 1.22x at 1 MiB (per run 0.96-1.28); at N=4 0.83-0.97x;
-the socket plane at N=4 0.91-0.96x; shared memory and the socket plane at N=2 the same
-within the noise (0.95-1.12x).
+work on its core; and pinned, the collectives measured up to a fifth faster or slower,
+by plane and size, or the same (the measurement: docs/performance.md).
 
 Output. Every line a rank writes goes to the same stream (stdout or stderr) of
 the launcher, prefixed with ``[rank R] `` (unless ``prefix`` is off). Lines are
@@ -67,7 +62,14 @@ exit code 128+S, as shells report it) fails the group: the launcher prints
 ``swarmfd run: rank R exited with code C; stopping the other ranks`` on stderr,
 sends SIGTERM to every rank, waits ``grace`` seconds and then sends SIGKILL.
 With ``max_restarts=K`` the whole group is then started again, up to K times;
-the exit code is the last attempt's.
+the exit code is the last attempt's. Its peers may see it go before they are
+stopped: from the moment it exits, a traceback on another rank's stderr that
+begins with a lost peer (``PeerLostError``, or ``AbortedError``: a peer gave up the
+call) is replaced by one line, ``[rank R] PeerLostError in FILE:LINE (FUNCTION):
+MESSAGE``, the message naming the lost rank; the failed rank's own traceback, which
+it printed before it exited, and every other error pass unchanged. ``tracebacks``
+(``--tracebacks``, or ``SWARMFD_TRACEBACK=1``) prints these tracebacks, and those of
+an interruption, whole.
 
 Interruption. SIGINT (Ctrl-C), SIGTERM or SIGHUP to the launcher is forwarded
 to every rank; after ``grace`` seconds (or at a second signal) the ranks are
@@ -77,7 +79,8 @@ traceback on a rank's stderr that ends in ``KeyboardInterrupt`` (what every
 Python rank prints when Ctrl-C reaches it: some 20 lines each, interleaved) is
 replaced by one line, ``[rank R] KeyboardInterrupt in FILE:LINE (FUNCTION)``,
 naming the innermost frame outside swarmfd and installed packages; other output
-(a script that catches the interrupt and saves, other errors) passes unchanged.
+(a script that catches the interrupt and saves, other errors) passes unchanged
+(:class:`TracebackFilter`).
 A last line sums up: ``stopped all N rank(s) after SIGINT (exit code 130)``.
 
 Job secret. Every run draws a fresh secret (``secrets.token_hex(32)``) and
@@ -111,12 +114,11 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import FrameType, MappingProxyType
-from typing import IO, Any
+from typing import IO, Any, ClassVar
 
 from .config import (
-    ENV_INIT_TIMEOUT,
     ENV_LOCAL_RANK,
     ENV_LOCAL_WORLD_SIZE,
     ENV_MASTER_ADDR,
@@ -126,25 +128,27 @@ from .config import (
     ENV_RANK,
     ENV_RESTART_COUNT,
     ENV_SECRET_FILE,
-    ENV_TIMEOUT,
     ENV_WORLD_SIZE,
     check_int,
     check_seconds,
     usable_cores,
 )
+from .request import JobRequest, option
 
 __all__ = [
     "DEFAULT_GRACE",
     "DEFAULT_MASTER_ADDR",
     "ENV_BIND_CORES",
+    "ENV_TRACEBACK",
     "RESERVED_ENV",
-    "InterruptFilter",
     "LaunchConfig",
+    "TracebackFilter",
     "bind_cores_from_env",
     "core_sets",
     "exit_code_of",
     "find_free_port",
     "find_free_ports",
+    "flag_from_env",
     "launch",
     "rank_threads",
     "resolve_command",
@@ -156,22 +160,22 @@ DEFAULT_GRACE = 3.0
 #: (``swarmfd run --bind-cores``; see the module docstring, "Cores").
 ENV_BIND_CORES = "SWARMFD_BIND_CORES"
 
-#: Variables the launcher sets for every rank; ``-e`` may not override them.
-RESERVED_ENV = frozenset(
-    {
-        ENV_WORLD_SIZE,
-        ENV_RANK,
-        ENV_LOCAL_RANK,
-        ENV_LOCAL_WORLD_SIZE,
-        ENV_MASTER_ADDR,
-        ENV_MASTER_PORT,
-        ENV_PORT,
-        ENV_RESTART_COUNT,
-        ENV_SECRET_FILE,
-    }
-)
-
-
+#: Variables the launcher sets for every rank; ``-e`` may not override them (the option
+#: to use instead). ``--timeout`` and ``--init-timeout`` add theirs (swarmfd.request).
+RESERVED_ENV: Mapping[str, str] = MappingProxyType({
+    ENV_WORLD_SIZE: "-n",
+    ENV_RANK: "-n (each rank gets its own)",
+    ENV_LOCAL_RANK: "-n (each rank gets its own)",
+    ENV_LOCAL_WORLD_SIZE: "-n",
+    ENV_MASTER_ADDR: "--master-addr",
+    ENV_MASTER_PORT: "--master-port",
+    ENV_PORT: "--swarmfd-port",
+    ENV_RESTART_COUNT: "--max-restarts (the launcher counts the restarts)",
+    ENV_SECRET_FILE: "nothing: every run makes a fresh job secret",
+})
+#: ``SWARMFD_TRACEBACK=1`` in the launcher's environment: ``tracebacks`` by default
+#: (``swarmfd run --tracebacks``; see the module docstring, "Failure").
+ENV_TRACEBACK = "SWARMFD_TRACEBACK"
 
 _MAX_LINE = 64 * 1024
 _POLL = 0.05
@@ -181,112 +185,84 @@ _HANDLED_SIGNALS = tuple(
 )
 
 
-@dataclass(frozen=True)
-class LaunchConfig:
-    """What ``swarmfd run`` should start; validated on creation (``ValueError``/``TypeError``).
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig(JobRequest):
+    """What ``swarmfd run`` should start; validated on creation (``ValueError``/``TypeError``
+    naming the option). The fields it shares with ``swarmfd deploy`` are
+    :class:`swarmfd.request.JobRequest`'s.
 
-    ``command`` is the argv of every rank; ``env`` adds variables to the
-    launcher's environment; ``master_port`` is MASTER_PORT (torch.distributed's) and
-    ``swarmfd_port`` SWARMFD_PORT (swarmfd's rendezvous): ``None`` picks a free port per
-    attempt, except that a ``swarmfd_port`` of ``None`` beside a given ``master_port``
-    is ``master_port + 1``, as a rank would derive it (the two always differ);
-    ``grace`` is how long ranks get between SIGTERM (or a forwarded Ctrl-C) and
-    SIGKILL; ``timeout`` (seconds) becomes ``SWARMFD_TIMEOUT`` for the ranks, and
-    ``init_timeout`` ``SWARMFD_INIT_TIMEOUT``; ``bind_cores`` runs each rank on its own
-    share of the cores (:func:`core_sets`).
+    ``command`` is the argv of every rank; ``env`` adds variables to the launcher's
+    environment (a mapping or ``-e`` items); ``master_port`` is MASTER_PORT
+    (torch.distributed's) and ``swarmfd_port`` SWARMFD_PORT (swarmfd's rendezvous):
+    ``None`` picks a free port per attempt, except that a ``swarmfd_port`` of ``None``
+    beside a given ``master_port`` is ``master_port + 1``, as a rank would derive it (the
+    two always differ); ``grace`` is how long ranks get between SIGTERM (or a forwarded
+    Ctrl-C) and SIGKILL; ``timeout`` (seconds) becomes ``SWARMFD_TIMEOUT`` for the
+    ranks, and ``init_timeout`` ``SWARMFD_INIT_TIMEOUT``; ``bind_cores`` runs each rank
+    on its own share of the cores (:func:`core_sets`); ``tracebacks`` prints the
+    tracebacks the launcher otherwise cuts to one line (module docstring, "Failure").
+    ``bind_cores`` and ``tracebacks`` of None (the default) take ENV_BIND_CORES and
+    ENV_TRACEBACK of the launcher's environment (1 or 0; unset is 0).
     """
 
-    nproc: int
-    command: Sequence[str]
-    master_addr: str = DEFAULT_MASTER_ADDR
-    master_port: int | None = None
-    swarmfd_port: int | None = None
-    env: Mapping[str, str] = field(default_factory=dict)
-    timeout: float | None = None
-    prefix: bool = True
-    init_timeout: float | None = None
-    max_restarts: int = 0
-    grace: float = DEFAULT_GRACE
-    bind_cores: bool = False
+    RESERVED_ENV: ClassVar[Mapping[str, str]] = RESERVED_ENV
+
+    master_addr: str = option("--master-addr", default=DEFAULT_MASTER_ADDR, show_default=True,
+                              metavar="HOST", help="Address of rank 0, set as MASTER_ADDR.")
+    master_port: int | None = option(
+        "--master-port", type=int, metavar="PORT",
+        help="MASTER_PORT, torch.distributed's port.  [default: a free port, new per restart]")
+    swarmfd_port: int | None = option(
+        "--swarmfd-port", type=int, metavar="PORT",
+        help="SWARMFD_PORT, swarmfd's rendezvous port.  [default: --master-port + 1 when that "
+             "is given, else a second free port, new per restart]")
+    grace: float = option(
+        "--grace", type=float, default=DEFAULT_GRACE, show_default=True, metavar="SECONDS",
+        help="Time between SIGTERM (or a forwarded Ctrl-C) and SIGKILL when stopping ranks.")
+    bind_cores: bool | None = option(
+        "--bind-cores/--no-bind-cores", default=None,
+        help="Run each rank only on its own share of this host's cores, as Open MPI's "
+             "--bind-to core (steadier small collectives; its threads, libzmq's I/O thread "
+             "too, share them). Off by default: two jobs at once would pin to the same "
+             "cores.  [default: on if SWARMFD_BIND_CORES=1]")
+    tracebacks: bool | None = option(
+        "--tracebacks/--no-tracebacks", default=None,
+        help="Print the ranks' tracebacks in full. Without it, once a rank has failed (or "
+             "after Ctrl-C) a traceback that only says a rank lost its peer (or was "
+             "interrupted) is cut to one line naming where.  [default: on if "
+             "SWARMFD_TRACEBACK=1]")
 
     def __post_init__(self) -> None:
-        _check_int("nproc", self.nproc, minimum=1, what="the number of ranks to start")
-        if isinstance(self.command, (str, bytes)) or not isinstance(self.command, Iterable):
-            raise TypeError(
-                f"command must be a sequence of strings (an argv), got {self.command!r}"
-            )
-        command = tuple(self.command)
-        if not command:
-            raise ValueError("command is empty: expected the program (and its arguments) to run")
-        for word in command:
-            if not isinstance(word, str):
-                raise TypeError(f"command words must be strings, got {word!r} in {command!r}")
-            if "\0" in word:
-                raise ValueError(f"command word {word!r} contains a NUL byte")
-        if command[0] == "":
-            raise ValueError("command starts with an empty word: expected a program name")
-        object.__setattr__(self, "command", command)
+        super().__post_init__()
+        if (not isinstance(self.master_addr, str) or not self.master_addr.strip()
+                or any(c.isspace() for c in self.master_addr)):
+            raise ValueError(f"--master-addr must be a host name or IP address without "
+                             f"spaces, got {self.master_addr!r}")
+        self._check_ports()
+        _check_seconds("--grace", self.grace, allow_zero=True)
+        for name, env_name in (("bind_cores", ENV_BIND_CORES), ("tracebacks", ENV_TRACEBACK)):
+            value = getattr(self, name)
+            if value is None:
+                self._set(name, flag_from_env(env_name))
+            elif not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool (or None: from {env_name}), got "
+                                f"{value!r}")
 
-        if (
-            not isinstance(self.master_addr, str)
-            or not self.master_addr.strip()
-            or any(c.isspace() for c in self.master_addr)
-        ):
-            raise ValueError(
-                f"master_addr must be a host name or IP address without spaces, "
-                f"got {self.master_addr!r}"
-            )
+    def _check_ports(self) -> None:
         for name in ("master_port", "swarmfd_port"):
-            port = getattr(self, name)
+            port, option_name = getattr(self, name), self.option_name(name)
             if port is not None:
-                _check_int(name, port, minimum=1, what="a TCP port")
+                _check_int(option_name, port, minimum=1, what="a TCP port")
                 if port > 65535:
-                    raise ValueError(f"{name} must be a TCP port 1..65535, got {port}")
+                    raise ValueError(f"{option_name} must be a TCP port 1..65535, got {port}")
         if self.swarmfd_port is None and self.master_port == 65535:
             raise ValueError(
-                "master_port 65535 leaves no port for swarmfd's rendezvous (SWARMFD_PORT, "
-                "by default MASTER_PORT + 1): give a lower master_port (--master-port) or a "
-                "swarmfd_port (--swarmfd-port)")
+                "--master-port 65535 leaves no port for swarmfd's rendezvous (SWARMFD_PORT, "
+                "by default MASTER_PORT + 1): give a lower --master-port or a --swarmfd-port")
         if self.swarmfd_port is not None and self.swarmfd_port == self.master_port:
             raise ValueError(
-                f"swarmfd_port and master_port are both {self.master_port}: MASTER_PORT is "
-                "torch.distributed's, swarmfd's rendezvous needs a port of its own")
-
-        if not isinstance(self.env, Mapping):
-            raise TypeError(f"env must be a mapping of str to str, got {type(self.env).__name__}")
-        env = dict(self.env)
-        for key, value in env.items():
-            if not isinstance(key, str) or not isinstance(value, str):
-                raise TypeError(f"env entries must be str=str, got {key!r}={value!r}")
-            if not key or "=" in key or "\0" in key:
-                raise ValueError(
-                    f"env name {key!r} is invalid: expected a non-empty name without '=' or NUL"
-                )
-            if "\0" in value:
-                raise ValueError(f"env value of {key} contains a NUL byte")
-            if key in RESERVED_ENV:
-                raise ValueError(
-                    f"env may not set {key}: the launcher sets it for every rank "
-                    "(use -n/--nproc, --master-addr, --master-port or --swarmfd-port instead)"
-                )
-            for name, given in ((ENV_TIMEOUT, "timeout"), (ENV_INIT_TIMEOUT, "init_timeout")):
-                if key == name and getattr(self, given) is not None:
-                    raise ValueError(
-                        f"{name} is given both in env and as {given}="
-                        f"{getattr(self, given)!r}: give it once"
-                    )
-        object.__setattr__(self, "env", MappingProxyType(env))
-
-        if self.timeout is not None:
-            _check_seconds("timeout", self.timeout, allow_zero=False)
-        if self.init_timeout is not None:
-            _check_seconds("init_timeout", self.init_timeout, allow_zero=False)
-        if not isinstance(self.prefix, bool):
-            raise TypeError(f"prefix must be a bool, got {self.prefix!r}")
-        if not isinstance(self.bind_cores, bool):
-            raise TypeError(f"bind_cores must be a bool, got {self.bind_cores!r}")
-        _check_int("max_restarts", self.max_restarts, minimum=0, what="a number of restarts")
-        _check_seconds("grace", self.grace, allow_zero=True)
+                f"--swarmfd-port and --master-port are both {self.master_port}: MASTER_PORT "
+                "is torch.distributed's, swarmfd's rendezvous needs a port of its own")
 
 
 def _check_int(name: str, value: object, *, minimum: int, what: str) -> None:
@@ -420,14 +396,26 @@ _LIBRARY_PARTS = ("/site-packages/", "/dist-packages/",
                   os.sep + "swarmfd" + os.sep, "/lib/python3")
 
 
-class InterruptFilter:
-    """Collapses a KeyboardInterrupt traceback into one line (the rest passes through).
+#: The first exception of a traceback that :class:`TracebackFilter` cuts to one line:
+#: an interruption, or a peer that is gone (its own traceback says why).
+_CONSEQUENCES = re.compile(rb"^(?:KeyboardInterrupt|(?:swarmfd\.errors\.)?(?:PeerLostError|"
+                           rb"AbortedError))(?::|$)")
+_MAX_SUMMARY = 600
 
-    ``feed`` takes a rank's stderr lines (bytes, with or without the newline) after an
-    interrupt; ``flush`` at its end. ``emit`` receives the lines to print, each one
-    newline-terminated. A traceback is held until it is complete (its exception line,
-    and any chained traceback after it); if one of its exceptions is a
-    KeyboardInterrupt, one line replaces it, else it is emitted as it was.
+
+class TracebackFilter:
+    """Cuts a traceback whose first exception is an interruption or a lost peer
+    (``KeyboardInterrupt``, swarmfd's ``PeerLostError`` or ``AbortedError``) to one line;
+    the rest passes through.
+
+    ``feed`` takes a rank's stderr lines (bytes, with or without the newline); ``flush``
+    at its end. ``emit`` receives the lines to print, each one newline-terminated. A
+    traceback is held until it is complete (its exception line, and any chained
+    traceback after it); then one line replaces it (``NAME in FILE:LINE (FUNCTION):
+    MESSAGE``, at the innermost frame outside swarmfd and installed packages, and ``;
+    then LAST`` when a chained exception of another kind ended it), or it is emitted
+    as it was. It runs only once a rank has failed or the launcher was interrupted:
+    before that, such a traceback is the failure itself.
     """
 
     def __init__(self, emit: Callable[[bytes], None]) -> None:
@@ -474,38 +462,49 @@ class InterruptFilter:
     def _decide(self) -> None:
         held, self._held, self._state = self._held, [], "idle"
         texts = [h.rstrip(b"\r\n") for h in held]
-        exceptions = [t for t in texts if t and not t[:1].isspace() and t != _TRACEBACK
-                      and t not in _CHAIN]
-        if not any(e == b"KeyboardInterrupt" or e.startswith(b"KeyboardInterrupt:")
-                   for e in exceptions):
+        exceptions = [i for i, t in enumerate(texts) if t and not t[:1].isspace()
+                      and t != _TRACEBACK and t not in _CHAIN]
+        if not exceptions or not _CONSEQUENCES.match(texts[exceptions[0]]):
             for line in held:
                 self._emit(line)
             return
-        first_interrupt = next(i for i, t in enumerate(texts)
-                               if t == b"KeyboardInterrupt" or t.startswith(b"KeyboardInterrupt:"))
-        frames = [m for m in (_FRAME.match(t) for t in texts[:first_interrupt]) if m]
-        own = [m for m in frames if not any(part.encode() in m.group(1)
-                                            for part in _LIBRARY_PARTS)]
-        where = (own or frames)[-1] if frames else None
-        summary = b"KeyboardInterrupt"
+        first = texts[exceptions[0]]
+        name, _, message = first.partition(b":")
+        summary = name.rsplit(b".", 1)[-1]
+        where = _where(texts[:exceptions[0]])
         if where is not None:
-            path = where.group(1)
-            with contextlib.suppress(ValueError):
-                relative = os.path.relpath(os.fsdecode(path))
-                if not relative.startswith(".."):
-                    path = os.fsencode(relative)
-            summary += b" in %s:%s (%s)" % (path, where.group(2), where.group(3))
-        last = exceptions[-1]
-        if not (last == b"KeyboardInterrupt" or last.startswith(b"KeyboardInterrupt:")):
+            summary += b" in " + where
+        if message.strip():
+            summary += b": " + message.strip()
+        last = texts[exceptions[-1]]
+        if last.partition(b":")[0] != name:
             summary += b"; then " + last[:300]
-        self._emit(summary + b"\n")
+        self._emit(summary[:_MAX_SUMMARY] + b"\n")
+
+
+def _where(texts: list[bytes]) -> bytes | None:
+    """``FILE:LINE (FUNCTION)`` of the innermost frame of ``texts`` (a traceback's lines)
+    outside swarmfd and installed packages (else the innermost), the file relative to
+    the working directory when it is below it."""
+    frames = [m for m in (_FRAME.match(t) for t in texts) if m]
+    own = [m for m in frames if not any(part.encode() in m.group(1) for part in _LIBRARY_PARTS)]
+    if not frames:
+        return None
+    where = (own or frames)[-1]
+    path = where.group(1)
+    with contextlib.suppress(ValueError):
+        relative = os.path.relpath(os.fsdecode(path))
+        if not relative.startswith(".."):
+            path = os.fsencode(relative)
+    return b"%s:%s (%s)" % (path, where.group(2), where.group(3))
 
 
 def _pump(pipe: IO[bytes], fd: int, prefix: bytes, output: _Output,
-          interrupted: threading.Event | None = None) -> None:
+          collapse: Callable[[], bool] | None = None) -> None:
     """Copy one rank's pipe to the output line by line until EOF.
 
-    Once ``interrupted`` is set, the lines go through an :class:`InterruptFilter`.
+    Once ``collapse()`` is true (another rank failed, or the launcher was interrupted),
+    the lines go through a :class:`TracebackFilter`.
     """
 
     def emit(line: bytes) -> None:
@@ -515,21 +514,21 @@ def _pump(pipe: IO[bytes], fd: int, prefix: bytes, output: _Output,
             line = prefix + line
         output.write(fd, line)
 
-    collapse = InterruptFilter(emit) if interrupted is not None else None
+    cut = TracebackFilter(emit) if collapse is not None else None
     try:
         with pipe:
             while True:
                 line = pipe.readline(_MAX_LINE)
                 if not line:
                     break
-                if collapse is not None and (interrupted.is_set() or collapse.holding):
-                    collapse.feed(line)
+                if cut is not None and (cut.holding or collapse()):
+                    cut.feed(line)
                 else:
                     emit(line)
     except (OSError, ValueError):
         pass  # the pipe broke; nothing more to copy
-    if collapse is not None:
-        collapse.flush()
+    if cut is not None:
+        cut.flush()
 
 
 # --- process groups -----------------------------------------------------------
@@ -747,6 +746,7 @@ class _Attempt:
         self.waiters: list[threading.Thread] = []
         self.exits: list[tuple[int, int]] = []  # (rank, returncode) in the order they ended
         self.interrupted = threading.Event()  # set before a launcher signal is forwarded
+        self.failed = threading.Event()  # set as soon as a rank exits non-zero
         self.stopped = False
         self.succeeded = False
 
@@ -788,11 +788,12 @@ class _Attempt:
         for rank, proc in enumerate(self.procs):
             prefix = f"[rank {rank}] ".encode() if self.config.prefix else b""
             threads = []
+            collapse = None if self.config.tracebacks else self._collapsing
             for fd, pipe in ((1, proc.stdout), (2, proc.stderr)):
                 assert pipe is not None
                 t = threading.Thread(
                     target=_pump,
-                    args=(pipe, fd, prefix, self.output, self.interrupted if fd == 2 else None),
+                    args=(pipe, fd, prefix, self.output, collapse if fd == 2 else None),
                     name=f"swarmfd-run-rank{rank}-fd{fd}",
                     daemon=True,
                 )
@@ -808,9 +809,15 @@ class _Attempt:
             waiter.start()
             self.waiters.append(waiter)
 
+    def _collapsing(self) -> bool:
+        """Whether the ranks' tracebacks of lost peers and interruptions are cut now."""
+        return self.failed.is_set() or self.interrupted.is_set()
+
     def _wait_for(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
         """Reap one rank and record when it ended relative to the others."""
         rc = proc.wait()
+        if rc != 0:
+            self.failed.set()  # before its peers can find it gone (LOST_PEER_GRACE)
         self.exits.append((rank, rc))  # list.append is atomic; the order is the exit order
 
     def _supervise(self) -> _Outcome:
@@ -913,14 +920,18 @@ def _ports(config: LaunchConfig) -> tuple[int, int]:
     return master, own
 
 
-def bind_cores_from_env(environ: Mapping[str, str] | None = None) -> bool:
-    """``bind_cores``'s default: ENV_BIND_CORES (``SWARMFD_BIND_CORES``) in ``environ``
-    (default this process's), 1 or 0; empty or unset is 0."""
-    value = (os.environ if environ is None else environ).get(ENV_BIND_CORES, "").strip()
+def flag_from_env(name: str, environ: Mapping[str, str] | None = None) -> bool:
+    """An on/off default from variable ``name`` of ``environ`` (default: this process's
+    environment): 1 or 0; empty or unset is 0."""
+    value = (os.environ if environ is None else environ).get(name, "").strip()
     if value not in ("", "0", "1"):
-        raise ValueError(f"{ENV_BIND_CORES}={value!r}: expected 1 (pin each rank to its "
-                         "own cores) or 0")
+        raise ValueError(f"{name}={value!r}: expected 1 (on) or 0 (off)")
     return value == "1"
+
+
+def bind_cores_from_env(environ: Mapping[str, str] | None = None) -> bool:
+    """``bind_cores``'s default: ENV_BIND_CORES (``SWARMFD_BIND_CORES``), 1 or 0."""
+    return flag_from_env(ENV_BIND_CORES, environ)
 
 
 def core_sets(nproc: int, cores: Sequence[int]) -> list[list[int]]:
@@ -964,10 +975,7 @@ def _rank_env(config: LaunchConfig, port: int, swarmfd_port: int, restart: int,
         SWARMFD_RESTART_COUNT=str(restart),
         SWARMFD_SECRET_FILE=secret_file,
     )
-    if config.timeout is not None:
-        env[ENV_TIMEOUT] = repr(float(config.timeout))
-    if config.init_timeout is not None:
-        env[ENV_INIT_TIMEOUT] = repr(float(config.init_timeout))
+    env.update(config.rank_env())
     return env
 
 

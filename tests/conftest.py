@@ -190,6 +190,23 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return Lanes(config, log)
 
 
+#: The environment contract of a rank (swarmfd.config): :func:`alone` removes it.
+CONTRACT_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT", "SWARMFD_PORT")
+
+
+@pytest.fixture
+def alone(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A world of one in this process (whatever job the test session runs in)."""
+    import swarmfd as fd
+
+    for name in CONTRACT_VARS:
+        monkeypatch.delenv(name, raising=False)
+    fd.init(1, 0)
+    yield
+    fd.cleanup()
+
+
 @pytest.fixture
 def ranks() -> Callable[..., list[Any]]:
     """The :func:`run_ranks` helper as a fixture."""

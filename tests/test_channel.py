@@ -155,6 +155,25 @@ def test_a_vanished_peer_is_lost_after_the_grace(plane: str) -> None:
 
     took, msg = run_threads(fn, 2, plane=plane, group_timeout=30, fabric=fabric)[0]
     assert LOST_PEER_GRACE * 0.9 <= took < 5, (took, msg)
+    # What the plane the peer was reached through saw.
+    assert ("its process ended" if plane == "shm" else "its connection closed") in msg, msg
+
+
+def test_a_peer_is_named_by_the_plane_that_reaches_it() -> None:
+    """A peer on this host's shared memory is named by it, not by its TCP endpoint, and
+    its loss is its process ending; a peer over TCP, by its endpoint and connection."""
+    from types import SimpleNamespace
+
+    from swarmfd.comm.plane import PeerInfo
+
+    ch = Channel(0, 3, 1.0)
+    ch.peers = [PeerInfo(r, f"tcp://10.0.0.{r}:5000", "h", 40 + r) for r in range(3)]
+    ch.add_plane(SimpleNamespace(kind="tcp", name="socket"))  # type: ignore[arg-type]
+    ch.add_plane(SimpleNamespace(kind="shm", name="shm", ranks=[0, 1]))  # type: ignore[arg-type]
+    assert ch.where(1) == "host h, pid 41, shared memory"
+    assert ch.why_lost(1) == "its process ended (it died or exited)"
+    assert ch.where(2) == "host h, pid 42, tcp://10.0.0.2:5000"
+    assert ch.why_lost(2).startswith("its connection closed")
 
 
 @pytest.mark.parametrize("plane", PLANES)

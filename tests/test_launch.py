@@ -25,7 +25,6 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import swarmfd
 from swarmfd.cli import main
 from swarmfd.launch import (
     LaunchConfig,
@@ -321,11 +320,12 @@ def test_the_ports_of_an_attempt() -> None:
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (("-e", "SWARMFD_PORT=1"), "env may not set SWARMFD_PORT"),
-    (("--master-port", "65535"), "master_port 65535 leaves no port for swarmfd's rendezvous"),
+    (("-e", "SWARMFD_PORT=1"), "-e SWARMFD_PORT is not allowed: swarmfd sets SWARMFD_PORT "
+     "for every rank; use --swarmfd-port"),
+    (("--master-port", "65535"), "--master-port 65535 leaves no port for swarmfd's rendezvous"),
     (("--master-port", "23456", "--swarmfd-port", "23456"),
-     "swarmfd_port and master_port are both 23456"),
-    (("--swarmfd-port", "70000"), "swarmfd_port must be a TCP port 1..65535"),
+     "--swarmfd-port and --master-port are both 23456"),
+    (("--swarmfd-port", "70000"), "--swarmfd-port must be a TCP port 1..65535"),
 ])
 def test_cli_refuses_bad_ports(args: tuple[str, ...], message: str) -> None:
     result = CliRunner().invoke(main, ["run", "-n", "1", *args, WORKER, "env"])
@@ -548,10 +548,10 @@ ZeroDivisionError: division by zero
 
 
 def _filtered(*chunks: bytes) -> list[bytes]:
-    from swarmfd.launch import InterruptFilter
+    from swarmfd.launch import TracebackFilter
 
     out: list[bytes] = []
-    f = InterruptFilter(out.append)
+    f = TracebackFilter(out.append)
     for chunk in chunks:
         for line in chunk.splitlines(keepends=True):
             f.feed(line)
@@ -615,24 +615,28 @@ def test_launcher_killed_with_sigkill_takes_its_ranks_along(runs: Runs) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"nproc": 0}, "nproc must be an integer >= 1"),
-        ({"nproc": True}, "nproc must be an integer"),
-        ({"command": []}, "command is empty"),
+        ({"nproc": 0}, "the number of ranks must be >= 1, got -n 0"),
+        ({"nproc": True}, "-n/--nproc must be an integer (the number of ranks), got True"),
+        ({"command": []}, "missing COMMAND: give the program every rank runs, e.g. "
+                          "'swarmfd run -n 2 train.py'"),
         ({"command": "python x.py"}, "command must be a sequence of strings"),
-        ({"master_port": 70000}, "master_port must be a TCP port 1..65535"),
-        ({"swarmfd_port": 0}, "swarmfd_port must be an integer >= 1 (a TCP port)"),
-        ({"master_port": 65535}, "master_port 65535 leaves no port for swarmfd's rendezvous"),
-        ({"master_port": 80, "swarmfd_port": 80}, "swarmfd_port and master_port are both 80"),
-        ({"env": {"SWARMFD_PORT": "3"}}, "env may not set SWARMFD_PORT"),
-        ({"master_addr": " "}, "master_addr must be a host name"),
-        ({"env": {"RANK": "3"}}, "env may not set RANK"),
+        ({"master_port": 70000}, "--master-port must be a TCP port 1..65535"),
+        ({"swarmfd_port": 0}, "--swarmfd-port must be an integer >= 1 (a TCP port)"),
+        ({"master_port": 65535}, "--master-port 65535 leaves no port for swarmfd's rendezvous"),
+        ({"master_port": 80, "swarmfd_port": 80}, "--swarmfd-port and --master-port are both 80"),
+        ({"env": {"SWARMFD_PORT": "3"}}, "-e SWARMFD_PORT is not allowed"),
+        ({"master_addr": " "}, "--master-addr must be a host name"),
+        ({"env": {"RANK": "3"}}, "-e RANK is not allowed: swarmfd sets RANK for every rank; "
+                                 "use -n (each rank gets its own)"),
         ({"env": {"A=B": "1"}}, "env name 'A=B' is invalid"),
-        ({"timeout": 0}, "timeout must be a positive number of seconds"),
-        ({"init_timeout": -1}, "init_timeout must be a positive number of seconds"),
-        ({"init_timeout": 5, "env": {"SWARMFD_INIT_TIMEOUT": "9"}},
-         "SWARMFD_INIT_TIMEOUT is given both in env and as init_timeout=5"),
-        ({"max_restarts": -1}, "max_restarts must be an integer >= 0"),
-        ({"grace": float("nan")}, "grace must be a finite number of seconds >= 0"),
+        ({"env": ["A"]}, "-e A: A is not set in this shell"),
+        ({"timeout": 0}, "--timeout must be a positive number of seconds"),
+        ({"init_timeout": -1}, "--init-timeout must be a positive number of seconds"),
+        ({"env": {"SWARMFD_INIT_TIMEOUT": "9"}},
+         "-e SWARMFD_INIT_TIMEOUT is not allowed: swarmfd sets SWARMFD_INIT_TIMEOUT for every "
+         "rank; use --init-timeout"),
+        ({"max_restarts": -1}, "--max-restarts must be an integer >= 0"),
+        ({"grace": float("nan")}, "--grace must be a finite number of seconds >= 0"),
     ],
 )
 def test_launch_config_rejects_bad_input(kwargs: dict, message: str) -> None:
@@ -675,7 +679,7 @@ def test_cli_nproc_zero_is_a_usage_error() -> None:
     """-n 0 exits 2 with a message naming nproc."""
     result = CliRunner().invoke(main, ["run", "-n", "0", "true"])
     assert result.exit_code == 2
-    assert "nproc must be an integer >= 1" in result.output
+    assert "the number of ranks must be >= 1, got -n 0" in result.output
 
 
 def test_cli_missing_nproc_and_command_are_usage_errors() -> None:
@@ -688,10 +692,16 @@ def test_cli_missing_nproc_and_command_are_usage_errors() -> None:
 
 @pytest.mark.parametrize(
     ("env_arg", "message"),
-    [("NOEQUALS", "'NOEQUALS' is not KEY=VALUE"), ("WORLD_SIZE=4", "env may not set WORLD_SIZE")],
+    [("SWARMFD_TEST_SURELY_UNSET", "-e SWARMFD_TEST_SURELY_UNSET: SWARMFD_TEST_SURELY_UNSET is "
+      "not set in this shell; give a value with -e SWARMFD_TEST_SURELY_UNSET=VALUE"),
+     ("1A=2", "expected KEY=VALUE (or KEY alone, to pass this shell's value)"),
+     ("WORLD_SIZE=4", "-e WORLD_SIZE is not allowed: swarmfd sets WORLD_SIZE for every rank; "
+      "use -n"),
+     ("SWARMFD_TIMEOUT=4", "use --timeout")],
 )
 def test_cli_bad_env_is_a_usage_error(env_arg: str, message: str) -> None:
-    """-e needs KEY=VALUE and may not override the launcher's variables."""
+    """-e KEY must be set here, KEY a name; the launcher's variables and those its options
+    set are refused naming the option."""
     result = CliRunner().invoke(main, ["run", "-n", "1", "-e", env_arg, "true"])
     assert result.exit_code == 2
     assert message in result.output
@@ -744,10 +754,67 @@ def test_library_launch_writes_to_given_streams() -> None:
 # --- a real swarmfd job --------------------------------------------------------------
 
 
-@pytest.mark.skipif(not hasattr(swarmfd, "all_reduce"), reason="swarmfd core not landed yet")
 def test_real_two_rank_all_reduce(runs: Runs) -> None:
     """init_from_env + all_reduce through `swarmfd run -n 2`: both ranks print the sum."""
     code, out, err = runs.run("-n", "2", str(SCRIPTS / "allreduce.py"), timeout=40)
     assert code == 0, err.decode(errors="replace")
     expected = [b"result 10 12 14 16 world 2"]
     assert {0: expected, 1: expected} == by_rank(out)
+
+
+LOST_PEER = str(SCRIPTS / "lost_peer.py")
+
+
+@pytest.mark.parametrize(("transport", "plane_says"), [
+    ("auto", "(host {host}, pid {pid}, shared memory): its process ended (it died or exited)"),
+    ("tcp", "tcp://127.0.0.1:"),
+], ids=["shm", "tcp"])
+def test_a_lost_peer_after_a_failure_is_one_line_saying_what_its_plane_saw(
+        runs: Runs, transport: str, plane_says: str) -> None:
+    """Rank 1 exits 3; rank 0 finds it gone and raises PeerLostError. Its traceback
+    becomes one line naming where it was, the lost rank and what the plane it ran on
+    saw (shared memory: the process ended; TCP: the connection closed)."""
+    code, _, err = runs.run("-n", "2", "--grace", "10", LOST_PEER, timeout=40,
+                            env={**os.environ, "SWARMFD_TRANSPORT": transport})
+    text = err.decode(errors="replace")
+    assert code == 3, text
+    assert "Traceback" not in text, text
+    lines = [line for line in text.splitlines() if line.startswith("[rank 0]")]
+    assert len(lines) == 1, text
+    assert lines[0].startswith(
+        f"[rank 0] PeerLostError in {os.path.relpath(LOST_PEER)}:17 (<module>): all_reduce "), text
+    assert "lost rank 1 (host " in lines[0] and lines[0].endswith(" before it sent its data")
+    pid = re.search(r"pid (\d+)", lines[0])
+    assert pid is not None
+    assert plane_says.format(host=socket.gethostname(), pid=pid.group(1)) in lines[0], lines[0]
+    if transport == "tcp":
+        assert "its connection closed" in lines[0] and "shared memory" not in lines[0]
+
+
+def test_tracebacks_shows_the_lost_peers_traceback_whole(runs: Runs) -> None:
+    """--tracebacks keeps rank 0's traceback as it was (SWARMFD_TRACEBACK=1 is its
+    default: tests/test_cli.py)."""
+    code, _, err = runs.run("-n", "2", "--grace", "10", "--tracebacks", LOST_PEER, timeout=40)
+    text = err.decode(errors="replace")
+    assert code == 3, text
+    assert "[rank 0] Traceback (most recent call last):" in text, text
+    assert "[rank 0] swarmfd.errors.PeerLostError: all_reduce " in text, text
+
+
+def test_traceback_filter_cuts_a_lost_peer_to_one_line_and_keeps_real_errors() -> None:
+    """A traceback that begins with PeerLostError or AbortedError: one line, the message
+    kept; one that begins with another error (a lost peer while handling it) is kept
+    whole; chained after a lost peer, the last error is appended."""
+    lost = TRACEBACK_KI.replace(b"KeyboardInterrupt\n", b"swarmfd.errors.PeerLostError: "
+                                b"all_reduce: lost rank 1 (host h, pid 9, shared memory)\n")
+    assert _filtered(lost) == [b"PeerLostError in /home/u/train.py:9 (main): all_reduce: "
+                               b"lost rank 1 (host h, pid 9, shared memory)\n"]
+    aborted = OTHER.replace(b"ZeroDivisionError: division by zero",
+                            b"swarmfd.errors.AbortedError: rank 2 aborted")
+    assert _filtered(aborted) == [b"AbortedError in /home/u/train.py:3 (<module>): rank 2 "
+                                  b"aborted\n"]
+    real_first = OTHER + CHAINED.split(b"\n\n", 1)[1].replace(b"KeyboardInterrupt", b"")
+    assert _filtered(real_first) == real_first.splitlines(keepends=True)
+    then = lost + b"\nDuring handling of the above exception, another exception occurred:\n" \
+        + OTHER
+    assert _filtered(then)[0].endswith(b"; then ZeroDivisionError: division by zero\n")

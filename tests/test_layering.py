@@ -6,7 +6,8 @@
   standard library and numpy only.
 * ``swarmfd/algorithms/`` sees an Op, never a socket: no zmq, socket or selectors.
 * ``swarmfd/swarm/`` is the only package that imports docker; only the CLI modules
-  import click; only ``swarmfd/torch/`` imports torch.
+  (``cli.py``, ``cli_options.py``, ``swarm/cli.py``) import click; only
+  ``swarmfd/torch/`` imports torch.
 * Nothing unpickles; every core module declares its public names (``__all__``).
 """
 
@@ -68,9 +69,10 @@ def test_only_the_swarm_package_imports_docker() -> None:
 
 
 def test_only_the_cli_modules_import_click() -> None:
-    """The core never imports click: only cli.py and cli_swarm.py do."""
+    """The core never imports click: only the command line does (cli.py, its shared
+    options, and the Swarm commands beside the Swarm package)."""
     users = sorted(m for m, names in _modules().items() if "click" in names)
-    assert users == ["cli.py", "cli_swarm.py"]
+    assert users == ["cli.py", "cli_options.py", "swarm/cli.py"]
 
 
 def test_only_the_torch_integration_imports_torch() -> None:
@@ -95,7 +97,7 @@ def test_core_modules_declare_their_public_names() -> None:
                  for t in node.targets if isinstance(t, ast.Name)}
         if "__all__" not in names:
             missing.append(str(p.relative_to(PACKAGE)))
-    tools = {"bench.py", "cli.py", "cli_swarm.py", "entrypoint.py", "launch.py"}
+    tools = {"bench.py", "cli.py", "entrypoint.py", "launch.py"}
     assert sorted(set(missing) - tools) == [], missing
 
 

@@ -238,13 +238,20 @@ class Channel:
         return self.calls.get(group, 0)
 
     def where(self, rank: int) -> str:
-        """A peer's host, pid and address, for error messages (on a Swarm, where task
+        """A peer's host, pid and address (its TCP endpoint, or "shared memory" for a
+        peer reached through this host's), for error messages (on a Swarm, where task
         slots count from 1 and host names carry the slot, also its slot)."""
         if 0 <= rank < len(self.peers):
             p = self.peers[rank]
             slot = f"; task slot {rank + 1}" if self.swarm_task else ""
-            return f"host {p.host}, pid {p.pid}, {p.endpoint}{slot}"
+            via = "shared memory" if self._shares_memory(rank) else p.endpoint
+            return f"host {p.host}, pid {p.pid}, {via}{slot}"
         return "unknown address"
+
+    def _shares_memory(self, rank: int) -> bool:
+        """Whether ``rank`` is reached through this host's shared-memory plane."""
+        return any(plane.kind == "shm" and rank in getattr(plane, "ranks", ())
+                   for plane in self.planes)
 
     def gone(self, rank: int, now: float | None = None) -> bool:
         """``rank``'s connection was found closed more than LOST_PEER_GRACE ago (what it
@@ -259,10 +266,13 @@ class Channel:
             f"{self.activity}: a message from rank {src} did not arrive completely within "
             f"{self.timeout:g} s ({self.where(src)})")
 
-    def _why_lost(self, rank: int) -> str:
+    def why_lost(self, rank: int) -> str:
+        """Why ``rank`` is lost, as the plane it was reached through saw it."""
         if rank in self.refused:
             return ("its data socket refused this rank's authentication handshake (does it "
                     "run with another job secret or SWARMFD_AUTH setting?)")
+        if self._shares_memory(rank):
+            return "its process ended (it died or exited)"
         return ("its connection closed (the process died or exited, or its host stopped "
                 "answering TCP keepalive probes)")
 
@@ -310,7 +320,7 @@ class Channel:
                     self._raise_pending_abort()
                     raise PeerLostError(
                         f"{self.activity}: rank {dst} disconnected before receiving this "
-                        f"rank's data ({self.where(dst)}): {self._why_lost(dst)}"
+                        f"rank's data ({self.where(dst)}): {self.why_lost(dst)}"
                     )
                 hdr = plane.wait(0.01)
                 if hdr is not None:
@@ -618,7 +628,7 @@ class Channel:
             self._raise_pending_abort()
             raise PeerLostError(
                 f"{self.activity} {sig.describe()}: lost rank {src} ({self.where(src)}): "
-                f"{self._why_lost(src)} before it sent its data"
+                f"{self.why_lost(src)} before it sent its data"
             )
         if now >= deadline:
             raise self.timeout_error(src, sig, {})
@@ -784,7 +794,7 @@ class Channel:
                     self._raise_pending_abort()
                 raise PeerLostError(
                     f"{self.activity}: lost rank {src} ({self.where(src)}): "
-                    f"{self._why_lost(src)} in the middle of a message to this rank"
+                    f"{self.why_lost(src)} in the middle of a message to this rank"
                 )
             cutoff()
         return between
@@ -811,7 +821,7 @@ class Channel:
             self._raise_pending_abort()
             raise PeerLostError(
                 f"{self.activity}: lost rank {src} ({self.where(src)}): "
-                f"{self._why_lost(src)} before it signalled"
+                f"{self.why_lost(src)} before it signalled"
             )
 
     def set_group(self, group: int) -> None:

@@ -2,7 +2,8 @@
 
 The only part of swarmfd that imports the Docker SDK (in :mod:`.engine`,
 :mod:`.follow`, :mod:`.deploy` and :mod:`.build`; :mod:`.spec` and :mod:`.tasks` are
-pure and importing this package imports nothing). :mod:`.build` turns a project
+pure, :mod:`.request` (deploy's options) and :mod:`.cli` (the commands) load it only
+when a command runs, and importing this package imports nothing). :mod:`.build` turns a project
 directory into an image ``FROM`` the swarmfd image (``swarmfd build``, ``deploy
 --build``) and pushes it to a registry (``--push``).
 

@@ -1,7 +1,8 @@
 """``swarmfd deploy`` as a library call: check, create, follow, clean up, exit code.
 
-:func:`run_deploy` takes a validated :class:`~.spec.JobSpec` (built from the command
-line before any engine is contacted) and does the rest:
+:func:`run_deploy` takes a validated :class:`~.request.DeployRequest` (built from the
+command line before any engine is contacted; its ``job`` is the :class:`~.spec.JobSpec`)
+and does the rest:
 
 1. checks, before anything is created: an engine answers, it is a Swarm manager, the
    job name is free, the extra networks exist, the image is on this node (its ID is
@@ -9,17 +10,17 @@ line before any engine is contacted) and does the rest:
 2. creates the job's secret (``<job>-secret``, mounted in every rank as
    ``/run/secrets/swarmfd_secret``), overlay network and service (a failure removes
    what was created);
-   With ``build`` (``--build DIR``) the project is built first (:mod:`.build`), after
-   the checks that need no image; with ``push`` (``--push REGISTRY``) the image is
+   With ``--build DIR`` the project is built first (:mod:`.build`), after
+   the checks that need no image; with ``--push REGISTRY`` the image is
    pushed and the service runs it by its registry digest, pulled by each node.
    Without a registry on a Swarm of several nodes, deploy warns that ranks placed
    on other nodes cannot start, and how to fix that;
-3. with ``detach``, returns; else follows the job (:func:`.follow.follow_job`):
+3. with ``--detach``, returns; else follows the job (:func:`.follow.follow_job`):
    progress on ``progress``, every rank's output to ``output``;
-4. when every rank exited 0: removes the job unless ``keep == "always"``; when a rank
-   failed: the others were stopped, and the job is kept for inspection unless
-   ``keep == "never"``. Ctrl-C stops following and leaves the job running.
-5. with ``max_restarts`` K, a failed group is recreated (same secret and network,
+4. when every rank exited 0: removes the job unless ``--keep``; when a rank failed: the
+   others were stopped, and the job is kept for inspection unless ``--rm``. Ctrl-C
+   stops following and leaves the job running.
+5. with ``--max-restarts K``, a failed group is recreated (same secret and network,
    ``SWARMFD_RESTART_COUNT`` k+1) up to K times before 4. applies.
 
 Exit code: 0 when every rank exited 0; the failed rank's exit code (1 when it has
@@ -35,7 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .build import BuildRequest, build_project, push_image
+from .build import build_project, push_image
 from .engine import (
     check_manager,
     check_name_free,
@@ -49,12 +50,9 @@ from .engine import (
     resolve_image,
 )
 from .follow import FollowResult, Sink, follow_job
-from .spec import JobSpec
+from .request import DeployRequest
 
-__all__ = ["KEEP_POLICIES", "DeployResult", "interrupt_hint", "run_deploy"]
-
-#: always: keep the finished job; never: remove it; on-failure: keep it only if a rank failed.
-KEEP_POLICIES = ("on-failure", "always", "never")
+__all__ = ["DeployResult", "interrupt_hint", "run_deploy", "stderr_progress"]
 
 
 @dataclass
@@ -81,41 +79,31 @@ def interrupt_hint(name: str) -> str:
 
 
 def run_deploy(
-    job: JobSpec,
+    request: DeployRequest,
     *,
-    host: str | None = None,
-    pull: bool = False,
-    detach: bool = False,
-    keep: str = "on-failure",
     output: Sink | None,
     progress: Callable[[str], None],
     poll: float = 0.3,
-    max_restarts: int = 0,
-    build: BuildRequest | None = None,
-    push: str | None = None,
 ) -> DeployResult:
-    """Create job ``job`` on the Swarm at ``host`` and (unless ``detach``) follow it.
+    """Create the job of ``request`` on its Swarm and (unless ``--detach``) follow it.
 
-    ``build``: build that project's image first (``job.image`` is then ignored);
-    ``push``: push the image to that registry and run it from there (every node pulls
-    it by digest).
+    With ``--build`` the project's image is built first (``request.job.image`` is then
+    a placeholder); with ``--push`` the image is pushed to that registry and run from
+    there (every node pulls it by digest).
 
-    With ``max_restarts`` K, a failed group is torn down (its service removed, its
+    With ``--max-restarts`` K, a failed group is torn down (its service removed, its
     network and secret kept) and created again with ``SWARMFD_RESTART_COUNT`` k+1, up
     to K times; each restart is reported on ``progress``.
 
     Raises :class:`~.errors.SwarmJobError` (or a subclass) before anything is created
     when a check fails; the message says what to do.
     """
-    if keep not in KEEP_POLICIES:
-        raise ValueError(f"keep must be one of {', '.join(KEEP_POLICIES)}, got {keep!r}")
-    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-        raise ValueError(f"--max-restarts must be an integer >= 0, got {max_restarts!r}")
-    if detach and max_restarts:
-        raise ValueError("--max-restarts needs deploy to follow the job: not with --detach")
+    job, build, push = request.job, request.build_request, request.push
+    pull, detach, max_restarts = request.pull, request.detach, request.max_restarts
+    keep = request.keep_policy
     started = time.monotonic()
     # Each followed rank holds two log connections; keep them out of the pool's way.
-    client = connect(host, max_pool_size=max(10, 2 * job.world_size + 6))
+    client = connect(request.host, max_pool_size=max(10, 2 * job.world_size + 6))
     try:
         node_id = check_manager(client)
         check_name_free(client, job.name)

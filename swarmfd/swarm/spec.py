@@ -28,7 +28,6 @@ empty after the job (``docker volume rm swarmfd-shm`` on a node removes it).
 from __future__ import annotations
 
 import math
-import os
 import re
 import secrets
 from collections.abc import Mapping, Sequence
@@ -61,7 +60,6 @@ __all__ = [
     "parse_checkpoint_volume",
     "parse_constraint",
     "parse_cpus",
-    "parse_env_items",
     "parse_generic_resource",
     "parse_labels",
     "parse_memory",
@@ -122,7 +120,6 @@ SECRET_TARGET = "swarmfd_secret"
 SECRET_MODE = 0o400
 
 _JOB_NAME_RE = re.compile(r"^[a-z]([a-z0-9-]*[a-z0-9])?$")
-_ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]*[A-Za-z0-9])?$")
 _WORDS = (
     "amber", "brisk", "calm", "dusty", "eager", "fuzzy", "gentle", "hazy", "icy", "jolly",
@@ -199,39 +196,6 @@ def parse_cpus(text: str | float, what: str = "cpu") -> int:
     if nano < 1:
         raise ValueError(f"bad {what} count {text!r}: too small (the unit is 1e-9 CPU)")
     return nano
-
-
-def parse_env_items(
-    items: Sequence[str], environ: Mapping[str, str] | None = None
-) -> dict[str, str]:
-    """Parse ``-e KEY=VALUE`` items; a bare ``KEY`` takes its value from ``environ``.
-
-    Raises ``ValueError`` for malformed keys, bare keys that are not set locally, and
-    the variables the job owns (:data:`RESERVED_ENV`, each naming the option to use).
-    """
-    local = os.environ if environ is None else environ
-    env: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not _ENV_KEY_RE.match(key):
-            raise ValueError(
-                f"bad environment item {item!r}: expected KEY=VALUE (or KEY to pass this "
-                "shell's value), e.g. -e OMP_NUM_THREADS=1"
-            )
-        if key in RESERVED_ENV:
-            raise ValueError(
-                f"-e {key} is not allowed: swarmfd sets {key} for every rank; use "
-                f"{RESERVED_ENV[key]}"
-            )
-        if not sep:
-            if key not in local:
-                raise ValueError(
-                    f"-e {key}: {key} is not set in this shell; give a value with "
-                    f"-e {key}=VALUE"
-                )
-            value = local[key]
-        env[key] = value
-    return env
 
 
 def parse_labels(items: Sequence[str]) -> dict[str, str]:
