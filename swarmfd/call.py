@@ -132,12 +132,10 @@ class Schedule:
         ch = op.channel
         waited = ch.waited
         st.waits[seq & _MASK] = waited
-        if waited:
+        if waited:  # (a call that did not wait counts for this rank: CallStats.as_dict)
             st.wait_s += waited
             st.last[ch.waited_on] += 1
             ch.waited = ch.waited_most = 0.0
-        else:
-            st.last[st.me] += 1
         return result
 
     def start(self, *bufs: Any, finish: Callable[[Any], Any] | None = None) -> Work:

@@ -9,7 +9,7 @@ their cost.
 * ``calls``, ``bytes`` (each call's buffer), ``time_s`` (inside the calls);
 * ``wait_s``: time the calls waited for peers' messages;
 * ``last``: per world rank, the calls in which this rank waited longest for that
-  rank's message (its own rank: the calls it did not wait in). Where a call's
+  rank's message (its own rank: the calls it did not wait in, counted as the rest). Where a call's
   algorithm hears of a late rank through others (a ring passes the delay on), the
   rank named is the one whose message this rank waited for;
 * ``waits``: this rank's wait in each of the group's last WINDOW calls, by call
@@ -69,14 +69,15 @@ class CallStats:
         if waited:
             self.wait_s += waited
             self.last[on] += 1
-        else:
-            self.last[self.me] += 1
 
     def as_dict(self) -> dict[str, Any]:
-        """The public form (:func:`swarmfd.stats`): ``last`` without the ranks at 0."""
+        """The public form (:func:`swarmfd.stats`): ``last`` without the ranks at 0.
+        The calls that did not wait count for this rank: they are the calls not counted
+        for another (a call adds to ``last`` only when it waited, one step less)."""
+        last = list(self.last)
+        last[self.me] += self.calls - sum(last)
         return {"calls": self.calls, "bytes": self.bytes, "time_s": self.time_s,
-                "wait_s": self.wait_s,
-                "last": {r: n for r, n in enumerate(self.last) if n}}
+                "wait_s": self.wait_s, "last": {r: n for r, n in enumerate(last) if n}}
 
     def recent(self, seq: int, count: int) -> list[float]:
         """The waits of calls ``seq - count + 1`` .. ``seq`` (those still kept)."""
