@@ -59,6 +59,7 @@ THREAD_SLICE = 0.001
 CALLER_SLICE = 0.05
 #: Deadlines and lost peers are checked at least this often (s) while messages arrive.
 CHECK_EVERY = 0.05
+_INF = float("inf")
 
 
 def _now() -> float:
@@ -187,7 +188,7 @@ class _Task:
     """A Work's running state: its op, its algorithm, and what it waits for."""
 
     __slots__ = ("finish", "gen", "group", "key", "most", "nbytes", "on", "op", "posting", "req",
-                 "since", "started", "t0", "waited", "work")
+                 "since", "stall_at", "started", "t0", "waited", "work")
 
     def __init__(self, work: Work, group: Any, op: Op, gen: Any,
                  finish: Callable[[Any], Any] | None, nbytes: int = 0) -> None:
@@ -198,6 +199,8 @@ class _Task:
         self.nbytes = nbytes
         self.waited = self.most = 0.0
         self.on = -1
+        #: When its current wait is next looked at for a stall report (see Channel).
+        self.stall_at = _INF
         self.group = group
         self.op = op
         self.gen = gen
@@ -346,7 +349,7 @@ class Engine:
                 key, payload = hit
                 task = owners.pop(key)
                 posted.pop(key)
-                _waited(task)
+                _waited(task, self.channel)
                 task.key = task.posting = None
                 self._resume(task, payload)
         now = _now()
@@ -385,7 +388,7 @@ class Engine:
                 self._fail(task, exc)
                 return True
             if found:
-                _waited(task)
+                _waited(task, self.channel)
                 task.key = task.posting = None
                 self._resume(task, payload)
                 return True
@@ -409,7 +412,9 @@ class Engine:
                     value = payload
                     continue
                 task.req, task.key, task.posting = req, key, (sig, nbytes, into)
-                task.since = _now()
+                task.since = now = _now()
+                threshold = ch.stalls.threshold
+                task.stall_at = now + threshold if threshold and not _is_p2p(task) else _INF
                 return True
         except StopIteration as stop:
             self._complete(task, stop.value)
@@ -516,6 +521,9 @@ class Engine:
                 err = ch.timeout_error(src, task.op.sig, dict(self.reports.pop(task.op.gid, {})))
                 ch.activity = "idle"
                 self._fail(task, err)
+            elif now >= task.stall_at:
+                op = task.op
+                task.stall_at = ch.stall_tick(now, task.since, op.gid, op.seq, op.sig, src)
 
     def report(self, gid: int, rank: int, waited: int, payload: Any) -> None:
         """A peer's provisional timeout report for group ``gid`` (see Channel.timeout_error)."""
@@ -566,12 +574,17 @@ class Engine:
                 "up"))
 
 
-def _waited(task: _Task) -> None:
-    """The message ``task`` waited for since it posted its receive came: count the wait."""
+def _waited(task: _Task, channel: Any) -> None:
+    """The message ``task`` waited for since it posted its receive came: count the wait
+    (and end its stall report, if it had one)."""
     waited = _now() - task.since
     task.waited += waited
     if waited > task.most:
         task.most, task.on = waited, task.key[1]  # type: ignore[index]
+    threshold = channel.stalls.threshold
+    if threshold and waited >= threshold:
+        channel.stalls.end(task.op.gid, task.op.seq)
+    task.stall_at = _INF
 
 
 def _is_p2p(task: _Task) -> bool:

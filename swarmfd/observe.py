@@ -102,7 +102,7 @@ def _collect(ch: Any, ranks: tuple[int, ...]) -> dict[int, list[float]] | None:
     """Rank 0: the other ranks' rows, or None when one is in a collective, gone, or has
     not sent its row within SUMMARY_TIMEOUT."""
     st = ch.stalls
-    ch.ask(0, ranks)
+    query = st.queries[ch.ask(0, ranks)]
     end = time.monotonic() + SUMMARY_TIMEOUT
     while time.monotonic() < end:
         try:
@@ -111,7 +111,8 @@ def _collect(ch: Any, ranks: tuple[int, ...]) -> dict[int, list[float]] | None:
             return None
         if all(r in st.rows for r in ranks[1:]):
             return st.rows
-        if any(a[2] for a in st.answers.values()) or any(ch.gone(r) for r in ranks[1:]):
+        if (any(a[2] for a in query.answers.values())
+                or any(ch.gone(r) for r in ranks[1:])):
             return None  # a peer is still in a collective, or gone: no summary
         time.sleep(0.005)
     return None
@@ -187,7 +188,7 @@ class StatusThread:
             "mb_per_s": round((nbytes - bytes0) / dt / 1e6, 3),
             "wait_share": round(min(1.0, max(0.0, (waited - waited0) / dt)), 4),
             "stall_s": ch.stalls.threshold if ch is not None else 0.0,
-            "blamed": list(ch.stalls.blamed) if ch is not None else [],
+            "blamed": ch.stalls.named() if ch is not None else [],
             "seq": seq, "waits": [round(w, 6) for w in
                                   (world.stats.recent(seq, RECENT) if world else [])],
             "final": final, "summary": s.summary if final else "",

@@ -139,7 +139,7 @@ class _Lines(logging.Handler):
         self.lines.append((time.monotonic(), record.getMessage()))
 
 
-def _late_rank(rank: int, world: int, late: int, sleep: float) -> Any:
+def _late_rank(rank: int, world: int, late: int, sleep: float, async_op: bool) -> Any:
     import swarmfd as fd
 
     keep = _Lines()
@@ -152,19 +152,24 @@ def _late_rank(rank: int, world: int, late: int, sleep: float) -> Any:
     if rank == late:
         time.sleep(sleep)
     began = time.monotonic()
-    fd.all_reduce(x)
+    if async_op:  # the progress engine waits (and reports) instead
+        fd.all_reduce(x, async_op=True).wait()
+    else:
+        fd.all_reduce(x)
     return quiet, [(t - began, line) for t, line in keep.lines], fd.get_world_size()
 
 
 @pytest.mark.waits
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", ["shm", "tcp", "tcp-async"])
 def test_a_late_rank_is_reported_by_the_others_before_the_timeout(transport: str) -> None:
     """Rank 2 sleeps 3 s before the 7th call (SWARMFD_STALL_WARN=1): ranks 0 and 1 log
     a line naming rank 2 and the call within 2 s of the threshold, and again a period
-    later; nobody logs anything in the balanced calls before."""
+    later, whether they wait in a blocking call or for an async one; nobody logs
+    anything in the balanced calls before."""
     env = {"SWARMFD_STALL_WARN": "1", "SWARMFD_TRANSPORT": "auto" if transport == "shm"
            else "tcp"}
-    out = run_ranks(_late_rank, 3, 2, 3.0, env=env, timeout=60, group_timeout=20)
+    out = run_ranks(_late_rank, 3, 2, 3.0, transport.endswith("async"), env=env, timeout=60,
+                    group_timeout=20)
     for rank, (quiet, lines, _) in enumerate(out):
         assert quiet == [], (rank, quiet)
         if rank == 2:

@@ -416,7 +416,7 @@ class Channel:
                     self.waited_most, self.waited_on = waited, src
                 if self.stalled:
                     self.stalled = False
-                    self.stalls.end()
+                    self.stalls.end(group, seq)
                 return got
             self._other(plane, hdr, sig, seq, between)
             # Messages keep coming but not the one awaited (a flood, say): the deadline
@@ -633,24 +633,25 @@ class Channel:
         if now >= deadline:
             raise self.timeout_error(src, sig, {})
         if now >= self.stall_at:
-            self._stall(now, src, sig, seq)
+            self.stalled = True
+            self.stall_at = self.stall_tick(now, self.wait_began, self._group, seq, sig, src)
 
     # -- stall reports --------------------------------------------------------------------
 
-    def _stall(self, now: float, src: int, sig: wire.Signature, seq: int) -> None:
-        """The current wait (on ``src``, in call ``seq``) passed its stall time: the next
-        step of its report (see :mod:`.status`)."""
-        info = self.describe_group(self._group)
+    def stall_tick(self, now: float, began: float, group: int, seq: int,
+                   sig: wire.Signature, src: int) -> float:
+        """A wait begun at ``began`` (on ``src``, in call ``seq`` of ``group``) passed its
+        stall time: the next step of its report (see :mod:`.status`). When to call again
+        (never, for a group of init's own)."""
+        info = self.describe_group(group)
         if info is None:
-            self.stall_at = _INF
-            return
+            return _INF
         name, members = info
         where = "the world" if name == "world" else name
         rest = sig.describe()[1:-1].partition(", ")[2]
-        call = f"{sig.coll.label} #{seq & 0xFFFFFFFF} of {where}" + (f" ({rest})" if rest else "")
-        self.stalled = True
-        self.stall_at = self.stalls.tick(now, self.wait_began, self._group, seq, call,
-                                         members, src)
+        call = (f"{sig.coll.label} #{seq & 0xFFFFFFFF} of {where}"
+                + (f" ({rest})" if rest else ""))
+        return self.stalls.tick(now, began, group, seq, call, members, src)
 
     def _send_status(self, dst: int, group: int, body: bytes) -> None:
         """A status message to ``dst`` on the TCP plane (it reaches every peer), best
@@ -662,10 +663,10 @@ class Channel:
         """This rank's counters to ``dst`` (the summary at cleanup), best effort."""
         self._send_status(dst, group, row_body(group, row))
 
-    def ask(self, group: int, members: Sequence[int]) -> None:
-        """Ask ``members`` which call of ``group`` they are in (their answers land in
-        ``stalls.answers``)."""
-        self.stalls.ask(_now(), group, 0, members)
+    def ask(self, group: int, members: Sequence[int]) -> int:
+        """Ask ``members`` which call of ``group`` they are in; the query's id (the
+        answers land in ``stalls.queries[id]``)."""
+        return self.stalls.ask(_now(), group, 0, members)
 
     def _status(self, plane: Plane, hdr: wire.Header, payload: Any) -> None:
         """A peer's status query (answered at once, on the plane it came on) or its

@@ -131,11 +131,23 @@ def stall_line(me: int, call: str, waited: float, seq: int, members: Sequence[in
     return f"{head}; not entered by {_ranks(missing)} ({'; '.join(why)})", missing
 
 
-class StallWatch:
-    """The stall reports of one channel's blocking waits (see the module docstring).
+class _Query:
+    """A status query sent: when, to whom, and the answers that came."""
 
-    The channel calls :meth:`tick` between wait slices once a wait passed its stall time
-    (``Channel.stall_at``), and :meth:`answer` for every answer that arrives."""
+    __slots__ = ("answers", "asked_at", "members")
+
+    def __init__(self, asked_at: float, members: Sequence[int]) -> None:
+        self.asked_at = asked_at
+        self.members = tuple(members)
+        self.answers: dict[int, tuple[int, int, str]] = {}
+
+
+class StallWatch:
+    """The stall reports of one channel's waits (see the module docstring): a blocking
+    receive's, and each of the progress engine's waiting calls.
+
+    The channel calls :meth:`tick` once a wait passed its stall time, and :meth:`answer`
+    for every answer that arrives; :meth:`end` when the wait is over."""
 
     def __init__(self, me: int, send: Callable[[int, int, bytes], None]) -> None:
         self.me = me
@@ -144,12 +156,12 @@ class StallWatch:
         #: Seconds a wait may last before it is reported; 0: never.
         self.threshold = 0.0
         self.qid = 0
-        self.asked_at = 0.0  # when the open query went out (0: none open)
-        self.members: tuple[int, ...] = ()
-        self.answers: dict[int, tuple[int, int, str]] = {}
-        #: The members the latest report named (a status line shows them); the reports
-        #: logged so far.
-        self.blamed: list[int] = []
+        #: The open queries by id, and the open query of each stalled wait, by (group,
+        #: call).
+        self.queries: dict[int, _Query] = {}
+        self.open: dict[tuple[int, int], int] = {}
+        #: The members the latest report of each stalled wait named; the reports logged.
+        self.blamed: dict[tuple[int, int], list[int]] = {}
         self.reports = 0
         #: The peers' rows of counters that came (see :func:`row_body`), by rank.
         self.rows: dict[int, list[float]] = {}
@@ -159,34 +171,47 @@ class StallWatch:
         """A wait begun at ``started`` in call ``seq`` of ``group`` passed its stall time:
         ask the members, or (ANSWER_WINDOW after asking, or when all answered) log the
         report. Returns the time of the next tick."""
-        if not self.asked_at:
-            self.ask(now, group, seq, members)
-            return now + min(ANSWER_WINDOW, self.threshold) / 5
-        if now - self.asked_at < ANSWER_WINDOW and len(self.answers) < len(self.members) - 1:
-            return now + min(ANSWER_WINDOW, self.threshold) / 5
-        line, self.blamed = stall_line(self.me, call, now - started, seq, self.members,
-                                       self.answers, src)
+        key = (group, seq)
+        soon = now + min(ANSWER_WINDOW, self.threshold) / 5
+        qid = self.open.get(key)
+        if qid is None:
+            self.open[key] = self.ask(now, group, seq, members)
+            return soon
+        q = self.queries[qid]
+        if now - q.asked_at < ANSWER_WINDOW and len(q.answers) < len(q.members) - 1:
+            return soon
+        line, self.blamed[key] = stall_line(self.me, call, now - started, seq, q.members,
+                                            q.answers, src)
         _LOG.warning("%s", line)
         self.reports += 1
-        asked, self.asked_at = self.asked_at, 0.0
-        return max(asked + self.threshold, now + ANSWER_WINDOW)
+        del self.open[key], self.queries[qid]
+        return max(q.asked_at + self.threshold, now + ANSWER_WINDOW)
 
-    def ask(self, now: float, group: int, seq: int, members: Sequence[int]) -> None:
+    def ask(self, now: float, group: int, seq: int, members: Sequence[int]) -> int:
         """Send a new query to ``members`` (but this rank): which call of ``group``
-        they are in (this rank waits in ``seq``; 0: none)."""
+        they are in (this rank waits in ``seq``; 0: none). Its id."""
         self.qid += 1
-        self.asked_at, self.members, self.answers = now, tuple(members), {}
+        self.queries[self.qid] = q = _Query(now, members)
         body = query_body(self.qid, group, seq)
-        for r in self.members:
+        for r in q.members:
             if r != self.me:
                 self.send(r, group, body)
+        return self.qid
 
     def answer(self, src: int, info: dict[str, Any]) -> None:
-        """A member's answer ``info`` (from :func:`parse`) to the open query, if it is one."""
-        if self.asked_at and info["a"] == self.qid and src in self.members:
-            self.answers[src] = (info["e"], info["f"], info["w"])
+        """A member's answer ``info`` (from :func:`parse`) to an open query, if it is one."""
+        q = self.queries.get(info["a"])
+        if q is not None and src in q.members:
+            q.answers[src] = (info["e"], info["f"], info["w"])
 
-    def end(self) -> None:
-        """The wait is over: forget its query and whom it blamed."""
-        self.asked_at = 0.0
-        self.blamed = []
+    def end(self, group: int, seq: int) -> None:
+        """The wait in call ``seq`` of ``group`` is over: forget its query and whom it
+        blamed."""
+        qid = self.open.pop((group, seq), None)
+        if qid is not None:
+            self.queries.pop(qid, None)
+        self.blamed.pop((group, seq), None)
+
+    def named(self) -> list[int]:
+        """The ranks the stalled waits' latest reports name (a status line shows them)."""
+        return sorted({r for ranks in self.blamed.values() for r in ranks})
