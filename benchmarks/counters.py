@@ -10,7 +10,11 @@ call runs for them, and the 4 KiB all_reduce with and without them, in one run.
    the counters, checked out as a worktree in a temporary directory), all_reduce of
    4 KiB on each plane::
 
-       python benchmarks/counters.py --without core --runs 5 -n 2
+       python benchmarks/counters.py --without core --runs 5 -n 2 [--loop]
+
+   ``--loop`` times the calls back to back (the CPU they take, steadier on a loaded
+   machine than a call timed after a barrier, whose time is then mostly the
+   scheduler's).
 
 Prints figures; asserts nothing (docs/observability.md has a sample).
 """
@@ -81,6 +85,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--iters", type=int, default=500)
     ap.add_argument("--plane", action="append", choices=("shm", "socket", "zmq"))
+    ap.add_argument("--loop", action="store_true",
+                    help="time calls back to back (calls.py --loop: also each rank's CPU a "
+                         "call), steadier than after a barrier on a loaded machine")
     args = ap.parse_args()
     for name, us in time_counters().items():
         print(f"counter code per call ({name}): {us:.3f} us")
@@ -93,6 +100,8 @@ def main() -> None:
                    "--iters", str(args.iters), "--runs", str(args.runs)]
             for plane in args.plane or ("shm", "socket", "zmq"):
                 cmd += ["--plane", plane]
+            if args.loop:
+                cmd.append("--loop")
             subprocess.run(cmd, check=True)
         finally:
             if base != args.without:

@@ -67,6 +67,7 @@ import os
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from .errors import ConfigError
 
@@ -449,24 +450,15 @@ def rendezvous_port(environ: Mapping[str, str] | None = None) -> int:
 
 def parse_env_float(environ: Mapping[str, str], name: str) -> float | None:
     """Read a positive float environment variable; ``None`` when unset or empty."""
-    raw = environ.get(name)
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise ConfigError(
-            f"environment variable {name}={raw!r} is invalid: expected a positive number of seconds"
-        )
-    return value
+    return parse_env_seconds(environ, name, None, "a positive number of seconds",
+                             allow_zero=False)
 
 
-def parse_env_seconds(environ: Mapping[str, str], name: str, default: float,
-                      expected: str) -> float:
-    """A number of seconds >= 0 from the environment (``default`` when unset or empty);
-    ConfigError naming the variable, its value and ``expected`` otherwise."""
+def parse_env_seconds(environ: Mapping[str, str], name: str, default: Any, expected: str,
+                      allow_zero: bool = True) -> Any:
+    """A number of seconds >= 0 (> 0 unless ``allow_zero``) from the environment;
+    ``default`` when unset or empty; ConfigError naming the variable, its value and
+    ``expected`` otherwise."""
     raw = environ.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -474,7 +466,7 @@ def parse_env_seconds(environ: Mapping[str, str], name: str, default: float,
         value = float(raw)
     except ValueError:
         value = math.nan
-    if not math.isfinite(value) or value < 0:
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"environment variable {name}={raw!r} is invalid: expected "
                           f"{expected}")
     return value
