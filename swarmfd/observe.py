@@ -78,18 +78,20 @@ def summarize(s: Any) -> str:
     training loop); rank 0 waits for them at most SUMMARY_TIMEOUT, and gives up at once
     when a peer is in a collective (it answers a status query from there) or gone.
     Returns (and logs, as a WARNING of logger ``swarmfd``) rank 0's line, or ""."""
-    world = s.world
+    world, engine = s.world, s.engine
     if (s.config.world_size < 2 or world is None or world.seq == 0 or s.transport is None
+            or engine is None or not engine.idle()
             or any(g.broken is not None for g in s.groups.values())):
-        return ""
+        return ""  # (async calls still pending: the progress thread reads the planes)
     _, waited = _totals(s)
     row = [time.monotonic() - s.since, waited, world.seq,
            *world.stats.recent(world.seq, SUMMARY_CALLS)]
     ch = s.transport.channel
-    if s.config.rank != 0:
-        ch.send_row(0, world.gid, row)
-        return ""
-    rows = _collect(ch, world.ranks)
+    with engine.lock:  # (the channel is driven by one thread at a time)
+        if s.config.rank != 0:
+            ch.send_row(0, world.gid, row)
+            return ""
+        rows = _collect(ch, world.ranks)
     if rows is None:
         return ""
     line = straggler_line([row, *(rows[r] for r in world.ranks[1:])])

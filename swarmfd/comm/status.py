@@ -94,6 +94,8 @@ def parse(payload: Any) -> dict[str, Any] | None:
         return info
     if (_int(info, "a") is not None and _int(info, "e") is not None
             and _int(info, "f") is not None and isinstance(info.get("w"), str)):
+        # What a peer says it does goes into a log line: one line, of printable text.
+        info["w"] = "".join(c if c.isprintable() else " " for c in info["w"][:MAX_DOING])
         return info
     return None
 
