@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from swarmfd.statusline import MARK
 from swarmfd.swarm.spec import LABEL_JOB
 from tests.swarm_jobs import job_names, rank_lines, wait_until
 
@@ -96,6 +97,10 @@ def test_train_one_rank_per_node(multinode: Any, job_name: Callable[[str], str])
     for rank in range(n):
         assert f"rank {rank}: trained on {7200 // n} samples" in lines.get(rank, []), proc.stdout
     assert any(f"params identical on all {n} ranks: OK" in line for line in lines[0])
+    # The ranks' status lines came through the service log from every node (deploy's
+    # last line of the job is made of them) and were not shown.
+    assert f"job {name}: {n} rank(s), " in proc.stderr, proc.stderr
+    assert MARK.decode() not in proc.stdout + proc.stderr
 
     ps = swarmfd(multinode, "ps", name, via_env=True)
     assert ps.returncode == 0, ps.stderr
