@@ -5,7 +5,8 @@
 ``<dir>/<job>.json``, where ``<dir>`` is private to the user (``$XDG_RUNTIME_DIR/swarmfd``,
 else ``/tmp/swarmfd-<uid>``; mode 0700, owned by the user, or it is not used). The file
 is replaced whole (write, then rename) and removed when the run ends; a file whose
-launcher is gone is stale and skipped. Jobs on a Swarm are read from the service logs
+launcher is gone (or that was not rewritten for STALE_AFTER) is stale: skipped and
+removed. Jobs on a Swarm are read from the service logs
 (:mod:`swarmfd.swarm.status`). Nothing listens on a port.
 
 :func:`job_line` is the line ``swarmfd run`` and ``swarmfd deploy`` print at the end of
@@ -26,6 +27,9 @@ __all__ = ["JobStatus", "job_line", "local_jobs", "status_dir"]
 
 #: A status file is rewritten at most this often (seconds) while lines come in.
 WRITE_EVERY = 0.5
+#: A status file not rewritten for this long (seconds) is stale: its launcher was killed
+#: (its pid may be another process's by now). Ranks write a line a second.
+STALE_AFTER = 60.0
 
 
 def status_dir(create: bool = False) -> str | None:
@@ -66,15 +70,21 @@ def local_jobs() -> list[dict[str, Any]]:
         return []
     jobs = []
     for name in sorted(os.listdir(base)):
+        path = os.path.join(base, name)
         if not name.endswith(".json"):
             continue
         try:
-            with open(os.path.join(base, name), encoding="utf-8") as f:
+            with open(path, encoding="utf-8") as f:
                 job = json.load(f)
+            fresh = time.time() - os.stat(path).st_mtime < STALE_AFTER
         except (OSError, ValueError):
             continue
-        if isinstance(job, dict) and isinstance(job.get("pid"), int) and _alive(job["pid"]):
+        if (isinstance(job, dict) and isinstance(job.get("pid"), int) and fresh
+                and _alive(job["pid"])):
             jobs.append(job)
+        else:  # a launcher that was killed left it
+            with contextlib.suppress(OSError):
+                os.unlink(path)
     return sorted(jobs, key=lambda j: -float(j.get("started", 0)))
 
 

@@ -183,3 +183,25 @@ def _live_view_in_tmux(tmux: str, name: str) -> None:
         assert len(set(screens)) >= 2, "the live view was not refreshed"
     finally:
         subprocess.run([tmux, "kill-session", "-t", session], capture_output=True)
+
+
+def test_status_files_are_private_and_stale_ones_go(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The status directory is the user's alone (else none is used); a job whose
+    launcher is gone, or whose file was not rewritten for a minute, is removed."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    job = jobs.JobStatus(2, ["python", "train.py"])
+    base = jobs.status_dir()
+    assert base == str(tmp_path / "swarmfd") and job.path is not None
+    assert os.stat(base).st_mode & 0o777 == 0o700
+    job.add({"rank": 1, "calls": 3, "final": True})
+    assert [j["name"] for j in jobs.local_jobs()] == [job.name]
+    assert jobs.local_jobs()[0]["ranks"]["1"]["calls"] == 3
+    dead = Path(base) / "run-1.json"
+    dead.write_text(json.dumps({"name": "run-x", "pid": 2**22 + 7, "ranks": {}}))
+    old = time.time() - 2 * jobs.STALE_AFTER
+    os.utime(job.path, (old, old))
+    assert jobs.local_jobs() == []
+    assert sorted(os.listdir(base)) == []
+    os.chmod(base, 0o755)  # readable by others: not used
+    assert jobs.status_dir() is None
