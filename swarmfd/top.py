@@ -78,10 +78,13 @@ def _straggler(records: dict[int, dict[str, Any]]) -> set[int]:
 
 def render(job: dict[str, Any], table: list[dict[str, Any]]) -> Any:
     """The rich table of ``job``'s rows."""
+    from rich import box
     from rich.table import Table
 
+    # docker stats' look: a title, upper-case headers over plain columns.
     t = Table(title=f"{job.get('name', '?')} ({job.get('kind', '?')}, "
-                    f"{job.get('world', '?')} ranks)", title_justify="left")
+                    f"{job.get('world', '?')} ranks)", title_justify="left",
+              box=box.SIMPLE_HEAD, header_style="bold")
     for name, right in (("RANK", True), ("NODE", False), ("STATE", False),
                         ("CALLS/S", True), ("MB/S", True), ("WAIT %", True), ("", False)):
         t.add_column(name, justify="right" if right else "left", no_wrap=True)
