@@ -24,7 +24,7 @@ import pytest
 
 from swarmfd.statusline import MARK
 from swarmfd.swarm.spec import LABEL_JOB
-from tests.swarm_jobs import job_names, rank_lines, wait_until
+from tests.swarm_jobs import SLOWED_JOB, job_names, rank_lines, top_rows, wait_until
 
 pytestmark = [pytest.mark.swarm, pytest.mark.multinode]
 
@@ -112,6 +112,22 @@ def test_train_one_rank_per_node(multinode: Any, job_name: Callable[[str], str])
     assert rm.returncode == 0, rm.stderr
     print(f"\nmultinode N={n}, one rank per node, train.py --epochs 3: {elapsed:.1f} s "
           f"end to end\n{ps.stdout}")
+
+
+def test_top_shows_the_ranks_of_every_node_from_the_manager(
+        multinode: Any, job_name: Callable[[str], str]) -> None:
+    """One rank per node, rank 1 slowed on every step: `swarmfd top` on the manager
+    (which cannot `docker exec` into other nodes' tasks) shows every rank on its node,
+    from the service log, and flags rank 1."""
+    n = len(multinode.nodes)
+    name = job_name("top")
+    proc = swarmfd(multinode, "deploy", "-d", multinode.image_id, "-n", str(n), "--name",
+                   name, "--max-per-node", "1", "--", "python", "-c", SLOWED_JOB)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    table = top_rows(lambda *args: swarmfd(multinode, *args), name, n)
+    assert [r["rank"] for r in table] == list(range(n)), table
+    assert sorted(r["node"] for r in table) == sorted(node_names(multinode)), table
+    assert [r["straggler"] for r in table] == [r == 1 for r in range(n)], table
 
 
 # --- 2. two ranks per node: LOCAL_RANK --------------------------------------------------
