@@ -68,6 +68,7 @@ from .group import (
     is_initialized,
     new_group,
 )
+from .observe import stats
 from .session import cleanup, init, init_from_env
 from .sharding import shard_batch, shard_indices
 from .utils import checkpoint_barrier, get_seed, print, print_config, should_save
@@ -127,4 +128,5 @@ __all__ = [
     "shard_batch",
     "shard_indices",
     "should_save",
+    "stats",
 ]

@@ -16,6 +16,10 @@ group keeps its schedules by the call's key (the collective, shapes, dtype, op, 
 whatever the choice depends on), so a training loop's repeated calls are looked up,
 not worked out, and the blocking and async forms of a call run the same schedule.
 
+Counters: every call adds to its group's :class:`~swarmfd.counters.CallStats` (a
+blocking call here, inline: it is every call's cost; an async one when the engine
+completes it).
+
 Failure: a call that raises breaks its group (see :mod:`swarmfd.group`) and tells the
 peers (the channel's abort); every later call of the group raises
 :meth:`Group.failure`.
@@ -24,11 +28,13 @@ peers (the channel's abort); every later call of the group raises
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from time import perf_counter
 from typing import Any
 
 from .algorithms.base import Op, run
 from .algorithms.select import Choice
-from .comm.wire import Collective, Signature
+from .comm.wire import DTYPES, Collective, Signature
+from .counters import WINDOW
 from .engine import Work, completed
 from .group import WORLD_GID, Group
 
@@ -38,6 +44,7 @@ __all__ = ["MAX_SCHEDULES", "Label", "Schedule", "label", "run_call", "run_messa
 #: Schedules a group keeps (then it forgets them all): a training loop's calls take a
 #: few shapes; a loop over many shapes would gain little from them anyway.
 MAX_SCHEDULES = 256
+_MASK = WINDOW - 1
 
 
 class Label:
@@ -69,7 +76,8 @@ class Schedule:
     what each call passes. ``choice`` None: a call with nothing to send (a group of
     one, a world of one)."""
 
-    __slots__ = ("algo", "args", "choice", "engine", "group", "label", "op", "others", "sig")
+    __slots__ = ("algo", "args", "choice", "engine", "group", "label", "nbytes", "op",
+                 "others", "sig")
 
     def __init__(self, group: Group, sig: Signature, choice: Choice | None,
                  args: Sequence[Any] = ()) -> None:
@@ -80,6 +88,8 @@ class Schedule:
         self.args = tuple(args) if choice is None else (*args, *choice.args)
         self.label = Label(sig.coll, group)
         self.engine = group.engine
+        #: The call's buffer, in bytes (what the counters add up).
+        self.nbytes = sig.count * DTYPES[sig.dtype].itemsize if sig.dtype in DTYPES else 0
         plane = group.plane()
         ch = group.channel
         #: The op every blocking call of the schedule runs with (None: no peers).
@@ -103,6 +113,7 @@ class Schedule:
         g.seq = seq = g.seq + 1
         op = self.op
         if op is None:
+            g.stats.record(seq, 0.0, self.nbytes, 0.0, 0)
             return None
         engine = self.engine
         if engine.queues or engine.p2p:  # behind pending async work: the engine runs it
@@ -110,8 +121,22 @@ class Schedule:
         self.label.seq = op.seq = seq  # (Op.at, written out: every call passes here)
         op.seqb = (seq & 0xFFFFFFFF).to_bytes(4, "little")
         op.out[0] = False
-        return _blocking(g, engine, op, self.algo(op, *bufs, *self.args),  # type: ignore[misc]
-                         self.label, True, self.others)
+        st = g.stats
+        st.since = t0 = perf_counter()
+        result = _blocking(g, engine, op, self.algo(op, *bufs, *self.args),  # type: ignore[misc]
+                           self.label, True, self.others)
+        # The counters (CallStats.record, written out: every call passes here).
+        st.time_s += perf_counter() - t0
+        st.calls += 1
+        st.bytes += self.nbytes
+        ch = op.channel
+        waited = ch.waited
+        st.waits[seq & _MASK] = waited
+        if waited:  # (a call that did not wait counts for this rank: CallStats.as_dict)
+            st.wait_s += waited
+            st.last[ch.waited_on] += 1
+            ch.waited = ch.waited_most = 0.0
+        return result
 
     def start(self, *bufs: Any, finish: Callable[[Any], Any] | None = None) -> Work:
         """Issue one call on ``bufs`` as async work: a :class:`Work` that gives
@@ -121,6 +146,7 @@ class Schedule:
             return completed(None, label(g, self.sig), g.failure())
         g.seq = seq = g.seq + 1
         if self.op is None:
+            g.stats.record(seq, 0.0, self.nbytes, 0.0, 0)
             return completed(finish(None) if finish is not None else None, label(g, self.sig))
         return self._submit(bufs, seq, finish)
 
@@ -128,7 +154,8 @@ class Schedule:
                 finish: Callable[[Any], Any] | None) -> Work:
         op = self.op.copy().at(seq)  # type: ignore[union-attr]
         return self.group.engine.submit(self.group, op, self.algo(op, *bufs, *self.args),
-                                        label(self.group, self.sig), finish)
+                                        label(self.group, self.sig), finish,
+                                        nbytes=self.nbytes)
 
 
 def schedule(g: Group, key: Any, make: Callable[[], Schedule]) -> Schedule:
@@ -172,6 +199,7 @@ def _blocking(g: Group, engine: Any, op: Op, gen: Any, activity: Any, collective
                 ch.flush()
             return result
         except BaseException as exc:
+            ch.waited = ch.waited_most = 0.0
             g.broken, g.broken_from = exc, 0
             # The last call this rank finished: the one before a failed collective, the
             # latest one before a failed point-to-point message.
@@ -188,7 +216,11 @@ def run_message(g: Group, op: Op, gen: Any, activity: str,
     ``finish(result)``, or (``async_op``) a Work that gives it."""
     engine = g.engine
     if not async_op and engine.idle():
-        result = _blocking(g, engine, op, gen, activity, False, len(op.channel.planes) > 1)
+        ch = op.channel
+        try:
+            result = _blocking(g, engine, op, gen, activity, False, len(ch.planes) > 1)
+        finally:
+            ch.waited = ch.waited_most = 0.0  # a message is no collective: not counted
         return finish(result) if finish is not None else result
     work = engine.submit(g, op, gen, activity, finish, p2p=True)
     return work if async_op else work.wait()

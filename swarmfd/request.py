@@ -32,7 +32,7 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-from .config import ENV_INIT_TIMEOUT, ENV_TIMEOUT, check_int, check_seconds
+from .config import ENV_INIT_TIMEOUT, ENV_STALL_WARN, ENV_TIMEOUT, check_int, check_seconds
 
 __all__ = ["ENV_HELP", "JobRequest", "OptionSpec", "field_default", "option",
            "option_specs", "parse_env_items"]
@@ -160,6 +160,10 @@ class JobRequest:
         "--init-timeout", type=float, metavar="SECONDS", env=ENV_INIT_TIMEOUT,
         help="Seconds the ranks wait for each other to start (sets SWARMFD_INIT_TIMEOUT; "
              "default: the timeout).")
+    stall_warn: float | None = option(
+        "--stall-warn", type=float, metavar="SECONDS", env=ENV_STALL_WARN,
+        help="Seconds a collective may wait before the waiting ranks log which ranks have "
+             "not entered it (sets SWARMFD_STALL_WARN; default 60, 0: never).")
     max_restarts: int = option(
         "--max-restarts", type=int, default=0, show_default=True, metavar="K",
         help="When a rank fails, stop the whole group and start it again, up to K times "
@@ -180,6 +184,9 @@ class JobRequest:
             if getattr(self, name) is not None:
                 check_seconds(self.option_name(name), getattr(self, name),
                               type_error=TypeError, value_error=ValueError)
+        if self.stall_warn is not None:
+            check_seconds("--stall-warn", self.stall_warn, allow_zero=True,
+                          type_error=TypeError, value_error=ValueError)
         check_int("--max-restarts", self.max_restarts, minimum=0, what="a number of restarts",
                   type_error=TypeError, value_error=ValueError)
         if not isinstance(self.prefix, bool):

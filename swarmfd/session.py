@@ -13,6 +13,7 @@ algorithms.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import logging
 import time
@@ -21,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from . import collectives
+from . import collectives, observe
 from . import group as _group
 from .comm import malloc as _malloc
 from .comm import shm_setup
@@ -161,6 +162,7 @@ def _start(config: Config, secret: str | bytes | None = None) -> Config:
             _group.make_groups(state)
             _group.activate(state)
             _export_local_ranks(config)
+            _watch(state)
             return config
         assert config.master_addr is not None  # Config guarantees it for world_size > 1
         security = _security(config, secret)
@@ -206,7 +208,15 @@ def _start(config: Config, secret: str | bytes | None = None) -> Config:
             raise
         for g in state.groups.values():
             g.forget()  # the calls worked out before shared memory was there
+    _watch(state)
     return config
+
+
+def _watch(state: _State) -> None:
+    """Start the counters' window and, with SWARMFD_STATUS, the status lines."""
+    state.since = time.monotonic()
+    if state.config.options.status > 0:
+        state.status = observe.StatusThread(state, state.config.options.status)
 
 
 def _engine(state: _State) -> Any:
@@ -221,9 +231,17 @@ def _engine(state: _State) -> Any:
         t.channel.abort(exc, g.gid, finished)
 
     engine = Engine(t.channel, state.config.timeout, failed)
-    t.channel.on_group_error = lambda gid, exc, first: _group.group_error(state, gid, exc,
-                                                                         first)
-    t.channel.on_report = engine.report
+    ch = t.channel
+    ch.on_group_error = lambda gid, exc, first: _group.group_error(state, gid, exc, first)
+    ch.on_report = engine.report
+    ch.stalls.threshold = state.config.options.stall_warn
+
+    def describe(gid: int) -> tuple[str, tuple[int, ...]] | None:
+        g = state.groups.get(gid)
+        return None if g is None else (g.name, g.ranks)
+
+    ch.describe_group = describe
+    ch.pending = lambda gid: gid in engine.queues
     return engine
 
 
@@ -345,9 +363,19 @@ def _export_local_ranks(config: Config) -> None:
 
 
 def cleanup() -> None:
-    """Leave the group and close every socket. Idempotent; a later :func:`init` works again."""
+    """Leave the group and close every socket. Idempotent; a later :func:`init` works again.
+
+    Rank 0 first logs the straggler summary, when one rank made the others wait
+    (:func:`swarmfd.observe.summarize`; the other ranks send it their counters and
+    never wait), and the status thread writes its last line."""
     import os
 
+    s = _group.active()
+    if s is not None:
+        with contextlib.suppress(Exception):
+            s.summary = observe.summarize(s)  # rank 0's straggler line (or "")
+        if s.status is not None:
+            s.status.close()
     with _group.STATE_LOCK:
         s = _group.release()
         while _exported:

@@ -88,6 +88,7 @@ WAITS = (
     "tests/test_front_door.py::test_a_storm_of_connections_does_not_stop_or_slow_init",
     "tests/test_front_door.py::test_a_squatter_that_stays_is_named_at_the_init_timeout",
     "tests/test_schedules.py::test_a_peer_killed_under_a_repeated_call_is_reported_fast",
+    "tests/test_observe.py::test_a_late_rank_is_reported_by_the_others_before_the_timeout",
 )
 #: The Docker tests (marked ``swarm``), by node id.
 MULTINODE = "tests/multinode/"

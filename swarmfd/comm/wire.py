@@ -127,6 +127,10 @@ class Kind(enum.IntEnum):
     P2P = 3
     #: The receiver of a large point-to-point message is ready for it (clear to send).
     P2P_READY = 4
+    #: A status query or its answer (JSON, :mod:`swarmfd.comm.status`): which call of a
+    #: group a peer has entered, asked by a rank whose wait stalls. Never data, never an
+    #: abort.
+    STATUS = 5
 
 
 #: The ``root`` of a point-to-point request to send, and of a ready message.

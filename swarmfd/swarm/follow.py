@@ -30,6 +30,7 @@ from typing import Any, BinaryIO
 import docker
 import docker.errors
 
+from .. import statusline
 from .engine import NodeState, job_tasks, node_states, set_labels, stop_job
 from .spec import LABEL_FAILURE
 from .tasks import (
@@ -45,7 +46,8 @@ from .tasks import (
     summarize,
 )
 
-__all__ = ["FollowResult", "LogPump", "RankOutput", "follow_job", "print_logs"]
+__all__ = ["FollowResult", "LineSplitter", "LogPump", "RankOutput", "follow_job", "parse_details",
+           "print_logs"]
 
 DEFAULT_POLL = 0.3
 STOP_TIMEOUT = 30.0
@@ -80,7 +82,7 @@ class RankOutput:
             stream.flush()
 
 
-class _Lines:
+class LineSplitter:
     """Splits a byte stream into lines; a final unterminated piece is kept for flush()."""
 
     def __init__(self) -> None:
@@ -111,7 +113,7 @@ def _split_timestamp(line: bytes) -> tuple[_dt.datetime | None, bytes]:
     return parse_timestamp(stamp.decode("ascii", "replace")), rest
 
 
-def _parse_details(chunk: bytes) -> tuple[str, bytes]:
+def parse_details(chunk: bytes) -> tuple[str, bytes]:
     """Split a service-log chunk with details into (task ID, message)."""
     attrs, _sep, message = chunk.partition(b" ")
     task_id = ""
@@ -129,6 +131,10 @@ class LogPump:
     or have ended); ``wait`` joins the readers (bounded); ``close`` cancels them.
     ``follow=False`` reads what is there and ends; ``timestamps=True`` passes each
     line's time to the sink (used to merge the ranks' lines in time order).
+
+    The ranks' status lines (:mod:`swarmfd.statusline`) never reach the sink: the
+    latest of each rank is kept in ``records`` (``swarmfd deploy``'s last line reads
+    them there).
     """
 
     def __init__(
@@ -141,8 +147,11 @@ class LogPump:
         ranks: Iterable[int] | None = None,
         follow: bool = True,
         timestamps: bool = False,
+        records: dict[int, dict[str, Any]] | None = None,
     ) -> None:
         self.client = client
+        self.records: dict[int, dict[str, Any]] = {} if records is None else records
+        self._carry: dict[int, bytes] = {}  # a rank's line begun before a status line
         self.service_id = service_id
         self.node_id = node_id
         self.sink = sink
@@ -196,6 +205,14 @@ class LogPump:
         when = None
         if self.timestamps:
             when, line = _split_timestamp(line)
+        if which == "err":
+            line, record = statusline.split(self._carry.pop(rank, b"") + line)
+            if record is not None:
+                if record:
+                    self.records[rank] = record
+                if line:
+                    self._carry[rank] = line
+                return
         self.sink(rank, which, line, when)
 
     def _read_container(self, rank: int, container_id: str, which: str) -> None:
@@ -211,7 +228,7 @@ class LogPump:
             self.errors.append(f"rank {rank}: cannot read its logs: {exc}")
             return
         self._streams.append(stream)
-        lines = _Lines()
+        lines = LineSplitter()
         try:
             for chunk in stream:
                 for line in lines.feed(chunk):
@@ -231,17 +248,17 @@ class LogPump:
         except docker.errors.APIError as exc:
             self.errors.append(f"cannot read the service logs: {exc}")
             return
-        pending: dict[str, _Lines] = {}
+        pending: dict[str, LineSplitter] = {}
         try:
             for chunk in stream:
                 stamp = b""
                 if self.timestamps:
                     stamp, _sep, chunk = chunk.partition(b" ")
-                task_id, message = _parse_details(chunk)
+                task_id, message = parse_details(chunk)
                 rank = self._rank_of_remote(task_id)
                 if rank is None:
                     continue
-                lines = pending.setdefault(task_id, _Lines())
+                lines = pending.setdefault(task_id, LineSplitter())
                 for line in lines.feed(message):
                     self._emit(rank, which, (stamp + b" " + line) if stamp else line)
         except Exception as exc:
@@ -342,8 +359,11 @@ def follow_job(
     poll: float = DEFAULT_POLL,
     stop_timeout: float = STOP_TIMEOUT,
     drain_timeout: float = DRAIN_TIMEOUT,
+    records: dict[int, dict[str, Any]] | None = None,
 ) -> FollowResult:
     """Follow job ``name`` until every rank completed, one failed, or Ctrl-C.
+
+    ``records`` receives each rank's latest status record (see :class:`LogPump`).
 
     ``output`` receives every rank's lines (``None``: no logs); ``progress`` gets one
     line per change of the phase counts, the pending reasons Swarm gives, the moment
@@ -353,7 +373,7 @@ def follow_job(
     """
     t0 = time.monotonic() if started is None else started
     tails = _Tails()
-    pump = (LogPump(client, service_id, node_id, tails.wrap(output))
+    pump = (LogPump(client, service_id, node_id, tails.wrap(output), records=records)
             if output is not None else None)
     last_summary = ""
     reasons: dict[int, str] = {}

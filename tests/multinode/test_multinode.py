@@ -22,8 +22,9 @@ from typing import Any
 
 import pytest
 
+from swarmfd.statusline import MARK
 from swarmfd.swarm.spec import LABEL_JOB
-from tests.swarm_jobs import job_names, rank_lines, wait_until
+from tests.swarm_jobs import SLOWED_JOB, job_names, rank_lines, top_rows, wait_until
 
 pytestmark = [pytest.mark.swarm, pytest.mark.multinode]
 
@@ -96,6 +97,10 @@ def test_train_one_rank_per_node(multinode: Any, job_name: Callable[[str], str])
     for rank in range(n):
         assert f"rank {rank}: trained on {7200 // n} samples" in lines.get(rank, []), proc.stdout
     assert any(f"params identical on all {n} ranks: OK" in line for line in lines[0])
+    # The ranks' status lines came through the service log from every node (deploy's
+    # last line of the job is made of them) and were not shown.
+    assert f"job {name}: {n} rank(s), " in proc.stderr, proc.stderr
+    assert MARK.decode() not in proc.stdout + proc.stderr
 
     ps = swarmfd(multinode, "ps", name, via_env=True)
     assert ps.returncode == 0, ps.stderr
@@ -107,6 +112,22 @@ def test_train_one_rank_per_node(multinode: Any, job_name: Callable[[str], str])
     assert rm.returncode == 0, rm.stderr
     print(f"\nmultinode N={n}, one rank per node, train.py --epochs 3: {elapsed:.1f} s "
           f"end to end\n{ps.stdout}")
+
+
+def test_top_shows_the_ranks_of_every_node_from_the_manager(
+        multinode: Any, job_name: Callable[[str], str]) -> None:
+    """One rank per node, rank 1 slowed on every step: `swarmfd top` on the manager
+    (which cannot `docker exec` into other nodes' tasks) shows every rank on its node,
+    from the service log, and flags rank 1."""
+    n = len(multinode.nodes)
+    name = job_name("top")
+    proc = swarmfd(multinode, "deploy", "-d", multinode.image_id, "-n", str(n), "--name",
+                   name, "--max-per-node", "1", "--", "python", "-c", SLOWED_JOB)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    table = top_rows(lambda *args: swarmfd(multinode, *args), name, n)
+    assert [r["rank"] for r in table] == list(range(n)), table
+    assert sorted(r["node"] for r in table) == sorted(node_names(multinode)), table
+    assert [r["straggler"] for r in table] == [r == 1 for r in range(n)], table
 
 
 # --- 2. two ranks per node: LOCAL_RANK --------------------------------------------------

@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from swarmfd.statusline import MARK
 from swarmfd.swarm.spec import LABEL_JOB
 from tests.swarm_jobs import job_names, rank_lines, wait_until
 
@@ -94,6 +95,9 @@ def test_deploy_trains_on_three_ranks(swarm: Any, swarmfd_image: str,
     assert f"{name}: all 3 ranks running after" in proc.stderr
     assert f"job {name} done: all 3 ranks exited 0" in proc.stderr
     assert f"removed job {name}" in proc.stderr
+    # The job's last line, from the ranks' status lines (which were not shown).
+    assert f"job {name}: 3 rank(s), " in proc.stderr, proc.stderr
+    assert MARK.decode() not in proc.stdout + proc.stderr
     # Everything of a successful job is gone (the default: remove on success).
     assert not any(job_objects(swarm, name).values())
     print(f"deploy -n 3 train.py --epochs 3: {elapsed:.1f} s end to end")
