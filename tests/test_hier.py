@@ -20,6 +20,7 @@ import pytest
 from swarmfd.algorithms import hier, select
 from swarmfd.algorithms.base import Op
 from swarmfd.comm import wire
+from swarmfd.counters import CallStats
 
 from .memplane import Fabric, run_hier_algorithm, sample_data
 
@@ -405,7 +406,7 @@ def test_progress_engine_drives_the_phases() -> None:
 
         lay = hier.layout_of(names, r)
         engine = Engine(channel, 10.0, lambda g, exc, finished: None)
-        group = SimpleNamespace(gid=0, broken=None)
+        group = SimpleNamespace(gid=0, broken=None, stats=CallStats(r, n))
         works, bufs = [], []
         sig = wire.Signature(wire.Collective.ALL_REDUCE)
         for call in range(2):
