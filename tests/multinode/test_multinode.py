@@ -33,13 +33,17 @@ TRAIN = "/opt/swarmfd/examples/train.py"
 CLI_TIMEOUT = 180.0
 
 
-def swarmfd(cluster: Any, *args: str, via_env: bool = False,
+def swarmfd(cluster: Any, *args: str, via_env: bool = False, preflight: bool = False,
             timeout: float = CLI_TIMEOUT) -> subprocess.CompletedProcess[str]:
     """``python -m swarmfd ARGS`` against the inner manager: ``--host`` after the
-    subcommand, or ``DOCKER_HOST`` in the environment with ``via_env``."""
+    subcommand, or ``DOCKER_HOST`` in the environment with ``via_env``. A deploy skips
+    its preflight (a few seconds each; tests/multinode/test_doctor.py tests it) unless
+    ``preflight``."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("DOCKER_HOST", None)
     argv = list(args)
+    if argv[0] == "deploy" and not preflight and "--no-preflight" not in argv:
+        argv[1:1] = ["--no-preflight"]
     if via_env:
         env["DOCKER_HOST"] = cluster.manager.docker_host
     else:
@@ -90,7 +94,8 @@ def test_train_one_rank_per_node(multinode: Any, job_name: Callable[[str], str])
     name = job_name("train")
     started = time.monotonic()
     proc = swarmfd(multinode, "deploy", multinode.image_id, "-n", str(n), "--name", name,
-                   "--max-per-node", "1", "--keep", "--", "python", TRAIN, "--epochs", "3")
+                   "--max-per-node", "1", "--keep", "--", "python", TRAIN, "--epochs", "3",
+                   preflight=True)  # a healthy Swarm: the preflight lets the job through
     elapsed = time.monotonic() - started
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = rank_lines(proc.stdout)
