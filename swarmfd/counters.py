@@ -91,9 +91,12 @@ def straggler(waits: Mapping[int, Mapping[int, float]],
     rank to its waits by call number, ``shares`` each rank to the share of its wall
     time it waited. In each call every rank reported, the rank that waited least
     arrived last, if the waits differ by SKEW_FLOOR at least. A rank that arrived last
-    in more than half of those calls (MIN_CALLS of them at least) while the other ranks
-    waited more than WAIT_SHARE of their time on average is the straggler: (rank, calls
-    it arrived last in, calls that kept a rank waiting); else None."""
+    in more than half of the calls every rank reported (with MIN_CALLS calls that kept
+    a rank waiting at least) while the other ranks waited more than WAIT_SHARE of their
+    time on average is the straggler: (rank, calls it arrived last in, calls every rank
+    reported); else None. Half of all calls, not of those that kept a rank waiting: in a
+    balanced job a few calls kept someone waiting by chance, and one rank may be last in
+    most of those."""
     if len(waits) < 2:
         return None
     ranks = sorted(waits)
@@ -110,6 +113,6 @@ def straggler(waits: Mapping[int, Mapping[int, float]],
         return None
     rank, count = last.most_common(1)[0]
     others = [shares.get(r, 0.0) for r in ranks if r != rank]
-    if count * 2 <= decided or sum(others) / len(others) <= WAIT_SHARE:
+    if count * 2 <= len(common) or sum(others) / len(others) <= WAIT_SHARE:
         return None
-    return rank, count, decided
+    return rank, count, len(common)

@@ -134,13 +134,12 @@ def straggler_line(rows: list[list[float]]) -> str:
     found = straggler(waits, shares)
     if found is None:
         return ""
-    rank, count, decided = found
+    rank, count, calls = found
     others = [r for r in waits if r != rank]
     share = sum(shares[r] for r in others) / len(others)
     figures = "; ".join(f"rank {r} {rows[r][1]:.1f} s of {rows[r][0]:.1f} s" for r in others)
-    return (f"swarmfd: straggler: rank {rank} arrived last in {count} of the {decided} "
-            f"world calls that kept a rank waiting; the other ranks waited {share:.0%} of "
-            f"their time ({figures})")
+    return (f"swarmfd: straggler: rank {rank} arrived last in {count} of the last {calls} "
+            f"world calls; the other ranks waited {share:.0%} of their time ({figures})")
 
 
 class StatusThread:
