@@ -1,29 +1,18 @@
 """How the ranks of one host get each other's shared-memory descriptors, at init.
 
-Ranks that share a kernel and a user and reach each other's unix sockets (one network
-namespace, or a directory all mount: ``SWARMFD_SHM_DIR``) run their collectives through
-:class:`swarmfd.comm.planes.shm.ShmPlane`. Segments and pipes have no name (nothing in
-``/dev/shm``): only descriptors, freed by the kernel when the last holder exits.
-docs/security.md ("Other local users", "Other jobs' containers") says what this defends.
+Ranks sharing a kernel, a user and a way to each other's unix sockets (a network
+namespace, or ``SWARMFD_SHM_DIR``) use :class:`swarmfd.comm.planes.shm.ShmPlane`; what
+this defends against: docs/security.md ("Other local users", "Other jobs' containers").
 
-:class:`Setup`: the host's lowest rank, the hub, listens on a unix ``SOCK_SEQPACKET``
-socket whose address is a hash of the job token (sent in the encrypted rendezvous): an
-abstract name ``@swarmfd-shm-<hash>`` (per network namespace, which :func:`host_key`
-includes), or with ``SWARMFD_SHM_DIR`` a 0600 file unlinked once every rank connected.
-Each other rank connects, both prove they hold the job key, and descriptors move as
-``SCM_RIGHTS``; each is checked before use (a sealed memfd of the segment's size; a
-pipe's write end). Before a byte moves the hub closes connections of another uid
-(``SO_PEERCRED``). The proofs (:func:`swarmfd.comm.handshake.mac`) cover both ranks,
-both nonces and the inode of the hub's end of this very connection (the rank asks the
-kernel: :func:`peer_inode`), so a relay that renamed the socket and passes connections
-through gets no descriptor; where the kernel cannot say, a rank proves with 0, which a
-hub that can ask refuses. The hub serves from a thread of its own, at most MAX_PENDING
-unproven connections at once for HANDSHAKE_LIMIT each, until every rank handed over.
-
-The ranks agree over TCP after each step (create, hand over, receive): a rank that
-cannot take part makes every rank fall back to TCP, each logging a warning naming that
-rank and why (logger ``"swarmfd"``); a rank lost meanwhile raises
-:class:`PeerLostError`, and every descriptor the setup opened is closed.
+The host's lowest rank, the hub, listens on a unix ``SOCK_SEQPACKET`` socket named by a
+hash of the job token (abstract, or a 0600 file in ``SWARMFD_SHM_DIR``). It closes a
+connection of another uid (``SO_PEERCRED``) before a byte moves; then both sides prove
+the job key over both ranks, both nonces and the inode of the hub's end of this very
+connection (:func:`peer_inode`), so a relay gets no descriptor; where the kernel cannot
+say a rank proves with 0, which a hub that can ask refuses. Descriptors move as
+``SCM_RIGHTS`` and are checked before use. The hub serves from its own thread, at most
+MAX_PENDING unproven connections for HANDSHAKE_LIMIT each. The ranks agree over TCP
+after each step: one that cannot take part makes all fall back to TCP, each logging why.
 """
 
 

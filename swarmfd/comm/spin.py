@@ -1,21 +1,14 @@
 """Spin-then-block waits: one policy for every plane of the process (``SWARMFD_SPIN``).
 
-A waiting rank can sleep in the kernel at once, or poll first: a peer on another core
-usually answers within microseconds, and a wake-up costs tens. Polling burns CPU the
-peers may need, so (figures: docs/performance.md):
-
-* waits poll for at most SPIN_SECONDS before they block where every busy thread of the
-  host's ranks has a core (``auto``; a zmq rank counts libzmq's I/O thread too);
-* where busy threads outnumber cores by at most MAX_THREADS_PER_CORE to one, they poll
-  for YIELD_SECONDS, giving the core away (``sched_yield``) before each poll, so that a
-  peer sharing the core runs and sends; beyond that, waits block at once;
-* a :class:`Spinner` blocks at once after MAX_MISSES fruitless polls, polling again
-  every RETRY waits. Where every busy thread has a core, a wait that blocked but had its
-  message within LATE_SECONDS is no miss: else two ranks that both came to block at once
-  stay so, each one's retry waiting for a peer that must be woken first.
-
-``SWARMFD_SPIN=0`` turns polling off, ``1`` forces it on (still adaptive), ``auto``
-decides per job.
+A peer on another core usually answers within microseconds, a wake-up costs tens, and
+polling burns CPU the peers may need (docs/performance.md). So waits poll SPIN_SECONDS
+where every busy thread of the host (a zmq rank's I/O thread too) has a core; where they
+outnumber cores by at most MAX_THREADS_PER_CORE to one, YIELD_SECONDS, yielding the core
+before each poll; beyond, they block at once. A :class:`Spinner` blocks at once after
+MAX_MISSES fruitless polls, polling again every RETRY waits; where polls do not yield,
+a wait that blocked but had its message within LATE_SECONDS is no miss (else two ranks
+blocking at once stay so).
+``SWARMFD_SPIN=0`` turns polling off, ``1`` on (still adaptive), ``auto`` decides.
 """
 
 from __future__ import annotations
@@ -131,7 +124,7 @@ class Spinner:
 
     def woke(self) -> None:
         """The wait :meth:`spin` gave up on got its message by blocking: within
-        LATE_SECONDS it is no miss (only where polls do not yield: see module docstring)."""
+        LATE_SECONDS it is no miss (set only where polls do not yield)."""
         t = self.gave_up
         if not t:
             return

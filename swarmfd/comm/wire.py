@@ -214,7 +214,7 @@ def shape_hash(shape: tuple[object, ...]) -> int:
 #: recover_shape gives up on element counts above this (trial division gets slow).
 _RECOVER_MAX_COUNT = 1 << 32
 #: recover_shape's budget, in 4-D shape hashes (a 2-D or 3-D shape costs 3): tens of
-#: milliseconds at worst, where the most composite counts would take a second.
+#: milliseconds at worst, where the most composite counts took a second (docs/performance.md).
 _RECOVER_MAX_WORK = 200_000
 
 

@@ -1,33 +1,18 @@
 """The socket plane: plain TCP connections and a single-threaded progress engine.
 
 One thread per rank doing non-blocking ``sendmsg`` and ``recv_into`` straight into the
-array, as MPI and gloo do, moves bytes in half to two thirds of ZeroMQ's time on the
-unencrypted TCP path (its I/O thread and copies; docs/performance.md):
+array, as MPI and gloo do, takes half to two thirds of ZeroMQ's time (docs/performance.md).
+A full mesh (rank i dials every j < i; TCP_NODELAY, keepalive); a message is the
+:mod:`swarmfd.comm.wire` header and exactly ``nbytes`` of payload. Every header is
+validated (source = the connection's rank, ``nbytes <= MAX_PAYLOAD``); a bad one drops
+the connection (:class:`ProtocolError`). What the kernel does not take is queued, and
+every wait drives every queue, so two ranks sending to each other never deadlock.
 
-* a full mesh, one connection per pair (rank i dials every j < i), TCP_NODELAY and
-  keepalive on each;
-* a message is the :mod:`swarmfd.comm.wire` header and exactly ``nbytes`` of payload.
-  Every header is validated (magic, version, source = the connection's rank,
-  ``nbytes <= MAX_PAYLOAD``); a bad one drops the connection with :class:`ProtocolError`.
-  Nothing is read past a validated length, nothing is unpickled;
-* a send goes out at once when the kernel takes it, else is queued (zero-copy views of
-  the caller's array, or a copy when asked); every wait drives every queue, so two ranks
-  sending large buffers to each other never deadlock;
-* a payload is read with ``recv_into`` straight into the caller's buffer; small messages
-  come in one ``recv`` with their header.
-
-Setup (docs/security.md, "Strangers on the network" and "How"): the data port is bound
-at init but listens only while the mesh connects, after the rendezvous, and closes when
-the mesh is up. Each connection starts with the mutual challenge-response of
-:mod:`swarmfd.comm.handshake` (see HANDSHAKE_MAGIC); the limits below keep a flood of
-strangers from holding the door shut. A dialled handshake that fails without evidence
-is dialled again until the init deadline; only a listener's wrong MAC, or its refusal
-after proving itself, is reported as another job secret (:class:`AuthenticationError`).
-The bytes travel in clear; SWARMFD_ENCRYPT=1 uses the zmq plane with CURVE instead.
-
-This module only moves bytes (:class:`swarmfd.comm.plane.Plane`); message semantics
-(stash, signatures, aborts, timeouts, lost peers) live in
-:class:`swarmfd.comm.channel.Channel`.
+The data port listens only while the mesh connects (docs/security.md, "Strangers on the
+network"); each connection starts with the handshake of HANDSHAKE_MAGIC. A dialled
+handshake that fails without evidence is dialled again until the init deadline; only a
+wrong MAC or a proven listener's refusal raise :class:`AuthenticationError`. The bytes
+travel in clear (SWARMFD_ENCRYPT=1 takes the zmq plane with CURVE).
 """
 
 from __future__ import annotations
@@ -401,20 +386,21 @@ class SocketPlane:
                 return
             self._evict(hs)
 
-    def _drop(self, hs: _Handshake) -> None:
+    def _forget(self, hs: _Handshake) -> None:
+        """Take ``hs`` out of the handshakes in progress."""
         self._accepted.pop(hs.sock, None)
         self._dialled.pop(hs.sock, None)
         if self._hs_sel is not None:
             with contextlib.suppress(KeyError, ValueError):
                 self._hs_sel.unregister(hs.sock)
+
+    def _drop(self, hs: _Handshake) -> None:
+        self._forget(hs)
         hs.sock.close()
 
     def _finish(self, hs: _Handshake) -> None:
         """A handshake completed: admit the connection as ``hs.peer_rank``'s lane."""
-        if self._hs_sel is not None:
-            self._hs_sel.unregister(hs.sock)
-        self._accepted.pop(hs.sock, None)
-        self._dialled.pop(hs.sock, None)
+        self._forget(hs)
         self._admit(hs)
 
     def _send(self, hs: _Handshake, data: bytes) -> None:

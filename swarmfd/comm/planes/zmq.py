@@ -1,28 +1,17 @@
 """The ZeroMQ plane: a bound ROUTER that only sends, one DEALER that only receives.
 
-Each rank binds one ROUTER and sends to peer j through it by j's routing id (a secret
-derived from j's session token on the PLAIN plane: security.routing_id). Its one DEALER
-connects to every peer's ROUTER and only receives: libzmq fair-queues the peers into
-it; one DEALER was faster than one per peer and as fast as PUSH/PULL pairs
-(docs/performance.md). A message's source is its connection's, never a header's claim:
-each ROUTER announces its rank in its handshake (ZMQ_METADATA ``X-Rank``, with a proof
-from its session token: :func:`swarmfd.comm.security.server_proof`), which libzmq
-attaches to every message; a message from a connection that announced no peer (libzmq
-redials a lost peer's port, whoever binds it next) is dropped, a header whose ``src``
-differs is a protocol error. ZAP admits the DEALER's connection to each peer once
-(:class:`swarmfd.comm.security.Authenticator`: a one-time PLAIN token, or CURVE when
-encrypted).
+Each rank sends to peer j through its ROUTER by j's routing id (security.routing_id),
+and receives on one DEALER connected to every peer's ROUTER (libzmq fair-queues them;
+docs/performance.md). A message's source is its connection's ``X-Rank`` (announced by the
+peer's ROUTER with :func:`~swarmfd.comm.security.server_proof`), never a header's claim:
+a connection that announced no peer is dropped, a header claiming another is a protocol
+error. ZAP admits each DEALER connection once (:class:`~swarmfd.comm.security.Authenticator`).
 
-The bound ROUTER faces strangers for as long as the job runs (libzmq's unbind would drop
-its connections too): it refuses frames over MAX_HANDSHAKE_FRAME, drops a connection not
-authenticated within HANDSHAKE_IVL_MS, and binds only once the rendezvous is over (its
-port held until then by :func:`~swarmfd.comm.plane.reserve_port`), so a storm at it
-cannot slow the rendezvous, which shares libzmq's I/O thread. A monitor on the DEALER
-reports a peer whose connection closed.
-
-Messages: a :mod:`swarmfd.comm.wire` header with its payload inline (one frame) up to
-INLINE_MAX_BYTES, else a header frame and a payload frame (copied up to COPY_MAX_BYTES,
-zero-copy and tracked above).
+The bound ROUTER faces strangers as long as the job runs (unbind would drop its
+connections): it refuses frames over MAX_HANDSHAKE_FRAME, drops connections not
+authenticated within HANDSHAKE_IVL_MS, and binds only after the rendezvous (which
+shares libzmq's I/O thread). A message is a header with its payload inline (one frame)
+up to INLINE_MAX_BYTES, else two frames (copied up to COPY_MAX_BYTES, zero-copy above).
 """
 
 from __future__ import annotations
