@@ -9,14 +9,9 @@ a host of one rank has no phase inside. Every element's operands combine in one 
 (inside its host, then between hosts, in host order), computed once and copied or alike
 on every rank: the same bits everywhere.
 
-docs/algorithms.md ("Two levels") gives each algorithm's steps, barriers and bytes on a
-host's link: the small and large all_reduce (K shards, shard q owned by local index
-q mod L, its host partial computed once by its owner), broadcast and reduce (a chain of
-host leaders), all_gather and reduce_scatter (at most STREAMS TCP streams each way,
-each carried by one local). The other collectives run flat.
-
-Tags: phases between hosts use the call's own (round-major, < 2^30, plus ACK and SIG of
-:mod:`.tcp`); phases inside a host a sub-op's from LOCAL_TAGS.
+Each algorithm's steps, barriers and bytes on a host's link: docs/algorithms.md ("Two
+levels"). Phases between hosts use the call's own tags (round-major, < 2^30, plus ACK
+and SIG of :mod:`.tcp`), phases inside a host a sub-op's from LOCAL_TAGS.
 """
 
 from __future__ import annotations

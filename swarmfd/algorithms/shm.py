@@ -186,7 +186,7 @@ def _copy_out(buf: np.ndarray | Parts, a: int, regions: list[np.ndarray],
 
 
 def broadcast(op: Op, buf: np.ndarray, root: int) -> Algorithm:
-    """See the module docstring."""
+    """The root copies in, a barrier, everyone copies out."""
     if buf.nbytes <= SEGMENT_BYTES:  # one round (the latency path: no bounds to make)
         region = op.region(root, op.next_slot(), buf.dtype, buf.size)
         if op.me == root:
@@ -208,7 +208,7 @@ def broadcast(op: Op, buf: np.ndarray, root: int) -> Algorithm:
 
 def reduce(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc,
            divide: int = 0) -> Algorithm:
-    """See the module docstring (``divide``: the root divides its result by it)."""
+    """Everyone copies in, a barrier, the root reduces in rank order (and divides)."""
     for r, (a, b) in enumerate(rounds(buf.nbytes, buf.itemsize)):
         slot = op.next_slot()
         regions = op.regions(slot, buf.dtype, b - a)
@@ -221,7 +221,8 @@ def reduce(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc,
 
 
 def all_gather(op: Op, out: np.ndarray) -> Algorithm:
-    """See the module docstring (``out``: N x count, this rank's row filled)."""
+    """Everyone copies in, a barrier, everyone copies the others' rows out (``out``:
+    N x count, this rank's row filled)."""
     flat = out[op.me]
     if flat.nbytes <= SEGMENT_BYTES:  # one round (the latency path: no bounds to make)
         regions = op.regions(op.next_slot(), flat.dtype, flat.size)
