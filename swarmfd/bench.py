@@ -76,11 +76,11 @@ class Row:
 def parse_size(text: str | int) -> int:
     """Parse a byte size: ``4096``, ``"4K"``, ``"64KiB"``, ``"1M"``, ``"2G"`` (binary
     units); ``ValueError`` naming the bad text and the accepted forms."""
-    if isinstance(text, bool):
+    if isinstance(text, bool) or not isinstance(text, (int, str)):
         raise TypeError(f"size must be an int or a string like '4K', got {text!r}")
     if isinstance(text, int):
         value = text
-    elif isinstance(text, str):
+    else:
         match = _SIZE_RE.match(text)
         unit = match.group(2).upper() if match else ""
         if match is None or unit not in _UNITS:
@@ -89,8 +89,6 @@ def parse_size(text: str | int) -> int:
                 "unit K, M or G (binary: 4K = 4096), e.g. 4K, 64KiB, 1M, 16M"
             )
         value = int(match.group(1)) * _UNITS[unit]
-    else:
-        raise TypeError(f"size must be an int or a string like '4K', got {text!r}")
     if value <= 0:
         raise ValueError(f"bad size {text!r}: expected a positive number of bytes")
     return value

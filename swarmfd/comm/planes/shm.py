@@ -84,6 +84,7 @@ _pack_header = wire.pack_header
 _unpack_header = wire.unpack_header
 _HEADER_SIZE = wire.HEADER_SIZE
 _join = b"".join
+_now = time.monotonic
 
 
 _fence_lock = threading.Lock()
@@ -108,10 +109,6 @@ def ring_slots(ranks: int) -> int:
 def area_of(group: int) -> int:
     """Byte offset of the area a group uses in every member's segment."""
     return (group % AREAS) * AREA_BYTES
-
-
-def _now() -> float:
-    return time.monotonic()
 
 
 class ShmPlane:

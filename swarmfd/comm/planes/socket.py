@@ -83,6 +83,7 @@ RETRY_MAX = 0.25
 LISTEN_BACKLOG = 4096
 #: At close, how long to read (and drop) what peers still send until they close too.
 CLOSE_DRAIN = 1.0
+_now = time.monotonic
 
 
 def _set_lowat(sock: socket.socket, nbytes: int) -> int:
@@ -92,10 +93,6 @@ def _set_lowat(sock: socket.socket, nbytes: int) -> int:
     except OSError:
         return 1
     return nbytes
-
-
-def _now() -> float:
-    return time.monotonic()
 
 
 def _keepalive(sock: socket.socket, idle: int, intvl: int, cnt: int) -> None:

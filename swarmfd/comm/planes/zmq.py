@@ -77,6 +77,7 @@ _unpack_header = wire.unpack_header
 _pack_header = wire.pack_header
 _FLAG_INLINE = wire.FLAG_INLINE
 _join = b"".join
+_now = time.monotonic
 #: The DEALER monitor's events, as a refused connection's history tells them.
 _EVENT_NAMES = {zmq.EVENT_HANDSHAKE_SUCCEEDED: "authenticated",
                 zmq.EVENT_DISCONNECTED: "closed",
@@ -85,10 +86,6 @@ _EVENT_NAMES = {zmq.EVENT_HANDSHAKE_SUCCEEDED: "authenticated",
                 zmq.EVENT_HANDSHAKE_FAILED_AUTH: "refused"}
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-
-
-def _now() -> float:
-    return time.monotonic()
 
 
 #: The first delay (ms, doubling up to 0.1 s) before the DEALER dials a peer again: the
