@@ -10,13 +10,7 @@ from typing import Any
 from . import collectives, group
 from .config import Config
 
-__all__ = [
-    "checkpoint_barrier",
-    "get_seed",
-    "print",
-    "print_config",
-    "should_save",
-]
+__all__ = ["checkpoint_barrier", "get_seed", "print", "print_config", "should_save"]
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15

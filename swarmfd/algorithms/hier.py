@@ -28,19 +28,8 @@ from ..comm.planes.shm import SEGMENT_BYTES, SLOTS
 from .base import Algorithm, Op, divide_by, mean, num_pieces, reduce_in_order, split
 from .tcp import ACK, SIG, barrier
 
-__all__ = [
-    "LOCAL_TAGS",
-    "ROUND_BYTES",
-    "SMALL_GATHER_BYTES",
-    "STREAMS",
-    "Layout",
-    "all_gather",
-    "all_reduce_large",
-    "all_reduce_small",
-    "broadcast",
-    "reduce",
-    "reduce_scatter",
-]
+__all__ = ["LOCAL_TAGS", "ROUND_BYTES", "SMALL_GATHER_BYTES", "STREAMS", "Layout", "all_gather",
+           "all_reduce_large", "all_reduce_small", "broadcast", "reduce", "reduce_scatter"]
 
 #: Bytes one rank moves through its slot per round of a large call (at most a slot).
 ROUND_BYTES = SEGMENT_BYTES

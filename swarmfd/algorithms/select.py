@@ -20,37 +20,13 @@ from ..comm.planes.shm import SEGMENT_BYTES
 from . import hier, shm, tcp
 from .base import split
 
-__all__ = [
-    "ALL_GATHER_V_INLINE_BYTES",
-    "DIRECT_MAX_BYTES",
-    "DIRECT_MAX_WORLD",
-    "HIER_FAN_FLAT_MAX_BYTES",
-    "HIER_GATHER_FLAT_MAX_BYTES",
-    "HIER_GATHER_SAVES_BYTES",
-    "HIER_REDUCE_ALONE_MAX_BYTES",
-    "HIER_SCATTER_MIN_BYTES",
-    "HIER_SMALL_BYTES",
-    "PAIR_MAX_BYTES",
-    "SHM_CMA_MIN_BYTES",
-    "SHM_ONE_ROUND_MAX_BYTES",
-    "Choice",
-    "all_gather",
-    "all_gather_counts",
-    "all_gather_parts",
-    "all_reduce",
-    "all_to_all",
-    "all_to_all_splits",
-    "barrier",
-    "broadcast",
-    "flat_gather_rows_in",
-    "gather",
-    "reduce",
-    "reduce_scatter",
-    "scatter",
-    "small_fan",
-    "split_rows",
-    "two_level_layout",
-]
+__all__ = ["ALL_GATHER_V_INLINE_BYTES", "DIRECT_MAX_BYTES", "DIRECT_MAX_WORLD",
+           "HIER_FAN_FLAT_MAX_BYTES", "HIER_GATHER_FLAT_MAX_BYTES", "HIER_GATHER_SAVES_BYTES",
+           "HIER_REDUCE_ALONE_MAX_BYTES", "HIER_SCATTER_MIN_BYTES", "HIER_SMALL_BYTES",
+           "PAIR_MAX_BYTES", "SHM_CMA_MIN_BYTES", "SHM_ONE_ROUND_MAX_BYTES", "Choice", "all_gather",
+           "all_gather_counts", "all_gather_parts", "all_reduce", "all_to_all", "all_to_all_splits",
+           "barrier", "broadcast", "flat_gather_rows_in", "gather", "reduce", "reduce_scatter",
+           "scatter", "small_fan", "split_rows", "two_level_layout"]
 
 #: Two ranks all-reduce up to this many bytes as one message each way (the pair exchange).
 PAIR_MAX_BYTES = wire.PIECE_BYTES

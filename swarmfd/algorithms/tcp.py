@@ -27,32 +27,12 @@ from ..errors import ProtocolError
 from . import base
 from .base import Algorithm, Op, Parts, num_pieces, ring_pieces, split
 
-__all__ = [
-    "ACK",
-    "SIG",
-    "all_gather_counts",
-    "all_gather_counts_doubling",
-    "all_gather_direct",
-    "all_gather_doubling",
-    "all_gather_ring",
-    "all_gather_v",
-    "all_reduce_direct",
-    "all_reduce_doubling",
-    "all_reduce_pair",
-    "all_reduce_ring",
-    "all_to_all_pairwise",
-    "all_to_all_rows",
-    "barrier",
-    "broadcast_chain",
-    "broadcast_direct",
-    "gather_direct",
-    "reduce_chain",
-    "reduce_direct",
-    "reduce_scatter_direct",
-    "reduce_scatter_ring",
-    "scatter_direct",
-    "signature_ring",
-]
+__all__ = ["ACK", "SIG", "all_gather_counts", "all_gather_counts_doubling", "all_gather_direct",
+           "all_gather_doubling", "all_gather_ring", "all_gather_v", "all_reduce_direct",
+           "all_reduce_doubling", "all_reduce_pair", "all_reduce_ring", "all_to_all_pairwise",
+           "all_to_all_rows", "barrier", "broadcast_chain", "broadcast_direct", "gather_direct",
+           "reduce_chain", "reduce_direct", "reduce_scatter_direct", "reduce_scatter_ring",
+           "scatter_direct", "signature_ring"]
 
 _DATA = int(wire.Kind.DATA)
 

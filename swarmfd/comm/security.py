@@ -30,20 +30,9 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
-__all__ = [
-    "DATA_ATTEMPTS",
-    "HANDSHAKE_IVL_MS",
-    "KEEPALIVE",
-    "ZAP_DATA",
-    "ZAP_RENDEZVOUS",
-    "Authenticator",
-    "Security",
-    "connection_token",
-    "keepalive",
-    "routing_id",
-    "server_proof",
-    "stranger_facing",
-]
+__all__ = ["DATA_ATTEMPTS", "HANDSHAKE_IVL_MS", "KEEPALIVE", "ZAP_DATA", "ZAP_RENDEZVOUS",
+           "Authenticator", "Security", "connection_token", "keepalive", "routing_id",
+           "server_proof", "stranger_facing"]
 
 #: ZAP domains of the rendezvous and of the zmq data plane.
 ZAP_RENDEZVOUS = "swarmfd-rendezvous"

@@ -19,18 +19,8 @@ from collections.abc import Callable
 
 from ..config import usable_cores
 
-__all__ = [
-    "LATE_SECONDS",
-    "MAX_MISSES",
-    "MAX_THREADS_PER_CORE",
-    "RETRY",
-    "SPIN_SECONDS",
-    "YIELD_SECONDS",
-    "Spinner",
-    "configure",
-    "enabled",
-    "yielding",
-]
+__all__ = ["LATE_SECONDS", "MAX_MISSES", "MAX_THREADS_PER_CORE", "RETRY", "SPIN_SECONDS",
+           "YIELD_SECONDS", "Spinner", "configure", "enabled", "yielding"]
 
 #: How long a wait polls before it blocks: a loopback TCP round trip or a record.
 SPIN_SECONDS = 50e-6

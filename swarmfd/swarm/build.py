@@ -43,24 +43,9 @@ from docker.utils.build import PatternMatcher
 
 from .errors import SwarmJobError
 
-__all__ = [
-    "BUILTIN_EXTRAS",
-    "DEFAULT_BASE_IMAGE",
-    "TORCH_CPU",
-    "BuildError",
-    "BuildOptions",
-    "BuildRequest",
-    "BuiltImage",
-    "Project",
-    "Target",
-    "build_project",
-    "content_hash",
-    "dockerfile",
-    "parse_registry",
-    "push_image",
-    "read_project",
-    "repository_for",
-]
+__all__ = ["BUILTIN_EXTRAS", "DEFAULT_BASE_IMAGE", "TORCH_CPU", "BuildError", "BuildOptions",
+           "BuildRequest", "BuiltImage", "Project", "Target", "build_project", "content_hash",
+           "dockerfile", "parse_registry", "push_image", "read_project", "repository_for"]
 
 #: Bump when the generated Dockerfile or the context layout changes (it is in the hash).
 RECIPE = 1

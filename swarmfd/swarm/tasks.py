@@ -24,22 +24,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = [
-    "PHASES",
-    "TaskView",
-    "exit_code_for",
-    "failure_message",
-    "first_failure",
-    "job_state",
-    "latest_per_rank",
-    "lost_message",
-    "lost_peer",
-    "lost_ranks",
-    "parse_timestamp",
-    "phase_of",
-    "root_failure",
-    "summarize",
-]
+__all__ = ["PHASES", "TaskView", "exit_code_for", "failure_message", "first_failure", "job_state",
+           "latest_per_rank", "lost_message", "lost_peer", "lost_ranks", "parse_timestamp",
+           "phase_of", "root_failure", "summarize"]
 
 _PHASE_OF_STATE = {
     "new": "pending",
