@@ -1,6 +1,4 @@
-"""swarmfd: data-parallel training for Python, over shared memory and TCP, local or on Swarm.
-
-The Python counterpart of the seed's C API (``fd_init`` -> ``swarmfd.init``)::
+"""swarmfd: data-parallel training for Python, over shared memory and TCP, local or on Swarm::
 
     import numpy as np
     import swarmfd as fd

@@ -1,27 +1,17 @@
 """The call layer: how one collective call of a group runs, blocking or async.
 
-A call is an algorithm (a generator of :mod:`swarmfd.algorithms`, the one definition of
-what the call sends, receives and reduces) driven over an :class:`~.algorithms.base.Op`:
+A call is an algorithm (a generator of :mod:`swarmfd.algorithms`) driven over an
+:class:`~.algorithms.base.Op`: blocking, with nothing pending on the progress engine, on
+the caller's thread (:func:`swarmfd.algorithms.base.run`); async, or behind pending
+async work, by the progress engine (:mod:`swarmfd.engine`).
 
-* **blocking**, with nothing pending on the progress engine: on the caller's thread, by
-  :func:`swarmfd.algorithms.base.run` (a receive looks for its message on the plane
-  first, then waits in the channel);
-* **async**, or blocking behind pending async work: by the progress engine
-  (:mod:`swarmfd.engine`), which resumes the same generator as messages arrive.
+A :class:`Schedule` is a kind of call worked out once (signature, the selection's
+choice and its arguments, an op with headers packed and views kept), kept by the group
+under the call's key (whatever the choice depends on), so repeated calls are looked up
+and both forms of a call run the same schedule. docs/internals.md, "How a call flows".
 
-A :class:`Schedule` is a kind of call worked out once: its signature, the algorithm the
-selection table chose (:mod:`swarmfd.algorithms.select`) with the arguments it takes,
-and the op it runs with (message headers packed once, shared-memory views kept). A
-group keeps its schedules by the call's key (the collective, shapes, dtype, op, root:
-whatever the choice depends on), so a training loop's repeated calls are looked up,
-not worked out, and the blocking and async forms of a call run the same schedule.
-
-Counters: every call adds to its group's :class:`~swarmfd.counters.CallStats` (a
-blocking call here, inline: it is every call's cost; an async one when the engine
-completes it).
-
-Failure: a call that raises breaks its group (see :mod:`swarmfd.group`) and tells the
-peers (the channel's abort); every later call of the group raises
+Every call adds to its group's :class:`~swarmfd.counters.CallStats`. A call that raises
+breaks its group and tells the peers (an abort); later calls raise
 :meth:`Group.failure`.
 """
 
@@ -41,15 +31,14 @@ from .group import WORLD_GID, Group
 __all__ = ["MAX_SCHEDULES", "Label", "Schedule", "label", "run_call", "run_message",
            "schedule"]
 
-#: Schedules a group keeps (then it forgets them all): a training loop's calls take a
-#: few shapes; a loop over many shapes would gain little from them anyway.
+#: Schedules a group keeps before it forgets them all (a training loop takes a few shapes).
 MAX_SCHEDULES = 256
 _MASK = WINDOW - 1
 
 
 class Label:
-    """What a call is, for error messages ("all_reduce (call #7 on rank 2)"): built
-    once per schedule and formatted only when a message needs it."""
+    """What a call is, for error messages ("all_reduce (call #7 on rank 2)"), formatted
+    only when a message needs it."""
 
     __slots__ = ("coll", "group", "seq")
 
@@ -71,10 +60,8 @@ def label(g: Group, sig: Signature) -> str:
 
 
 class Schedule:
-    """A kind of call of one group, worked out once (see the module docstring): the
-    algorithm of ``choice`` runs as ``algo(op, *bufs, *args, *choice.args)``, ``bufs``
-    what each call passes. ``choice`` None: a call with nothing to send (a group of
-    one, a world of one)."""
+    """A kind of call of one group, worked out once: ``algo(op, *bufs, *args,
+    *choice.args)``, ``bufs`` what each call passes; ``choice`` None: nothing to send."""
 
     __slots__ = ("algo", "args", "choice", "engine", "group", "label", "nbytes", "op",
                  "others", "sig")
@@ -101,8 +88,7 @@ class Schedule:
 
     @property
     def parts(self) -> bool:
-        """Whether the algorithm takes :class:`~.algorithms.base.Parts` (arrays reduced
-        where they are)."""
+        """Whether the algorithm takes :class:`~.algorithms.base.Parts`."""
         return self.choice is not None and self.choice.parts
 
     def run(self, *bufs: Any) -> Any:
@@ -190,9 +176,7 @@ def _blocking(g: Group, engine: Any, op: Op, gen: Any, activity: Any, collective
     with engine.lock:  # the progress thread may be finishing its last step
         ch.enter(g.gid, g.seq, activity, collective)
         try:
-            if others:
-                # Aborts may come on another plane than this call's: now and then read
-                # what waits there (a wait reads every plane between its slices anyway).
+            if others:  # aborts may come on another plane than this call's
                 ch.service_others(op.plane)
             result = run(op, gen)
             if op.out[0] or not collective:
@@ -200,9 +184,7 @@ def _blocking(g: Group, engine: Any, op: Op, gen: Any, activity: Any, collective
             return result
         except BaseException as exc:
             ch.waited = ch.waited_most = 0.0
-            g.broken, g.broken_from = exc, 0
-            # The last call this rank finished: the one before a failed collective, the
-            # latest one before a failed point-to-point message.
+            g.broken, g.broken_from = exc, 0  # names the last call this rank finished
             ch.abort(exc, g.gid, g.seq - 1 if collective else g.seq)
             raise
         finally:

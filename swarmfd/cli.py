@@ -1,11 +1,8 @@
 """The ``swarmfd`` command line: parse, call the library, map errors to exit codes.
 
-Nothing here implements behaviour; each command is a thin click wrapper over a library
-module: ``launch`` for ``run`` (its options are :class:`swarmfd.launch.LaunchConfig`'s
-fields, see :mod:`swarmfd.cli_options`), ``bench`` for ``bench``, and the Swarm package
-for ``build``, ``deploy``, ``ls``, ``ps``, ``logs`` and ``rm``, whose commands
-(:mod:`swarmfd.swarm.cli`) are imported only when one of them runs, so that ``swarmfd
-run`` never loads the docker SDK.
+Each command wraps a library module: ``launch`` (``run``, options from
+:class:`swarmfd.launch.LaunchConfig`), ``top``, ``bench``, and :mod:`swarmfd.swarm.cli`,
+imported only when a Swarm command runs, so that ``swarmfd run`` never loads docker.
 """
 
 from __future__ import annotations

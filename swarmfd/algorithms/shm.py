@@ -1,36 +1,12 @@
 """Algorithms over shared memory (the ranks of one host, :mod:`swarmfd.comm.planes.shm`).
 
-Each round moves up to SEGMENT_BYTES: every rank copies its part into its own slot
-of its segment, a barrier (records through the plane) tells that all
-did, then each reads the others' slots. Slots rotate (SLOTS of them in the group's
-area), so a rank rewrites a slot only after every member passed a later barrier,
-that is, after everyone finished reading it.
-
-* **all_reduce**, small (S <= SMALL_BYTES): one barrier; every rank reduces all of it
-  in rank order (identical everywhere).
-* **all_reduce**, large: pipelined rounds, one barrier each: copy in round r (all of
-  it but this rank's own 1/N chunk, which only it reduces), barrier, copy out the
-  others' reduced chunks of round r-1, reduce this rank's chunk of round r from its
-  own buffer and the others' slots into its slot, and copy it back to its buffer. The
-  barrier after copy-in r also tells that everyone finished reducing r-1. Each chunk
-  is reduced once (its owner's operand first, then the others in rank order), so
-  every rank has the same bits. (That moves less memory than copying the whole round
-  in and reducing in the slot: docs/algorithms.md.) A mean (``divide``) is divided by
-  the owner in its reduced chunk, while it is in cache; the buffer may be
-  :class:`~.base.Parts`, several arrays reduced as one without a staging copy (a list
-  all_reduce, a DDP bucket's gradients): the copies go from and to the arrays.
-* **all_reduce**, from CMA_MIN_BYTES where the host allows cross-memory attach: each
-  rank reduces its 1/N chunk reading the peers' buffers and writes the result into
-  them (:func:`all_reduce_cma`): one copy each way instead of two.
-* **broadcast**: the root copies in, barrier, everyone copies out.
-* **reduce**: everyone copies in, barrier, the root reduces in rank order.
-* **all_gather**: everyone copies in, barrier, everyone copies the others' out (also
-  of uneven parts).
-* **reduce_scatter**: everyone copies in, barrier, each reduces its own part.
-* **all_to_all**: everyone copies in, barrier, each copies the parts meant for it.
-* **gather**, **scatter**: through the members' segments, the root copying out or in.
-
-The barriers, copies and cost of each: docs/algorithms.md.
+Each round moves up to SEGMENT_BYTES: every rank copies its part into its own slot, a
+barrier (records through the plane) tells that all did, then each reads the others'
+slots. Slots rotate (SLOTS in the group's area), so a rank rewrites a slot only after
+every member passed a later barrier, that is, finished reading it. Each element is
+reduced in one order (rank order, or its chunk's owner first, then rank order), so
+every rank gets the same bits. Barriers, copies and cost of each: docs/algorithms.md
+("Shared memory").
 """
 
 from __future__ import annotations
@@ -48,18 +24,14 @@ __all__ = ["CMA_MAX_ARRAYS", "CMA_MIN_BYTES", "COUNT_BYTES", "SMALL_BYTES", "all
            "all_reduce_rounds", "all_to_all", "all_to_all_rows", "broadcast", "gather", "reduce",
            "reduce_scatter", "rounds", "scatter"]
 
-#: Up to this many bytes every rank reduces the whole round itself (one barrier); above
-#: it each rank reduces its 1/N and copies the rest (two barriers' worth of rounds).
+#: Up to this many bytes every rank reduces the whole round itself (one barrier).
 SMALL_BYTES = 1 << 18
-#: From this many bytes an all_reduce reads and writes the peers' buffers directly where
-#: the host allows it (:func:`all_reduce_cma`): below it pinning the peers' pages costs
-#: more than the copy it saves (docs/algorithms.md).
+#: From this many bytes an all_reduce uses cross-memory attach where allowed: below it
+#: pinning the peers' pages costs more than the copy saved (docs/algorithms.md).
 CMA_MIN_BYTES = 4 << 20
-#: The block of a peer's chunk read into scratch and reduced at once: it stays in cache
-#: beside the chunk it is added into (docs/algorithms.md).
+#: A peer's block read into scratch and reduced at once, in cache (docs/algorithms.md).
 CMA_BLOCK_BYTES = 1 << 19
-#: The most arrays whose addresses a slot holds (a count, then an address and a length
-#: each, as int64).
+#: The most arrays whose addresses (a count, then address and length, int64) a slot holds.
 CMA_MAX_ARRAYS = (SEGMENT_BYTES // 8 - 1) // 2
 
 
@@ -74,8 +46,8 @@ def rounds(nbytes: int, itemsize: int) -> list[tuple[int, int]]:
 
 def all_reduce_one_round(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
                          divide: int = 0) -> Algorithm:
-    """One round, one barrier; every rank reduces all of it in rank order (identical
-    everywhere): the small all_reduce (``divide``: divide the result by it, a mean)."""
+    """One round, one barrier; every rank reduces all of it in rank order (``divide``:
+    a mean's divisor, 0 for none)."""
     me = op.me
     regions = op.regions(op.next_slot(), buf.dtype, buf.size)
     if type(buf) is np.ndarray:  # no views of the regions to make: the latency path
@@ -94,8 +66,10 @@ def all_reduce_one_round(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
 
 def all_reduce_rounds(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
                       divide: int = 0) -> Algorithm:
-    """Pipelined rounds, one barrier each, each rank reducing its 1/N chunk of every
-    round (see the module docstring)."""
+    """Pipelined rounds, one barrier each: copy in round r (all but this rank's own
+    chunk), barrier (which also says r-1 is reduced), copy out the others' chunks of
+    r-1, reduce this rank's chunk of r (its operand first) into its slot and its buffer.
+    The owner divides a mean while the chunk is in cache; ``buf`` may be Parts."""
     N, me = op.size, op.me
     pending: tuple[np.ndarray | Parts, int, list[np.ndarray], list[tuple[int, int]]] | None = \
         None
@@ -105,7 +79,6 @@ def all_reduce_rounds(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
         regions = op.regions(slot, buf.dtype, b - a)
         chunks = split(b - a, N)
         ca, cb = chunks[me]
-        # The others need every chunk of this rank's but its own (which only it reduces).
         for piece, u, v in spans(buf, a, a + ca):
             regions[me][u:v] = piece
         for piece, u, v in spans(buf, a + cb, b):
@@ -113,8 +86,6 @@ def all_reduce_rounds(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
         yield from barrier(op, r)
         if pending is not None:
             _copy_out(*pending, me)
-        # Its own chunk: the owner's operand (from buf) first, then the others in rank
-        # order, into its slot (where the others copy it from), then into buf.
         mine = regions[me][ca:cb]
         others = [p for p in range(N) if p != me]
         for piece, u, v in spans(buf, a + ca, a + cb):
@@ -139,14 +110,10 @@ def _layout(buf: np.ndarray | Parts) -> list[tuple[int, int]]:
 
 def all_reduce_cma(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
                    divide: int = 0) -> Algorithm:
-    """all_reduce reading and writing the peers' buffers where they are (cross-memory
-    attach, see the module docstring): each rank publishes its arrays' addresses in its
-    slot; barrier; each reduces its own 1/N chunk in its buffer, block by block, reading
-    the others' chunk into a block of scratch (its own operand first, then the others in
-    rank order: each element reduced once, by its owner), and writes each reduced block,
-    still in cache, straight into every peer's buffer; a last barrier tells that every
-    rank's buffer is complete. Chunk c of every buffer is read and written by rank c
-    only, so nothing races."""
+    """all_reduce through the peers' buffers (cross-memory attach): each rank publishes
+    its arrays' addresses, barrier, then reduces its 1/N chunk block by block (its
+    operand first, the peers' read into scratch) and writes each block, in cache, into
+    every peer's buffer; a last barrier. Chunk c is touched by rank c only: no race."""
     N, me = op.size, op.me
     pids = op.shm.cma_pids
     itemsize = buf.itemsize
@@ -219,7 +186,7 @@ def _copy_out(buf: np.ndarray | Parts, a: int, regions: list[np.ndarray],
 
 
 def broadcast(op: Op, buf: np.ndarray, root: int) -> Algorithm:
-    """See the module docstring."""
+    """The root copies in, a barrier, everyone copies out."""
     if buf.nbytes <= SEGMENT_BYTES:  # one round (the latency path: no bounds to make)
         region = op.region(root, op.next_slot(), buf.dtype, buf.size)
         if op.me == root:
@@ -241,7 +208,7 @@ def broadcast(op: Op, buf: np.ndarray, root: int) -> Algorithm:
 
 def reduce(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc,
            divide: int = 0) -> Algorithm:
-    """See the module docstring (``divide``: the root divides its result by it)."""
+    """Everyone copies in, a barrier, the root reduces in rank order (and divides)."""
     for r, (a, b) in enumerate(rounds(buf.nbytes, buf.itemsize)):
         slot = op.next_slot()
         regions = op.regions(slot, buf.dtype, b - a)
@@ -254,7 +221,8 @@ def reduce(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc,
 
 
 def all_gather(op: Op, out: np.ndarray) -> Algorithm:
-    """See the module docstring (``out``: N x count, this rank's row filled)."""
+    """Everyone copies in, a barrier, everyone copies the others' rows out (``out``:
+    N x count, this rank's row filled)."""
     flat = out[op.me]
     if flat.nbytes <= SEGMENT_BYTES:  # one round (the latency path: no bounds to make)
         regions = op.regions(op.next_slot(), flat.dtype, flat.size)
@@ -281,17 +249,15 @@ def _window(t: int, per: int, lo: int, hi: int) -> tuple[int, int]:
 
 def reduce_scatter(op: Op, buf: np.ndarray | Parts, out: np.ndarray,
                    parts: list[tuple[int, int]], ufunc: np.ufunc, divide: int = 0) -> Algorithm:
-    """Every rank copies its buffer in, round by round (but its own part, which only it
-    reads); each reduces its own part of the round from every member's slot (its own
-    operand from its buffer), in rank order, into ``out`` (flat), divided by ``divide``
-    (a mean). ``buf`` may be :class:`Parts` (as all_reduce's; only read)."""
+    """Every rank copies its buffer in, round by round (but its own part); each reduces
+    its part in rank order into ``out`` (flat), divided by ``divide``. ``buf`` may be
+    :class:`Parts` (only read)."""
     pa, pb = parts[op.me]
     me = op.me
     for r, (a, b) in enumerate(rounds(buf.nbytes, buf.itemsize)):
         slot = op.next_slot()
         regions = op.regions(slot, buf.dtype, b - a)
-        x, y = max(pa, a), min(pb, b)
-        # This rank's own part is read from buf, never copied in.
+        x, y = max(pa, a), min(pb, b)  # its own part is read from buf, never copied in
         for lo, hi in ((a, x), (y, b)) if x < y else ((a, b),):
             for piece, u, v in spans(buf, lo, hi):
                 regions[me][lo - a + u:lo - a + v] = piece
@@ -312,10 +278,9 @@ def reduce_scatter(op: Op, buf: np.ndarray | Parts, out: np.ndarray,
 
 def all_to_all(op: Op, buf: np.ndarray, totals: list[int], mine_in: list[tuple[int, int]],
                out: np.ndarray, recv: list[tuple[int, int]]) -> Algorithm:
-    """Every rank copies its buffer in by windows; each copies, from every member's
-    window, the part of it meant for this rank. ``totals``: each member's buffer size;
-    ``mine_in[p]``: the range of member p's buffer that is for this rank; ``recv[p]``:
-    where it goes in ``out``."""
+    """Every rank copies its buffer in by windows; each copies out the parts for it.
+    ``totals``: each member's size; ``mine_in[p]``: member p's range for this rank;
+    ``recv[p]``: where it goes in ``out``."""
     per = SEGMENT_BYTES // buf.itemsize
     count = max(1, max(-(-t // per) for t in totals))
     for t in range(count):
@@ -379,11 +344,8 @@ _INT64 = np.dtype(np.int64)
 
 def all_gather_counts(op: Op, count: int, flat: np.ndarray,
                       row_nbytes: int) -> Algorithm:
-    """Every rank's row count, and its rows where they fit one slot with it, in one
-    round (as :func:`swarmfd.algorithms.tcp.all_gather_counts`, whose result this
-    returns): each rank writes its count at its slot's start and, when they fit, its
-    rows after it; after the barrier each reads the others'. Whether a part's rows are
-    in the slot follows from its count alone, the same on every rank."""
+    """:func:`swarmfd.algorithms.tcp.all_gather_counts` in one round: each rank's count
+    at its slot's start, its rows after it where they fit (which the count tells)."""
     slot = op.next_slot()
     room = SEGMENT_BYTES - COUNT_BYTES
     fits = flat.nbytes <= room
@@ -411,7 +373,6 @@ def all_gather_counts(op: Op, count: int, flat: np.ndarray,
 
 def all_gather_v(op: Op, flat: np.ndarray, out: np.ndarray,
                  rows: list[tuple[int, int]]) -> Algorithm:
-    """Every rank's part (of its own size) into ``out`` at ``rows[r]``: an all_to_all in
-    which every rank sends its whole buffer to every member."""
+    """Every rank's part into ``out`` at ``rows[r]``: an all_to_all of whole buffers."""
     sizes = [b - a for a, b in rows]
     yield from all_to_all(op, flat, sizes, [(0, s) for s in sizes], out, list(rows))
