@@ -178,7 +178,7 @@ def _start(config: Config, secret: str | bytes | None = None) -> Config:
                                  avoid=_reserved_ports(config), swarm_task=opts.swarm_task,
                                  stash_limit=opts.stash_limit, job=opts.job)
         try:
-            hostkey = shm_setup.host_key() if mode == "auto" else ""
+            hostkey = shm_setup.host_key(opts.shm_dir) if mode == "auto" else ""
             me = t.me(opts.node, hostkey)
             peers = t.rendezvous(me, master_ip, config.rendezvous_port, deadline)
             t.connect(None, deadline)
@@ -262,7 +262,8 @@ def _setup_shm(state: _State, peers: list[PeerInfo], hostkey: str, deadline: flo
     setup_group = Group(state, SETUP_GID, local, "shared-memory setup")
     plane = shm_setup.setup(t, local, hostkey, max(deadline, time.monotonic()
                                                     + state.config.timeout),
-                            lambda reason: _agree(setup_group, reason))
+                            lambda reason: _agree(setup_group, reason),
+                            state.config.options.shm_dir)
     if plane is None:
         return
     try:

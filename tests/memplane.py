@@ -89,7 +89,6 @@ class MemoryPlane:
     """A plane over in-memory queues (see the module docstring)."""
 
     name = "memory"
-    kind = "tcp"
     endpoint = ""
     zero_copy_recv = False
     shares_memory = False

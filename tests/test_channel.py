@@ -169,8 +169,9 @@ def test_a_peer_is_named_by_the_plane_that_reaches_it() -> None:
 
     ch = Channel(0, 3, 1.0)
     ch.peers = [PeerInfo(r, f"tcp://10.0.0.{r}:5000", "h", 40 + r) for r in range(3)]
-    ch.add_plane(SimpleNamespace(kind="tcp", name="socket"))  # type: ignore[arg-type]
-    ch.add_plane(SimpleNamespace(kind="shm", name="shm", ranks=[0, 1]))  # type: ignore[arg-type]
+    ch.add_plane(SimpleNamespace(shares_memory=False, name="socket"))  # type: ignore[arg-type]
+    ch.add_plane(SimpleNamespace(shares_memory=True, name="shm",  # type: ignore[arg-type]
+                                 ranks=[0, 1]))
     assert ch.where(1) == "host h, pid 41, shared memory"
     assert ch.why_lost(1) == "its process ended (it died or exited)"
     assert ch.where(2) == "host h, pid 42, tcp://10.0.0.2:5000"

@@ -76,23 +76,20 @@ def test_host_key_names_kernel_namespace_or_directory_and_user(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """The host key changes with SWARMFD_SHM_DIR (a directory replaces the network
     namespace); an unusable directory is a logged fall-back, not a silent one."""
-    monkeypatch.delenv(shm.ENV_SHM_DIR, raising=False)
     plain = shm.host_key()
     assert f":netns:{os.stat('/proc/self/ns/net').st_ino}:{os.getuid()}" in plain
-    monkeypatch.setenv(shm.ENV_SHM_DIR, str(tmp_path))
     st = os.stat(tmp_path)
-    assert shm.host_key().endswith(f":dir:{st.st_dev}:{st.st_ino}:{os.getuid()}")
-    assert shm.socket_address(TOKEN, "k").startswith(str(tmp_path) + "/swarmfd-shm-")
-    monkeypatch.setenv(shm.ENV_SHM_DIR, str(tmp_path / "missing"))
+    assert shm.host_key(str(tmp_path)).endswith(f":dir:{st.st_dev}:{st.st_ino}:{os.getuid()}")
+    assert shm.socket_address(TOKEN, "k", str(tmp_path)).startswith(
+        str(tmp_path) + "/swarmfd-shm-")
     with caplog.at_level(logging.WARNING, "swarmfd"):
-        assert shm.host_key() == ""
+        assert shm.host_key(str(tmp_path / "missing")) == ""
     assert "SWARMFD_SHM_DIR" in caplog.text and "missing" in caplog.text
 
 
 def test_socket_address_is_abstract_and_reveals_no_token(monkeypatch: pytest.MonkeyPatch) -> None:
     """By default the setup socket is abstract (no file); its name differs per job and
     host and does not contain the token; the key is another derivation again."""
-    monkeypatch.delenv(shm.ENV_SHM_DIR, raising=False)
     a = shm.socket_address(TOKEN, "host-a")
     assert a.startswith("\0swarmfd-shm-") and TOKEN not in a
     assert a != shm.socket_address(TOKEN, "host-b") != shm.socket_address("f" * 16, "host-a")

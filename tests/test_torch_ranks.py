@@ -741,7 +741,7 @@ def _c10d_subgroups_rank(rank: int, world: int, port: int) -> None:
     mine = [g for g in (ends, low) if rank in dist.get_process_group_ranks(g)]
     for g in mine:
         sg = g.swarmfd_group  # torch's group is the backend's ProcessGroupSwarmfd
-        assert sg.plane().kind == "shm" and sg.area in swarmfd.group.MEMBER_AREAS, sg.area
+        assert sg.plane().shares_memory and sg.area in swarmfd.group.MEMBER_AREAS, sg.area
     if rank == 0:
         areas = [g.swarmfd_group.area for g in mine]
         assert len(set(areas)) == 2, areas

@@ -263,7 +263,7 @@ class Channel:
 
     def _shares_memory(self, rank: int) -> bool:
         """Whether ``rank`` is reached through this host's shared-memory plane."""
-        return any(plane.kind == "shm" and rank in getattr(plane, "ranks", ())
+        return any(plane.shares_memory and rank in getattr(plane, "ranks", ())
                    for plane in self.planes)
 
     def gone(self, rank: int, now: float | None = None) -> bool:

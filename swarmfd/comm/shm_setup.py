@@ -85,17 +85,16 @@ class Unavailable(Exception):
     """This rank cannot take part in the shared-memory channel (the message says why)."""
 
 
-def host_key() -> str:
+def host_key(shm_dir: str = "") -> str:
     """What ranks must share to use shared memory: the kernel, the way to the setup
-    socket (network namespace, or ``SWARMFD_SHM_DIR``) and the user; "" (logged) when
-    ``SWARMFD_SHM_DIR`` is unusable."""
+    socket (network namespace, or the directory ``shm_dir``, ``SWARMFD_SHM_DIR``) and
+    the user; "" (logged) when ``shm_dir`` is unusable."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
         netns = os.stat("/proc/self/ns/net").st_ino
     except OSError:
         return ""
-    shm_dir = os.environ.get(ENV_SHM_DIR, "").strip()
     if not shm_dir:
         return f"{boot}:netns:{netns}:{os.getuid()}"
     try:
@@ -109,12 +108,12 @@ def host_key() -> str:
     return f"{boot}:dir:{st.st_dev}:{st.st_ino}:{os.getuid()}"
 
 
-def socket_address(token: str, hostkey: str) -> str:
-    """The setup socket of the job with ``token`` on the host ``hostkey``."""
+def socket_address(token: str, hostkey: str, shm_dir: str = "") -> str:
+    """The setup socket of the job with ``token`` on the host ``hostkey``: a file in
+    ``shm_dir``, or an abstract socket without one."""
     digest = hashlib.sha256(b"swarmfd shm socket name v1\0"
                             + f"{token}\0{hostkey}".encode()).hexdigest()[:32]
     name = f"swarmfd-shm-{digest}"
-    shm_dir = os.environ.get(ENV_SHM_DIR, "").strip()
     return os.path.join(shm_dir, f"{name}.sock") if shm_dir else f"\0{name}"
 
 
@@ -509,11 +508,11 @@ class Setup:
     lowest the hub; :meth:`close` releases what is still held (idempotent)."""
 
     def __init__(self, rank: int, ranks: Iterable[int], token: str, hostkey: str,
-                 deadline: float) -> None:
+                 deadline: float, shm_dir: str = "") -> None:
         self.rank = rank
         self.ranks = sorted(ranks)
         self.hub = self.ranks[0]
-        self.address = socket_address(token, hostkey)
+        self.address = socket_address(token, hostkey, shm_dir)
         self.key = job_key(token)
         self.deadline = deadline
         self.channel: _Segments | None = _Segments(rank)
@@ -696,10 +695,10 @@ class Setup:
 
 
 def setup(t: Any, ranks: list[int], hostkey: str, deadline: float,
-          agree: Callable[[str], dict[int, str]]) -> ShmPlane | None:
+          agree: Callable[[str], dict[int, str]], shm_dir: str = "") -> ShmPlane | None:
     """The shared-memory plane with the other ``ranks`` of this host, or None when they
-    agreed to use TCP (see :meth:`Setup.run`)."""
-    s = Setup(t.rank, ranks, t.job_token, hostkey, deadline)
+    agreed to use TCP (see :meth:`Setup.run`); ``shm_dir``: as :func:`host_key`'s."""
+    s = Setup(t.rank, ranks, t.job_token, hostkey, deadline, shm_dir)
     try:
         segments = s.run(agree)
         return None if segments is None else segments.plane(t.channel)

@@ -119,7 +119,6 @@ class ShmPlane:
     """
 
     name = "shm"
-    kind = "shm"
     endpoint = ""
     zero_copy_recv = False
     shares_memory = True

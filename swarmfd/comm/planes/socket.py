@@ -171,7 +171,6 @@ class SocketPlane:
     """The full mesh of one rank and its progress engine (see module docstring)."""
 
     name = "socket"
-    kind = "tcp"
     zero_copy_recv = False
     shares_memory = False
     reads_peers = False

@@ -97,7 +97,6 @@ class ZmqPlane:
     """The ZeroMQ data plane (see the module docstring)."""
 
     name = "zmq"
-    kind = "tcp"
     zero_copy_recv = True
     shares_memory = False
     reads_peers = False
