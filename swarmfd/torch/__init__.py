@@ -38,6 +38,7 @@ from . import comm_hooks
 from .c10d import ProcessGroupSwarmfd, register
 from .collectives import all_reduce, all_reduce_gradients, broadcast
 from .ddp import DistributedDataParallel, GradBucket
+from .fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from .state import broadcast_optimizer_state, broadcast_parameters
 from .zero import ZeroRedundancyOptimizer
 
@@ -48,7 +49,9 @@ DDP = DistributedDataParallel
 __all__ = [
     "DDP",
     "DistributedDataParallel",
+    "FSDPModule",
     "GradBucket",
+    "MixedPrecisionPolicy",
     "ProcessGroupSwarmfd",
     "ZeroRedundancyOptimizer",
     "all_reduce",
@@ -57,4 +60,5 @@ __all__ = [
     "broadcast_optimizer_state",
     "broadcast_parameters",
     "comm_hooks",
+    "fully_shard",
 ]
