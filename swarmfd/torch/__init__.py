@@ -34,12 +34,13 @@ except ImportError as exc:  # pragma: no cover - exercised where torch is absent
         "swarmfd.torch needs PyTorch, which swarmfd does not install: "
         "pip install torch==2.13.0 (the CPU wheel)") from exc
 
-from . import comm_hooks
+from . import checkpoint, comm_hooks
 from .c10d import ProcessGroupSwarmfd, register
 from .collectives import all_reduce, all_reduce_gradients, broadcast
 from .ddp import DistributedDataParallel, GradBucket
 from .fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from .state import broadcast_optimizer_state, broadcast_parameters
+from .state_dict import get_state_dict, set_state_dict
 from .zero import ZeroRedundancyOptimizer
 
 register()
@@ -59,6 +60,9 @@ __all__ = [
     "broadcast",
     "broadcast_optimizer_state",
     "broadcast_parameters",
+    "checkpoint",
     "comm_hooks",
     "fully_shard",
+    "get_state_dict",
+    "set_state_dict",
 ]
