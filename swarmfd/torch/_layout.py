@@ -169,7 +169,8 @@ def optimizer_layout(layout: Layout, optimizer: Any, what: str) -> None:
     """Add ``optimizer``'s tensors to ``layout`` (flats and wholes) and its structure:
     ``layout.optimizer`` = {"class", "param_groups" (hyperparameters JSON-encoded, and
     "params": names), "params": every name in order, "values": {name: {key: encoded}}
-    (non-tensor state)}."""
+    (non-tensor state)}; "class" is the class whose state format it is (ZeRO's
+    optimizer class)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"swarmfd.torch.{what}: optimizer must be a torch.optim.Optimizer, "
                         f"got {type(optimizer).__name__}")
@@ -181,7 +182,7 @@ def optimizer_layout(layout: Layout, optimizer: Any, what: str) -> None:
             moved = getattr(p, fsdp.MOVED, None)
             raise ValueError(
                 f"swarmfd.torch.{what}: parameter {i} of the optimizer is not a parameter "
-                "of the model" + (f" (it is {moved!r} as it was before fully_shard replaced "
+                "of the model" + (f" (it is {moved} as it was before fully_shard replaced "
                                   "it: build the optimizer after fully_shard)" if moved else ""))
         order.append(name)
     groups, start = [], 0
@@ -191,7 +192,9 @@ def optimizer_layout(layout: Layout, optimizer: Any, what: str) -> None:
                           for k, v in g.items() if k != "params"},
                        "params": order[start:start + n]})
         start += n
-    info: dict[str, Any] = {"class": type(optimizer).__name__, "param_groups": groups,
+    cls = optimizer._optimizer_class if isinstance(optimizer, ZeroRedundancyOptimizer) \
+        else type(optimizer)  # (ZeRO's state is its optimizer class's)
+    info: dict[str, Any] = {"class": cls.__name__, "param_groups": groups,
                             "params": order, "values": {}}
     layout.optimizer = info
     if isinstance(optimizer, ZeroRedundancyOptimizer):

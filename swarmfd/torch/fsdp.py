@@ -73,7 +73,8 @@ UNIT = "_swarmfd_fsdp_unit"
 #: The attribute of a sharded parameter (a piece): (weak reference to its unit, index).
 PIECE = "_swarmfd_fsdp_piece"
 #: The attribute of an original parameter that fully_shard replaced by its piece: its
-#: name. Its data is freed; an optimizer still holding it is an error at its step.
+#: name and unit, for messages. Its data is freed; an optimizer still holding it is an
+#: error at its step.
 MOVED = "_swarmfd_fsdp_moved"
 
 
@@ -327,7 +328,7 @@ class _Unit:
                 held = moved if moved is not None else "another unit's shard"
                 raise ValueError(
                     f"fully_shard: parameter {name!r} of this {type(module).__name__} is "
-                    f"tied to {held!r}, which an earlier fully_shard put in another unit; a "
+                    f"tied to {held}, which an earlier fully_shard put in another unit; a "
                     "parameter belongs to one unit: apply fully_shard to a module that "
                     "holds both uses (or untie them)")
             check_cpu(p, f"parameter {name!r}", "fully_shard")
@@ -395,7 +396,7 @@ class _Unit:
             original = s.param
             with torch.no_grad():
                 original.data = torch.empty(0, dtype=original.dtype)
-            setattr(original, MOVED, prm.name)
+            setattr(original, MOVED, f"{prm.name!r} of a sharded {self.kind}")
             s.param = piece
         self._free_full()
         self._use(sharded=True)
@@ -483,9 +484,6 @@ class _Unit:
             _recover(ctx)
         ctx.depth = 0
         ctx.ran = []
-        for u in ctx.units:  # (a forward without backward before: a new graph now)
-            u.awaiting_backward = False
-            u._reset_backward()
 
     def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         ctx = self.ctx
@@ -556,8 +554,10 @@ class _Unit:
         self.backward_started = True
         self.unshard(async_op=False)
         self.wait()
-        # The unit that ran before this one is the next to need its parameters.
-        i = max((k for k, u in enumerate(ctx.ran) if u is self), default=0)
+        # The unit that ran before this one is the next to need its parameters (after
+        # the forward's first unit, whose output is the last: the last one).
+        i = len(ctx.ran) if ctx.ran and ctx.ran[0] is self else \
+            max((k for k, u in enumerate(ctx.ran) if u is self), default=0)
         for u in reversed(ctx.ran[:i]):
             if u.awaiting_backward and not u.reduced:
                 u.unshard(async_op=True)
@@ -804,7 +804,7 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
             moved = getattr(p, MOVED, None)
             if moved is not None:
                 raise RuntimeError(
-                    f"{type(optimizer).__name__} holds parameter {moved!r} as it was before "
+                    f"{type(optimizer).__name__} holds parameter {moved} as it was before "
                     "fully_shard replaced it by this rank's shard; build the optimizer "
                     "after fully_shard, on model.parameters()")
     _CHECKED[optimizer] = count

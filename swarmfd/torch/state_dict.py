@@ -287,8 +287,9 @@ def _read_range(source: Source, key: str, full: tuple[int, ...], lo: int, hi: in
         return source.read(key, lo, hi)
     if local_ok and shape == (hi - lo,):
         return source.read(key, 0, hi - lo)
+    where = "checkpoint" if what.startswith("checkpoint") else "state dict"
     raise ValueError(f"swarmfd.torch.{what}: {name} has shape {list(shape)} in the "
-                     f"checkpoint, the model's is {list(full)}")
+                     f"{where}, the model's is {list(full)}")
 
 
 def load_model(layout: Layout, source: Source, what: str, local_ok: bool = False) -> None:
