@@ -1,6 +1,6 @@
 """Shared pieces of the benchmark workers (gloo, MPI): timing loop, plan parsing, output.
 
-Every worker measures the same way as ``swarmfd bench`` and PERFORMANCE.md:
+Every worker measures the same way as ``swarmfd bench`` (docs/performance.md, "The method"):
 per iteration reset the input (untimed), the system's own barrier, time the
 collective; after the loop the per-iteration times are reduced with MAX over
 ranks (an iteration takes as long as its slowest rank), and rank 0 prints one

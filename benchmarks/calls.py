@@ -23,7 +23,7 @@ back to back the ranks keep every core busy, so the time a call takes is the CPU
 ranks spend on it, and the runs agree within a few percent. Each call then runs in a
 job of its own: after 2200 all_reduces and broadcasts, 4 KiB all_gathers on the socket
 plane at N=4 took 1.1-1.2x the time they took first in a job, with the ranks' CPU a
-call unchanged and the cores idle more often (2026-12-04; not understood).
+call unchanged and the cores idle more often (not understood).
 """
 
 from __future__ import annotations

@@ -21,15 +21,15 @@ Every system runs as its own job with its own launcher, all on loopback:
 
 and measures float32 collectives (in-place all_reduce(SUM) by default; ``--collective``
 picks others: broadcast, all_gather, reduce_scatter, all_to_all, gather, scatter,
-sendrecv, with swarmfd bench's sizes and busbw) the same way (PERFORMANCE.md): per
+sendrecv, with swarmfd bench's sizes and busbw) the same way (docs/performance.md): per
 iteration reset the input (untimed), the system's own barrier, time; an
 iteration's time is the slowest rank's; the median over iterations; then the
 median and the best of ``--runs`` interleaved runs (for run in 1..R: for system:
 all sizes, the systems in reverse order on even runs; why both: :func:`summarize`).
 By default broadcast and all_gather are measured in the same jobs as all_reduce (gloo:
-all_reduce only). The #14 table: ``--collective reduce_scatter --collective all_to_all
---collective gather --collective scatter --collective sendrecv --systems
-mpi-tcp,mpi-shm,swarmfd,swarmfd-tcp``.
+all_reduce only). The rest of the collective set: ``--collective reduce_scatter
+--collective all_to_all --collective gather --collective scatter --collective sendrecv
+--systems mpi-tcp,mpi-shm,swarmfd,swarmfd-tcp``.
 
 Systems that are not installed are skipped with a note. Every subprocess has a
 timeout. Results: ``<out-dir>/compare-<stamp>-raw.csv`` (every run),
@@ -72,6 +72,8 @@ from swarmfd.bench import (
 )
 
 HERE = Path(__file__).resolve().parent
+#: Where the outputs go by default: ignored by git (benchmarks/README.md).
+OUT_DIR = HERE / "out"
 PY = sys.executable
 MPIRUN_BASE = ["--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
                "--mca", "oob_tcp_if_include", "lo", "--mca", "pml", "ob1"]
@@ -79,7 +81,7 @@ MPI_BTL = {
     "mpi-tcp": ["--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", "lo"],
     "mpi-shm": ["--mca", "btl", "self,vader"],
 }
-DEFAULT_SIZES = "4K,64K,1M,16M,64M"  # the sizes of PERFORMANCE.md
+DEFAULT_SIZES = "4K,64K,1M,16M,64M"  # the sizes of docs/performance.md
 RATIO_SIZES = (4 * 1024, 64 * 1024, 1 << 20, 16 << 20, 64 << 20)
 
 
@@ -134,9 +136,9 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 #: Where swarmfd's jobs run: not the repository root, whose ``swarmfd`` package
-#: ``python -m`` would import from the working directory ahead of PYTHONPATH. Until
-#: 2026-12-02 they ran there, so a variant's PYTHONPATH (another tree's swarmfd) was
-#: silently ignored and "before/after" compares ran the same code twice.
+#: ``python -m`` would import from the working directory ahead of PYTHONPATH: run
+#: there, a variant's PYTHONPATH (another tree's swarmfd) would be silently ignored and
+#: a "before/after" compare would run the same code twice.
 NEUTRAL_CWD = tempfile.gettempdir()
 
 
@@ -395,7 +397,7 @@ def _grids(summary: Sequence[dict], systems: Sequence[str], ns: Sequence[int],
 
 def markdown_tables(summary: Sequence[dict], systems: Sequence[str], ns: Sequence[int],
                     sizes: Sequence[int], collectives: Sequence[str] = ("all_reduce",)) -> str:
-    """PERFORMANCE.md-style tables, one per collective and N: latency below 1 MiB,
+    """docs/performance.md-style tables, one per collective and N: latency below 1 MiB,
     'latency / busbw' from 1 MiB (every size for the collectives other than all_reduce)."""
 
     def cell(r: dict, coll: str, s: int) -> str:
@@ -582,8 +584,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-size", default="64M", help="array size of the memory probe")
     p.add_argument("--timeout", type=float, default=240,
                    help="seconds per launched job (swarmfd's collective timeout: a third)")
-    p.add_argument("--out-dir", default=str(HERE.parent / "results"),
-                   help="where the CSV, markdown and PNG go (default: <repo>/results)")
+    p.add_argument("--out-dir", default=str(OUT_DIR),
+                   help="where the CSV, markdown and PNG go (default: benchmarks/out)")
     p.add_argument("--no-plot", action="store_true")
     return p
 

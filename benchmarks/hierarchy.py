@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Two-level collectives against flat ones, across simulated hosts (issue 17).
+"""Two-level collectives against flat ones, across simulated hosts.
 
 For each shape (``HxL@RATE``: H simulated hosts of L ranks each, or ``3+1@RATE``: hosts
 of 3 and 1 ranks; links shaped at RATE in both directions, see ``benchmarks/netsim.py``)
@@ -19,7 +19,8 @@ iteration takes as long as its slowest rank); the median of those. Beside it:
 * the CPU floor: the CPU time per call of all ranks over the machine's cores; a call
   cannot take less wall time on this machine (when the floor reaches the link bound,
   the ranks are CPU-bound, not link-bound);
-* the bounds on the shaped links, where the network is the limit (issue 17, "Bounds"),
+* the bounds on the shaped links, where the network is the limit (the cost model of
+  docs/performance.md, "Across hosts"),
   as times at the nominal rate. all_reduce:
 
   - this ring: the flat ring in rank order moves 2(N-1)/N * S over every ring edge; a
@@ -41,8 +42,8 @@ Variants (``--variant NAME:KEY=VALUE,...``, repeatable) run the same jobs with e
 environment, interleaved: ``for run: for shape: for placement: for variant``, so a
 variant and its baseline see the same machine load; the ratio columns compare each
 variant with the first. ``HIER_BENCH_RING=rank`` (with ``SWARMFD_HIERARCHY=off``) makes
-the flat ring follow the rank order instead of the hosts (the ring as it was before
-issue 17: under spread placement it crosses the link on every hop);
+the flat ring follow the rank order instead of the hosts (the ring as it was before the
+two-level collectives: under spread placement it crosses the link on every hop);
 ``HIER_BENCH_SET=MODULE.NAME=INT;...`` sets constants of ``swarmfd.algorithms`` in the
 ranks (``select.HIER_SMALL_BYTES=0``, ``hier.GATHER_AHEAD=1``) for measuring them (in a
 variant's environment: separate the items with ``;``, since ``,`` separates variables).
@@ -54,7 +55,7 @@ Default variants:
     python benchmarks/hierarchy.py --op all_reduce --op broadcast --op reduce --op all_gather
     python benchmarks/hierarchy.py --variant rank-ring:SWARMFD_HIERARCHY=off,HIER_BENCH_RING=rank \
         --variant flat:SWARMFD_HIERARCHY=off --variant two-level:
-    python benchmarks/hierarchy.py --runs 3 --json results/hierarchy.json
+    python benchmarks/hierarchy.py --runs 3 --json benchmarks/out/hierarchy.json
 
 Only time on a quiet machine (the load average is printed at the start and per job).
 Needs root (network namespaces). ``--worker`` is the rank side (started by the harness).
@@ -91,8 +92,9 @@ DEFAULT_WARMUP = 2
 RESULT_PREFIX = "HIERARCHY-RESULT "
 #: The machine's cores: all ranks' CPU time per call over this is the CPU floor of a call.
 CORES = os.cpu_count() or 1
-#: Issue 17, "Measured today" (2 hosts x 2 ranks at 5gbit, ms): placement -> size -> ms.
-ISSUE_17_TODAY = {"host": {16 * MIB: 44.9, 64 * MIB: 177.0},
+#: The flat all_reduce before the two-level collectives existed (2 hosts x 2 ranks at
+#: 5gbit, ms): placement -> size -> ms.
+BASELINE_2X2 = {"host": {16 * MIB: 44.9, 64 * MIB: 177.0},
                   "spread": {16 * MIB: 87.5, 64 * MIB: 343.0}}
 #: The worker's switch to the rank-order flat ring (see the module docstring).
 ENV_RING = "HIER_BENCH_RING"
@@ -435,11 +437,11 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def issue_comparison(rows: list[Row]) -> str:
-    """The 2x2@5gbit all_reduce figures beside issue 17's "Measured today"."""
+def baseline_comparison(rows: list[Row]) -> str:
+    """The 2x2@5gbit all_reduce figures beside :data:`BASELINE_2X2`."""
     lines = []
     for variant in dict.fromkeys(r.variant for r in rows):
-        for placement, points in ISSUE_17_TODAY.items():
+        for placement, points in BASELINE_2X2.items():
             for size, ms in points.items():
                 got = [r.median_ms for r in rows if r.shape == "2x2@5gbit" and
                        r.placement == placement and r.size == size and r.variant == variant
@@ -447,16 +449,16 @@ def issue_comparison(rows: list[Row]) -> str:
                 if got:
                     t = statistics.median(got)
                     lines.append(f"- {variant}, 2x2@5gbit {placement} {_fmt_size(size)}: "
-                                 f"{t:.1f} ms here, {ms:.1f} ms in issue 17 ({ms / t:.2f}x)")
+                                 f"{t:.1f} ms here, {ms:.1f} ms flat before ({ms / t:.2f}x)")
     return "\n".join(lines)
 
 
-#: Issue 17's speed-up targets of the two-level all_reduce over the best flat ring, from
+#: The speed-up targets of the two-level all_reduce over the best flat ring, from
 #: 1 MiB (shape label -> factor); other shapes have no speed-up target.
 SPEEDUP_TARGETS = {"2x2@5gbit": 1.35, "2x4@2gbit": 1.5}
-#: Issue 17: from 1 MiB the two-level all_reduce reaches this fraction of its bound.
+#: The target: from 1 MiB the two-level all_reduce reaches this fraction of its bound.
 OF_BOUND_TARGET = 0.85
-#: Where issue 17's targets start ("from 1 MiB up"; below it "nothing slower").
+#: Where the targets start ("from 1 MiB up"; below it "nothing slower").
 LARGE = MIB
 
 
@@ -496,7 +498,7 @@ def busbw_table(rows: list[Row], base: str = "flat", two: str = "two-level") -> 
 
 def targets(rows: list[Row], base: str = "flat", two: str = "two-level"
             ) -> list[tuple[str, str, bool]]:
-    """Issue 17's targets checked on the medians over runs: (target, measured, met).
+    """The targets checked on the medians over runs: (target, measured, met).
 
     * the all_reduce of 1 MiB and up at least SPEEDUP_TARGETS[shape] times as fast as
       the best flat ring (``base``), per placement (its slowest size is shown);
@@ -660,7 +662,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.report:
         rows = load_rows(args.report)
-        print(table(rows) + "\n\n" + busbw_table(rows) + "\n\nTargets (issue 17):\n"
+        print(table(rows) + "\n\n" + busbw_table(rows) + "\n\nTargets:\n"
               + targets_text(rows) + "\n\nCost model (all_reduce):\n\n" + model_table(rows))
         return 1 if any(r.wrong for r in rows) else 0
 
@@ -697,11 +699,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                               file=sys.stderr, flush=True)
     print(table(rows))
     print("\n" + busbw_table(rows))
-    print("\nTargets (issue 17):\n" + targets_text(rows))
+    print("\nTargets:\n" + targets_text(rows))
     print("\nCost model (all_reduce):\n\n" + model_table(rows))
-    comparison = issue_comparison(rows)
+    comparison = baseline_comparison(rows)
     if comparison:
-        print("\nAgainst issue 17's \"Measured today\" (all_reduce; > 1x: faster):\n"
+        print("\nAgainst the flat all_reduce before the two-level collectives "
+              "(all_reduce; > 1x: faster):\n"
               + comparison)
     print(f"\n# {time.monotonic() - started:.0f} s; load average at the end {_loadavg()}")
     if args.json:

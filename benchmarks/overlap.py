@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Overlap of an async all_reduce with compute: the ratio that issue 14 asks for.
+"""Overlap of an async all_reduce with compute: how much of it hides behind the compute.
 
 Each round times, on every rank, the all_reduce alone, a numpy computation of about its
 length alone (single-threaded BLAS: ``a @ a`` on 256 x 256 float64, repeated), and the
@@ -50,7 +50,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 MODES = ("shm", "tcp", "netsim")
 RESULT_PREFIX = "OVERLAP-RESULT "
-#: Default link rate of the simulated hosts: the rate of issue 18's training benchmark.
+#: Default link rate of the simulated hosts: the rate of benchmarks/train.py's.
 DEFAULT_RATE = "5gbit"
 
 

@@ -8,7 +8,8 @@ size: the ratio of the medians over the runs (new / old, below 1 is faster), bot
 medians, the run-by-run ratios (each run's pair ran minutes apart at most) and how
 many runs the new tree won. Usage::
 
-    .venv/bin/python benchmarks/pairs.py results/compare-<stamp>-raw.csv [--new new --old old]
+    .venv/bin/python benchmarks/pairs.py benchmarks/out/compare-<stamp>-raw.csv \
+        [--new new --old old]
 """
 
 from __future__ import annotations

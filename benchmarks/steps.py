@@ -13,9 +13,9 @@ tree's total a call and the functions that differ most::
 
 Tracing slows a call down many times, so waits poll longer and take more steps than
 untraced; the figures are for comparing trees, and a wait loop's count varies a
-little from run to run. Found with it (2026-12-04, zmq plane, N=4, 4 KiB all_reduce):
-8ec62ae 2276 bytecodes and 80 Python calls a call, d2ab7cd 2727 and 85, whose
-main thread spent 10-15 us more CPU a call; see benchmarks/results/session-20261204-f.md.
+little from run to run. Found with it (zmq plane, N=4, 4 KiB all_reduce): 8ec62ae
+2276 bytecodes and 80 Python calls a call, d2ab7cd 2727 and 85, whose main thread
+spent 10-15 us more CPU a call.
 """
 
 from __future__ import annotations

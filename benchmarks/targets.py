@@ -1,6 +1,7 @@
-"""Issue 16's targets, met or not, from a compare.py summary CSV.
+"""The performance targets of the TCP planes and shared memory, met or not, from a
+compare.py summary CSV.
 
-    python benchmarks/targets.py benchmarks/results/compare-STAMP.csv [--zmq NAME] ...
+    python benchmarks/targets.py benchmarks/out/compare-STAMP.csv [--zmq NAME] ...
 
 A target is a ratio: the other system's time / swarmfd's (above 1: swarmfd faster), at
 one N and size, all_reduce. Each is judged twice: by the median of the runs of each

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Step time of data-parallel training: torch DDP (gloo) vs swarmfd.torch DDP and ZeRO.
 
-The model of issue 18: an MLP 256 -> 1024 x 4 -> 10 (3.4 M parameters, 13.6 MB
+The model: an MLP 256 -> 1024 x 4 -> 10 (3.4 M parameters, 13.6 MB
 of float32 gradients), batch 64 per rank, SGD with momentum (``--optim adam``: Adam),
 one thread per rank. Variants:
 
@@ -29,7 +29,7 @@ holds; ZeRO: its local optimizers' state).
     python benchmarks/train.py --netsim           # + two simulated hosts at 5 Gbit/s
     python benchmarks/train.py --quick            # a short smoke run
 
-Writes ``--out`` (default benchmarks/results/train-<time>): .md (table and verdicts),
+Writes ``--out`` (default benchmarks/out/train-<time>): .md (table and verdicts),
 .csv (every job) and .png (needs matplotlib: pip install -e ".[bench]").
 """
 
@@ -50,7 +50,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 VARIANTS = ("nocomm", "torch-ddp", "swarmfd-ddp", "swarmfd-zero")
-#: Nominal link rate of the simulated hosts (the issue's 5 Gbit/s; netsim measured
+#: Nominal link rate of the simulated hosts (5 Gbit/s; netsim measured
 #: 4.55-4.75 Gbit/s of TCP payload one way on it).
 NETSIM_RATE = 5e9
 BATCH, IN, HIDDEN, LAYERS, OUT = 64, 256, 1024, 4, 10
@@ -458,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = set(args.variants) - set(VARIANTS) or set(args.planes) - set(PLANE_ENV)
     if bad:
         p.error(f"unknown {sorted(bad)}")
-    out = args.out or HERE / "results" / time.strftime("train-%Y%m%d-%H%M%S")
+    out = args.out or HERE / "out" / time.strftime("train-%Y%m%d-%H%M%S")
     out.parent.mkdir(parents=True, exist_ok=True)
     print(f"load before: {os.getloadavg()[0]:.2f} (1 min)", flush=True)
     results, rows = measure(args)
@@ -467,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.steps} steps, {args.optim}, bucket_cap_mb {args.bucket_cap_mb:g})", ""]
     loads = f"{min(r['load1'] for r in rows):.1f} - {max(r['load1'] for r in rows):.1f}"
     lines = [*head, f"loads (1 min) during the jobs: {loads}", "", "ms per step:", "", table,
-             "", "Targets (issue 18):", ""]
+             "", "Targets:", ""]
     for what, got, _limit, ok in verdicts:
         mark = "n/a" if ok is None else ("PASS" if ok else "MISS")
         lines.append(f"- {mark}: {what} (measured {_fmt(got)})")

@@ -1,18 +1,18 @@
 """What a ZeroMQ data plane could reach at best here, beside swarmfd's two TCP planes.
 
-Issue 16 asks the zmq plane for 0.5x the socket plane's speed at 4 and 64 KiB and 0.9x
-from 1 MiB (N=2, all_reduce). This measures the ceiling of any plane built on libzmq:
-two processes exchanging S bytes with plain pyzmq (no swarmfd code), the zmq plane's
-sockets and frames (a bound ROUTER that sends the routing id, then the data; a DEALER
-that receives; the payload inline with a 40-byte header up to 64 KiB, else its own
-frame sent without a copy; the received frame added where it arrived), and nothing
-else: no header checks, no matching, no call bookkeeping. Each round every rank sends
-its buffer and adds the peer's into it, as the pair exchange does. 16 and 64 MiB go in 1
-MiB frames, as the planes' pieces. The rounds are timed two ways:
+The targets ask the zmq plane for 0.5x the socket plane's speed at 4 and 64 KiB and 0.9x
+from 1 MiB (N=2, all_reduce; benchmarks/targets.py). This measures the ceiling of any
+plane built on libzmq: two processes exchanging S bytes with plain pyzmq (no swarmfd
+code), the zmq plane's sockets and frames (a bound ROUTER that sends the routing id,
+then the data; a DEALER that receives; the payload inline with a 40-byte header up to 64
+KiB, else its own frame sent without a copy; the received frame added where it arrived),
+and nothing else: no header checks, no matching, no call bookkeeping. Each round every
+rank sends its buffer and adds the peer's into it, as the pair exchange does. 16 and 64
+MiB go in 1 MiB frames, as the planes' pieces. The rounds are timed two ways:
 
 * as ``swarmfd bench`` times a call (``bench``): the input reset, a barrier (an empty
   frame each way), then the timed exchange; per round the slower rank's time, and their
-  median. This is the ceiling of what issue 16 measures;
+  median. This is the ceiling of what the targets measure;
 * the same, but each wait polls for the frame first, giving its core away between
   looks, for at most 200 us, before it blocks (``bench, polling``): what swarmfd's waits
   do on this machine, where two ranks' four busy threads (each one's own and libzmq's
@@ -24,7 +24,7 @@ MiB frames, as the planes' pieces. The rounds are timed two ways:
 Interleaved with it, run by run: ``swarmfd bench`` (reset, barrier, timed call; slowest
 rank's median) on the socket plane and on the zmq plane. The table gives each one's
 median over the runs and the ratios that matter: socket plane / bare pyzmq timed as
-bench times calls (what a zmq plane could reach at most, as issue 16 counts it) and
+bench times calls (what a zmq plane could reach at most, as the targets count it) and
 socket plane / zmq plane (what it reaches)::
 
     python benchmarks/zmq_ceiling.py --runs 3

@@ -9,8 +9,8 @@ per round. The patterns are the designs the zmq data plane had or could have:
 * ``pushpull-meta``: the same, the source read from each message's connection metadata
   (``X-Rank``, set by the sending PUSH; a bound PULL takes any stranger's connection);
 * ``dealer-each``: a bound ROUTER that only sends (routing-id frame), a DEALER per peer
-  that only receives, readiness read from ZMQ_EVENTS and zmq_poll over them (swarmfd
-  from the front door, issue 12, to 2026-12-02);
+  that only receives, readiness read from ZMQ_EVENTS and zmq_poll over them (an earlier
+  design of swarmfd's);
 * ``dealer-one``: the same ROUTER, one DEALER connected to every peer (libzmq fair-queues
   them), no source;
 * ``dealer-meta``: ``dealer-one``, the source read from each message's connection
@@ -24,7 +24,7 @@ same machine load; compare them as ratios within one run::
 ``--place`` (repeatable) also pins each rank's main thread and libzmq I/O thread: ``same``
 (both on core r mod cores), ``cross`` (the main thread on core r, its I/O thread on the
 next), ``split`` (every main thread on the first core, every I/O thread on the second);
-``none`` leaves them to the scheduler. Measured 2026-12-04, N=2, 4 KiB, dealer-meta
+``none`` leaves them to the scheduler. Measured here, N=2, 4 KiB, dealer-meta
 lockstep rounds: same 47-54 us, none 49-59, split 73-81, cross 96-101 us. A round takes
 twice as long when a rank's hand-offs to its own I/O thread cross cores, so the zmq
 plane's small calls swing between two modes with the scheduler's placement.

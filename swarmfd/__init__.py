@@ -1,4 +1,4 @@
-"""swarmfd: distributed data-parallel training primitives over a ZeroMQ ring.
+"""swarmfd: data-parallel training for Python, over shared memory and TCP, local or on Swarm.
 
 The Python counterpart of the seed's C API (``fd_init`` -> ``swarmfd.init``)::
 

@@ -33,7 +33,7 @@ preallocated ``out=`` on the root, scatter sends from one ``(N, count)`` array.
 sendrecv: every rank sends ``size`` bytes to the next rank of a ring and receives as
 many from the previous one (isend + irecv at once): busbw = size / time.
 
-The default iteration counts follow PERFORMANCE.md (300 up to 1 MiB, 64 up to
+The default iteration counts follow docs/performance.md (300 up to 1 MiB, 64 up to
 16 MiB, 16 above), after 3 warm-ups. This module is a library: it never
 prints; ``run_bench`` takes an optional ``progress`` callback, and the
 ``format_*`` functions render rows as an aligned table, CSV or JSON.
@@ -185,7 +185,7 @@ def parse_dtype(name: str) -> np.dtype:
 
 
 def default_iters(size: int) -> int:
-    """Timed iterations for a size, as PERFORMANCE.md: 300 up to 1 MiB, 64 to 16 MiB, else 16."""
+    """Timed iterations for a size (docs/performance.md): 300 up to 1 MiB, 64 to 16 MiB, else 16."""
     if size <= MIB:
         return 300
     if size <= 16 * MIB:

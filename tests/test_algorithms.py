@@ -597,7 +597,7 @@ def test_barrier(plane: str, n: int) -> None:
     assert got == list(range(n))
 
 
-# -- the collectives of issue 14: reduce_scatter, all_to_all, gather, scatter, uneven
+# -- the rest of the collective set: reduce_scatter, all_to_all, gather, scatter, uneven
 # all_gather, point to point -------------------------------------------------------------
 
 #: Counts for the split collectives: empty, fewer than ranks, uneven parts, several

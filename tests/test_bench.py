@@ -105,7 +105,8 @@ def test_parse_dtype() -> None:
 
 
 def test_default_iters_and_bus_factors() -> None:
-    """Iteration counts follow PERFORMANCE.md; bus factors follow nccl-tests."""
+    """Iteration counts follow the method of docs/performance.md; bus factors follow
+    nccl-tests."""
     sizes = (4096, 2**20, 2**20 + 1, 16 * 2**20, 64 * 2**20)
     assert [bench.default_iters(s) for s in sizes] == [300, 300, 64, 64, 16]
     assert bench.bus_factor("all_reduce", 2) == 1.0
@@ -352,8 +353,8 @@ def test_compare_reports_the_median_and_the_best_of_the_runs() -> None:
 def test_a_compare_variant_with_another_tree_imports_that_tree(tmp_path: os.PathLike) -> None:
     """A variant's PYTHONPATH (another checkout's swarmfd, for before/after compares) is
     what its jobs import, from the repository root too: ``python -m`` puts the working
-    directory first, so jobs that ran in the repository imported its swarmfd whatever
-    PYTHONPATH said (until 2026-12-02)."""
+    directory first, so jobs that ran in the repository would import its swarmfd whatever
+    PYTHONPATH said."""
     cmp = _compare_module()
     tree = os.path.join(tmp_path, "tree")
     os.makedirs(os.path.join(tree, "swarmfd"))
@@ -368,6 +369,29 @@ def test_a_compare_variant_with_another_tree_imports_that_tree(tmp_path: os.Path
         os.chdir(here)
     assert other == os.path.join(tree, "swarmfd")
     assert os.path.samefile(default, os.path.dirname(cmp.__file__) + "/../swarmfd")
+
+
+def test_compare_writes_where_git_ignores_it() -> None:
+    """compare.py's outputs go to benchmarks/out/ by default, which git ignores (outputs
+    are never committed); no results folder is tracked under benchmarks/."""
+    cmp = _compare_module()
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
+    default = cmp.build_parser().parse_args([]).out_dir
+    assert os.path.samefile(os.path.dirname(default), os.path.join(root, "benchmarks"))
+    assert os.path.basename(default) == "out"
+    try:
+        ignored = subprocess.run(["git", "check-ignore", "-q", "benchmarks/out/compare-x.csv"],
+                                 cwd=root, capture_output=True, timeout=30)
+        tracked = subprocess.run(["git", "ls-files", "benchmarks"], cwd=root,
+                                 capture_output=True, text=True, timeout=30)
+    except FileNotFoundError:
+        pytest.skip("no git here")
+    if tracked.returncode != 0:
+        pytest.skip("not a git checkout")
+    assert ignored.returncode == 0, "benchmarks/out/ is not ignored by git"
+    files = tracked.stdout.split()
+    assert not [f for f in files if f.startswith(("benchmarks/out/", "benchmarks/results/"))]
+    assert len(files) <= 40, len(files)
 
 
 def test_targets_judges_each_target_by_both_statistics_and_refuses_a_raw_csv(

@@ -1,4 +1,4 @@
-"""The public calls of the full collective set (issue 14): reduce_scatter, all_to_all,
+"""The public calls of the full collective set: reduce_scatter, all_to_all,
 gather, scatter, uneven all_gather, send/recv, broadcast_object/all_gather_object.
 
 * In this process, a world of one: every argument check names what is wrong and what

@@ -1,8 +1,10 @@
-"""README.md runs as written: every Python snippet, and every command meant for this machine.
+"""README.md and docs/*.md run as written: every Python snippet, and every command meant
+for this machine.
 
-The README's fenced blocks are read in order. A comment on the line right above a
+The fenced blocks of each page are read in order. A comment on the line right above a
 block, ``<!-- readme: WHAT -->``, says what the block is; without one, a ``python``
-block runs as a world of one (a fresh interpreter in an empty directory) and a ``sh``
+block runs as a world of one (a fresh interpreter in an empty directory) and, all of
+them one after the other in one job, on two ranks under ``swarmfd run -n 2``; a ``sh``
 block runs with bash (``-euo pipefail``) in the checkout, with this interpreter's
 ``bin`` first on ``PATH`` (where ``pip install -e .`` puts ``swarmfd``). Other blocks
 (program output) are not run. The markers:
@@ -35,6 +37,8 @@ from . import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+#: The pages whose blocks run: the README, then docs/ in name order.
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 CONTRACT_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                  "MASTER_PORT", "SWARMFD_PORT", "SWARMFD_RESTART_COUNT", "SWARMFD_CHECKPOINT_DIR",
                  "SWARMFD_SECRET_FILE")
@@ -52,12 +56,13 @@ _SKIPPED = re.compile(r"^(elsewhere|not run) \(.+\)$")
 
 @dataclass(frozen=True)
 class Block:
-    """One fenced block of the README."""
+    """One fenced block of a page."""
 
     line: int  # 1-based line of the opening fence
     lang: str
     body: str
     marker: str | None
+    page: str = "README.md"  # its path from the checkout's root
 
     @property
     def kind(self) -> str:
@@ -75,15 +80,15 @@ class Block:
             return "swarm-torch"
         if _SKIPPED.match(marker):
             return "skip"
-        raise ValueError(f"README.md:{self.line}: unknown marker <!-- readme: {marker} -->")
+        raise ValueError(f"{self.id}: unknown marker <!-- readme: {marker} -->")
 
     @property
     def id(self) -> str:
-        return f"README.md:{self.line}"
+        return f"{self.page}:{self.line}"
 
 
-def read_blocks(text: str) -> list[Block]:
-    """The fenced blocks of ``text`` with the marker right above each."""
+def read_blocks(text: str, page: str = "README.md") -> list[Block]:
+    """The fenced blocks of ``text`` (the page ``page``) with the marker right above each."""
     lines = text.splitlines()
     blocks: list[Block] = []
     i = 0
@@ -100,15 +105,17 @@ def read_blocks(text: str) -> list[Block]:
             body.append(line[len(indent):] if line.startswith(indent) else line.lstrip())
             i += 1
         if i == len(lines):
-            raise ValueError(f"README.md:{start + 1}: the block never ends")
+            raise ValueError(f"{page}:{start + 1}: the block never ends")
         above = _MARKER.match(lines[start - 1]) if start else None
         blocks.append(Block(start + 1, lang, "\n".join(body) + "\n",
-                            above.group("what") if above else None))
+                            above.group("what") if above else None, page))
         i += 1
     return blocks
 
 
-BLOCKS = read_blocks(README.read_text(encoding="utf-8"))
+BLOCKS = [block for page in PAGES
+          for block in read_blocks(page.read_text(encoding="utf-8"),
+                                   str(page.relative_to(ROOT)))]
 
 
 def of_kind(*kinds: str) -> list[Block]:
@@ -157,13 +164,15 @@ def remove_tmp_paths(block: Block) -> None:
 
 
 def test_every_block_is_accounted_for() -> None:
-    """Every marker is known; the README has snippets and commands that do run."""
-    kinds = [block.kind for block in BLOCKS]  # raises on an unknown marker
+    """Every marker of every page is known; the README has snippets and commands that do
+    run, and docs/ has pages."""
     for block in BLOCKS:
-        if block.marker is not None and block.kind != "skip":
+        if block.marker is not None and block.kind != "skip":  # .kind raises on an unknown one
             assert block.lang in ("python", "sh", "text"), (block.id, block.lang)
-    assert kinds.count("python") >= 1 and kinds.count("local") >= 1, kinds
-    assert "swarm" in kinds and "fresh-clone" in kinds, kinds
+    readme = [block.kind for block in BLOCKS if block.page == "README.md"]
+    assert readme.count("python") >= 1 and readme.count("local") >= 1, readme
+    assert "swarm" in readme and "fresh-clone" in readme, readme
+    assert len(PAGES) > 1, "no docs/*.md"
 
 
 @pytest.mark.parametrize("block", of_kind("file"), ids=lambda b: b.id)
@@ -176,10 +185,20 @@ def test_file_blocks_are_the_files(block: Block) -> None:
 # --- what runs here, fast ----------------------------------------------------------------
 
 
+def _needs_torch(block: Block) -> bool:
+    return re.search(r"^import torch|^from torch", block.body, re.M) is not None
+
+
+def _have_torch() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
+
+
 @pytest.mark.parametrize("block", of_kind("python"), ids=lambda b: b.id)
 def test_python_blocks_run_as_a_world_of_one(block: Block, tmp_path: Path) -> None:
     """Each Python snippet runs as written in a fresh interpreter and exits 0."""
-    if re.search(r"^import torch|^from torch", block.body, re.M):
+    if _needs_torch(block):
         pytest.importorskip("torch", reason="the snippet needs torch (torch==2.13.0, CPU)")
     try:
         proc = subprocess.run([sys.executable, "-c", block.body], cwd=tmp_path,
@@ -188,6 +207,45 @@ def test_python_blocks_run_as_a_world_of_one(block: Block, tmp_path: Path) -> No
     except subprocess.TimeoutExpired:
         pytest.fail(f"{block.id} did not finish in {PYTHON_TIMEOUT:.0f} s")
     assert proc.returncode == 0, f"{block.id}:\n{proc.stdout}\n{proc.stderr}"
+
+
+#: Runs each snippet on both ranks in turn: a fresh interpreter per snippet, the job's
+#: environment (ports, secret) shared, so each snippet's init forms the group anew.
+_IN_TURN = """set -u
+for snippet in "$@"; do
+  echo "== $snippet"
+  "$PY" "$snippet" || { code=$?; echo "FAILED: $snippet (exit $code)"; exit 1; }
+done
+"""
+
+
+def test_python_blocks_run_on_two_ranks(tmp_path: Path) -> None:
+    """Every Python snippet also runs as written on two ranks: all of them, one after the
+    other, in one ``swarmfd run -n 2`` job (one launcher and one secret for all), each
+    in a fresh interpreter on each rank; every rank runs every snippet to its end."""
+    blocks = [b for b in of_kind("python") if _have_torch() or not _needs_torch(b)]
+    names = []
+    for i, block in enumerate(blocks):
+        name = f"{i:02d}-{block.page.replace('/', '-')}-{block.line}.py"
+        (tmp_path / name).write_text(block.body, encoding="utf-8")
+        names.append(name)
+    env = {**clean_env(), "PY": sys.executable}
+    cmd = [sys.executable, "-m", "swarmfd", "run", "-n", "2", "--timeout", "60", "--",
+           "bash", "-c", _IN_TURN, "snippets", *names]
+    try:
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=PYTHON_TIMEOUT, start_new_session=True)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the snippets did not finish on two ranks in {PYTHON_TIMEOUT:.0f} s:\n"
+                    f"{exc.stdout}\n{exc.stderr}")
+    ids = dict(zip(names, (b.id for b in blocks), strict=True))
+    failed = re.findall(r"FAILED: (\S+)", proc.stdout)
+    assert proc.returncode == 0 and not failed, (
+        f"on two ranks, {[ids.get(n, n) for n in failed]} failed (exit {proc.returncode}):\n"
+        f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    for rank in (0, 1):
+        ran = re.findall(rf"^\[rank {rank}\] == (\S+)$", proc.stdout, re.M)
+        assert ran == names, (rank, ran, proc.stdout[-4000:])
 
 
 @pytest.mark.parametrize("block", of_kind("local"), ids=lambda b: b.id)

@@ -1,6 +1,6 @@
 """The shared-memory channel's setup: no names, nothing left behind, no stranger gets in.
 
-Issue 12 items 5 and 6, guarded here:
+What the shared-memory setup promises against another local user, guarded here:
 
 * the segments and inboxes have no name (memfds and pipes): a job never has a file in
   ``/dev/shm``, during init, during collectives or after;

@@ -1,4 +1,4 @@
-"""Data-parallel torch training with swarmfd: the README's "Deploy your own project".
+"""Data-parallel torch training with swarmfd: the project of docs/swarm.md, "Your own code".
 
 Every rank builds the same regression data set from one seed, trains on its own share
 of each epoch, averages the gradients across the ranks after every backward pass, and

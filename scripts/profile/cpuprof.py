@@ -1,5 +1,5 @@
 """A pytest plugin that records what each test costs: wall time and CPU time, its
-child processes included, for finding where the CI budget goes (DEVELOPERS.md).
+child processes included, for finding where the CI budget goes (CONTRIBUTING.md).
 
 Each worker (each xdist lane, or the single pytest process) moves itself into a cgroup
 of its own (cgroup v1 ``cpuacct``, root only) before collection, so every process it

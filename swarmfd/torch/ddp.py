@@ -24,8 +24,7 @@ How it works:
   a view of its gradient and divides the mean in the owner's chunk (buckets over
   1 MiB at N=2, over 256 KiB in larger groups: smaller ones take an algorithm of
   one message each way, sent from a bucket). The copy into a bucket is the 13.6 MB
-  the benchmark MLP's step copied for nothing (over TCP at N=2 backward took 13.0 ms
-  with it, 8.5 ms without, 2026-12-04).
+  the benchmark MLP's step copied for nothing (docs/performance.md has what it cost).
   Under ZeRO they are reduce-scattered where they are, on every plane. Not with
   ``find_unused_parameters``, a comm hook or a bfloat16 parameter (their buckets are
   needed).
@@ -35,19 +34,17 @@ How it works:
   and sums (shared memory; the kernel's copies on loopback TCP) need a core. So when
   the host's ranks have no spare core for their progress threads (two cores for each
   rank), the buckets are reduced at the end of backward instead, blocking, on the
-  caller's thread: on 2 cores that was 0.90-0.93x the step of overlapping on shared
-  memory at N=2 and N=4, 0.94-0.97x on loopback TCP (2026-12-03). One rank on each of
-  two simulated hosts (namespaces sharing these 2 cores, 5 Gbit/s) measured 0.97x
-  too, but there each "host" only seems to have 2 cores; a real host with a core to
+  caller's thread, which was the faster of the two where ranks share cores
+  (docs/performance.md, "Figures behind the defaults"); a real host with a core to
   spare overlaps, as torch does. ``overlap=True``/``False`` overrides the choice.
   Where no rank of the group overlaps, and every bucket is reduced in place, the end of
   backward reduces all the buckets in one call (one call's barriers and ring fill
-  instead of one a bucket: 0.95x the step at N=4 on shared memory).
+  instead of one a bucket).
 * **Before backward() returns** (a callback queued on the autograd engine) every
   bucket has been issued and waited for and ``param.grad`` holds the mean. With
   ``gradient_as_bucket_view`` (the default here; torch's is False) ``param.grad`` *is*
-  a view of the bucket, so no copy back is needed: a 13.6 MB copy is 5-10 % of the
-  benchmark MLP's 18 ms step on this machine. bfloat16 gradients are reduced in float32
+  a view of the bucket, so no copy back is needed (a 13.6 MB copy is 5-10 % of the
+  benchmark MLP's step). bfloat16 gradients are reduced in float32
   and copied back.
 * **Under** :class:`~swarmfd.torch.ZeroRedundancyOptimizer` the buckets are
   reduce-scattered instead: each rank receives the mean of the part it owns, and the
@@ -430,9 +427,8 @@ class DistributedDataParallel(torch.nn.Module):
         overlaps none was, and when every bucket's gradients are reduced in place (no
         comm hook, no ZeroRedundancyOptimizer) they all go as one blocking all_reduce of
         every gradient: one call's fixed costs (its barriers, a ring's fill and drain) instead
-        of one a bucket. Measured with benchmarks/train.py (2026-12-04, 5 alternated
-        rounds): at N=4 on shared memory 63.1-65.4 against 66.1-67.9 ms a step; at N=2
-        and over TCP (3 rounds) the same within the noise."""
+        of one a bucket: 0.95x the step at N=4 on shared memory, the same within the
+        noise at N=2 and over TCP (benchmarks/train.py, alternated rounds)."""
         buckets = self._buckets
         if (not self._one_call or self._hook is not None or self._zero_opt() is not None
                 or self._next or len(buckets) < 2
