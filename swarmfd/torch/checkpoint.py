@@ -42,7 +42,7 @@ from safetensors.torch import save_file
 import swarmfd as fd
 
 from . import _layout
-from .state_dict import Source, check_same_flats, load_model, load_optimizer
+from .state_dict import Source, load_model, load_optimizer
 
 INDEX = "index.json"
 FORMAT = "swarmfd.torch.checkpoint"
@@ -106,7 +106,6 @@ def save(path: str | os.PathLike[str], model: torch.nn.Module,
     if optimizer is not None:
         _layout.optimizer_layout(layout, optimizer, "checkpoint.save")
     rank, size = _layout.world(layout)
-    check_same_flats(layout, "checkpoint.save")
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     if rank == 0:
@@ -244,28 +243,27 @@ class CheckpointSource(Source):
         t = self.tensors.get(key)
         return None if t is None else tuple(int(d) for d in t["shape"])
 
-    def read(self, key: str, start: int, stop: int) -> torch.Tensor:
+    def read(self, key: str, start: int, stop: int,
+             out: torch.Tensor | None = None) -> torch.Tensor:
         entry = self.tensors[key]
         chunks = entry["chunks"]
-        if len(chunks) == 1 and chunks[0][1] <= start and stop <= chunks[0][2]:
-            return self._chunk(chunks[0], start, stop)  # all in one chunk: no copy
-        dtype = _DTYPES[entry["dtype"]] if "dtype" in entry else None
-        out: torch.Tensor | None = None
+        if out is None and len(chunks) == 1 and chunks[0][1] <= start and \
+                stop <= chunks[0][2]:
+            return self._chunk(chunks[0], start, stop)  # all in one chunk: a view of it
+        if out is None:
+            out = torch.empty(stop - start, dtype=_DTYPES.get(entry.get("dtype", ""),
+                                                              torch.float32))
         filled = 0
         for c in chunks:
             a, z = max(start, c[1]), min(stop, c[2])
-            if a >= z:
-                continue
-            part = self._chunk(c, a, z)
-            if out is None:
-                out = torch.empty(stop - start, dtype=dtype or part.dtype)
-            out[a - start:z - start].copy_(part)
-            filled += z - a
+            if a < z:
+                out[a - start:z - start].copy_(self._chunk(c, a, z))
+                filled += z - a
         if filled != stop - start:
             raise ValueError(f"swarmfd.torch.{self.what}: the checkpoint lacks elements of "
                              f"{key.split('/', 1)[1]!r} ({filled} of {stop - start} found: "
                              "a file of another save?)")
-        return out if out is not None else torch.empty(0, dtype=dtype or torch.float32)
+        return out
 
     def _chunk(self, c: list[Any], a: int, z: int) -> torch.Tensor:
         """Elements [a, z) of the logical tensor, from chunk ``c`` that holds them."""

@@ -14,8 +14,10 @@ DistributedDataParallel, with a plain torch optimizer or a
 unsharded module's ``state_dict()``, every tensor whole, and the optimizer's state
 keyed by those names (``{"state": {name: {...}}, "param_groups": [{..., "params":
 [names]}]}``, as torch's); the other ranks get empty dicts. It streams: the sharded
-tensors are gathered to rank 0 one unit (or bucket) at a time, so rank 0 holds at most
-the result plus one unit's buffer. ``full=False`` gives every rank what it holds (a
+tensors are gathered to rank 0 one unit (or bucket) at a time, and the largest tensor
+of each unit keeps the buffer it was gathered into (a view: ``torch.save`` would write
+the buffer's other elements too; safetensors writes the view), so rank 0 holds at most
+the result plus the other tensors of one unit. ``full=False`` gives every rank what it holds (a
 sharded parameter as its 1-D piece).
 
 ``set_state_dict`` loads on every rank: a full dict (what get_state_dict gave, a plain
@@ -70,8 +72,13 @@ def gather_full(layout: Layout) -> dict[str, torch.Tensor]:
         data = _gather_flat(flat)
         if data is None:
             continue
+        # The largest tensor keeps the gathered buffer itself (a view of it; no copy),
+        # the others are copied out: rank 0 peaks at the result plus the small ones.
+        keep = max(flat.items, key=lambda i: i.numel, default=None) \
+            if flat.whole is None else None
         for item in flat.items:
-            out[item.key] = data[item.offset:item.offset + item.numel].clone().view(item.shape)
+            t = data[item.offset:item.offset + item.numel]
+            out[item.key] = (t if item is keep else t.clone()).view(item.shape)
         del data
     if rank == 0:
         for w in layout.wholes:
@@ -167,7 +174,8 @@ class Source:
     ``optim/<name>/<state>``) by ranges, and the optimizer's structure.
 
     ``names()``: every key there; ``shape(key)``: the tensor's shape (None: not
-    there); ``read(key, start, stop)``: elements [start, stop) of it flattened;
+    there); ``read(key, start, stop, out=None)``: elements [start, stop) of it
+    flattened (written into ``out``, a 1-D tensor of as many, when given);
     ``optimizer``: None or {"class",
     "param_groups": [hyperparameters with "params": names], "state": {name: {key:
     None for a tensor, else the value}}}.
@@ -181,7 +189,8 @@ class Source:
     def shape(self, key: str) -> tuple[int, ...] | None:
         raise NotImplementedError
 
-    def read(self, key: str, start: int, stop: int) -> torch.Tensor:
+    def read(self, key: str, start: int, stop: int,
+             out: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
     def read_all(self, key: str) -> torch.Tensor:
@@ -257,8 +266,10 @@ class DictSource(Source):
         t = self.tensors.get(key)
         return None if t is None else tuple(t.shape)
 
-    def read(self, key: str, start: int, stop: int) -> torch.Tensor:
-        return self.tensors[key].detach().reshape(-1)[start:stop]
+    def read(self, key: str, start: int, stop: int,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        data = self.tensors[key].detach().reshape(-1)[start:stop]
+        return data if out is None else out.copy_(data)
 
 
 def set_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -278,15 +289,16 @@ def set_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
 
 
 def _read_range(source: Source, key: str, full: tuple[int, ...], lo: int, hi: int,
-                local_ok: bool, what: str, name: str) -> torch.Tensor:
-    """Elements [lo, hi) of ``key`` (flattened), whose whole shape is ``full``; a dict of
-    this rank's own (``full=False``) holds just them."""
+                local_ok: bool, what: str, name: str,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """Elements [lo, hi) of ``key`` (flattened), whose whole shape is ``full`` (into
+    ``out`` when given); a dict of this rank's own (``full=False``) holds just them."""
     shape = source.shape(key)
     assert shape is not None
     if shape == full:
-        return source.read(key, lo, hi)
+        return source.read(key, lo, hi, out)
     if local_ok and shape == (hi - lo,):
-        return source.read(key, 0, hi - lo)
+        return source.read(key, 0, hi - lo, out)
     where = "checkpoint" if what.startswith("checkpoint") else "state dict"
     raise ValueError(f"swarmfd.torch.{what}: {name} has shape {list(shape)} in the "
                      f"{where}, the model's is {list(full)}")
@@ -308,11 +320,12 @@ def load_model(layout: Layout, source: Source, what: str, local_ok: bool = False
             src = key if key in present else next(
                 a for a, c in layout.aliases.items() if c == key and a in present)
             name = key[len("model/"):]
+            # Read straight into the tensor (a piece bumps its shard's version: the unit
+            # gathers it again before its next forward).
+            into = tensor.view(-1) if tensor.is_contiguous() else None
             data = _read_range(source, src, layout.shapes[key], lo, hi, local_ok and
-                               kind == "piece", what, f"parameter {name!r}")
-            if kind == "piece":
-                tensor.copy_(data)  # (bumps the shard's version: gathered again)
-            else:
+                               kind == "piece", what, f"parameter {name!r}", into)
+            if into is None:
                 tensor.copy_(data.view(tensor.shape))
 
 
