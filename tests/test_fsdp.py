@@ -15,22 +15,14 @@ from .harness import require
 
 torch = require("torch", "pip install torch==2.13.0, the CPU wheel")
 
-import swarmfd as fd  # noqa: E402 (swarmfd.torch imports torch)
 import swarmfd.torch as sft  # noqa: E402 (swarmfd.torch imports torch)
 from swarmfd.torch import fsdp  # noqa: E402 (swarmfd.torch imports torch)
 
+from .test_torch import world1  # noqa: E402, F401 (the fixture: a world of one)
+
+pytestmark = pytest.mark.usefixtures("world1")
 F64 = torch.float64
 TIGHT = {"rtol": 1e-10, "atol": 1e-12}
-
-
-@pytest.fixture
-def world1():
-    """A world of one."""
-    fd.init()
-    try:
-        yield
-    finally:
-        fd.cleanup()
 
 
 def mlp(seed: int = 0, dtype: torch.dtype = F64) -> torch.nn.Module:
@@ -60,7 +52,7 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return sd
 
 
-def test_one_rank_trains_as_the_plain_module(world1) -> None:
+def test_one_rank_trains_as_the_plain_module() -> None:
     """N=1: the same steps as the plain module, with the root holding parameters of its
     own or none; the module is the one given, its parameters flat pieces of the shards
     under their own names, nothing gathered between steps."""
@@ -86,7 +78,7 @@ def test_one_rank_trains_as_the_plain_module(world1) -> None:
         assert all(u.full.untyped_storage().nbytes() == 0 for u in units_)
 
 
-def test_mixed_precision_computes_in_bfloat16_and_keeps_float32(world1) -> None:
+def test_mixed_precision_computes_in_bfloat16_and_keeps_float32() -> None:
     model = shard(mlp(dtype=torch.float32), mp_policy=sft.MixedPrecisionPolicy(
         param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32))
     seen = []
@@ -98,7 +90,7 @@ def test_mixed_precision_computes_in_bfloat16_and_keeps_float32(world1) -> None:
                for p in model.parameters())
 
 
-def test_the_errors_name_what_is_wrong(world1) -> None:
+def test_the_errors_name_what_is_wrong() -> None:
     x = torch.randn(2, 6, dtype=F64)
     # The root not sharded: its forward runs the units inside a module holding more.
     model = shard(mlp(), (0, 2))
@@ -141,7 +133,7 @@ def test_the_errors_name_what_is_wrong(world1) -> None:
         sft.fully_shard(shard(mlp()))
 
 
-def test_a_checkpoint_that_does_not_fit_names_the_parameter(world1, tmp_path: Path) -> None:
+def test_a_checkpoint_that_does_not_fit_names_the_parameter(tmp_path: Path) -> None:
     model = shard(mlp())
     sft.checkpoint.save(tmp_path / "ck", model)
     other = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(),
@@ -161,7 +153,7 @@ def test_a_checkpoint_that_does_not_fit_names_the_parameter(world1, tmp_path: Pa
         sft.checkpoint.load(tmp_path / "ck", model, torch.optim.SGD(model.parameters(), lr=1))
 
 
-def test_checkpoint_files_are_safetensors_and_json(world1, tmp_path: Path) -> None:
+def test_checkpoint_files_are_safetensors_and_json(tmp_path: Path) -> None:
     """The folder: one safetensors file per rank and the index; a tied parameter once;
     a plain safetensors state dict and torch's DDP keys load too."""
     from safetensors.torch import load_file, save_file

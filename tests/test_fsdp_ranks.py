@@ -77,6 +77,7 @@ def assert_equal_to(model: Any, ref: torch.nn.Module, what: str, **tol: float) -
 
     got, _ = sft.get_state_dict(model)
     if fd.get_rank() == 0:
+        assert list(got) == list(ref.state_dict()), f"{what}: {list(got)}"
         for k, v in ref.state_dict().items():
             torch.testing.assert_close(got[k], v, **(tol or TIGHT), msg=f"{what}: {k}")
 

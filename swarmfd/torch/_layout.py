@@ -188,7 +188,7 @@ def optimizer_layout(layout: Layout, optimizer: Any, what: str) -> None:
     groups, start = [], 0
     for g in optimizer.param_groups:
         n = len(g["params"])
-        groups.append({**{k: _encode(v, f"param group hyperparameter {k!r}")
+        groups.append({**{k: _encode(v, f"hyperparameter {k!r}", what)
                           for k, v in g.items() if k != "params"},
                        "params": order[start:start + n]})
         start += n
@@ -198,13 +198,13 @@ def optimizer_layout(layout: Layout, optimizer: Any, what: str) -> None:
                             "params": order, "values": {}}
     layout.optimizer = info
     if isinstance(optimizer, ZeroRedundancyOptimizer):
-        _zero_layout(layout, optimizer, order)
+        _zero_layout(layout, optimizer, order, what)
     else:
-        _plain_layout(layout, optimizer, params, order)
+        _plain_layout(layout, optimizer, params, order, what)
 
 
 def _plain_layout(layout: Layout, optimizer: torch.optim.Optimizer, params: list[Any],
-                  order: list[str]) -> None:
+                  order: list[str], what: str) -> None:
     """A torch optimizer over pieces (their state in the units' flats) or whole
     parameters (their state whole)."""
     info = layout.optimizer
@@ -215,7 +215,8 @@ def _plain_layout(layout: Layout, optimizer: torch.optim.Optimizer, params: list
         for key, v in optimizer.state.get(p, {}).items():
             okey = f"optim/{name}/{key}"
             if not isinstance(v, torch.Tensor):
-                info["values"].setdefault(name, {})[key] = _encode(v, f"state {key!r}")
+                info["values"].setdefault(name, {})[key] = _encode(
+                    v, f"state {key!r} of {name!r}", what)
                 continue
             if target[0] == "piece" and v.shape == p.shape and v.dim() == 1:
                 unit = target[4]
@@ -236,7 +237,8 @@ def _plain_layout(layout: Layout, optimizer: torch.optim.Optimizer, params: list
             layout.dtypes[okey] = v.dtype
 
 
-def _zero_layout(layout: Layout, zero: ZeroRedundancyOptimizer, order: list[str]) -> None:
+def _zero_layout(layout: Layout, zero: ZeroRedundancyOptimizer, order: list[str],
+                 what: str) -> None:
     """ZeRO: its elementwise state per bucket (a flat each), its scalars whole."""
     info = layout.optimizer
     assert info is not None
@@ -269,7 +271,8 @@ def _zero_layout(layout: Layout, zero: ZeroRedundancyOptimizer, order: list[str]
                     layout.wholes.append(Whole(okey, v.detach()))
                     layout.shapes[okey], layout.dtypes[okey] = tuple(v.shape), v.dtype
                 else:
-                    info["values"].setdefault(name, {})[key] = _encode(v, f"state {key!r}")
+                    info["values"].setdefault(name, {})[key] = _encode(
+                    v, f"state {key!r} of {name!r}", what)
 
 
 def elementwise_keys(optimizer: torch.optim.Optimizer) -> list[set[str]]:
