@@ -291,7 +291,6 @@ class _Unit:
         self.parent: _Unit | None = None
         self.ctx = _Context()
         self.ctx.units = [self]
-        self.is_root = False
         self.params: list[_Param] = []
         self._layout(module)
         self.dtype = self.bucket.dtype
@@ -489,9 +488,9 @@ class _Unit:
         ctx = self.ctx
         self._use(sharded=True)
         ctx.depth -= 1
-        training = torch.is_grad_enabled() and self.pending > 0
-        if training:
-            self.awaiting_backward = True
+        training = torch.is_grad_enabled()
+        if training:  # (a unit without parameters of its own still prefetches)
+            self.awaiting_backward = self.pending > 0
             me = weakref.ref(self)
             for t in _tensors_in(output):
                 if t.requires_grad:
@@ -527,7 +526,6 @@ class _Unit:
                 units.append(u)
         for u in units:
             u.ctx = ctx
-            u.is_root = u is self
         ctx.units = units
         ctx.order = list(units)
         ctx.overlap = 2 * fd.host_group().size <= usable_cores()
