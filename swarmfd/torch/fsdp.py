@@ -22,7 +22,7 @@ What a unit holds, and when:
   forward (the next unit's all-gather is issued asynchronously before this one
   computes), the module computes with full-shape parameters that are views of it,
   and after its forward the buffer's storage is released (``reshard_after_forward``;
-  the root keeps its own, which backward needs first).
+  the root and the forward's last unit keep theirs, which backward needs first).
 * **In backward** a hook on the unit's outputs gathers it again (and issues the
   previous unit's all-gather); as each parameter's gradient is accumulated it is
   copied into that parameter's own place in the full buffer (no longer read by this
@@ -497,7 +497,8 @@ class _Unit:
                     t.register_hook(_pre_backward_hook(me))
         if ctx.depth == 0:
             self._end_forward(training)
-        elif not training or self.reshard_after_forward:
+        elif not training or (self.reshard_after_forward and ctx.order[-1] is not self):
+            # (the forward's last unit is backward's first: it keeps its parameters)
             self.reshard()
         if self.mp.output_dtype is not None and ctx.depth == 0:
             output = _apply(_caster(self.mp.output_dtype), output)
@@ -508,9 +509,10 @@ class _Unit:
         ctx = self.ctx
         if ctx.ran:
             ctx.order = list(ctx.ran)
+        last = ctx.ran[-1] if ctx.ran else None
         for u in ctx.units:
-            if not training or (u is not self and (u.reshard_after_forward
-                                                   or u not in ctx.ran)):
+            if not training or (u is not self and u is not last and (
+                    u.reshard_after_forward or u not in ctx.ran)):
                 u.reshard()
 
     def _lazy_init(self) -> None:
