@@ -83,13 +83,14 @@ def assert_equal_to(model: Any, ref: torch.nn.Module, what: str, **tol: float) -
 
 
 def _equal_training(rank: int, world: int, cases: list[tuple[str, bool]]) -> None:
-    """fully_shard (and ZeRO-2: reshard_after_forward=False) == one process; the first
-    case also == swarmfd DDP."""
+    """fully_shard (and ZeRO-2: reshard_after_forward=False) == one process, its
+    reduce-scatters blocking and (every other case) asynchronous; the first case also
+    == swarmfd DDP."""
     import swarmfd.torch as sft
 
-    for name, reshard in cases:
+    for i, (name, reshard) in enumerate(cases):
         cls, kw = OPTIMIZERS[name]
-        model = shard(mlp(seed=rank), reshard_after_forward=reshard)
+        model = shard(mlp(seed=rank), reshard_after_forward=reshard, overlap=i % 2 == 1)
         opt = cls(model.parameters(), **kw)
         train(model, opt, range(3), rank, world)
         ref, _ = reference(name, range(3))

@@ -237,13 +237,17 @@ def _own_parameters(module: torch.nn.Module) -> list[tuple[str, torch.Tensor,
 
 def fully_shard(module: torch.nn.Module, *, group: Any = None,
                 reshard_after_forward: bool = True,
-                mp_policy: MixedPrecisionPolicy | None = None) -> torch.nn.Module:
+                mp_policy: MixedPrecisionPolicy | None = None,
+                overlap: bool | None = None) -> torch.nn.Module:
     """Shard ``module``'s parameters (those no unit below it holds) over ``group``, in
     place; returns ``module``, whose class is now also an :class:`FSDPModule`.
 
     Apply it to each block first, then to the root. Build the optimizer afterwards, on
     ``model.parameters()`` (this rank's shards). Group rank 0's values are every
     rank's starting point. See the module docstring for what is sharded when.
+    ``overlap`` (the root's counts, as DDP's): whether each unit's reduce-scatter runs
+    asynchronously while backward goes on; None: where every rank of the host has a
+    core for its progress thread.
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"fully_shard expects a torch.nn.Module, got {type(module).__name__}")
@@ -266,7 +270,10 @@ def fully_shard(module: torch.nn.Module, *, group: Any = None,
                 f"fully_shard: {child.describe()} below this {type(module).__name__} has "
                 "run forward already, as a root of its own; apply fully_shard to every "
                 "block and then to the root before the model's first forward")
+    if overlap is not None:
+        _check_bool(overlap, "overlap")
     unit = _Unit(module, group, reshard_after_forward, mp)
+    unit.overlap = overlap
     for child in children:
         child.parent = unit
     module.__class__ = _fsdp_class(type(module))
@@ -288,6 +295,7 @@ class _Unit:
         self.reshard_after_forward = reshard_after_forward
         self.mp = mp
         self.sync = True
+        self.overlap: bool | None = None
         self.parent: _Unit | None = None
         self.ctx = _Context()
         self.ctx.units = [self]
@@ -530,7 +538,8 @@ class _Unit:
             u.ctx = ctx
         ctx.units = units
         ctx.order = list(units)
-        ctx.overlap = 2 * fd.host_group().size <= usable_cores()
+        ctx.overlap = self.overlap if self.overlap is not None else \
+            2 * fd.host_group().size <= usable_cores()
         buffers = [bits(b) for b in module.buffers()]
         if buffers and self.size > 1:
             fd.broadcast(buffers, group=self.group, group_src=0)
