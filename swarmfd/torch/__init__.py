@@ -14,6 +14,11 @@ A one-line swap for torch scripts (CPU tensors; torch stays optional for swarmfd
   ``find_unused_parameters``, comm hooks (:mod:`swarmfd.torch.comm_hooks`).
 * :class:`ZeroRedundancyOptimizer`: ZeRO stage 1, flat equal shards of the optimizer
   state; under DDP the buckets are reduce-scattered, so gradients are reduced once.
+* :func:`fully_shard` (:mod:`swarmfd.torch.fsdp`): FSDP2's API, parameters, gradients
+  and optimizer state sharded; ``reshard_after_forward=False`` is ZeRO-2.
+* :mod:`swarmfd.torch.checkpoint` (``save``/``load``): sharded safetensors
+  checkpoints that load at any world size; :func:`get_state_dict`,
+  :func:`set_state_dict`: whole (streamed to rank 0) or sharded state dicts.
 * :func:`broadcast_parameters`, :func:`broadcast_optimizer_state`: one rank's model or
   optimizer state to all (JSON structure, array data, never pickle).
 * :func:`all_reduce`, :func:`broadcast`, :func:`all_reduce_gradients`: tensor
