@@ -272,7 +272,8 @@ def _load_and_continue(rank: int, world: int, folder: str) -> None:
 
 def _job_n2(rank: int, world: int, folder: str) -> None:
     torch.set_num_threads(1)
-    _equal_training(rank, world, [("adam", True), ("sgd", False)])
+    _equal_training(rank, world, [("adam", True), ("sgd", False), ("adamw", True),
+                                  ("adamw", False)])
     _load_and_continue(rank, world, folder)
 
 
