@@ -131,6 +131,10 @@ def test_the_errors_name_what_is_wrong() -> None:
         sft.fully_shard(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).double()))
     with pytest.raises(RuntimeError, match="sharded already"):
         sft.fully_shard(shard(mlp()))
+    with pytest.raises(TypeError, match="sharded by fully_shard"):
+        sft.DistributedDataParallel(shard(mlp()))
+    with pytest.raises(TypeError, match="use a plain Adam"):
+        sft.ZeroRedundancyOptimizer(shard(mlp()).parameters(), torch.optim.Adam)
 
 
 def test_a_checkpoint_that_does_not_fit_names_the_parameter(tmp_path: Path) -> None:

@@ -48,6 +48,7 @@ from swarmfd import collectives as fd_collectives
 from . import _buckets
 from ._tensors import FLOAT_DTYPES, bits, check_cpu
 from .ddp import DDP_OWNERS, ZERO_OWNERS, live_owner, set_owner
+from .fsdp import PIECE
 
 #: torch.optim classes whose update is not elementwise: a flat shard would change it.
 _NOT_ELEMENTWISE = {"LBFGS", "SparseAdam", "Adafactor", "LAMB", "LARS"}
@@ -139,6 +140,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             if p.dtype not in FLOAT_DTYPES:
                 raise TypeError(f"ZeroRedundancyOptimizer: parameter {i} has dtype {p.dtype}; "
                                 f"expected one of {FLOAT_DTYPES}")
+        if any(hasattr(p, PIECE) for p in self._params):
+            raise TypeError("ZeroRedundancyOptimizer: these parameters are fully_shard's "
+                            "shards, whose optimizer state is sharded already; use a plain "
+                            f"{optimizer_class.__name__} on them")
         if live_owner(ZERO_OWNERS, self._params) is not None:
             raise RuntimeError("ZeroRedundancyOptimizer: these parameters belong to another "
                                "live ZeroRedundancyOptimizer")
