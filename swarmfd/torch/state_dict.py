@@ -41,6 +41,7 @@ import swarmfd as fd
 from . import _layout
 from ._layout import Flat, Layout
 from ._tensors import bits
+from .state import _decode
 from .zero import ZeroRedundancyOptimizer
 
 
@@ -132,12 +133,6 @@ def _optimizer_dict(layout: Layout, optimizer: torch.optim.Optimizer | None,
 
 def _group_names(info: dict[str, Any]) -> list[list[str]]:
     return [g["params"] for g in info["param_groups"]]
-
-
-def _decode(value: Any) -> Any:
-    from .state import _decode as decode
-
-    return decode(value)
 
 
 def _local_state(layout: Layout, optimizer: torch.optim.Optimizer | None
