@@ -26,12 +26,13 @@ Method: ``--rounds`` rounds, each running every (configuration, variant) job onc
 an order rotated from round to round (interleaved, so drifts of the machine's load
 hit every variant alike). A job times ``--steps`` steps after ``--warmup``; a rank's
 figure is its median step, a job's the slowest rank's, a variant's the median over
-rounds. The verdicts are ratios of figures of the same run. Memory is measured with
-Adam in extra jobs (swarmfd DDP with plain Adam and with ZeRO, per N, shared memory):
-each rank's peak RSS (VmHWM) and its optimizer state (every tensor the optimizer
-holds; ZeRO: its local optimizers' state); with the sharded variants also the bytes of
-parameters and gradients each rank holds, and the most gathered parameters and unsharded
-gradients it held at once.
+rounds. Each rank also reports its median CPU time a step (the process's, every
+thread): on a shared machine it moves less than the time. The verdicts are ratios of
+figures of the same run. Memory is measured with Adam in extra jobs (swarmfd DDP with
+plain Adam and with ZeRO, per N, shared memory): each rank's peak RSS (VmHWM) and its
+optimizer state (every tensor the optimizer holds; ZeRO: its local optimizers' state);
+with the sharded variants also the bytes of parameters and gradients each rank holds,
+and the most gathered parameters and unsharded gradients it held at once.
 
     python benchmarks/train.py                    # loopback, N=2 and 4, both planes
     python benchmarks/train.py --netsim           # + two simulated hosts at 5 Gbit/s
@@ -176,9 +177,9 @@ def worker(args: argparse.Namespace) -> None:
         opt = sft.ZeroRedundancyOptimizer(m.parameters(), cls, **kw)
     else:
         opt = cls(m.parameters(), **kw)
-    steps, fwd = [], []
+    steps, fwd, cpu = [], [], []
     for i in range(args.warmup + args.steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(m(x), y)
         t1 = time.perf_counter()
@@ -190,8 +191,10 @@ def worker(args: argparse.Namespace) -> None:
         if i >= args.warmup:
             steps.append(t2 - t0)
             fwd.append(t1 - t0)
+            cpu.append(time.process_time() - c0)
     rec = {"rank": rank, "variant": variant, "step_ms": 1e3 * statistics.median(steps),
-           "fwd_ms": 1e3 * statistics.median(fwd), "state_bytes": _state_bytes(opt),
+           "fwd_ms": 1e3 * statistics.median(fwd), "cpu_ms": 1e3 * statistics.median(cpu),
+           "state_bytes": _state_bytes(opt),
            "hwm_bytes": _vm_hwm(), **_memory(variant, m, opt)}
     if trace is not None:
         rec["trace"] = trace.summary()
@@ -425,8 +428,14 @@ def report(args: argparse.Namespace, results: dict[tuple[str, int, str], list[di
             verdicts.append((f"netsim: swarmfd DDP <= 1.15 x max(no-comm, link {link_ms:.1f} ms)"
                              f" + forward {fwd:.1f} ms = {bound:.1f} ms", sddp, bound,
                              None if sddp is None else sddp <= bound))
+    cpu = ["", "CPU time a step (the process's, every thread; the rank that used most), ms:",
+           "", "| config | N | " + " | ".join(args.variants) + " |",
+           "|" + " --- |" * (len(args.variants) + 2)]
+    for plane, n in _configs(args):
+        cells = [_fmt(_median(results, plane, n, v, "cpu_ms")) for v in args.variants]
+        cpu.append(f"| {plane} | {n} | " + " | ".join(cells) + " |")
     mem, mem_verdicts = _memory_report(args, results)
-    return "\n".join(lines + mem), verdicts + mem_verdicts
+    return "\n".join(lines + cpu + mem), verdicts + mem_verdicts
 
 
 def _memory_report(args: argparse.Namespace,
