@@ -89,13 +89,15 @@ __all__ = [
 #: ranks were made, plus ``env``) and the test's stdout and stderr (see _child).
 #: torch is preloaded too where it is installed (the server skips a module it cannot
 #: import): a torch rank imported it itself, about 3 s of CPU each, for 16 ranks of
-#: tests/test_torch_ranks.py; the server pays it once. Importing torch starts no thread
-#: beyond numpy's OpenBLAS one (2 tasks in /proc/self/task with numpy alone or with
-#: torch too) and runs no op, so forking after it is safe (as DataLoader workers do).
+#: tests/test_torch_ranks.py; the server pays it once. So does torch._dynamo, which a
+#: process's first torch optimizer imports (about 4 CPU-seconds a rank otherwise).
+#: Importing them starts no thread beyond numpy's OpenBLAS one (2 tasks in
+#: /proc/self/task with numpy alone or with torch too) and runs no op, so forking after
+#: it is safe (as DataLoader workers do).
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["numpy", "zmq", "psutil", "pytest", "hypothesis", "swarmfd",
                              "swarmfd.comm.transport", "swarmfd.comm.shm_setup",
-                             "swarmfd.engine", "tests.harness", "torch"])
+                             "swarmfd.engine", "tests.harness", "torch", "torch._dynamo"])
 _STACK_FILES: list[Any] = []  # in a rank: the open file faulthandler writes to
 
 #: How long a spawned rank waits at the start line for the others to have started.
