@@ -635,6 +635,33 @@ def require_installed(module: str, install: str) -> None:
                     fix=install, module_level=True)
 
 
+#: How to get torch: optional for swarmfd's users, required in CI (its CPU wheel, pinned).
+TORCH_INSTALL = "pip install torch==2.13.0, the CPU wheel"
+
+
+def require_torch(*, load: bool = True) -> Any:
+    """torch, for a test of swarmfd's torch support: the module (with ``load=False`` only
+    found, for a test whose ranks import it). Without it the calling test (or module)
+    skips, or fails under ``CI=true``: a broken torch must not pass CI as skips."""
+    if not load:
+        require_installed("torch", TORCH_INSTALL)
+        return None
+    return require("torch", TORCH_INSTALL)
+
+
+def torch_installed() -> bool:
+    """For a test that runs with or without torch (what needs it is left out without it):
+    whether torch is installed. Under ``CI=true`` its absence fails the calling test."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is not None:
+        return True
+    if in_ci():  # pragma: no cover - depends on the machine
+        unavailable("torch is not installed", what="the tests that need it",
+                    fix=TORCH_INSTALL)
+    return False
+
+
 class StallMeter:
     """How long this machine failed to run a high-priority thread, over a time window.
 

@@ -16,7 +16,14 @@ from swarmfd.algorithms import select
 from swarmfd.comm import wire
 from swarmfd.comm.planes import zmq as zmq_transport
 
-from .harness import RankFailure, free_port, run_ranks, run_ranks_raw, transport_env
+from .harness import (
+    RankFailure,
+    free_port,
+    require_torch,
+    run_ranks,
+    run_ranks_raw,
+    transport_env,
+)
 
 INTS = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64]
 FLOATS = [np.float16, np.float32, np.float64]
@@ -706,7 +713,7 @@ def _torch_tensors(rank: int, world: int) -> list[float]:
 
 def test_cpu_torch_tensors_are_accepted_in_place() -> None:
     """CPU torch tensors (and parameters) go through collectives in place, zero-copy."""
-    pytest.importorskip("torch")
+    require_torch(load=False)
     out = run_ranks(_torch_tensors, 2)
     assert out == [[3.0, 1.0, 0.5, 1.0, 0.0, 1.0]] * 2
 

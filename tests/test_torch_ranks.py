@@ -21,13 +21,13 @@ import pytest
 from .harness import (
     count_runs,
     free_port,
-    require,
+    require_torch,
     run_ranks,
     run_ranks_raw,
     transport_env,
 )
 
-torch = require("torch", "pip install torch==2.13.0, the CPU wheel")
+torch = require_torch()
 
 ROOT = Path(__file__).resolve().parents[1]
 F64 = torch.float64
