@@ -714,6 +714,19 @@ def stall_meter() -> StallMeter:
     return _STALL_METER
 
 
+#: The bounds the suite holds swarmfd's detections to, written out: a bound in terms of
+#: the constant that sets the detection (LOST_PEER_GRACE, KEEPALIVE, TIMEOUT_GRACE) would
+#: pass a slower one. A peer that died or left is reported within 2 s.
+LOST_PEER_LIMIT = 2.0
+#: A host gone without a FIN is found by TCP keepalive in about 4 s (docs/security.md: 1 s
+#: idle, 3 probes 1 s apart); the bound allows for when its last packet went, the
+#: lost-peer grace and a loaded machine.
+VANISHED_PEER_LIMIT = 7.0
+#: A rank that times out listens this long to the others' reports (to name the rank
+#: really stuck) before it raises.
+TIMEOUT_REPORT = 0.6
+
+
 def allowed(limit: float, since: float, until: float) -> tuple[float, str]:
     """A time bound over the window [since, until], plus the time in it in which this
     machine did not run the test process's :class:`StallMeter` (which must have been
