@@ -48,6 +48,7 @@ from .harness import (
     free_port,
     record,
     run_ranks,
+    unavailable,
     write_secret_file,
 )
 
@@ -607,7 +608,8 @@ def test_a_vanished_peer_is_lost_within_seconds_a_stopped_one_times_out(vanish: 
     way.)"""
     rule = None
     if vanish and not _iptables("-L", "OUTPUT", "-n"):
-        pytest.skip("iptables is not usable here")
+        unavailable("iptables is not usable here", what="the vanished-peer tests",
+                    fix="run them as root with iptables installed")
     with Ranks(_waits_for_rank1, 2, group_timeout=12.0, transport=plane) as ranks:
         ports = ranks.wait("ready")
         ranks.signal(1, signal.SIGSTOP)
