@@ -34,13 +34,9 @@ def off_the_sum(got: np.ndarray, inputs: Sequence[np.ndarray], divide: int = 0) 
         bad = got != want
         slack = np.zeros(got.shape)
     else:
-        wide = np.complex128 if first.dtype.kind == "c" else np.float64
-        stack = np.stack([np.asarray(x, wide) for x in inputs])
-        want = stack.sum(axis=0) / (divide or 1)
-        info = np.finfo(first.dtype)
-        slack = ((2 * n + 2) * float(info.eps) * np.abs(stack).sum(axis=0) / (divide or 1)
-                 + (n + 1) * float(info.smallest_subnormal))
-        bad = ~(np.abs(got.astype(wide) - want) <= slack)  # NaN is off too
+        want, slack = _sum_and_slack(inputs, divide)
+        off = np.subtract(got, want, dtype=want.dtype)
+        bad = ~(np.abs(off) <= slack)  # NaN is off too
     if not bad.any():
         return None
     i = np.unravel_index(int(np.argmax(bad)), got.shape)
@@ -48,6 +44,28 @@ def off_the_sum(got: np.ndarray, inputs: Sequence[np.ndarray], divide: int = 0) 
             f"{f' / {divide}' if divide else ''}; the first, at {tuple(map(int, i))}: "
             f"got {got[i]!r}, want {want[i]!r} (+- {slack[i]:.3g}), "
             f"the inputs {[x[i] for x in inputs]!r}")
+
+
+def _sum_and_slack(inputs: Sequence[np.ndarray], divide: int) -> tuple[np.ndarray, np.ndarray]:
+    """The sum of ``inputs`` in float64 (complex128) divided by ``divide`` (when not 0),
+    and the slack a result may differ from it by (see the module docstring); in place,
+    one input at a time (the suite checks thousands of results, some of 1 MiB)."""
+    first = np.asarray(inputs[0])
+    info = np.finfo(first.dtype)
+    wide = np.complex128 if first.dtype.kind == "c" else np.float64
+    want = np.zeros(first.shape, wide)
+    slack = np.zeros(first.shape)
+    wide_x = np.empty(first.shape, wide)
+    for x in inputs:
+        np.copyto(wide_x, x)
+        want += wide_x
+        slack += np.abs(wide_x)
+    n, d = len(inputs), divide or 1
+    slack *= (2 * n + 2) * float(info.eps) / d
+    slack += (n + 1) * float(info.smallest_subnormal)
+    if divide:
+        want /= divide
+    return want, slack
 
 
 def assert_sum(got: np.ndarray, inputs: Sequence[np.ndarray], divide: int = 0,
