@@ -49,9 +49,17 @@ from hypothesis import strategies as st
 import swarmfd as fd
 from swarmfd import errors
 from swarmfd.comm import wire
-from swarmfd.comm.channel import TIMEOUT_GRACE
 
-from .harness import RankCtx, Ranks, allowed, error_info, record, stall_meter
+from .harness import (
+    LOST_PEER_LIMIT,
+    TIMEOUT_REPORT,
+    RankCtx,
+    Ranks,
+    allowed,
+    error_info,
+    record,
+    stall_meter,
+)
 from .robust_fuzz import ZMTP_READY, Fuzzed, fuzz_in_a_process, zmtp_handshake
 
 SWARMFD = Path(fd.__file__).parent
@@ -661,12 +669,12 @@ def test_a_garbage_flood_does_not_hide_a_timeout_or_a_lost_peer(what: str) -> No
         if what == "timeout":
             ranks.signal(1, signal.SIGKILL)
     assert info["type"] is not None, info
-    # A timeout: the deadline, then TIMEOUT_GRACE (0.6 s) listening for the others' reports
+    # A timeout: the deadline, then TIMEOUT_REPORT (0.6 s) listening for the others' reports
     # (Transport._timeout), then < 1 s of scheduling slack; a flood that kept restarting or
     # starving the deadline check would show as a wait of 2x the timeout or more. (The old
     # bound, timeout + 1 s, left 0.3-0.4 s for the slack.) A loss: well under the timeout.
     # Plus any time in which this machine did not run the test process (harness.allowed).
-    bound = timeout + TIMEOUT_GRACE + 1.0 if what == "timeout" else 2.0
+    bound = timeout + TIMEOUT_REPORT + 1.0 if what == "timeout" else LOST_PEER_LIMIT
     limit, stalled = allowed(bound, info["t"] - info["elapsed"], info["t"])
     assert info["elapsed"] < limit, (
         f"rank 0 raised after {info['elapsed']:.2f} s (limit {bound} s{stalled}): "

@@ -22,6 +22,7 @@ import swarmfd as fd
 from swarmfd.comm import wire
 
 from .harness import (
+    LOST_PEER_LIMIT,
     allowed,
     count_runs,
     error_info,
@@ -511,7 +512,7 @@ def test_a_peer_killed_under_a_repeated_call_is_reported_fast(transport: str) ->
     ok, info = out[0]
     assert ok, info
     assert "PeerLostError" in info["mro"] and "rank 1" in info["message"], info
-    limit, stalled = allowed(2.0, info["start"], info["t"])
+    limit, stalled = allowed(LOST_PEER_LIMIT, info["start"], info["t"])
     assert info["elapsed"] < limit, f"{info['elapsed']:.2f} s{stalled}: {info['message']}"
 
 
