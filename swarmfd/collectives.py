@@ -374,7 +374,8 @@ def reduce_scatter_run(g: _group.Group, src: np.ndarray | Parts, parts: list[tup
     """The reduce_scatter of ``src`` (flat: an array, or Parts read where they are) into
     ``res_flat`` (this rank's part of ``parts``); gives ``result``."""
     s = _planned(g, key, sig, lambda plane: select.reduce_scatter(
-        plane, src.nbytes, g.size, g.two_level()),
+        plane, src.nbytes, g.size, g.two_level(),
+        len(src.arrays) if isinstance(src, Parts) else 1),
         (parts, _UFUNCS[rop], g.size if mean else 0))
     if isinstance(src, Parts) and not s.parts:
         src = np.concatenate(src.arrays)

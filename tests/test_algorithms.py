@@ -402,14 +402,17 @@ def test_ring_pieces_of_parts_are_views_but_for_small_arrays(counts: list[int], 
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("counts", [[3, 3], [700, 1, 299, 1], [300000, 17, 200000, 2]])
 @pytest.mark.parametrize("divide", [False, True])
+@pytest.mark.parametrize("algo", ["slots", "cma"])
 def test_shm_reduce_scatter_of_parts_is_that_of_the_fused_buffer(n: int, counts: list[int],
-                                                                 divide: bool) -> None:
+                                                                 divide: bool,
+                                                                 algo: str) -> None:
     """reduce_scatter reads Parts where they are: each rank's part has the bits of the
     fused buffer's reduce_scatter (then divided), across arrays, chunks and rounds; the
-    input is left unchanged."""
-    _reduce_scatter_case(n, counts, divide, "shm",
-                         lambda op, buf, bounds, out, d: shm.reduce_scatter(
-                             op, buf, out, bounds, np.add, d))
+    input is left unchanged. Through the slots, and reading the peers' buffers directly
+    (cross-memory attach, whose blocks cut the parts differently: the same bits)."""
+    fn = shm.reduce_scatter if algo == "slots" else shm.reduce_scatter_cma
+    _reduce_scatter_case(n, counts, divide, "shm" if algo == "slots" else "shm-cma",
+                         lambda op, buf, bounds, out, d: fn(op, buf, out, bounds, np.add, d))
 
 
 def _list_all_reduce(rank: int, world: int) -> list[np.ndarray]:

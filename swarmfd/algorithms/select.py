@@ -23,7 +23,8 @@ from .base import split
 __all__ = ["ALL_GATHER_V_INLINE_BYTES", "DIRECT_MAX_BYTES", "DIRECT_MAX_WORLD",
            "HIER_FAN_FLAT_MAX_BYTES", "HIER_GATHER_FLAT_MAX_BYTES", "HIER_GATHER_SAVES_BYTES",
            "HIER_REDUCE_ALONE_MAX_BYTES", "HIER_SCATTER_MIN_BYTES", "HIER_SMALL_BYTES",
-           "PAIR_MAX_BYTES", "SHM_CMA_MIN_BYTES", "SHM_ONE_ROUND_MAX_BYTES", "Choice", "all_gather",
+           "PAIR_MAX_BYTES", "SHM_CMA_MIN_BYTES", "SHM_ONE_ROUND_MAX_BYTES",
+           "SHM_SCATTER_CMA_MIN_BYTES", "Choice", "all_gather",
            "all_gather_counts", "all_gather_parts", "all_reduce", "all_to_all", "all_to_all_splits",
            "barrier", "broadcast", "flat_gather_rows_in", "gather", "reduce", "reduce_scatter",
            "scatter", "small_fan", "split_rows", "two_level_layout"]
@@ -38,6 +39,9 @@ DIRECT_MAX_WORLD = 8
 SHM_ONE_ROUND_MAX_BYTES = shm.SMALL_BYTES
 #: From this many bytes a shared-memory all_reduce uses cross-memory attach where allowed.
 SHM_CMA_MIN_BYTES = shm.CMA_MIN_BYTES
+#: From this many bytes (the whole input) a shared-memory reduce_scatter reads the
+#: peers' buffers directly (no copy into the slots) where the host allows it.
+SHM_SCATTER_CMA_MIN_BYTES = 1 << 20
 
 Algo = Callable[..., Any]
 
@@ -116,10 +120,15 @@ def split_rows(rows: int, parts: int) -> list[tuple[int, int]]:
     return split(rows, parts)
 
 
-def reduce_scatter(plane: Any, nbytes: int, size: int, two: Any = None) -> Choice:
-    """``nbytes``: the whole input. Algorithms take ``(op, buf, out, parts, ufunc,
-    divide, *args)``; every flat one reads Parts."""
+def reduce_scatter(plane: Any, nbytes: int, size: int, two: Any = None,
+                   arrays: int = 1) -> Choice:
+    """``nbytes``: the whole input (``arrays`` arrays of Parts). Algorithms take ``(op,
+    buf, out, parts, ufunc, divide, *args)``; every flat one reads Parts. Shared memory
+    reads the peers' buffers directly from SHM_SCATTER_CMA_MIN_BYTES where it can."""
     if plane.shares_memory:
+        if (plane.reads_peers and nbytes >= SHM_SCATTER_CMA_MIN_BYTES
+                and arrays <= shm.CMA_MAX_ARRAYS):
+            return Choice("shm.reduce_scatter_cma", shm.reduce_scatter_cma, parts=True)
         return Choice("shm.reduce_scatter", shm.reduce_scatter, parts=True)
     if two is not None and len(two[0].hosts) == 2 and nbytes >= HIER_SCATTER_MIN_BYTES:
         return Choice("hier.reduce_scatter", hier.reduce_scatter, two)

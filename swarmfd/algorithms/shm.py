@@ -19,10 +19,27 @@ from ..errors import PeerLostError, ProtocolError
 from .base import Algorithm, Op, Parts, bounds, divide_by, reduce_in_order, spans, split
 from .tcp import barrier
 
-__all__ = ["CMA_MAX_ARRAYS", "CMA_MIN_BYTES", "COUNT_BYTES", "SMALL_BYTES", "all_gather",
-           "all_gather_counts", "all_gather_v", "all_reduce_cma", "all_reduce_one_round",
-           "all_reduce_rounds", "all_to_all", "all_to_all_rows", "broadcast", "gather", "reduce",
-           "reduce_scatter", "rounds", "scatter"]
+__all__ = [
+    "CMA_MAX_ARRAYS",
+    "CMA_MIN_BYTES",
+    "COUNT_BYTES",
+    "SMALL_BYTES",
+    "all_gather",
+    "all_gather_counts",
+    "all_gather_v",
+    "all_reduce_cma",
+    "all_reduce_one_round",
+    "all_reduce_rounds",
+    "all_to_all",
+    "all_to_all_rows",
+    "broadcast",
+    "gather",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_cma",
+    "rounds",
+    "scatter",
+]
 
 #: Up to this many bytes every rank reduces the whole round itself (one barrier).
 SMALL_BYTES = 1 << 18
@@ -108,15 +125,38 @@ def _layout(buf: np.ndarray | Parts) -> list[tuple[int, int]]:
     return [(a.ctypes.data, a.nbytes) for a in arrays if a.nbytes]
 
 
-def all_reduce_cma(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
-                   divide: int = 0) -> Algorithm:
-    """all_reduce through the peers' buffers (cross-memory attach): each rank publishes
-    its arrays' addresses, barrier, then reduces its 1/N chunk block by block (its
-    operand first, the peers' read into scratch) and writes each block, in cache, into
-    every peer's buffer; a last barrier. Chunk c is touched by rank c only: no race."""
-    N, me = op.size, op.me
-    pids = op.shm.cma_pids
-    itemsize = buf.itemsize
+class _Peers:
+    """The members' buffers of a call through cross-memory attach: every rank published
+    its arrays' addresses in its slot (:func:`_published`); this reads and writes
+    element ranges of them (a failed read or write is the peer's loss)."""
+
+    def __init__(self, op: Op, layouts: list[list[tuple[int, int]]], itemsize: int) -> None:
+        self.op, self.layouts, self.itemsize = op, layouts, itemsize
+        self.starts = [cma.offsets(layout) for layout in layouts]
+        self.pids = op.shm.cma_pids
+
+    def local(self, p: int, a: int, b: int) -> list[tuple[int, int]]:
+        """(address, bytes) spans of elements [a, b) of group rank ``p``'s buffer."""
+        n = self.itemsize
+        return cma.spans(self.layouts[p], self.starts[p], a * n, b * n)
+
+    def copy(self, p: int, local: list[tuple[int, int]], a: int, b: int, out: bool) -> None:
+        """Elements [a, b) of group rank ``p``'s buffer into ``local``, or (``out``)
+        ``local`` into them."""
+        world = self.op.ranks[p]
+        try:
+            (cma.write if out else cma.read)(self.pids[world], local, self.local(p, a, b))
+        except OSError as exc:
+            raise PeerLostError(
+                f"{self.op.channel.activity}: {'writing' if out else 'reading'} rank "
+                f"{world}'s memory failed ({exc.strerror or exc}): it exited or failed"
+            ) from None
+
+
+def _published(op: Op, buf: np.ndarray | Parts) -> Algorithm:
+    """``yield from`` this: every member's buffer layout, after each published its own
+    in its slot and a barrier (:class:`_Peers` over them)."""
+    me = op.me
     mine = _layout(buf)
     slot = op.next_slot()
     table = op.region(me, slot, np.dtype(np.int64), 1 + 2 * len(mine))
@@ -124,46 +164,73 @@ def all_reduce_cma(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
     table[1:] = np.asarray(mine, dtype=np.int64).reshape(-1)
     yield from barrier(op, 0)
     layouts: list[list[tuple[int, int]]] = []
-    for p in range(N):
+    for p in range(op.size):
         if p == me:
             layouts.append(mine)
             continue
         count = int(op.region(p, slot, np.dtype(np.int64), 1)[0])
         row = op.region(p, slot, np.dtype(np.int64), 1 + 2 * count)[1:].reshape(count, 2)
         layouts.append([(int(a), int(n)) for a, n in row])
-    starts = [cma.offsets(layout) for layout in layouts]
-    world = op.ranks  # group rank -> world rank (the pids' keys)
-    chunks = split(buf.size, N)
-    ca, cb = chunks[me]
+    return _Peers(op, layouts, buf.itemsize)
+
+
+def all_reduce_cma(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
+                   divide: int = 0) -> Algorithm:
+    """all_reduce through the peers' buffers (cross-memory attach): each rank publishes
+    its arrays' addresses, barrier, then reduces its 1/N chunk block by block (its
+    operand first, the peers' read into scratch) and writes each block, in cache, into
+    every peer's buffer; a last barrier. Chunk c is touched by rank c only: no race."""
+    N, me = op.size, op.me
+    peers = yield from _published(op, buf)
+    ca, cb = split(buf.size, N)[me]
     others = [p for p in range(N) if p != me]
-    per = max(1, CMA_BLOCK_BYTES // itemsize)
+    per = max(1, CMA_BLOCK_BYTES // buf.itemsize)
     scratch = np.empty(min(per, max(cb - ca, 1)), buf.dtype)
-
-    def copy(p: int, local: list[tuple[int, int]], a: int, b: int, out: bool) -> None:
-        """Elements [a, b) of group rank ``p``'s buffer into ``local``, or (``out``)
-        ``local`` into them."""
-        remote = cma.spans(layouts[p], starts[p], a * itemsize, b * itemsize)
-        try:
-            (cma.write if out else cma.read)(pids[world[p]], local, remote)
-        except OSError as exc:
-            raise PeerLostError(
-                f"{op.channel.activity}: {'writing' if out else 'reading'} rank "
-                f"{world[p]}'s memory failed ({exc.strerror or exc}): it exited or failed"
-            ) from None
-
     for a in range(ca, cb, per):
         b = min(a + per, cb)
         block = scratch[:b - a]
         for p in others:
-            copy(p, [(block.ctypes.data, block.nbytes)], a, b, False)
+            peers.copy(p, [(block.ctypes.data, block.nbytes)], a, b, False)
             for piece, u, v in spans(buf, a, b):
                 ufunc(piece, block[u:v], out=piece)
         if divide:
             for piece, _, _ in spans(buf, a, b):
                 divide_by(piece, divide)
-        result = cma.spans(mine, starts[me], a * itemsize, b * itemsize)
+        result = peers.local(me, a, b)
         for p in others:
-            copy(p, result, a, b, True)
+            peers.copy(p, result, a, b, True)
+    yield from barrier(op, 1)
+
+
+def reduce_scatter_cma(op: Op, buf: np.ndarray | Parts, out: np.ndarray,
+                       parts: list[tuple[int, int]], ufunc: np.ufunc,
+                       divide: int = 0) -> Algorithm:
+    """reduce_scatter through the peers' buffers (cross-memory attach): each rank
+    publishes its arrays' addresses, barrier, then reduces its own part block by block
+    in rank order (each peer's operand read into scratch, its own read where it is) into
+    ``out``; a last barrier, after which the buffers may change. Nothing is copied into
+    the slots: the ranks move (N-1)/N of the buffer less than :func:`reduce_scatter`."""
+    peers = yield from _published(op, buf)
+    pa, pb = parts[op.me]
+    per = max(1, CMA_BLOCK_BYTES // buf.itemsize)
+    scratch = np.empty(min(per, max(pb - pa, 1)), buf.dtype)
+    for a in range(pa, pb, per):
+        b = min(a + per, pb)
+        dst = out[a - pa:b - pa]
+        for p in range(op.size):
+            if p == op.me:
+                operand = spans(buf, a, b)
+            else:
+                block = scratch[:b - a]
+                peers.copy(p, [(block.ctypes.data, block.nbytes)], a, b, False)
+                operand = ((block, 0, b - a),)
+            for piece, u, v in operand:
+                if p == 0:
+                    np.copyto(dst[u:v], piece)
+                else:
+                    ufunc(dst[u:v], piece, out=dst[u:v])
+        if divide:
+            divide_by(dst, divide)
     yield from barrier(op, 1)
 
 
