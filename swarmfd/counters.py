@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["MIN_CALLS", "SKEW_FLOOR", "WAIT_SHARE", "WINDOW", "CallStats", "straggler"]
+__all__ = ["LAST_SHARE", "MIN_CALLS", "SKEW_FLOOR", "WAIT_SHARE", "WINDOW", "CallStats", "straggler"]
 
 #: Calls whose waits each group keeps, per rank (a power of two).
 WINDOW = 1024
@@ -36,6 +36,8 @@ SKEW_FLOOR = 0.001
 WAIT_SHARE = 0.10
 #: Fewer calls that kept a rank waiting than this name no straggler.
 MIN_CALLS = 3
+#: A straggler arrived last in at least this share of the calls that kept a rank waiting.
+LAST_SHARE = 0.75
 
 
 class CallStats:
@@ -91,12 +93,13 @@ def straggler(waits: Mapping[int, Mapping[int, float]],
     rank to its waits by call number, ``shares`` each rank to the share of its wall
     time it waited. In each call every rank reported, the rank that waited least
     arrived last, if the waits differ by SKEW_FLOOR at least. A rank that arrived last
-    in more than half of the calls every rank reported (with MIN_CALLS calls that kept
-    a rank waiting at least) while the other ranks waited more than WAIT_SHARE of their
-    time on average is the straggler: (rank, calls it arrived last in, calls every rank
-    reported); else None. Half of all calls, not of those that kept a rank waiting: in a
-    balanced job a few calls kept someone waiting by chance, and one rank may be last in
-    most of those."""
+    in at least LAST_SHARE of the calls that kept a rank waiting (MIN_CALLS of them at
+    least) while the other ranks waited more than WAIT_SHARE of their time on average
+    is the straggler: (rank, calls it arrived last in, calls every rank reported); else
+    None. A plain majority is not enough: in a balanced job on a loaded machine a few
+    calls keep someone waiting by chance, and one rank may be last in most of those;
+    a straggler is last in nearly all of them (a job whose other calls wait for nobody
+    included)."""
     if len(waits) < 2:
         return None
     ranks = sorted(waits)
@@ -113,6 +116,6 @@ def straggler(waits: Mapping[int, Mapping[int, float]],
         return None
     rank, count = last.most_common(1)[0]
     others = [shares.get(r, 0.0) for r in ranks if r != rank]
-    if count * 2 <= len(common) or sum(others) / len(others) <= WAIT_SHARE:
+    if count < LAST_SHARE * decided or sum(others) / len(others) <= WAIT_SHARE:
         return None
     return rank, count, len(common)

@@ -6,7 +6,7 @@ environment, so every rank a test spawns inherits the path (and the directory is
 removed at the end of the session).
 
 The rank harness itself (``run_ranks``, ``run_ranks_raw``, ``Ranks``, ``free_port``,
-...) is tests/harness.py; its names are importable from here too, as the test files
+...) is tests/support/harness.py; its names are importable from here too, as the test files
 have always imported them.
 """
 
@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from .harness import (
+from .support.harness import (
     START_LINE_TIMEOUT,
     RankFailure,
     RankResults,

@@ -10,7 +10,7 @@ from hypothesis.extra import numpy as hnp
 
 from swarmfd.accumulate import GradAccum
 
-from .harness import require_torch
+from .support.harness import require_torch
 
 
 class Param:

@@ -4,7 +4,7 @@ Each algorithm of :mod:`swarmfd.algorithms` (all_reduce, broadcast, reduce, all_
 its uneven form, barrier, reduce_scatter, all_to_all, gather, scatter) runs for group
 sizes 1-5 (where it applies),
 sizes around its pieces and rounds, every dtype group, against the sum of the inputs:
-exact for integers; for floats to float precision (tests/reference.py) and bitwise
+exact for integers; for floats to float precision (tests/support/reference.py) and bitwise
 identical on every rank. No process is
 spawned: these are the algorithms' logic; tests/test_collectives.py runs the public
 calls on real planes between real processes.
@@ -28,8 +28,8 @@ from swarmfd.comm import wire
 from swarmfd.comm.channel import Channel
 from swarmfd.comm.planes.shm import SEGMENT_BYTES
 
-from .memplane import Fabric, run_algorithm, run_threads, sample_data
-from .reference import assert_sum
+from .support.memplane import Fabric, run_algorithm, run_threads, sample_data
+from .support.reference import assert_sum
 
 DTYPES = [np.int8, np.int64, np.uint32, np.float16, np.float32, np.float64, np.complex128]
 #: Element counts around the edges: empty, fewer than ranks, a piece, several pieces and
@@ -339,7 +339,7 @@ def test_tcp_ring_all_reduce_of_parts_is_that_of_the_fused_buffer(
     divided, on every rank; the owner's divide of a mean gives the bits of dividing
     the whole result; on a plane that copies payloads (a reused buffer) and on one that
     hands them over (zmq's frames)."""
-    from .memplane import MemoryPlane
+    from .support.memplane import MemoryPlane
 
     monkeypatch.setattr(MemoryPlane, "zero_copy_recv", handed_over)
     inputs = _parts_inputs(n, counts)
@@ -441,7 +441,7 @@ def test_a_list_all_reduce_in_place_and_staged(plane: str) -> None:
     (Parts), over TCP through a staging buffer; the same answers either way, in place:
     several dtypes, a non-contiguous array, the same array twice, an empty one, means;
     and the reduce_scatter of arrays read where they are (reduce_scatter_parts)."""
-    from .threadranks import run_api
+    from .support.threadranks import run_api
 
     world = 3
     out = run_api(_list_all_reduce, world, plane=plane)
@@ -673,7 +673,7 @@ def test_rings_give_the_same_bits_whether_pieces_land_in_a_reused_buffer_or_not(
     would copy it into a new one (the socket plane), and take it as handed over on one
     that does not (zmq's frames): Op.recv_operand. Both give the right sums, bit for bit
     the same, over several pieces a step (and a shorter last one)."""
-    from .memplane import MemoryPlane
+    from .support.memplane import MemoryPlane
 
     count = 3 * wire.PIECE_BYTES // 4 * n + 7  # float32: 3 pieces a part, uneven parts
     inputs = [sample_data(r, count, np.float32, seed=5) * np.float32(1 + r / 7)
@@ -778,7 +778,7 @@ def test_all_gather_counts_refuses_a_message_of_the_wrong_length(payload: bytes)
     small part's count without its rows) is a ProtocolError naming the peer."""
     from swarmfd.errors import ProtocolError
 
-    from .memplane import ThreadFailure
+    from .support.memplane import ThreadFailure
 
     def make(op: Op) -> Any:
         if op.me == 1:
@@ -809,7 +809,7 @@ def test_all_gather_counts_by_doubling_refuses_a_message_of_the_wrong_shape(
     the rule, is a ProtocolError naming its sender (rank 3, rank 1's partner there)."""
     from swarmfd.errors import ProtocolError
 
-    from .memplane import ThreadFailure
+    from .support.memplane import ThreadFailure
 
     def make(op: Op) -> Any:
         if op.me == 3:
@@ -1036,7 +1036,7 @@ def test_a_failed_read_of_a_peers_memory_names_the_peer(monkeypatch: pytest.Monk
     naming it, not a bare OSError."""
     from swarmfd.comm import cma
 
-    from .memplane import ThreadFailure
+    from .support.memplane import ThreadFailure
 
     real = getattr(cma, which)
 
@@ -1066,7 +1066,7 @@ def test_the_probe_refuses_a_pid_that_is_not_the_peers(monkeypatch: pytest.Monke
     from swarmfd.comm import cma
     from swarmfd.comm.channel import Channel
 
-    from .memplane import shm_planes
+    from .support.memplane import shm_planes
 
     channels = [Channel(r, 2, 5.0) for r in range(2)]
     planes = shm_planes(2, channels)

@@ -40,7 +40,7 @@ from swarmfd.comm import security as transport
 from swarmfd.comm import wire
 from swarmfd.comm.plane import PeerInfo
 
-from .harness import (
+from .support.harness import (
     VANISHED_PEER_LIMIT,
     RankCtx,
     Ranks,

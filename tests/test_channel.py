@@ -33,8 +33,8 @@ from swarmfd.errors import (
     ProtocolError,
 )
 
-from .harness import LOST_PEER_LIMIT, allowed, stall_meter
-from .memplane import Fabric, run_threads
+from .support.harness import LOST_PEER_LIMIT, allowed, stall_meter
+from .support.memplane import Fabric, run_threads
 
 SIG = wire.Signature(wire.Collective.ALL_REDUCE, wire.ReduceOp.SUM,
                      wire.dtype_code(np.dtype(np.float32)), count=4,

@@ -16,7 +16,7 @@ from swarmfd.algorithms import select
 from swarmfd.comm import wire
 from swarmfd.comm.planes import zmq as zmq_transport
 
-from .harness import (
+from .support.harness import (
     RankFailure,
     free_port,
     require_torch,
@@ -24,7 +24,7 @@ from .harness import (
     run_ranks_raw,
     transport_env,
 )
-from .reference import assert_sum
+from .support.reference import assert_sum
 
 INTS = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64]
 FLOATS = [np.float16, np.float32, np.float64]
@@ -329,7 +329,7 @@ def _identical_floats(rank: int, world: int) -> str:
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_float_results_are_bitwise_identical_on_every_rank(world: int, transport: str) -> None:
     """Random floats with wide exponents: every rank ends with the same bytes, the sum
-    (and the mean of the sums) to float precision (tests/reference.py)."""
+    (and the mean of the sums) to float precision (tests/support/reference.py)."""
     results = run_ranks(_identical_floats, world, env=transport_env(transport))
     assert len(set(results)) == 1
 
@@ -692,7 +692,7 @@ def _which_transport(rank: int, world: int) -> tuple[bool, list[str]]:
 
 def test_ranks_of_one_host_use_shared_memory_and_leave_no_files() -> None:
     """auto picks shared memory on one host, tcp forces TCP; the segments have no name
-    (memfds: nothing in /dev/shm; see tests/test_shm.py for the full checks)."""
+    (memfds: nothing in /dev/shm; see tests/test_shm_plane.py for the full checks)."""
     auto = run_ranks(_which_transport, 3)
     tcp = run_ranks(_which_transport, 3, env={"SWARMFD_TRANSPORT": "tcp"})
     assert [used for used, _ in auto] == [True] * 3

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .harness import require
+from .support.harness import require
 
 torch = require("torch", "pip install torch==2.13.0, the CPU wheel")
 

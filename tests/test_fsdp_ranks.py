@@ -16,7 +16,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from .harness import require, run_ranks, run_ranks_raw, transport_env
+from .support.harness import require, run_ranks, run_ranks_raw, transport_env
 
 torch = require("torch", "pip install torch==2.13.0, the CPU wheel")
 

@@ -1,10 +1,10 @@
 """The two-level algorithms (swarmfd/algorithms/hier.py), in-process on simulated hosts.
 
 Thread-ranks with a memory plane to every rank (the "TCP" between hosts) and real
-shared memory among the ranks of each simulated host (tests/memplane.py run_hosts):
+shared memory among the ranks of each simulated host (tests/support/memplane.py run_hosts):
 every collective, even and uneven hosts, two and three hosts, spread placements,
 sizes around the rounds and shards, every dtype group, against the sum of the inputs
-(exact for integers; floats to float precision, tests/reference.py, and bitwise
+(exact for integers; floats to float precision, tests/support/reference.py, and bitwise
 identical on every rank). tests/test_hier_netsim.py runs the public calls between
 real processes on simulated hosts.
 """
@@ -23,8 +23,8 @@ from swarmfd.algorithms.base import Op
 from swarmfd.comm import wire
 from swarmfd.counters import CallStats
 
-from .memplane import Fabric, run_hier_algorithm, sample_data
-from .reference import assert_sum
+from .support.memplane import Fabric, run_hier_algorithm, sample_data
+from .support.reference import assert_sum
 
 #: Simulated hosts of each rank: even, spread (hosts interleaved in rank order), uneven
 #: (3 + 1, 1 + 3, 4 + 2 where K=4 does not divide evenly), three hosts, 2 x 4.
@@ -382,7 +382,7 @@ def test_progress_engine_drives_the_phases() -> None:
 
     from swarmfd.engine import Engine
 
-    from .memplane import run_hosts
+    from .support.memplane import run_hosts
 
     hosts = HOSTS["3+1"]
     n = len(hosts)
@@ -526,7 +526,7 @@ class _World:
         from swarmfd import session as _session
         from swarmfd.config import Config
 
-        from .memplane import run_hosts
+        from .support.memplane import run_hosts
 
         n = len(hosts)
         names = [f"host{h}" for h in hosts]
@@ -657,7 +657,7 @@ def test_host_lost_mid_call_is_named_by_every_survivor(algo: str) -> None:
     from swarmfd.comm.plane import PeerInfo
     from swarmfd.errors import PeerLostError
 
-    from .memplane import run_hosts
+    from .support.memplane import run_hosts
 
     hosts = [0, 1, 0, 0, 1]
     n = len(hosts)
@@ -724,7 +724,7 @@ def test_reading_another_plane_never_abandons_a_payload_half_read() -> None:
 
     from swarmfd.comm.channel import LOST_PEER_GRACE, Channel
 
-    from .memplane import MemoryPlane
+    from .support.memplane import MemoryPlane
 
     class SlowPlane(MemoryPlane):
         """A payload that trickles in: read_payload waits in slices, calling between."""
@@ -764,7 +764,7 @@ def test_flat_collectives_cross_each_host_link_as_few_times_as_their_order_allow
     without shared memory, so the flat algorithms run: the broadcast and reduce chains
     cross between the hosts once (S bytes, not the 3 S of a chain in rank order), the
     all_reduce ring twice (3 S, not 6 S)."""
-    from .threadranks import run_api
+    from .support.threadranks import run_api
 
     hosts = ["a", "b", "a", "b"]
     S = 4 << 20

@@ -2,11 +2,11 @@
 
 Each simulated host is a network namespace, so its ranks share memory (the setup's
 abstract unix socket is per namespace) and reach the other hosts over TCP. A job runs
-tests/hier_job.py: every collective at sizes around the paths, lists of several
+tests/support/hier_job.py: every collective at sizes around the paths, lists of several
 dtypes, a group that crosses hosts; each rank checks its results and reports the path
 it took. Then a host is lost in the middle of a loop of large calls: its ranks killed,
 or its link cut (no FIN: the keepalive finds it), and every survivor must name a rank
-of that host and its host name within the suite's bounds (tests/harness.py
+of that host and its host name within the suite's bounds (tests/support/harness.py
 LOST_PEER_LIMIT, VANISHED_PEER_LIMIT). Needs root: skips without it, fails under CI=true.
 """
 
@@ -25,9 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import netsim  # noqa: E402
 
-from .harness import LOST_PEER_LIMIT, VANISHED_PEER_LIMIT, unavailable  # noqa: E402
+from .support.harness import LOST_PEER_LIMIT, VANISHED_PEER_LIMIT, unavailable  # noqa: E402
 
-JOB = str(ROOT / "tests" / "hier_job.py")
+JOB = str(ROOT / "tests" / "support" / "hier_job.py")
 PREFIX = "HIER-RESULT "
 
 

@@ -37,7 +37,7 @@ from swarmfd.launch import (
     resolve_command,
 )
 
-from .harness import unavailable
+from .support.harness import unavailable
 
 if not sys.platform.startswith("linux"):  # pragma: no cover - depends on the machine
     unavailable("the launcher tests use /proc and PDEATHSIG", what="the launcher tests",

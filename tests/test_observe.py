@@ -47,14 +47,22 @@ def test_a_balanced_job_names_no_straggler() -> None:
     # Too few calls that kept anybody waiting.
     few = {r: {c: (0.0 if r == 1 else 0.1) for c in range(1, MIN_CALLS)} for r in range(2)}
     assert straggler(few, {0: 0.9, 1: 0.0}) is None
-    # Last in 4 of the 6 calls that kept someone waiting, by chance, but not in more than
-    # half of the 10 calls: nobody is named (a loaded machine's scheduler does this).
+    # Last in 4 of the 6 calls that kept someone waiting, by chance: nobody is named (a
+    # loaded machine's scheduler does this).
     late = {r: {c: 0.0 for c in range(1, 11)} for r in range(3)}
     for c in (1, 3, 5, 7):
         late[0][c] = late[2][c] = 0.02
     late[1][2] = 0.02  # call 2: rank 0 (and 2) last; call 4: rank 2
     late[0][4] = late[1][4] = 0.02
     assert straggler(late, {0: 0.9, 1: 0.5, 2: 0.9}) is None
+
+
+def test_a_straggler_is_named_when_every_other_call_waits_for_nobody() -> None:
+    # Two calls a step, the slow rank computes before the first: it is last in every
+    # call that kept someone waiting, half of all calls.
+    waits = {r: {c: (0.05 if c % 2 and r != 1 else 0.0002) for c in range(1, 21)}
+             for r in range(3)}
+    assert straggler(waits, {0: 0.9, 1: 0.01, 2: 0.9}) == (1, 10, 20)
 
 
 def test_only_the_calls_every_rank_reported_count() -> None:

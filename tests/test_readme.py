@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from . import harness
+from .support import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

@@ -9,7 +9,7 @@
   timed out hears the others' reports; resumed, the stopped rank fails fast too.
 
 Each time bound also allows whatever time in its window this machine did not run the
-test process's stall meter (tests/harness.py StallMeter; 0 on a machine that runs
+test process's stall meter (tests/support/harness.py StallMeter; 0 on a machine that runs
 its processes), and says so when it did.
 * Mismatched calls (collective, shape, dtype, op, root) at N=2 and N=3, small
   and large: every rank raises a MismatchError naming the collective, both
@@ -31,7 +31,7 @@ import pytest
 
 import swarmfd as fd
 
-from .harness import (
+from .support.harness import (
     LOST_PEER_LIMIT,
     TIMEOUT_REPORT,
     RankCtx,
@@ -720,8 +720,8 @@ def test_an_abort_of_the_next_call_lets_the_current_one_finish() -> None:
     which call its sender finished last) lets that call finish, blocking or async; the
     group fails from the call the sender failed on. It used to fail the root's call,
     depending on which connection delivered first (a flaky CI run of the test above)."""
-    from .memplane import Fabric
-    from .threadranks import run_api
+    from .support.memplane import Fabric
+    from .support.threadranks import run_api
 
     for async_op in (False, True):
         fabric = Fabric(3)

@@ -21,7 +21,7 @@ import pytest
 import swarmfd as fd
 from swarmfd.comm import wire
 
-from .harness import (
+from .support.harness import (
     LOST_PEER_LIMIT,
     allowed,
     count_runs,
@@ -571,7 +571,7 @@ def test_an_op_packs_each_header_once_and_joins_each_calls_number(
     from swarmfd.algorithms import tcp
     from swarmfd.algorithms.base import Op, run
 
-    from .memplane import MemoryPlane, run_threads
+    from .support.memplane import MemoryPlane, run_threads
 
     asked: dict[int, int] = {}
     real = MemoryPlane.header

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import swarmfd as fd
 from swarmfd.sharding import shard_batch, shard_indices
 
-from .harness import require_torch
+from .support.harness import require_torch
 
 sizes = st.integers(min_value=0, max_value=300)
 worlds = st.integers(min_value=1, max_value=9)

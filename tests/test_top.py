@@ -22,7 +22,7 @@ from swarmfd import jobs
 from swarmfd.statusline import MARK
 from swarmfd.top import TopError, pick_job, rows
 
-from .harness import unavailable
+from .support.harness import unavailable
 
 SLOWED = """
 import os, sys, time

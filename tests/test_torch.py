@@ -11,7 +11,7 @@ import gc
 
 import pytest
 
-from .harness import require_torch
+from .support.harness import require_torch
 
 torch = require_torch()
 

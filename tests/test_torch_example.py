@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .harness import require_installed, require_torch
+from .support.harness import require_installed, require_torch
 
 # Both are imported by the example's processes only.
 require_torch(load=False)

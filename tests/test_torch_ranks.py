@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from .harness import (
+from .support.harness import (
     count_runs,
     free_port,
     require_torch,

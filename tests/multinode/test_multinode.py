@@ -24,7 +24,7 @@ import pytest
 
 from swarmfd.statusline import MARK
 from swarmfd.swarm.spec import LABEL_JOB
-from tests.swarm_jobs import SLOWED_JOB, job_names, rank_lines, top_rows, wait_until
+from tests.support.swarm_jobs import SLOWED_JOB, job_names, rank_lines, top_rows, wait_until
 
 pytestmark = [pytest.mark.swarm, pytest.mark.multinode]
 
@@ -273,7 +273,7 @@ def test_bench_across_nodes_plain_and_encrypted(multinode: Any,
 
 # --- 3b. two ranks per node: the two-level collectives ------------------------------------
 
-HIER_JOB = (ROOT / "tests" / "hier_job.py").read_text()
+HIER_JOB = (ROOT / "tests" / "support" / "hier_job.py").read_text()
 HIER_PREFIX = "HIER-RESULT "
 
 
@@ -281,7 +281,7 @@ def test_two_level_collectives_with_two_ranks_per_node(
         multinode: Any, job_name: Callable[[str], str]) -> None:
     """2 ranks per node (N=6 on 3 nodes), default deploy options: the two containers of a
     node share memory through their job's own volume on it, and every collective takes
-    the two-level path (tests/hier_job.py --expect-two-level: each rank checks every
+    the two-level path (tests/support/hier_job.py --expect-two-level: each rank checks every
     result and fails on a silent fall-back to flat TCP)."""
     n = 2 * len(multinode.nodes)
     name = job_name("hier")

@@ -28,7 +28,7 @@ import pytest
 
 from swarmfd.statusline import MARK
 from swarmfd.swarm.spec import LABEL_JOB
-from tests.swarm_jobs import job_names, rank_lines, wait_until
+from tests.support.swarm_jobs import job_names, rank_lines, wait_until
 
 pytestmark = pytest.mark.swarm
 

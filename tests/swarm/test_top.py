@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from swarmfd.statusline import MARK
-from tests.swarm_jobs import SLOWED_JOB, job_names, top_rows
+from tests.support.swarm_jobs import SLOWED_JOB, job_names, top_rows
 
 pytestmark = pytest.mark.swarm
 ROOT = Path(__file__).resolve().parents[2]

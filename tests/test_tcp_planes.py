@@ -28,8 +28,8 @@ from swarmfd.comm.planes import socket as lanes
 from swarmfd.config import data_plane
 from swarmfd.errors import ConfigError, MismatchError, PeerLostError, ProtocolError
 
-from .harness import LOST_PEER_LIMIT, RankCtx, Ranks, allowed, run_ranks_raw, stall_meter
-from .threadranks import connect_transports, peer_info
+from .support.harness import LOST_PEER_LIMIT, RankCtx, Ranks, allowed, run_ranks_raw, stall_meter
+from .support.threadranks import connect_transports, peer_info
 
 SECRET = b"s" * 40
 SIG = wire.Signature(wire.Collective.ALL_REDUCE, wire.ReduceOp.SUM, 5, wire.NO_ROOT, 1, 0)

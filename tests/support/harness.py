@@ -30,8 +30,8 @@ stacks of each of its threads (faulthandler, on SIGUSR1: :func:`arm_stack_dump`)
 child is reaped whatever happens (SIGCONT, then SIGKILL of whatever is left), so no
 test can hang or leak; :meth:`Ranks.close` asserts none survives.
 
-Logic that does not need processes runs on thread-ranks instead: tests/memplane.py
-(the algorithms, the message layer) and tests/threadranks.py (the public API over the
+Logic that does not need processes runs on thread-ranks instead: tests/support/memplane.py
+(the algorithms, the message layer) and tests/support/threadranks.py (the public API over the
 real planes).
 """
 
@@ -97,7 +97,7 @@ __all__ = [
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["numpy", "zmq", "psutil", "pytest", "hypothesis", "swarmfd",
                              "swarmfd.comm.transport", "swarmfd.comm.shm_setup",
-                             "swarmfd.engine", "tests.harness", "torch", "torch._dynamo"])
+                             "swarmfd.engine", "tests.support.harness", "torch", "torch._dynamo"])
 _STACK_FILES: list[Any] = []  # in a rank: the open file faulthandler writes to
 
 #: How long a spawned rank waits at the start line for the others to have started.

@@ -48,9 +48,9 @@ from swarmfd.comm.channel import LOST_PEER_GRACE, Channel
 from swarmfd.comm.planes.shm import ShmPlane
 from swarmfd.errors import CollectiveTimeout, MismatchError, PeerLostError
 
-from .attacker import Attacker
-from .harness import LOST_PEER_LIMIT, allowed, stall_meter, unavailable
-from .robust_harness import RankCtx, Ranks, error_info, record
+from .support.attacker import Attacker
+from .support.harness import LOST_PEER_LIMIT, allowed, stall_meter, unavailable
+from .support.robust_harness import RankCtx, Ranks, error_info, record
 
 #: A job token as the rendezvous draws them (16 hex digits).
 TOKEN = "0123456789abcdef"
