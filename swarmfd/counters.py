@@ -24,7 +24,8 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["LAST_SHARE", "MIN_CALLS", "SKEW_FLOOR", "WAIT_SHARE", "WINDOW", "CallStats", "straggler"]
+__all__ = ["LAST_SHARE", "MIN_CALLS", "SKEW_FLOOR", "WAIT_SHARE", "WINDOW", "CallStats",
+           "straggler"]
 
 #: Calls whose waits each group keeps, per rank (a power of two).
 WINDOW = 1024
