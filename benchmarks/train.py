@@ -9,6 +9,12 @@ one thread per rank. Variants:
 ``torch-ddp``     ``torch.nn.parallel.DistributedDataParallel`` over gloo
 ``swarmfd-ddp``   ``swarmfd.torch.DistributedDataParallel``
 ``swarmfd-zero``  the same with ``ZeroRedundancyOptimizer(Adam)``
+``swarmfd-fsdp``  ``fully_shard`` on every Linear, then on the model (parameters,
+                  gradients and optimizer state sharded)
+``swarmfd-zero2`` the same with ``reshard_after_forward=False`` (ZeRO-2)
+
+The sharded variants are not in the default list: ``--fsdp`` adds them and makes the
+model 8 hidden layers deep (``--layers``), each Linear a unit.
 
 Configurations: N=2 and N=4 ranks on loopback (``swarmfd run``), swarmfd on shared
 memory (``shm``) and on TCP (``tcp``, ``SWARMFD_TRANSPORT=tcp``, the socket plane; ``zmq``,
@@ -20,14 +26,18 @@ Method: ``--rounds`` rounds, each running every (configuration, variant) job onc
 an order rotated from round to round (interleaved, so drifts of the machine's load
 hit every variant alike). A job times ``--steps`` steps after ``--warmup``; a rank's
 figure is its median step, a job's the slowest rank's, a variant's the median over
-rounds. The verdicts are ratios of figures of the same run. Memory is measured with
-Adam in extra jobs (swarmfd DDP with plain Adam and with ZeRO, per N, shared memory):
-each rank's peak RSS (VmHWM) and its optimizer state (every tensor the optimizer
-holds; ZeRO: its local optimizers' state).
+rounds. Each rank also reports its median CPU time a step (the process's, every
+thread): on a shared machine it moves less than the time. The verdicts are ratios of
+figures of the same run. Memory is measured with Adam in extra jobs (swarmfd DDP with
+plain Adam and with ZeRO, per N, shared memory): each rank's peak RSS (VmHWM) and its
+optimizer state (every tensor the optimizer holds; ZeRO: its local optimizers' state);
+with the sharded variants also the bytes of parameters and gradients each rank holds,
+and the most gathered parameters and unsharded gradients it held at once.
 
     python benchmarks/train.py                    # loopback, N=2 and 4, both planes
     python benchmarks/train.py --netsim           # + two simulated hosts at 5 Gbit/s
     python benchmarks/train.py --quick            # a short smoke run
+    python benchmarks/train.py --fsdp --planes shm --optim adam   # + fully_shard, ZeRO-2
 
 Writes ``--out`` (default benchmarks/out/train-<time>): .md (table and verdicts),
 .csv (every job) and .png (needs matplotlib: pip install -e ".[bench]").
@@ -49,7 +59,12 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-VARIANTS = ("nocomm", "torch-ddp", "swarmfd-ddp", "swarmfd-zero")
+VARIANTS = ("nocomm", "torch-ddp", "swarmfd-ddp", "swarmfd-zero", "swarmfd-fsdp",
+            "swarmfd-zero2")
+DEFAULT_VARIANTS = VARIANTS[:4]
+SHARDED = ("swarmfd-fsdp", "swarmfd-zero2")
+#: The variants whose memory the extra jobs with Adam measure.
+MEMORY_VARIANTS = ("swarmfd-ddp", "swarmfd-zero", *SHARDED)
 #: Nominal link rate of the simulated hosts (5 Gbit/s; netsim measured
 #: 4.55-4.75 Gbit/s of TCP payload one way on it).
 NETSIM_RATE = 5e9
@@ -64,11 +79,11 @@ PLANE_ENV = {"shm": {"SWARMFD_TRANSPORT": "auto"},
 # -- a rank -----------------------------------------------------------------------------
 
 
-def _model() -> Any:
+def _model(depth: int = LAYERS) -> Any:
     import torch
 
     layers: list[Any] = [torch.nn.Linear(IN, HIDDEN), torch.nn.ReLU()]
-    for _ in range(LAYERS - 1):
+    for _ in range(depth - 1):
         layers += [torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU()]
     layers.append(torch.nn.Linear(HIDDEN, OUT))
     return torch.nn.Sequential(*layers)
@@ -81,6 +96,35 @@ def _state_bytes(opt: Any) -> int:
         return int(opt.state_bytes())
     return sum(v.numel() * v.element_size() for st in opt.state.values()
                for v in st.values() if isinstance(v, torch.Tensor))
+
+
+def _tensor_bytes(tensors: Any) -> int:
+    """Bytes of distinct storages among ``tensors`` (None skipped)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is not None:
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())
+    return sum(seen.values())
+
+
+def _memory(variant: str, model: Any, opt: Any) -> dict[str, int]:
+    """The bytes of parameters, gradients (ZeRO: also its reduced shards) and, for the
+    sharded variants, the most gathered parameters and unsharded gradients held at once
+    and the largest unit's parameters."""
+    params = list(model.parameters())
+    out = {"params_bytes": _tensor_bytes(params),
+           "grads_bytes": _tensor_bytes(p.grad for p in params)}
+    if variant == "swarmfd-zero":
+        out["grads_bytes"] += _tensor_bytes(opt._shard_grads)
+    if variant in SHARDED:
+        from swarmfd.torch import fsdp
+
+        stats = fsdp.memory_stats(model)
+        out.update(params_bytes=stats["params"], grads_bytes=stats["grads"],
+                   transient_bytes=stats["peak_unsharded"], unit_bytes=stats["largest_unit"],
+                   unsharded_bytes=stats["unsharded_total"])
+    return out
 
 
 def _vm_hwm() -> int:
@@ -100,13 +144,22 @@ def worker(args: argparse.Namespace) -> None:
     variant = args.variant
     trace: _Trace | None = None
     torch.manual_seed(0)
-    model = _model()
+    model = _model(args.layers)
     x, y = torch.randn(BATCH, IN), torch.randint(0, OUT, (BATCH,))
     if variant == "torch-ddp":
         import torch.distributed as dist
 
         dist.init_process_group("gloo")
         m = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
+    elif variant in SHARDED:
+        import swarmfd as fd
+        import swarmfd.torch as sft
+
+        fd.init_from_env()
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                sft.fully_shard(layer, reshard_after_forward=variant == "swarmfd-fsdp")
+        m = sft.fully_shard(model, reshard_after_forward=variant == "swarmfd-fsdp")
     elif variant.startswith("swarmfd"):
         import swarmfd as fd
         import swarmfd.torch as sft
@@ -124,9 +177,9 @@ def worker(args: argparse.Namespace) -> None:
         opt = sft.ZeroRedundancyOptimizer(m.parameters(), cls, **kw)
     else:
         opt = cls(m.parameters(), **kw)
-    steps, fwd = [], []
+    steps, fwd, cpu = [], [], []
     for i in range(args.warmup + args.steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(m(x), y)
         t1 = time.perf_counter()
@@ -138,9 +191,11 @@ def worker(args: argparse.Namespace) -> None:
         if i >= args.warmup:
             steps.append(t2 - t0)
             fwd.append(t1 - t0)
+            cpu.append(time.process_time() - c0)
     rec = {"rank": rank, "variant": variant, "step_ms": 1e3 * statistics.median(steps),
-           "fwd_ms": 1e3 * statistics.median(fwd), "state_bytes": _state_bytes(opt),
-           "hwm_bytes": _vm_hwm()}
+           "fwd_ms": 1e3 * statistics.median(fwd), "cpu_ms": 1e3 * statistics.median(cpu),
+           "state_bytes": _state_bytes(opt),
+           "hwm_bytes": _vm_hwm(), **_memory(variant, m, opt)}
     if trace is not None:
         rec["trace"] = trace.summary()
     print(json.dumps(rec), flush=True)
@@ -218,7 +273,7 @@ def _worker_argv(args: argparse.Namespace, variant: str, optim: str | None = Non
     return [sys.executable, str(Path(__file__).resolve()), "worker", "--variant", variant,
             "--steps", str(steps or args.steps), "--warmup", str(args.warmup),
             "--bucket-cap-mb", str(args.bucket_cap_mb), "--optim", optim or args.optim,
-            "--overlap", args.overlap,
+            "--overlap", args.overlap, "--layers", str(args.layers),
             *(["--trace"] if args.trace and variant == "swarmfd-ddp" else [])]
 
 
@@ -270,9 +325,9 @@ def _jobs(args: argparse.Namespace) -> list[tuple[str, int, str]]:
 
 
 def _figure(recs: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"step_ms": max(r["step_ms"] for r in recs), "fwd_ms": max(r["fwd_ms"] for r in recs),
-            "state_bytes": max(r["state_bytes"] for r in recs),
-            "hwm_bytes": max(r["hwm_bytes"] for r in recs)}
+    """A job's figures: its slowest rank's step, the most any rank held."""
+    keys = [k for k in recs[0] if k.endswith(("_ms", "_bytes"))]
+    return {k: max(r.get(k, 0) for r in recs) for k in keys}
 
 
 def measure(args: argparse.Namespace) -> tuple[dict[tuple[str, int, str], list[dict[str, Any]]],
@@ -305,9 +360,12 @@ def measure(args: argparse.Namespace) -> tuple[dict[tuple[str, int, str], list[d
                         print(f"  trace rank {rec['rank']}: forward {rec['fwd_ms']:.1f} ms, "
                               f"then from backward's start (ms): {json.dumps(rec['trace'])}",
                               flush=True)
-    if "swarmfd-zero" in args.variants:  # memory, with Adam
+    mem = [v for v in MEMORY_VARIANTS if v in args.variants]
+    if mem and ("swarmfd-zero" in mem or set(SHARDED) & set(mem)):  # memory, with Adam
+        if "swarmfd-ddp" not in mem:
+            mem.insert(0, "swarmfd-ddp")  # (the unsharded figures to compare with)
         for n in args.sizes:
-            for v in ("swarmfd-ddp", "swarmfd-zero"):
+            for v in mem:
                 fig = _figure(_run_loopback(args, n, "shm", v, "adam", steps=3))
                 results[("adam", n, v)] = [fig]
                 rows.append({"round": -1, "config": "adam", "n": n, "variant": v, **fig,
@@ -335,7 +393,7 @@ def _base_plane(results: dict[tuple[str, int, str], Any], n: int) -> str:
 def report(args: argparse.Namespace, results: dict[tuple[str, int, str], list[dict[str, Any]]]
            ) -> tuple[str, list[tuple[str, float | None, float, bool | None]]]:
     """The markdown table, and the verdicts: (what, measured, limit, ok)."""
-    grad_bytes = 4 * _param_count()
+    grad_bytes = 4 * _param_count(args.layers)
     lines = ["| config | N | " + " | ".join(args.variants) + " | swarmfd-ddp / nocomm | "
              "swarmfd-ddp / torch-ddp |", "|" + " --- |" * (len(args.variants) + 4)]
     verdicts: list[tuple[str, float | None, float, bool | None]] = []
@@ -354,6 +412,13 @@ def report(args: argparse.Namespace, results: dict[tuple[str, int, str], list[di
             limit = 0.75 if n == 2 else 0.8
             verdicts.append((f"N={n} {plane}: swarmfd DDP / torch DDP <= {limit}", r_torch,
                              limit, None if r_torch is None else r_torch <= limit))
+        fsdp = figs.get("swarmfd-fsdp")
+        if fsdp and plane == "shm" and n == 2 and sddp:
+            verdicts.append(("N=2 shm: swarmfd fully_shard / swarmfd DDP <= 1.3", fsdp / sddp,
+                             1.3, fsdp / sddp <= 1.3))
+        if fsdp and plane == "shm" and tddp:
+            verdicts.append((f"N={n} shm: swarmfd fully_shard / torch DDP <= 1", fsdp / tddp,
+                             1.0, fsdp / tddp <= 1.0))
         if plane == "netsim":
             verdicts.append(("netsim 5 Gbit/s: swarmfd DDP / torch DDP <= 0.8", r_torch, 0.8,
                              None if r_torch is None else r_torch <= 0.8))
@@ -363,30 +428,59 @@ def report(args: argparse.Namespace, results: dict[tuple[str, int, str], list[di
             verdicts.append((f"netsim: swarmfd DDP <= 1.15 x max(no-comm, link {link_ms:.1f} ms)"
                              f" + forward {fwd:.1f} ms = {bound:.1f} ms", sddp, bound,
                              None if sddp is None else sddp <= bound))
-    mem = ["", "Memory with Adam (shared memory):", "",
-           "| N | variant | Adam state per rank (MB) | of unsharded Adam | "
-           "peak RSS per rank (MB) |", "| --- | --- | --- | --- | --- |"]
+    cpu = ["", "CPU time a step (the process's, every thread; the rank that used most), ms:",
+           "", "| config | N | " + " | ".join(args.variants) + " |",
+           "|" + " --- |" * (len(args.variants) + 2)]
+    for plane, n in _configs(args):
+        cells = [_fmt(_median(results, plane, n, v, "cpu_ms")) for v in args.variants]
+        cpu.append(f"| {plane} | {n} | " + " | ".join(cells) + " |")
+    mem, mem_verdicts = _memory_report(args, results)
+    return "\n".join(lines + cpu + mem), verdicts + mem_verdicts
+
+
+def _memory_report(args: argparse.Namespace,
+                   results: dict[tuple[str, int, str], list[dict[str, Any]]]
+                   ) -> tuple[list[str], list[tuple[str, float | None, float, bool | None]]]:
+    """The memory table of the jobs with Adam (MB per rank, the most any rank held)."""
+    mem = ["", "Memory with Adam (shared memory), MB per rank:", "",
+           "| N | variant | parameters | gradients | Adam state | of unsharded Adam | "
+           "gathered (peak) | sum | peak RSS |", "|" + " --- |" * 9]
+    verdicts: list[tuple[str, float | None, float, bool | None]] = []
     for n in args.sizes:
-        full = results.get(("adam", n, "swarmfd-ddp"), [{}])[0].get("state_bytes")
-        for v in ("swarmfd-ddp", "swarmfd-zero"):
+        ddp = results.get(("adam", n, "swarmfd-ddp"), [{}])[0]
+        full = ddp.get("state_bytes")
+        unsharded = sum(ddp.get(k, 0) for k in ("params_bytes", "grads_bytes", "state_bytes"))
+        for v in MEMORY_VARIANTS:
             fig = results.get(("adam", n, v), [None])[0]
             if fig is None:
                 continue
             frac = fig["state_bytes"] / full if full else None
-            mem.append(f"| {n} | {v} | {fig['state_bytes'] / 1e6:.1f} | {_fmt(frac)} | "
+            total = sum(fig.get(k, 0) for k in ("params_bytes", "grads_bytes", "state_bytes",
+                                                "transient_bytes"))
+            mem.append(f"| {n} | {v} | {fig.get('params_bytes', 0) / 1e6:.1f} | "
+                       f"{fig.get('grads_bytes', 0) / 1e6:.1f} | "
+                       f"{fig['state_bytes'] / 1e6:.1f} | {_fmt(frac)} | "
+                       f"{fig.get('transient_bytes', 0) / 1e6:.1f} | {total / 1e6:.1f} | "
                        f"{fig['hwm_bytes'] / 1e6:.0f} |")
             if v == "swarmfd-zero" and frac is not None:
                 verdicts.append((f"N={n}: ZeRO's Adam state per rank <= 1/N + 5 % of "
                                  "unsharded Adam's", frac, 1 / n + 0.05, frac <= 1 / n + 0.05))
-    return "\n".join(lines + mem), verdicts
+            if v == "swarmfd-fsdp" and unsharded:
+                bound = 1.1 * (unsharded / n + 2 * fig["unit_bytes"])
+                verdicts.append((
+                    f"N={n}: fully_shard's parameters + gradients + Adam state + gathered "
+                    f"<= 1.1 x (unsharded {unsharded / 1e6:.1f} MB / N + two units "
+                    f"{2 * fig['unit_bytes'] / 1e6:.1f} MB) = {bound / 1e6:.1f} MB (MB)",
+                    total / 1e6, bound / 1e6, total <= bound))
+    return mem, verdicts
 
 
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
-def _param_count() -> int:
-    return (IN * HIDDEN + HIDDEN) + (LAYERS - 1) * (HIDDEN * HIDDEN + HIDDEN) + HIDDEN * OUT + OUT
+def _param_count(depth: int = LAYERS) -> int:
+    return (IN * HIDDEN + HIDDEN) + (depth - 1) * (HIDDEN * HIDDEN + HIDDEN) + HIDDEN * OUT + OUT
 
 
 def plot(args: argparse.Namespace, results: dict[tuple[str, int, str], list[dict[str, Any]]],
@@ -407,7 +501,7 @@ def plot(args: argparse.Namespace, results: dict[tuple[str, int, str], list[dict
     ax.set_xticks([c + 0.4 - width / 2 for c in range(len(configs))],
                   [f"{p} N={n}" for p, n in configs])
     ax.set_ylabel("ms per step (median of rounds)")
-    ax.set_title(f"MLP {IN}-{HIDDEN}x{LAYERS}-{OUT}, batch {BATCH}/rank, {args.optim}, "
+    ax.set_title(f"MLP {IN}-{HIDDEN}x{args.layers}-{OUT}, batch {BATCH}/rank, {args.optim}, "
                  "1 thread/rank", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -427,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto")
         p.add_argument("--optim", choices=("sgd", "adam"), default="sgd")
         p.add_argument("--trace", action="store_true")
+        p.add_argument("--layers", type=int, default=LAYERS)
         worker(p.parse_args(argv[1:]))
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -434,7 +529,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--planes", default="shm,tcp",
                    help="swarmfd planes on loopback: shm, tcp (the socket plane), zmq")
     p.add_argument("--netsim", action="store_true", help="also two simulated hosts, 5 Gbit/s")
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default=None,
+                   help=f"comma-separated, of {', '.join(VARIANTS)} (default: the first four; "
+                        "--fsdp adds the sharded two)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="add swarmfd-fsdp and swarmfd-zero2, on 8 hidden layers unless --layers")
+    p.add_argument("--layers", type=int, default=None,
+                   help=f"hidden layers (default {LAYERS}; 8 with --fsdp)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
@@ -452,7 +553,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.sizes = [int(s) for s in args.sizes.split(",") if s]
     args.planes = [s for s in args.planes.split(",") if s]
-    args.variants = [v for v in args.variants.split(",") if v]
+    args.variants = [v for v in (args.variants or ",".join(DEFAULT_VARIANTS)).split(",") if v]
+    if args.fsdp:
+        args.variants += [v for v in SHARDED if v not in args.variants]
+    args.layers = args.layers or (8 if args.fsdp else LAYERS)
     if args.quick:
         args.rounds, args.steps, args.warmup, args.sizes, args.planes = 1, 8, 2, [2], ["shm"]
     bad = set(args.variants) - set(VARIANTS) or set(args.planes) - set(PLANE_ENV)
@@ -464,7 +568,8 @@ def main(argv: list[str] | None = None) -> int:
     results, rows = measure(args)
     table, verdicts = report(args, results)
     head = [f"# Training step time ({time.strftime('%Y-%m-%d %H:%M')}, {args.rounds} rounds x "
-            f"{args.steps} steps, {args.optim}, bucket_cap_mb {args.bucket_cap_mb:g})", ""]
+            f"{args.steps} steps, {args.optim}, bucket_cap_mb {args.bucket_cap_mb:g}, "
+            f"{args.layers} hidden layers)", ""]
     loads = f"{min(r['load1'] for r in rows):.1f} - {max(r['load1'] for r in rows):.1f}"
     lines = [*head, f"loads (1 min) during the jobs: {loads}", "", "ms per step:", "", table,
              "", "Targets:", ""]
@@ -474,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(lines) + "\n"
     out.with_suffix(".md").write_text(text)
     with out.with_suffix(".csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
         w.writeheader()
         w.writerows(rows)
     png = plot(args, results, out.with_suffix(".png"))

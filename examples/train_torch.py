@@ -10,6 +10,8 @@ A torch MLP (64 -> 128 -> 128 -> 10) learns scikit-learn's 8x8 handwritten digit
     swarmfd run -n 2 examples/train_torch.py --zero   # + ZeroRedundancyOptimizer (Adam)
     swarmfd run -n 2 --max-restarts 1 examples/train_torch.py --fail-at-epoch 5 \\
         --checkpoint-dir /tmp/swarmfd-digits-ckpt     # crash, restart, resume
+    swarmfd run -n 3 examples/train_torch.py --fsdp --epochs 10 --checkpoint-dir /tmp/ck
+    swarmfd run -n 2 examples/train_torch.py --fsdp --resume --checkpoint-dir /tmp/ck
 
 What it shows:
 
@@ -29,7 +31,12 @@ What it shows:
    (``broadcast_parameters``/``broadcast_optimizer_state``), and training goes on
    from the next epoch, ending where an uninterrupted run ends.
 
-5. ``--elastic`` (under ``swarmfd run --elastic``): an elastic job (``fd.elastic``):
+5. ``--fsdp``: ``fully_shard`` on each layer, then on the model: parameters, gradients
+   and Adam's state sharded (``--bf16``: bfloat16 compute, float32 master weights);
+   the checkpoints are sharded folders (``swarmfd.torch.checkpoint``), every rank
+   writing its part, and a run at another world size resumes from them.
+
+6. ``--elastic`` (under ``swarmfd run --elastic``): an elastic job (``fd.elastic``):
    the model and optimizer in a ``TorchState``, the data split by an
    ``ElasticSampler``, a commit every ``--commit-every`` steps. A rank lost (try
    ``--kill-at-step 40 --kill-at-step 120``: the last rank kills itself there) costs the
@@ -47,6 +54,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -58,6 +66,7 @@ import swarmfd as fd
 import swarmfd.torch as sft
 
 CHECKPOINT_NAME = "digits_checkpoint.pt"
+SHARDED_NAME = "digits_sharded"  # --fsdp: a folder of sharded checkpoints, one per epoch
 #: The default global batch: a multiple of every world size up to 4 (and of 6 and 8).
 BATCH = 96
 ENV_CHECKPOINT_DIR = "SWARMFD_CHECKPOINT_DIR"
@@ -73,6 +82,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=128, help="hidden units (default 128)")
     p.add_argument("--zero", action="store_true",
                    help="shard Adam's state over the ranks (ZeroRedundancyOptimizer)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard parameters, gradients and Adam's state (fully_shard)")
+    p.add_argument("--bf16", action="store_true",
+                   help="with --fsdp: compute in bfloat16 (float32 master weights)")
     p.add_argument("--seed", type=int, default=0, help="seed of split, init and shuffling")
     p.add_argument("--checkpoint-dir", type=Path, default=None,
                    help=f"where rank 0 keeps {CHECKPOINT_NAME} (default ${ENV_CHECKPOINT_DIR}; "
@@ -99,6 +112,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("epochs", "batch_size", "hidden"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.elastic and args.fsdp:
+        p.error("--elastic does not take --fsdp: sharded parameters are not carried across "
+                "a re-formation (a loss under fully_shard ends the job)")
     return args
 
 
@@ -122,6 +138,38 @@ def make_model(hidden: int) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(),
                                torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
                                torch.nn.Linear(hidden, 10))
+
+
+def make_sharded(hidden: int, bf16: bool) -> torch.nn.Module:
+    """The model under fully_shard: a unit per layer, then the root (rank 0's values)."""
+    policy = sft.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                      output_dtype=torch.float32) if bf16 else None
+    model = make_model(hidden)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            sft.fully_shard(layer, mp_policy=policy)
+    return sft.fully_shard(model, mp_policy=policy)
+
+
+def save_sharded(folder: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                 next_epoch: int) -> None:
+    """Every rank writes its part into folder/epoch-NNNN; rank 0 then drops older ones."""
+    sft.checkpoint.save(folder / f"epoch-{next_epoch:04d}", model, opt)
+    if fd.get_rank() == 0:
+        for old in folder.glob("epoch-*"):
+            if old.name < f"epoch-{next_epoch:04d}":
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def restore_sharded(folder: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+    """The newest complete folder (rank 0's choice), at whatever N it was saved; the
+    next epoch."""
+    done = sorted(p.name for p in folder.glob("epoch-*") if (p / "index.json").is_file())
+    newest = fd.broadcast_object(done[-1] if done else "", src=0)
+    if not newest:
+        return 0
+    sft.checkpoint.load(folder / newest, model, opt)
+    return int(newest.split("-")[1])
 
 
 def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -192,25 +240,32 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     x_train, y_train, x_test, y_test = load_data(args.seed)
     torch.manual_seed(args.seed + 1 + rank)  # different on purpose: DDP broadcasts rank 0's
-    model = sft.DistributedDataParallel(make_model(args.hidden))
-    if args.zero:
+    if args.fsdp:
+        model = make_sharded(args.hidden, args.bf16)
+    else:
+        model = sft.DistributedDataParallel(make_model(args.hidden))
+    if args.zero and not args.fsdp:
         opt: torch.optim.Optimizer = sft.ZeroRedundancyOptimizer(
             model.parameters(), torch.optim.Adam, lr=args.lr)
     else:
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
-    fd.print(f"{world} rank(s), {'ZeroRedundancyOptimizer(Adam)' if args.zero else 'Adam'}, "
+    how = "fully_shard, Adam" if args.fsdp else \
+        "ZeroRedundancyOptimizer(Adam)" if args.zero else "Adam"
+    fd.print(f"{world} rank(s), {how}, "
              f"global batch {args.batch_size} ({args.batch_size // world} per rank), "
              f"{len(y_train)} train / {len(y_test)} test digits")
 
     if args.elastic:
         acc = train_elastic(args, model, opt, x_train, y_train, x_test, y_test)
-        return report(model, acc, len(y_test), args.min_accuracy)
-    ckpt = args.checkpoint_dir / CHECKPOINT_NAME if args.checkpoint_dir else None
+        return report(args, model, acc, len(y_test))
+    ckpt = args.checkpoint_dir / (SHARDED_NAME if args.fsdp else CHECKPOINT_NAME) \
+        if args.checkpoint_dir else None
     fd.print(f"checkpoints: {ckpt}" if ckpt else
              "checkpoints: off (--checkpoint-dir or SWARMFD_CHECKPOINT_DIR)")
     start = 0
     if ckpt is not None and (args.resume or cfg.restart_count > 0):
-        start = restore(ckpt, model, opt, args.zero)
+        start = restore_sharded(ckpt, model, opt) if args.fsdp else \
+            restore(ckpt, model, opt, args.zero)
         fd.print(f"resumed at epoch {start}/{args.epochs}" if start else "no checkpoint found")
 
     per_rank = args.batch_size // world
@@ -233,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
         acc = accuracy(model, x_test, y_test)
         fd.print(f"epoch {epoch + 1:3d}/{args.epochs}  train loss {total[0] / total[1]:.4f}  "
                  f"test acc {acc:.4f}")
-        if ckpt is not None:
+        if ckpt is not None and args.fsdp:
+            save_sharded(ckpt, model, opt, epoch + 1)
+        elif ckpt is not None:
             save(ckpt, model, opt, args.zero, epoch + 1)
         if (epoch + 1 == args.fail_at_epoch and cfg.restart_count == 0
                 and rank == world - 1):
@@ -242,19 +299,27 @@ def main(argv: list[str] | None = None) -> int:
             return 3
     if start >= args.epochs:
         acc = accuracy(model, x_test, y_test)
-    return report(model, acc, len(y_test), args.min_accuracy)
+    return report(args, model, acc, len(y_test))
 
 
-def report(model: torch.nn.Module, acc: float, tested: int, min_accuracy: float) -> int:
+def report(args: argparse.Namespace, model: torch.nn.Module, acc: float, tested: int) -> int:
     """Print the accuracy and whether every replica is the same; the exit code."""
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    rows = fd.all_gather(flat.numpy())
-    same = all((r == rows[0]).all() for r in rows)
+    world = fd.get_world_size()
+    if args.fsdp:  # each rank holds its shards: the whole model, gathered on rank 0
+        whole, _ = sft.get_state_dict(model)
+        flat = torch.cat([v.reshape(-1) for v in whole.values()]) if whole else \
+            torch.zeros(0)
+        same = True
+    else:
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        rows = fd.all_gather(flat.numpy())
+        same = all((r == rows[0]).all() for r in rows)
     digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
     fd.print(f"final test accuracy: {acc:.4f} ({tested} test digits)")
-    fd.print(f"params identical on all {fd.get_world_size()} ranks: {'OK' if same else 'NO'} "
-             f"(checksum {digest})")
-    if not same or acc < min_accuracy:
+    fd.print(f"params sharded over {world} rank(s) (checksum of the whole {digest})"
+             if args.fsdp else f"params identical on all {world} ranks: "
+             f"{'OK' if same else 'NO'} (checksum {digest})")
+    if not same or acc < args.min_accuracy:
         return 1
     return 0
 
@@ -262,7 +327,7 @@ def report(model: torch.nn.Module, acc: float, tested: int, min_accuracy: float)
 def train_elastic(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Optimizer,
                   x_train: torch.Tensor, y_train: torch.Tensor, x_test: torch.Tensor,
                   y_test: torch.Tensor) -> float:
-    """The epochs as an elastic job (5. in the module docstring); the final accuracy."""
+    """The epochs as an elastic job (6. in the module docstring); the final accuracy."""
     sampler = sft.elastic.ElasticSampler(len(y_train), shuffle=True, seed=args.seed)
     state = sft.elastic.TorchState(model, opt, sampler=sampler, epoch=0, steps=0, killed=[])
 

@@ -1,6 +1,4 @@
-"""swarmfd: data-parallel training for Python, over shared memory and TCP, local or on Swarm.
-
-The Python counterpart of the seed's C API (``fd_init`` -> ``swarmfd.init``)::
+"""swarmfd: data-parallel training for Python, over shared memory and TCP, local or on Swarm::
 
     import numpy as np
     import swarmfd as fd
@@ -70,6 +68,7 @@ from .group import (
     is_initialized,
     new_group,
 )
+from .observe import stats
 from .session import cleanup, init, init_from_env
 from .sharding import shard_batch, shard_indices
 from .utils import checkpoint_barrier, get_seed, print, print_config, should_save
@@ -131,4 +130,5 @@ __all__ = [
     "shard_batch",
     "shard_indices",
     "should_save",
+    "stats",
 ]

@@ -34,10 +34,8 @@ __all__ = ["MEMBERS_FIRST_GID", "MEMBERS_MAX_GID", "MEMBER_AREAS", "all_reduce_i
 
 
 def all_reduce_in_place(group: Any, nbytes: int, count: int, arrays: int = 1) -> bool:
-    """Whether an all_reduce of a list of ``arrays`` arrays of one dtype (contiguous,
-    writable, not sharing memory), ``count`` items of ``nbytes`` in all, in ``group``
-    reduces them where they are, without a staging copy (the selection's choice takes
-    Parts)."""
+    """Whether an all_reduce of a list of ``arrays`` disjoint, contiguous, writable arrays
+    of one dtype (``count`` items, ``nbytes``) reduces them where they are (Parts)."""
     g = resolve_group(group, "all_reduce()")
     plane = g.plane()
     return plane is not None and g.size > 1 and select.all_reduce(
@@ -46,10 +44,8 @@ def all_reduce_in_place(group: Any, nbytes: int, count: int, arrays: int = 1) ->
 
 def reduce_scatter_parts(arrays: Sequence[Any], out: Any, *, op: str = "sum",
                          group: Any = None, async_op: bool = False) -> Any:
-    """``reduce_scatter`` of the concatenation of ``arrays`` (one dtype, flat, a total
-    size that divides by the group size: equal parts), without concatenating them:
-    every flat algorithm reads them where they are (the two-level one takes them
-    concatenated). ``out``: this rank's part."""
+    """``reduce_scatter`` of the concatenation of ``arrays`` (one dtype, a total that
+    divides into equal parts) read where they are; ``out``: this rank's part."""
     g = resolve_group(group, "reduce_scatter()")
     rop, mean = _in.parse_op(op, "reduce_scatter")
     nps = [_in.to_numpy(a, "reduce_scatter").reshape(-1) for a in arrays]
@@ -67,7 +63,6 @@ def reduce_scatter_parts(arrays: Sequence[Any], out: Any, *, op: str = "sum",
     res = _in.out_array(out, (part,), dtype, "reduce_scatter")
     buf = Parts([a for a in nps if a.size]) if total else np.zeros(0, dtype)
     parts = [(r * part, (r + 1) * part) for r in range(g.size)]
-    # The signature of the concatenated buffer's reduce_scatter (the same call).
     shape = np.broadcast_to(np.zeros((), dtype), (total,))
     sig = _in.signature(Collective.REDUCE_SCATTER, [shape], code,
                         ReduceOp.MEAN if mean else rop)

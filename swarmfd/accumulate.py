@@ -1,12 +1,9 @@
 """Gradient accumulation: a large effective batch from several small ones.
 
-When a batch does not fit in memory (or a bigger effective batch is wanted
-without more ranks) each optimizer step is split into ``steps`` micro-steps.
-After every micro-step's backward pass :meth:`GradAccum.step` adds the
-gradients to private accumulators; once :meth:`GradAccum.should_step` says
-enough micro-steps are in, :meth:`GradAccum.finish` writes their *mean* back
-into the gradients, which are then averaged across ranks with
-:func:`swarmfd.all_reduce_mean` and handed to the optimizer::
+Each optimizer step is split into ``steps`` micro-steps: :meth:`GradAccum.step` adds
+each micro-step's gradients to private accumulators; once :meth:`GradAccum.should_step`,
+:meth:`GradAccum.finish` writes their *mean* back into the gradients, to be averaged
+across ranks and handed to the optimizer::
 
     accum = fd.GradAccum(grads, steps=4)
     for batch in batches:
@@ -16,14 +13,9 @@ into the gradients, which are then averaged across ranks with
             fd.all_reduce_mean(accum.finish(grads))
             optimizer_step(params, grads)
 
-Why the mean and why communicate only once per cycle: with equal-sized
-micro-batches the mean of the micro-step gradients is exactly the gradient of
-the mean loss over all of them, so ``lr`` keeps its meaning whatever ``steps``
-is; and the expensive all-reduce runs once per ``steps`` micro-steps, not once
-per micro-step (mean over micro-steps, then mean over ranks, equals the mean
-over everything because every rank accumulates the same number of micro-steps).
-
-This is the Python counterpart of the C ``fd_grad_accum_*`` functions.
+With equal micro-batches the mean is the gradient of the mean loss over all of them,
+so ``lr`` keeps its meaning whatever ``steps`` is; and the all-reduce runs once a cycle
+(every rank accumulates as many micro-steps, so the mean of means is the mean).
 """
 
 from __future__ import annotations
@@ -45,13 +37,8 @@ def _is_tensor(obj: Any) -> bool:
 
 
 def _to_numpy(grad: Any) -> tuple[np.ndarray, bool]:
-    """A numpy array holding ``grad`` and whether it shares ``grad``'s memory.
-
-    numpy arrays are returned as they are. Torch tensors (recognised by
-    ``detach``) become a zero-copy view via ``.detach().numpy()`` when they
-    live on the CPU in a dtype numpy knows; otherwise (GPU, bfloat16) a copy,
-    through float32 for dtypes numpy lacks.
-    """
+    """A numpy array holding ``grad`` and whether it shares its memory: a CPU tensor's
+    zero-copy view, else (GPU, bfloat16) a float32 copy."""
     if isinstance(grad, np.ndarray):
         return grad, True
     if _is_tensor(grad):
@@ -85,25 +72,13 @@ class _Slot:
 class GradAccum:
     """Accumulate gradients over ``steps`` micro-steps and hand back their mean.
 
-    ``params`` is a sequence (list, tuple, or any iterable such as a torch
-    ``model.parameters()`` generator; a single numpy array counts as one) of
-    either gradient arrays themselves (numpy) or objects with a ``.grad``
-    attribute holding a numpy array or a torch tensor (torch parameters). The
-    same kind of sequence, with the same number of entries in the same order,
-    is passed to :meth:`step` and :meth:`finish`; shapes and dtypes are checked
-    against the first ones seen (at construction, or at the first :meth:`step`
-    for torch parameters whose ``.grad`` is still ``None`` before the first
-    backward pass).
-
-    Accumulator precision: gradients are summed in their own dtype, except
-    float16, which is summed in float32 (a float16 sum loses most of its bits
-    and overflows at 65504 after a few large micro-steps); the mean is then
-    written back in the gradient's dtype. Integer or bool gradients are
-    rejected: a mean of them is not representable.
-
-    :meth:`step` does not clear the gradients: compute fresh ones before each
-    call (with torch, ``zero_grad()`` before every ``backward()``), or the
-    earlier micro-steps are counted again.
+    ``params``: an iterable (a single array counts as one) of gradient arrays or of
+    objects with a ``.grad`` (a numpy array or torch tensor). :meth:`step` and
+    :meth:`finish` take the same params in the same order; shapes and dtypes are checked
+    against the first seen. Sums are in the gradient's dtype, float16's in float32 (it
+    loses its bits and overflows at 65504); integer gradients are rejected (no mean).
+    :meth:`step` does not clear the gradients: with torch, ``zero_grad()`` before every
+    ``backward()``, or earlier micro-steps count again.
     """
 
     def __init__(self, params: Iterable[Any] | np.ndarray, steps: int) -> None:
@@ -142,13 +117,9 @@ class GradAccum:
         return len(self._slots)
 
     def step(self, params: Iterable[Any] | np.ndarray) -> None:
-        """Add the current gradients of ``params`` to the accumulators; count one micro-step.
-
-        Raises:
-            ValueError: a different number of params than at construction, a
-                gradient whose shape or dtype changed, or a missing (``None``) gradient.
-            TypeError: a gradient that is not a numpy array or a torch tensor.
-        """
+        """Add the current gradients of ``params`` to the accumulators; count one
+        micro-step. ValueError for another number of params, a changed shape or dtype, a
+        missing gradient; TypeError for a gradient neither numpy nor torch."""
         grads = self._grads(params, "step")
         for i, (slot, grad) in enumerate(zip(self._slots, grads, strict=True)):
             if slot.acc is None:
@@ -163,20 +134,10 @@ class GradAccum:
         return self._count >= self._steps
 
     def finish(self, params: Iterable[Any] | np.ndarray) -> list[Any]:
-        """Write the mean of the accumulated micro-steps into the gradients of ``params``.
-
-        The mean is over the micro-steps actually accumulated (:attr:`count`),
-        so a shorter last cycle at the end of an epoch is averaged correctly.
-        Writes happen in place; then a new cycle starts (:meth:`reset`).
-
-        Returns the gradients as numpy arrays sharing memory with them, ready
-        for ``swarmfd.all_reduce_mean`` (for a torch gradient that has no
-        zero-copy numpy view, e.g. on a GPU, the tensor itself).
-
-        Raises:
-            RuntimeError: no micro-step was accumulated since the last finish/reset.
-            ValueError/TypeError: as :meth:`step`.
-        """
+        """Write the mean over the micro-steps accumulated (:attr:`count`: a short last
+        cycle too) into the gradients of ``params``, in place, and :meth:`reset`. Returns
+        them as numpy views for ``swarmfd.all_reduce_mean`` (a GPU tensor itself).
+        RuntimeError with nothing accumulated; else raises as :meth:`step`."""
         if self._count == 0:
             raise RuntimeError(
                 "GradAccum.finish() called with no accumulated micro-steps: "
@@ -234,13 +195,8 @@ class GradAccum:
 
     @staticmethod
     def _grad_of(item: Any, index: int) -> Any:
-        """The gradient of ``item``: itself if it is one, else its ``.grad`` (maybe None).
-
-        A torch tensor has a ``.grad`` attribute too; one that does not require
-        grad and has none (e.g. ``p.grad`` passed directly) is the gradient itself.
-        The gradient is looked up on every call because torch may replace
-        ``.grad`` with a new tensor between steps (``zero_grad(set_to_none=True)``).
-        """
+        """The gradient of ``item``: itself (an array, or a tensor not requiring grad),
+        else its ``.grad`` (maybe None), looked up every call (torch may replace it)."""
         if isinstance(item, np.ndarray):
             return item
         grad = getattr(item, "grad", None)

@@ -1,42 +1,16 @@
 """``swarmfd bench``: an nccl-tests-like benchmark of swarmfd's collectives.
 
-It runs inside any process group (``swarmfd run -n 2 -- swarmfd bench`` on one
-host, or as a Swarm job) and measures, for each collective and message size:
+It runs inside any process group (``swarmfd run -n 2 -- swarmfd bench``, or a Swarm
+job). Each iteration resets the input (untimed), runs :func:`swarmfd.barrier` and times
+the call; after the loop, one ``all_reduce(op="max")`` of the times gives each
+iteration's slowest rank. A row reports their median (and min, p90), ``algbw = bytes /
+time`` and ``busbw = algbw * bus_factor`` as nccl-tests do (GB = 1e9 bytes), the CPU
+time per call (``cpu_us``: every thread of a rank's process, mean over iterations and
+ranks) and the wrong elements of the last result, summed over ranks.
 
-* per iteration: reset the input (untimed), :func:`swarmfd.barrier`, time the
-  collective with :func:`time.perf_counter`;
-* after the timing loop (never inside it, so it does not disturb the loop),
-  one ``all_reduce(op="max")`` of the whole array of per-iteration times: an
-  iteration takes as long as its slowest rank;
-* the median (and min, p90) of those slowest-rank times, the algorithm
-  bandwidth ``algbw = bytes / time`` and the bus bandwidth
-  ``busbw = algbw * factor`` with the nccl-tests factors: all_reduce
-  ``2(N-1)/N``, all_gather, reduce_scatter, all_to_all, gather and scatter
-  ``(N-1)/N``, broadcast
-  and sendrecv ``1`` (GB = 1e9 bytes);
-* the CPU time per call (``cpu_us``: :func:`time.process_time` of each rank's process,
-  every thread, around the timed calls; mean over iterations and ranks);
-* the correctness of the last timed iteration's result (rank-dependent
-  inputs, exact for integers, ``isclose`` for floats): the ``wrong`` column
-  counts wrong elements, summed over ranks.
-
-``size`` is the bytes of each rank's input array. For all_gather, whose result
-is N arrays of that size, ``algbw`` counts the N*size bytes every rank ends up
-with (as nccl-tests, whose all_gather size is the output buffer), so
-``busbw = (N-1)*size / time``: the bytes each rank had to receive. all_gather
-writes into one preallocated result (``out=``) reused every iteration.
-reduce_scatter's and all_to_all's size is the input (as nccl-tests' reduce_scatter
-and alltoall count their send buffer), so busbw is the bytes each rank sent on.
-gather and scatter: ``size`` is one rank's part (as all_gather's), so busbw =
-``(N-1)*size / time``, the bytes the root received or sent; gather fills one
-preallocated ``out=`` on the root, scatter sends from one ``(N, count)`` array.
-sendrecv: every rank sends ``size`` bytes to the next rank of a ring and receives as
-many from the previous one (isend + irecv at once): busbw = size / time.
-
-The default iteration counts follow docs/performance.md (300 up to 1 MiB, 64 up to
-16 MiB, 16 above), after 3 warm-ups. This module is a library: it never
-prints; ``run_bench`` takes an optional ``progress`` callback, and the
-``format_*`` functions render rows as an aligned table, CSV or JSON.
+``size`` is each rank's input (algbw counts :func:`moved_bytes`); sendrecv sends it to
+the next rank of a ring. Results go into preallocated ``out=`` arrays. Nothing here
+prints: ``run_bench`` takes a ``progress`` callback, ``format_*`` render rows.
 """
 
 from __future__ import annotations
@@ -91,9 +65,8 @@ class Row:
     algbw: float
     busbw: float
     wrong: int
-    #: CPU time per call of one rank (every thread of its process: the progress thread
-    #: and libzmq's I/O thread count too), mean over iterations and ranks. Waits that
-    #: poll (SWARMFD_SPIN) trade CPU time for latency; this shows the price.
+    #: CPU time per call of one rank (every thread of its process), mean over iterations
+    #: and ranks: the price of waits that poll (SWARMFD_SPIN).
     cpu_us: float = 0.0
 
 
@@ -101,15 +74,13 @@ class Row:
 
 
 def parse_size(text: str | int) -> int:
-    """Parse a byte size: ``4096``, ``"4K"``, ``"64KiB"``, ``"1M"``, ``"2G"`` (binary units).
-
-    Raises ``ValueError`` naming the bad text and the accepted forms.
-    """
-    if isinstance(text, bool):
+    """Parse a byte size: ``4096``, ``"4K"``, ``"64KiB"``, ``"1M"``, ``"2G"`` (binary
+    units); ``ValueError`` naming the bad text and the accepted forms."""
+    if isinstance(text, bool) or not isinstance(text, (int, str)):
         raise TypeError(f"size must be an int or a string like '4K', got {text!r}")
     if isinstance(text, int):
         value = text
-    elif isinstance(text, str):
+    else:
         match = _SIZE_RE.match(text)
         unit = match.group(2).upper() if match else ""
         if match is None or unit not in _UNITS:
@@ -118,8 +89,6 @@ def parse_size(text: str | int) -> int:
                 "unit K, M or G (binary: 4K = 4096), e.g. 4K, 64KiB, 1M, 16M"
             )
         value = int(match.group(1)) * _UNITS[unit]
-    else:
-        raise TypeError(f"size must be an int or a string like '4K', got {text!r}")
     if value <= 0:
         raise ValueError(f"bad size {text!r}: expected a positive number of bytes")
     return value
@@ -138,10 +107,7 @@ def size_range(
     max_bytes: int = DEFAULT_MAX_BYTES,
     factor: int = DEFAULT_FACTOR,
 ) -> list[int]:
-    """Sizes ``min_bytes, min_bytes*factor, ...`` up to ``max_bytes`` inclusive.
-
-    The nccl-tests ``-b/-e/-f`` options.
-    """
+    """Sizes ``min_bytes, min_bytes*factor, ...`` up to ``max_bytes`` (nccl-tests' -b/-e/-f)."""
     if min_bytes <= 0 or max_bytes <= 0:
         raise ValueError(f"min and max bytes must be positive, got {min_bytes} and {max_bytes}")
     if min_bytes > max_bytes:
@@ -185,7 +151,7 @@ def parse_dtype(name: str) -> np.dtype:
 
 
 def default_iters(size: int) -> int:
-    """Timed iterations for a size (docs/performance.md): 300 up to 1 MiB, 64 to 16 MiB, else 16."""
+    """Timed iterations for a size: 300 up to 1 MiB, 64 to 16 MiB, else 16."""
     if size <= MIB:
         return 300
     if size <= 16 * MIB:
@@ -231,8 +197,6 @@ class _Case:
         self.x = np.empty_like(self.source)
         self.result: object = None
         self.rank = rank
-        # all_gather fills one preallocated result (out=), as nccl-tests' output buffer; so
-        # do reduce_scatter (this rank's part), all_to_all and sendrecv.
         self.out: np.ndarray | None = None
         if collective == "all_gather":
             self.out = np.empty((world, count), dtype=dtype)
@@ -359,15 +323,10 @@ def run_bench(
     check: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> list[Row]:
-    """Time ``collectives`` at each of ``sizes`` (bytes) in the current process group.
-
-    Every rank must call this with the same arguments. If no group is active it
-    initialises one from the environment (:func:`swarmfd.init_from_env`; none
-    set = a world of one) and cleans it up afterwards. ``iters=None`` uses
-    :func:`default_iters` per size. Returns one :class:`Row` per (collective,
-    size) on every rank (all ranks hold the same slowest-rank times).
-    ``progress`` receives one line per point before it is measured.
-    """
+    """Time ``collectives`` at each of ``sizes`` (bytes) in the current process group
+    (without one, one from the environment, cleaned up after); every rank calls it alike
+    and gets the same rows. ``iters=None``: :func:`default_iters`; ``progress`` gets a
+    line per point."""
     sizes = list(sizes) if sizes is not None else size_range()
     names = parse_collectives(collectives)
     np_dtype = parse_dtype(dtype)

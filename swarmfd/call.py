@@ -1,48 +1,44 @@
 """The call layer: how one collective call of a group runs, blocking or async.
 
-A call is an algorithm (a generator of :mod:`swarmfd.algorithms`, the one definition of
-what the call sends, receives and reduces) driven over an :class:`~.algorithms.base.Op`:
+A call is an algorithm (a generator of :mod:`swarmfd.algorithms`) driven over an
+:class:`~.algorithms.base.Op`: blocking, with nothing pending on the progress engine, on
+the caller's thread (:func:`swarmfd.algorithms.base.run`); async, or behind pending
+async work, by the progress engine (:mod:`swarmfd.engine`).
 
-* **blocking**, with nothing pending on the progress engine: on the caller's thread, by
-  :func:`swarmfd.algorithms.base.run` (a receive looks for its message on the plane
-  first, then waits in the channel);
-* **async**, or blocking behind pending async work: by the progress engine
-  (:mod:`swarmfd.engine`), which resumes the same generator as messages arrive.
+A :class:`Schedule` is a kind of call worked out once (signature, the selection's
+choice and its arguments, an op with headers packed and views kept), kept by the group
+under the call's key (whatever the choice depends on), so repeated calls are looked up
+and both forms of a call run the same schedule. docs/internals.md, "How a call flows".
 
-A :class:`Schedule` is a kind of call worked out once: its signature, the algorithm the
-selection table chose (:mod:`swarmfd.algorithms.select`) with the arguments it takes,
-and the op it runs with (message headers packed once, shared-memory views kept). A
-group keeps its schedules by the call's key (the collective, shapes, dtype, op, root:
-whatever the choice depends on), so a training loop's repeated calls are looked up,
-not worked out, and the blocking and async forms of a call run the same schedule.
-
-Failure: a call that raises breaks its group (see :mod:`swarmfd.group`) and tells the
-peers (the channel's abort); every later call of the group raises
+Every call adds to its group's :class:`~swarmfd.counters.CallStats`. A call that raises
+breaks its group and tells the peers (an abort); later calls raise
 :meth:`Group.failure`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from time import perf_counter
 from typing import Any
 
 from .algorithms.base import Op, run
 from .algorithms.select import Choice
-from .comm.wire import Collective, Signature
+from .comm.wire import DTYPES, Collective, Signature
+from .counters import WINDOW
 from .engine import Work, completed
 from .group import WORLD_GID, Group
 
 __all__ = ["MAX_SCHEDULES", "Label", "Schedule", "label", "run_call", "run_message",
            "schedule"]
 
-#: Schedules a group keeps (then it forgets them all): a training loop's calls take a
-#: few shapes; a loop over many shapes would gain little from them anyway.
+#: Schedules a group keeps before it forgets them all (a training loop takes a few shapes).
 MAX_SCHEDULES = 256
+_MASK = WINDOW - 1
 
 
 class Label:
-    """What a call is, for error messages ("all_reduce (call #7 on rank 2)"): built
-    once per schedule and formatted only when a message needs it."""
+    """What a call is, for error messages ("all_reduce (call #7 on rank 2)"), formatted
+    only when a message needs it."""
 
     __slots__ = ("coll", "group", "seq")
 
@@ -64,12 +60,11 @@ def label(g: Group, sig: Signature) -> str:
 
 
 class Schedule:
-    """A kind of call of one group, worked out once (see the module docstring): the
-    algorithm of ``choice`` runs as ``algo(op, *bufs, *args, *choice.args)``, ``bufs``
-    what each call passes. ``choice`` None: a call with nothing to send (a group of
-    one, a world of one)."""
+    """A kind of call of one group, worked out once: ``algo(op, *bufs, *args,
+    *choice.args)``, ``bufs`` what each call passes; ``choice`` None: nothing to send."""
 
-    __slots__ = ("algo", "args", "choice", "engine", "group", "label", "op", "others", "sig")
+    __slots__ = ("algo", "args", "choice", "engine", "group", "label", "nbytes", "op",
+                 "others", "sig")
 
     def __init__(self, group: Group, sig: Signature, choice: Choice | None,
                  args: Sequence[Any] = ()) -> None:
@@ -80,6 +75,8 @@ class Schedule:
         self.args = tuple(args) if choice is None else (*args, *choice.args)
         self.label = Label(sig.coll, group)
         self.engine = group.engine
+        #: The call's buffer, in bytes (what the counters add up).
+        self.nbytes = sig.count * DTYPES[sig.dtype].itemsize if sig.dtype in DTYPES else 0
         plane = group.plane()
         ch = group.channel
         #: The op every blocking call of the schedule runs with (None: no peers).
@@ -91,8 +88,7 @@ class Schedule:
 
     @property
     def parts(self) -> bool:
-        """Whether the algorithm takes :class:`~.algorithms.base.Parts` (arrays reduced
-        where they are)."""
+        """Whether the algorithm takes :class:`~.algorithms.base.Parts`."""
         return self.choice is not None and self.choice.parts
 
     def run(self, *bufs: Any) -> Any:
@@ -103,6 +99,7 @@ class Schedule:
         g.seq = seq = g.seq + 1
         op = self.op
         if op is None:
+            g.stats.record(seq, 0.0, self.nbytes, 0.0, 0)
             return None
         engine = self.engine
         if engine.queues or engine.p2p:  # behind pending async work: the engine runs it
@@ -110,8 +107,22 @@ class Schedule:
         self.label.seq = op.seq = seq  # (Op.at, written out: every call passes here)
         op.seqb = (seq & 0xFFFFFFFF).to_bytes(4, "little")
         op.out[0] = False
-        return _blocking(g, engine, op, self.algo(op, *bufs, *self.args),  # type: ignore[misc]
-                         self.label, True, self.others)
+        st = g.stats
+        st.since = t0 = perf_counter()
+        result = _blocking(g, engine, op, self.algo(op, *bufs, *self.args),  # type: ignore[misc]
+                           self.label, True, self.others)
+        # The counters (CallStats.record, written out: every call passes here).
+        st.time_s += perf_counter() - t0
+        st.calls += 1
+        st.bytes += self.nbytes
+        ch = op.channel
+        waited = ch.waited
+        st.waits[seq & _MASK] = waited
+        if waited:  # (a call that did not wait counts for this rank: CallStats.as_dict)
+            st.wait_s += waited
+            st.last[ch.waited_on] += 1
+            ch.waited = ch.waited_most = 0.0
+        return result
 
     def start(self, *bufs: Any, finish: Callable[[Any], Any] | None = None) -> Work:
         """Issue one call on ``bufs`` as async work: a :class:`Work` that gives
@@ -121,6 +132,7 @@ class Schedule:
             return completed(None, label(g, self.sig), g.failure())
         g.seq = seq = g.seq + 1
         if self.op is None:
+            g.stats.record(seq, 0.0, self.nbytes, 0.0, 0)
             return completed(finish(None) if finish is not None else None, label(g, self.sig))
         return self._submit(bufs, seq, finish)
 
@@ -128,7 +140,8 @@ class Schedule:
                 finish: Callable[[Any], Any] | None) -> Work:
         op = self.op.copy().at(seq)  # type: ignore[union-attr]
         return self.group.engine.submit(self.group, op, self.algo(op, *bufs, *self.args),
-                                        label(self.group, self.sig), finish)
+                                        label(self.group, self.sig), finish,
+                                        nbytes=self.nbytes)
 
 
 def schedule(g: Group, key: Any, make: Callable[[], Schedule]) -> Schedule:
@@ -163,18 +176,15 @@ def _blocking(g: Group, engine: Any, op: Op, gen: Any, activity: Any, collective
     with engine.lock:  # the progress thread may be finishing its last step
         ch.enter(g.gid, g.seq, activity, collective)
         try:
-            if others:
-                # Aborts may come on another plane than this call's: now and then read
-                # what waits there (a wait reads every plane between its slices anyway).
+            if others:  # aborts may come on another plane than this call's
                 ch.service_others(op.plane)
             result = run(op, gen)
             if op.out[0] or not collective:
                 ch.flush()
             return result
         except BaseException as exc:
-            g.broken, g.broken_from = exc, 0
-            # The last call this rank finished: the one before a failed collective, the
-            # latest one before a failed point-to-point message.
+            ch.waited = ch.waited_most = 0.0
+            g.broken, g.broken_from = exc, 0  # names the last call this rank finished
             ch.abort(exc, g.gid, g.seq - 1 if collective else g.seq)
             raise
         finally:
@@ -188,7 +198,11 @@ def run_message(g: Group, op: Op, gen: Any, activity: str,
     ``finish(result)``, or (``async_op``) a Work that gives it."""
     engine = g.engine
     if not async_op and engine.idle():
-        result = _blocking(g, engine, op, gen, activity, False, len(op.channel.planes) > 1)
+        ch = op.channel
+        try:
+            result = _blocking(g, engine, op, gen, activity, False, len(ch.planes) > 1)
+        finally:
+            ch.waited = ch.waited_most = 0.0  # a message is no collective: not counted
         return finish(result) if finish is not None else result
     work = engine.submit(g, op, gen, activity, finish, p2p=True)
     return work if async_op else work.wait()

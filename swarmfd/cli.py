@@ -1,11 +1,9 @@
 """The ``swarmfd`` command line: parse, call the library, map errors to exit codes.
 
-Nothing here implements behaviour; each command is a thin click wrapper over a library
-module: ``launch`` for ``run`` (its options are :class:`swarmfd.launch.LaunchConfig`'s
-fields, see :mod:`swarmfd.cli_options`), ``bench`` for ``bench``, and the Swarm package
-for ``build``, ``deploy``, ``ls``, ``ps``, ``logs``, ``rm``, ``scale`` and ``doctor``,
-whose commands (:mod:`swarmfd.swarm.cli`) are imported only when one of them runs, so
-that ``swarmfd run`` never loads the docker SDK.
+Each command wraps a library module: ``launch`` (``run``, options from
+:class:`swarmfd.launch.LaunchConfig`), ``top``, ``bench``, and :mod:`swarmfd.swarm.cli`
+(``build``, ``deploy``, ``scale``, ``doctor``...), imported only when a Swarm command
+runs, so that ``swarmfd run`` never loads docker.
 """
 
 from __future__ import annotations
@@ -83,6 +81,101 @@ def run(ctx: click.Context, command: tuple[str, ...], **options: Any) -> None:
         click.echo(f"swarmfd run: cannot start the ranks: {exc}", err=True)
         ctx.exit(126)
     ctx.exit(code)
+
+
+# --- swarmfd top (top.py) -------------------------------------------------------
+
+
+@main.command("top")
+@click.argument("job", required=False)
+@click.option("--once", is_flag=True, help="Print one table and exit (for scripts).")
+@click.option("--json", "as_json", is_flag=True,
+              help="With --once: print the rows as JSON, a list of {rank, node, state, "
+                   "calls_per_s, mb_per_s, wait_share, straggler, stalled}.")
+@click.option("-H", "--host", default=None, metavar="URL",
+              help="Docker host of a Swarm manager, for jobs on the Swarm.  [default: "
+                   "$DOCKER_HOST, else the local socket]")
+@click.pass_context
+def top(ctx: click.Context, job: str | None, once: bool, as_json: bool,
+        host: str | None) -> None:
+    """Show every rank of a running job, live: what it does, its calls and MB a second,
+    how much of its time it waits for others, the straggler and stalled ranks.
+
+    JOB is a local job (`swarmfd run`, named run-PID) or a Swarm job (`swarmfd deploy`);
+    without JOB, this user's only running job (several: they are listed). The figures
+    come from the ranks' status lines (SWARMFD_STATUS), through the launcher or the
+    service log: no port is opened. Ctrl-C ends the live view.
+
+    \b
+    Examples:
+      swarmfd top
+      swarmfd top --once --json swarmfd-keen-3fa9
+    """
+    from . import top as top_lib
+
+    if as_json and not once:
+        raise click.UsageError("--json needs --once (the live view is a table)", ctx)
+    try:
+        read = _top_source(job, host)
+        top_lib.show(read, once=once, as_json=as_json, echo=click.echo)
+    except top_lib.TopError as exc:
+        click.echo(f"swarmfd top: {exc}", err=True)
+        ctx.exit(1)
+
+
+def _top_source(name: str | None, host: str | None) -> Any:
+    """The function that reads the job ``swarmfd top`` shows (see
+    :func:`swarmfd.top.pick_job`) anew. The Swarm is asked only when no local job has the name."""
+    from . import jobs
+    from . import top as top_lib
+
+    local = jobs.local_jobs()
+    if name is not None and any(j["name"] == name for j in local):
+        candidates = local
+    else:
+        candidates = local + _swarm_jobs(host, required=host is not None)
+    chosen = top_lib.pick_job(name, candidates)
+    if chosen["kind"] == "local":
+        def read() -> dict[str, Any]:
+            found = [j for j in jobs.local_jobs() if j["name"] == chosen["name"]]
+            if not found:
+                raise top_lib.TopError(f"job {chosen['name']} has ended")
+            return found[0]
+        return read
+    from .swarm.engine import connect
+    from .swarm.status import job_status
+
+    client = connect(host)
+
+    def read_swarm() -> dict[str, Any]:
+        got = job_status(client, chosen["name"])
+        if got is None:
+            raise top_lib.TopError(f"job {chosen['name']} was removed")
+        return got
+    return read_swarm
+
+
+def _swarm_jobs(host: str | None, required: bool) -> list[dict[str, Any]]:
+    """The running jobs of the Swarm at ``host``; none when no manager answers (unless
+    ``required``: then its error)."""
+    from .swarm.errors import SwarmJobError
+
+    try:
+        from .swarm.engine import check_manager, connect
+        from .swarm.status import running_jobs
+
+        client = connect(host)
+        try:
+            check_manager(client)
+            return running_jobs(client)
+        finally:
+            client.close()
+    except (SwarmJobError, OSError) as exc:
+        if required:
+            from .top import TopError
+
+            raise TopError(str(exc)) from None
+        return []
 
 
 # --- swarmfd bench (bench.py) ------------------------------------------------

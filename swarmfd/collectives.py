@@ -1,16 +1,12 @@
 """The collectives: each one a template over the call layer.
 
-A collective normalises its input (:mod:`swarmfd.inputs`: views, checks, the call's
-signature), resolves the group, looks up (or works out, once) the call's
-:class:`~swarmfd.call.Schedule` (the algorithm the selection table picks, with its
-arguments), and runs it, or returns its :class:`Work` with ``async_op=True``.
-
-Every function takes ``group=None`` (the world) or a :class:`swarmfd.Group`. Inside a
-group, ``src`` and ``dst`` are world ranks, as in torch; ``group_src`` and
-``group_dst`` take group ranks instead. Inputs: see :mod:`swarmfd.inputs`; all_reduce,
-all_reduce_mean and broadcast also take a list of arrays, moved as one fused buffer per
-dtype. Integer sums wrap around as numpy's do. Float results are bitwise identical on
-every rank.
+Each normalises its input (:mod:`swarmfd.inputs`), resolves the group, looks up (or
+works out once) the call's :class:`~swarmfd.call.Schedule`, and runs it, or returns its
+:class:`Work` with ``async_op=True``. Every function takes ``group=None`` (the world) or a
+:class:`swarmfd.Group`; ``src`` and ``dst`` are world ranks, as in torch, ``group_src``
+and ``group_dst`` group ranks. all_reduce, all_reduce_mean and broadcast also take a list
+of arrays (one fused call per dtype). Integer sums wrap as numpy's do; float results are
+bitwise identical on every rank.
 """
 
 from __future__ import annotations
@@ -111,9 +107,7 @@ def _all_reduce_schedule(g: _group.Group, key: Any, sig: Signature, nbytes: int,
 
 def _all_reduce_list(g: _group.Group, items: Sequence[Any], op: Any, rop: ReduceOp,
                      mean: bool, async_op: bool) -> list[Any]:
-    """all_reduce of a list: one call per dtype over its arrays, reduced where they are
-    where the algorithm takes Parts (and they are contiguous, writable and disjoint),
-    else fused into one buffer; every part is copied back when its call completes."""
+    """all_reduce of a list: one call per dtype (:func:`_run_fused`)."""
     wire_op = ReduceOp.MEAN if mean else rop
     out = []
     for dtype, members in _by_dtype(items, "all_reduce", lambda a: _in.check_op_dtype(
@@ -147,9 +141,9 @@ def _by_dtype(items: Sequence[Any], name: str,
 
 def _run_fused(g: _group.Group, s: Schedule, members: list[np.ndarray], dtype: np.dtype,
                total: int, async_op: bool) -> Any:
-    """Run ``s`` over ``members``: as Parts where it takes them and they allow it, else
-    staged through one buffer (the group's scratch buffer; a new one for an async call,
-    which owns it until it completes) and copied back."""
+    """Run ``s`` over ``members``: as Parts where it takes them and they are contiguous,
+    writable and disjoint, else through one buffer (the group's scratch; a new one for an
+    async call) copied back."""
     if s.parts and total and _in.disjoint(members) and all(
             a.flags.c_contiguous and a.flags.writeable for a in members):
         return run_call(s, (Parts([a.reshape(-1) for a in members if a.size]),), None,
@@ -307,9 +301,8 @@ def _all_gather_v(g: _group.Group, arr: np.ndarray, flat: np.ndarray, code: int,
 
 def _gather_v(op: Op, count: int, flat: np.ndarray, row: int, state: dict[str, Any],
               two: Any) -> Any:
-    """The counts travel with the rows that fit a small message (a slot on shared
-    memory): one round (the selection's all_gather_counts). Larger parts follow by the
-    table, once all counts are known, with tags of their own (a second phase)."""
+    """The counts travel with the rows that fit (select.all_gather_counts); larger parts
+    follow in a second phase, by the table."""
     n, plane = op.size, op.plane
     first = select.all_gather_counts(plane, n)
     counts, parts = yield from first.algo(op, count, flat, row * flat.itemsize, *first.args)
@@ -378,11 +371,11 @@ def reduce_scatter(x: Any, out: Any = None, *, op: str = "sum", group: Any = Non
 def reduce_scatter_run(g: _group.Group, src: np.ndarray | Parts, parts: list[tuple[int, int]],
                        res_flat: np.ndarray, result: Any, rop: ReduceOp, mean: bool,
                        sig: Signature, key: Any, async_op: bool) -> Any:
-    """Run the reduce_scatter of ``src`` (the whole input, flat: an array, or Parts,
-    read where it is) into ``res_flat`` (this rank's part of ``parts``); gives
-    ``result``. A group of one copies its input."""
+    """The reduce_scatter of ``src`` (flat: an array, or Parts read where they are) into
+    ``res_flat`` (this rank's part of ``parts``); gives ``result``."""
     s = _planned(g, key, sig, lambda plane: select.reduce_scatter(
-        plane, src.nbytes, g.size, g.two_level()),
+        plane, src.nbytes, g.size, g.two_level(),
+        len(src.arrays) if isinstance(src, Parts) else 1),
         (parts, _UFUNCS[rop], g.size if mean else 0))
     if isinstance(src, Parts) and not s.parts:
         src = np.concatenate(src.arrays)
@@ -423,7 +416,6 @@ def _splits(value: Any, n: int, what: str) -> list[int] | None:
         raise ValueError(f"swarmfd.all_to_all: {what} must be {n} non-negative row counts "
                          f"(one per rank of the group), got {len(splits)}: {splits}")
     return splits
-
 
 
 def all_to_all(x: Any, out: Any = None, *, in_splits: Any = None, out_splits: Any = None,
@@ -500,10 +492,8 @@ def _all_to_all_rows(g: _group.Group, arr: np.ndarray, in_splits: Any,
 def _all_to_all(op: Op, flat: np.ndarray, rows_in: list[int], rows_out: list[int] | None,
                 state: dict[str, Any], exchange: select.Choice | None,
                 parts: select.Choice) -> Any:
-    """The all_to_all of ``flat``: where ``exchange`` (the selection's all_gather of
-    every rank's splits, needed when the receiving rows are unknown, or by the exchange
-    of the parts) everyone's splits first, with tags of their own; then ``parts``
-    moves the rows."""
+    """The all_to_all of ``flat``: everyone's splits first where ``exchange`` (tags of
+    their own), then ``parts`` moves the rows."""
     n, arr = op.size, state["arr"]
     matrix = None
     if exchange is not None:

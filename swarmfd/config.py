@@ -68,6 +68,15 @@ and, for where the ranks are (see :func:`transport_mode`, :func:`node_name`):
 ``SWARMFD_HIERARCHY`` ``auto`` (two-level collectives where they are faster) or
                       ``off`` (the flat algorithms, for comparison)
 
+and, for what a running job tells of itself (see :mod:`swarmfd.observe`):
+
+``SWARMFD_STALL_WARN`` seconds a collective may wait before the waiting rank logs
+                      which ranks have not entered it (default 60; 0: never); its
+                      timeout is unchanged
+``SWARMFD_STATUS``    seconds between the status lines each rank writes to stderr for
+                      ``swarmfd top`` (unset or 0: none); ``swarmfd run`` and ``swarmfd
+                      deploy`` set it
+
 Every value is validated here, once; bad input raises :class:`ConfigError`
 (a ``ValueError``) naming the variable, the value and what was expected.
 """
@@ -82,6 +91,7 @@ import os
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from .errors import ConfigError
 
@@ -92,6 +102,7 @@ __all__ = [
     "DEFAULT_MASTER_PORT",
     "DEFAULT_RENDEZVOUS_PORT_OFFSET",
     "DEFAULT_SECRET_FILE",
+    "DEFAULT_STALL_WARN",
     "DEFAULT_STASH_MB",
     "DEFAULT_TIMEOUT",
     "DOCKER_SECRETS_DIR",
@@ -122,7 +133,9 @@ __all__ = [
     "ENV_SECRET_FILE",
     "ENV_SHM_DIR",
     "ENV_SPIN",
+    "ENV_STALL_WARN",
     "ENV_STASH_MB",
+    "ENV_STATUS",
     "ENV_TIMEOUT",
     "ENV_TRANSPORT",
     "ENV_WORLD_SIZE",
@@ -153,6 +166,7 @@ __all__ = [
     "parse_env_float",
     "parse_env_int",
     "parse_env_port",
+    "parse_env_seconds",
     "rendezvous_port",
     "require_secret",
     "shm_dir",
@@ -170,6 +184,8 @@ DEFAULT_MASTER_PORT = 29500
 #: torch whichever of the two initialises first.
 DEFAULT_RENDEZVOUS_PORT_OFFSET = 1
 DEFAULT_TIMEOUT = 300.0
+#: SWARMFD_STALL_WARN when unset: a collective waiting this long is reported.
+DEFAULT_STALL_WARN = 60.0
 
 ENV_WORLD_SIZE = "WORLD_SIZE"
 ENV_RANK = "RANK"
@@ -210,6 +226,10 @@ ENV_ELASTIC_PORT = "SWARMFD_ELASTIC_PORT"
 ENV_ELASTIC_DONE = "SWARMFD_ELASTIC_DONE"
 #: Seconds an elastic job may stay below its minimum of ranks (SWARMFD_ELASTIC_TIMEOUT).
 DEFAULT_ELASTIC_TIMEOUT = 60.0
+#: Seconds before a waiting collective is reported (see swarmfd.comm.status).
+ENV_STALL_WARN = "SWARMFD_STALL_WARN"
+#: Seconds between a rank's status lines (see swarmfd.statusline).
+ENV_STATUS = "SWARMFD_STATUS"
 #: Set by a Swarm service for each task (``{{.Task.Slot}}``, 1-based): see swarmfd.entrypoint.
 ENV_TASK_SLOT = "SWARMFD_TASK_SLOT"
 #: How long the container entrypoint waits for MASTER_ADDR to resolve.
@@ -282,6 +302,10 @@ class Options:
     stash_limit: int = DEFAULT_STASH_MB << 20
     #: SWARMFD_JOB_ID: the launch this rank belongs to ("": ranks started by hand).
     job: str = ""
+    #: SWARMFD_STALL_WARN: seconds before a waiting collective is reported (0: never).
+    stall_warn: float = DEFAULT_STALL_WARN
+    #: SWARMFD_STATUS: seconds between status lines on stderr (0: none).
+    status: float = 0.0
     #: SWARMFD_ELASTIC and its companions; None: not an elastic job.
     elastic: ElasticOptions | None = None
 
@@ -322,6 +346,11 @@ def options_from_env(environ: Mapping[str, str] | None = None) -> Options:
         cma=cma_enabled(env), node=node_name(env), shm_dir=shm_dir(env),
         swarm_task=bool((env.get(ENV_TASK_SLOT) or "").strip()),
         torch_port=master_port(env), stash_limit=stash_limit(env), job=job_id(env),
+        stall_warn=parse_env_seconds(env, ENV_STALL_WARN, DEFAULT_STALL_WARN,
+                                     "seconds a collective may wait before it is "
+                                     "reported, 0 to never report"),
+        status=parse_env_seconds(env, ENV_STATUS, 0.0, "seconds between status lines "
+                                 "(swarmfd run and deploy set it), 0 for none"),
         elastic=elastic_options(env))
 
 
@@ -507,17 +536,25 @@ def rendezvous_port(environ: Mapping[str, str] | None = None) -> int:
 
 def parse_env_float(environ: Mapping[str, str], name: str) -> float | None:
     """Read a positive float environment variable; ``None`` when unset or empty."""
+    return parse_env_seconds(environ, name, None, "a positive number of seconds",
+                             allow_zero=False)
+
+
+def parse_env_seconds(environ: Mapping[str, str], name: str, default: Any, expected: str,
+                      allow_zero: bool = True) -> Any:
+    """A number of seconds >= 0 (> 0 unless ``allow_zero``) from the environment;
+    ``default`` when unset or empty; ConfigError naming the variable, its value and
+    ``expected`` otherwise."""
     raw = environ.get(name)
     if raw is None or raw.strip() == "":
-        return None
+        return default
     try:
         value = float(raw)
     except ValueError:
         value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise ConfigError(
-            f"environment variable {name}={raw!r} is invalid: expected a positive number of seconds"
-        )
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"environment variable {name}={raw!r} is invalid: expected "
+                          f"{expected}")
     return value
 
 

@@ -28,6 +28,10 @@ non-contiguous array (the write-back runs on whichever thread completes the op).
 A Work that is never waited for still completes, and its failure still breaks its
 group; only its result is never seen.
 
+Counters. A collective that completes here adds to its group's counters
+(:class:`swarmfd.counters.CallStats`): its time from submission to completion, and
+what its receives waited for their messages (which may overlap the caller's compute).
+
 Failure. When an op fails, its group breaks (see :mod:`swarmfd.group`): the op's Work
 raises the error, and so does every other pending Work of that group.
 """
@@ -38,6 +42,7 @@ import collections
 import threading
 import time
 from collections.abc import Callable
+from time import perf_counter
 from typing import Any
 
 from .algorithms.base import FLUSH, Op, request
@@ -54,6 +59,7 @@ THREAD_SLICE = 0.001
 CALLER_SLICE = 0.05
 #: Deadlines and lost peers are checked at least this often (s) while messages arrive.
 CHECK_EVERY = 0.05
+_INF = float("inf")
 
 
 def _now() -> float:
@@ -181,12 +187,20 @@ def joined(parts: list[Work], name: str, then: Callable[[], Any]) -> Work:
 class _Task:
     """A Work's running state: its op, its algorithm, and what it waits for."""
 
-    __slots__ = ("finish", "gen", "group", "key", "op", "posting", "req", "since", "started",
-                 "work")
+    __slots__ = ("finish", "gen", "group", "key", "most", "nbytes", "on", "op", "posting", "req",
+                 "since", "stall_at", "started", "t0", "waited", "work")
 
     def __init__(self, work: Work, group: Any, op: Op, gen: Any,
-                 finish: Callable[[Any], Any] | None) -> None:
+                 finish: Callable[[Any], Any] | None, nbytes: int = 0) -> None:
         self.work = work
+        #: For the counters: when it was submitted, its buffer's bytes, what its receives
+        #: waited in all, the longest wait and the rank it waited for.
+        self.t0 = perf_counter()
+        self.nbytes = nbytes
+        self.waited = self.most = 0.0
+        self.on = -1
+        #: When its current wait is next looked at for a stall report (see Channel).
+        self.stall_at = _INF
         self.group = group
         self.op = op
         self.gen = gen
@@ -255,10 +269,12 @@ class Engine:
         return not self.queues and not self.p2p
 
     def submit(self, group: Any, op: Op, gen: Any, name: str,
-               finish: Callable[[Any], Any] | None = None, *, p2p: bool = False) -> Work:
-        """Queue an operation; start it on this thread when its group has nothing pending."""
+               finish: Callable[[Any], Any] | None = None, *, p2p: bool = False,
+               nbytes: int = 0) -> Work:
+        """Queue an operation (a collective's buffer of ``nbytes``, for the counters);
+        start it on this thread when its group has nothing pending."""
         work = Work(self, name)
-        task = _Task(work, group, op, gen, finish)
+        task = _Task(work, group, op, gen, finish, nbytes)
         with self._driving():
             if p2p:
                 self.p2p.append(task)
@@ -333,6 +349,7 @@ class Engine:
                 key, payload = hit
                 task = owners.pop(key)
                 posted.pop(key)
+                _waited(task, self.channel)
                 task.key = task.posting = None
                 self._resume(task, payload)
         now = _now()
@@ -371,6 +388,7 @@ class Engine:
                 self._fail(task, exc)
                 return True
             if found:
+                _waited(task, self.channel)
                 task.key = task.posting = None
                 self._resume(task, payload)
                 return True
@@ -394,7 +412,9 @@ class Engine:
                     value = payload
                     continue
                 task.req, task.key, task.posting = req, key, (sig, nbytes, into)
-                task.since = _now()
+                task.since = now = _now()
+                threshold = ch.stalls.threshold
+                task.stall_at = now + threshold if threshold and not _is_p2p(task) else _INF
                 return True
         except StopIteration as stop:
             self._complete(task, stop.value)
@@ -416,6 +436,10 @@ class Engine:
             self._fail(task, exc)
             return
         self._remove(task)
+        if not _is_p2p(task):
+            op = task.op
+            task.group.stats.record(op.seq, perf_counter() - task.t0, task.nbytes,
+                                    task.waited, task.on)
         task.work._finish(result)
 
     def _remove(self, task: _Task) -> None:
@@ -497,6 +521,9 @@ class Engine:
                 err = ch.timeout_error(src, task.op.sig, dict(self.reports.pop(task.op.gid, {})))
                 ch.activity = "idle"
                 self._fail(task, err)
+            elif now >= task.stall_at:
+                op = task.op
+                task.stall_at = ch.stall_tick(now, task.since, op.gid, op.seq, op.sig, src)
 
     def report(self, gid: int, rank: int, waited: int, payload: Any) -> None:
         """A peer's provisional timeout report for group ``gid`` (see Channel.timeout_error)."""
@@ -545,6 +572,19 @@ class Engine:
             task.work._finish(error=error or RuntimeError(
                 f"swarmfd: {task.work.name} was pending when the process group was cleaned "
                 "up"))
+
+
+def _waited(task: _Task, channel: Any) -> None:
+    """The message ``task`` waited for since it posted its receive came: count the wait
+    (and end its stall report, if it had one)."""
+    waited = _now() - task.since
+    task.waited += waited
+    if waited > task.most:
+        task.most, task.on = waited, task.key[1]  # type: ignore[index]
+    threshold = channel.stalls.threshold
+    if threshold and waited >= threshold:
+        channel.stalls.end(task.op.gid, task.op.seq)
+    task.stall_at = _INF
 
 
 def _is_p2p(task: _Task) -> bool:

@@ -1,69 +1,33 @@
 """The container entrypoint: a Swarm task's place in the job -> the env contract -> exec.
 
-The swarmfd image runs ``python -m swarmfd.entrypoint COMMAND...``. Each replica of a
-Swarm service is one rank. Swarm cannot compute ``RANK`` itself, but it expands
-templates in a service's environment and hostname, so the service (``swarmfd deploy``
-or a stack file) sets:
+The swarmfd image runs ``python -m swarmfd.entrypoint COMMAND...``; each replica of a
+Swarm service is one rank. Swarm cannot compute ``RANK``, but expands templates in a
+service's environment and hostname, so the service (``swarmfd deploy``, a stack file)
+sets ``SWARMFD_TASK_SLOT={{.Task.Slot}}`` (1..replicas), ``WORLD_SIZE`` (the replicas),
+``MASTER_ADDR={{.Service.Name}}-1``, optionally ``MASTER_PORT`` and ``SWARMFD_PORT``,
+and the hostname ``{{.Service.Name}}-{{.Task.Slot}}`` (USAGE lists them). Then this:
 
-``SWARMFD_TASK_SLOT``  ``{{.Task.Slot}}``: the task's slot, 1..replicas (1-based)
-``WORLD_SIZE``         the number of replicas
-``MASTER_ADDR``        ``{{.Service.Name}}-1``: the host name of slot 1 (rank 0)
-``MASTER_PORT``        optional; torch.distributed's port (default 29500)
-``SWARMFD_PORT``       optional; swarmfd's rendezvous port on rank 0 (default
-                      MASTER_PORT + 1, so 29501: :func:`swarmfd.config.rendezvous_port`)
-hostname              ``{{.Service.Name}}-{{.Task.Slot}}`` (a service setting, not a variable)
+1. sets ``RANK = slot - 1`` unless set; a slot beyond ``WORLD_SIZE`` is an error,
+   except in an elastic job (``SWARMFD_ELASTIC=1``), whose service may be scaled up;
+2. sets ``LOCAL_RANK=0``, ``LOCAL_WORLD_SIZE=1`` when unset (one rank a container), but
+   not when ``SWARMFD_NODE`` is set: swarmfd then derives them per node at rendezvous;
+3. sets an unset ``OMP_NUM_THREADS`` to the container's CPU limit (:func:`cpu_limit`,
+   at least 1): torch and OpenBLAS count the node's cores, not the limit; without a
+   limit it cannot know how many tasks share the node, and leaves it unset;
+4. waits until ``MASTER_ADDR`` resolves (rank 0's name is in DNS only while its task
+   runs; not in an elastic job, whose ranks find each other), at most
+   ``SWARMFD_RESOLVE_TIMEOUT`` s (else ``SWARMFD_INIT_TIMEOUT``, else 60); a command
+   that never joins the group can let rank 0 end before a slow rank looks it up (a
+   swarmfd program cannot: rank 0 waits for every rank);
+5. started as root, runs the command as :func:`rank_user` (``swarmfd``, or
+   ``SWARMFD_USER``), giving it a root-owned ``SWARMFD_CHECKPOINT_DIR`` first;
+6. execs the command (signals reach it; a first word ending in ``.py`` runs with this
+   Python).
 
-and this entrypoint, before it runs the command:
-
-1. sets ``RANK = SWARMFD_TASK_SLOT - 1`` unless ``RANK`` is already set, and checks
-   that the slot is within ``WORLD_SIZE`` (a service with more replicas than
-   ``WORLD_SIZE`` is a deployment error, reported with exit code 2), except in an
-   elastic job (``SWARMFD_ELASTIC=1``), whose service may be scaled up;
-2. sets ``LOCAL_RANK=0`` and ``LOCAL_WORLD_SIZE=1`` when unset (one rank per container:
-   the rank within its container, which is also the right device index when each
-   container sees only its own GPU). When ``SWARMFD_NODE`` is set (``swarmfd deploy``
-   sets it to ``{{.Node.Hostname}}``, and with ``--local-ranks container``, its default,
-   ``LOCAL_RANK=0`` and ``LOCAL_WORLD_SIZE=1`` too) they are left as they are: unset,
-   swarmfd derives them at rendezvous by grouping the ranks on ``SWARMFD_NODE``
-   (``swarmfd.get_config().local_rank``);
-3. sets ``OMP_NUM_THREADS`` (torch's and numpy's compute threads) to the CPUs the
-   container may use, at least 1, when it is unset and the container has a CPU limit
-   (``swarmfd deploy --limit-cpu``, ``docker run --cpus``: the cgroup's CFS quota,
-   :func:`cpu_limit`). torch and OpenBLAS count the node's cores, not the limit, and
-   run that many threads in a container throttled to fewer (as ``swarmfd run`` gives
-   each local rank its share of the cores: swarmfd.launch). Without a limit the
-   entrypoint cannot know how many tasks share the node, and leaves it unset;
-4. (not in an elastic job, whose ranks find each other themselves) waits until
-   ``MASTER_ADDR`` resolves, at most ``SWARMFD_RESOLVE_TIMEOUT`` seconds
-   (default: ``SWARMFD_INIT_TIMEOUT`` when set, else 60; exit code 3 on timeout),
-   because rank 0's name exists in DNS only once its container has started. It is
-   gone again once rank 0's task has ended: a command that never joins the group
-   (``python -c "print(1)"``) can let rank 0 finish before a slower rank looks it up,
-   and that rank then ends with exit code 3. A swarmfd program cannot hit this: rank 0
-   waits in the rendezvous for every rank;
-5. started as root, runs the command as an unprivileged user (:func:`rank_user`): the
-   swarmfd image's ``swarmfd`` (uid 10001), or ``SWARMFD_USER`` (``root`` keeps root,
-   for a command that needs it, or writes where only root may: a bind mount, say). An
-   image without that user (one not built from the swarmfd image) stays as it was.
-   The job's checkpoint directory (``SWARMFD_CHECKPOINT_DIR``), when root owns it (a
-   volume an older, root rank made), is given to that user first;
-6. replaces itself with the command (``os.execvp``), so signals from ``docker stop``
-   or service removal reach the command directly (run the service with ``init=True``
-   so that a PID-1 init forwards them). A first word ending in ``.py`` runs with this
-   Python: ``train.py --epochs 3`` means ``python train.py --epochs 3``.
-
-Why ``{{.Service.Name}}-1``: Swarm registers a task's hostname as a DNS alias of the
-task on each of its networks (``docker inspect`` shows it under ``Aliases``), so with
-the hostname template above, ``<service>-1`` resolves from every task on the job's
-overlay network to slot 1's address. This was checked on Docker 20.10 with a
-``dnsrr`` service and with a ``docker stack deploy`` stack (whose service names are
-``<stack>_<service>``, so rank 0 is ``<stack>_<service>-1``); ``MASTER_ADDR:
-"{{.Service.Name}}-1"`` works in both because Swarm expands templates in the
-environment. Names Swarm does not resolve: ``<service>.1`` and ``tasks.<service>.1``;
-``tasks.<service>`` lists every task in no slot order (no way to tell rank 0).
-Use ``mode=replicated`` with restart condition ``none`` for one-shot jobs: in
-``replicated-job`` mode ``{{.Task.Slot}}`` is not 1..N (tasks get a node ID instead),
-which this entrypoint rejects.
+Swarm registers a task's hostname as its DNS alias, so ``<service>-1`` resolves to slot
+1 (also in a stack: ``<stack>_<service>-1``); ``tasks.<service>`` has no slot order. Use
+``replicated`` mode, restart condition ``none`` (``replicated-job`` slots are node IDs);
+an elastic job restarts on failure.
 
 Exit codes when the command does not start: 2 bad environment or usage,
 3 ``MASTER_ADDR`` did not resolve in time, 126 command not executable, 127 not found.
@@ -96,7 +60,6 @@ from .config import (
 )
 from .errors import ConfigError, RendezvousTimeout
 
-#: The node a rank runs on; when set, LOCAL_RANK/LOCAL_WORLD_SIZE are derived per node.
 DEFAULT_RESOLVE_TIMEOUT = 60.0
 
 #: Who the command runs as when the container starts as root (see the module docstring).
@@ -141,13 +104,9 @@ _SLOT_HINT = (
 
 
 def cpu_limit(cgroup: str = "/sys/fs/cgroup") -> float | None:
-    """The CPUs this process's cgroup may use, its CFS quota over its period (what
-    ``docker run --cpus`` and a Swarm service's ``NanoCPUs`` limit set), or None when
-    there is no limit or it cannot be read. cgroup v2 (``cpu.max``: ``QUOTA PERIOD`` or
-    ``max PERIOD``), else v1 (``cpu/cpu.cfs_quota_us``, -1 for none, and
-    ``cpu/cpu.cfs_period_us``; or under ``cpu,cpuacct``). A container with its own
-    cgroup namespace (Docker's default on cgroup v2) sees its own cgroup at the root;
-    so does one on cgroup v1 (Docker mounts its cgroup there)."""
+    """The CPUs this process's cgroup may use (CFS quota / period: ``docker run --cpus``,
+    a service's ``NanoCPUs``), or None without a limit. cgroup v2's ``cpu.max``, else
+    v1's ``cfs_quota_us``/``cfs_period_us``; a container sees its own cgroup at the root."""
     try:
         with open(os.path.join(cgroup, "cpu.max")) as f:
             quota, _, period = f.read().strip().partition(" ")
@@ -171,14 +130,9 @@ def cpu_limit(cgroup: str = "/sys/fs/cgroup") -> float | None:
 
 
 def task_env(environ: Mapping[str, str], cpus: float | None = None) -> dict[str, str]:
-    """Return the environment the command should run with: ``environ`` plus the derived
-    ``RANK``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE``, and ``OMP_NUM_THREADS`` from ``cpus``
-    (the container's CPU limit, :func:`cpu_limit`; None: no limit) when unset (see the
-    module docstring).
-
-    Pure: reads only its arguments and returns a new dict. Raises :class:`ConfigError`
-    (a ``ValueError``) naming the variable when the task's place cannot be determined.
-    """
+    """The command's environment: ``environ`` plus the derived ``RANK``, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE`` and ``OMP_NUM_THREADS`` (from ``cpus``, :func:`cpu_limit`).
+    Pure; :class:`ConfigError` names the variable when the task's place is unclear."""
     env = dict(environ)
     if cpus is not None and ENV_OMP_THREADS not in env:
         env[ENV_OMP_THREADS] = str(max(1, int(cpus)))
@@ -213,10 +167,8 @@ def task_env(environ: Mapping[str, str], cpus: float | None = None) -> dict[str,
 
 
 def rank_user(environ: Mapping[str, str], euid: int) -> pwd.struct_passwd | None:
-    """The user the command runs as (see the module docstring), or None to leave this
-    process's: it does not run as root, ``SWARMFD_USER`` is ``root``, or the image has no
-    ``swarmfd`` user and ``SWARMFD_USER`` names none. ConfigError when ``SWARMFD_USER``
-    names a user the image does not have."""
+    """The user the command runs as, or None to stay (not root, ``SWARMFD_USER=root``, or
+    no ``swarmfd`` user); ConfigError when ``SWARMFD_USER`` names no user of the image."""
     if euid != 0:
         return None
     name = (environ.get(ENV_USER) or "").strip()
@@ -244,9 +196,8 @@ def become(user: pwd.struct_passwd, env: dict[str, str]) -> None:
 
 
 def resolve_timeout(environ: Mapping[str, str]) -> float:
-    """Seconds to wait for ``MASTER_ADDR`` to resolve: ``SWARMFD_RESOLVE_TIMEOUT``, else
-    ``SWARMFD_INIT_TIMEOUT`` (rank 0's name appears only once its task started, and a job
-    that gives its ranks that long to start must not give up on the name sooner), else 60."""
+    """Seconds to wait for ``MASTER_ADDR``: ``SWARMFD_RESOLVE_TIMEOUT``, else
+    ``SWARMFD_INIT_TIMEOUT`` (a job giving its ranks that long to start), else 60."""
     for name in (ENV_RESOLVE_TIMEOUT, ENV_INIT_TIMEOUT):
         value = parse_env_float(environ, name)
         if value is not None:
@@ -273,12 +224,9 @@ def wait_for_host(
     interval: float = 0.25,
     resolve: Callable[[str], object] | None = None,
 ) -> float:
-    """Block until ``host`` resolves, at most ``timeout`` seconds; return the seconds waited.
-
-    Each lookup runs in a daemon thread so a resolver that hangs cannot stretch the
-    wait past ``timeout``. Raises :class:`RendezvousTimeout` (a ``TimeoutError``)
-    naming ``MASTER_ADDR`` and the last resolver error.
-    """
+    """Block until ``host`` resolves, at most ``timeout`` s (each lookup in a daemon
+    thread: a hung resolver cannot stretch it); the seconds waited, or
+    :class:`RendezvousTimeout` naming ``MASTER_ADDR`` and the last resolver error."""
     lookup = resolve or (lambda name: socket.getaddrinfo(name, None, type=socket.SOCK_STREAM))
     start = time.monotonic()
     deadline = start + timeout

@@ -7,6 +7,8 @@ swarmfd.SwarmfdError`` as they prefer.
 
 from __future__ import annotations
 
+import json
+
 __all__ = [
     "AbortedError",
     "AbortedMismatchError",
@@ -127,20 +129,16 @@ def abort_kind(error: BaseException) -> str:
 
 def error_from_abort(activity: str, src: int, payload: bytes) -> CollectiveError:
     """The error to raise when rank ``src`` sent an abort with JSON ``payload``."""
-    import json
-
+    info = _abort_info(payload)
     try:
-        info = json.loads(bytes(payload).decode("utf-8"))
         kind, message = str(info["kind"]), str(info["message"])
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError, OverflowError):
+    except (KeyError, ValueError, OverflowError):
         kind, message = "error", "(unreadable reason)"
     cls = _ABORT_KINDS.get(kind, AbortedError)
     return cls(f"{activity}: rank {src} failed and aborted the group: {message}")
 
 
 def _abort_info(payload: bytes) -> dict[str, object]:
-    import json
-
     try:
         info = json.loads(bytes(payload).decode("utf-8"))
     except (ValueError, UnicodeDecodeError, RecursionError):

@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -46,6 +47,7 @@ from .comm.planes import shm as _shm
 from .config import (
     Config,
 )
+from .counters import CallStats
 from .errors import (
     NotInitializedError,
     SwarmfdError,
@@ -151,6 +153,8 @@ class Group:
         self._two_level: Any = None  # (layout, shm plane) or False, once known
         #: The group's calls worked out once (swarmfd.call.Schedule), by the call's key.
         self.schedules: dict[Any, Any] = {}
+        #: This rank's counters of the group's calls (swarmfd.counters).
+        self.stats = CallStats(state.config.rank, state.config.world_size)
 
     def __repr__(self) -> str:
         return (f"swarmfd.Group({self.name}, rank {self.rank} of {self.size}, "
@@ -292,6 +296,13 @@ class _State:
         default_factory=dict)
     #: The new_group ids of groups this rank is not a member of.
     outside: set[int] = dataclasses.field(default_factory=set)
+    #: ``time.monotonic()`` at init, or at the last ``stats(reset=True)``: the start of
+    #: the counters' window (its wall time).
+    since: float = dataclasses.field(default_factory=time.monotonic)
+    #: The straggler summary cleanup found (rank 0), for the last status line.
+    summary: str = ""
+    #: The thread writing this rank's status lines (swarmfd.observe), if any.
+    status: Any = None
     #: The generation of an elastic job this world is (0: the first; see
     #: swarmfd.membership); every world of a job that is not elastic is its first.
     generation: int = 0

@@ -1,12 +1,10 @@
 """What every collective does to its arguments before it runs: views, checks, signatures.
 
-The collectives (:mod:`swarmfd.collectives`) take numpy arrays of any dtype in
-:data:`swarmfd.comm.wire.DTYPES`, any shape (0-d and empty included), C-contiguous or
-not (worked on as a contiguous copy and written back), ndarray subclasses (through a
-plain view; masked arrays are refused), CPU torch tensors (a zero-copy numpy view) and,
-for some, lists of arrays. This module turns such an argument into flat arrays and a
-call :class:`~swarmfd.comm.wire.Signature`, or into an error that names what is wrong
-and what was expected.
+The collectives take numpy arrays of a dtype of :data:`swarmfd.comm.wire.DTYPES`, any
+shape, contiguous or not (a contiguous copy, written back), ndarray subclasses (a plain
+view; masked arrays refused), CPU torch tensors (a zero-copy view) and, for some, lists
+of arrays. This module makes them flat arrays and a call
+:class:`~swarmfd.comm.wire.Signature`, or an error naming what is wrong and expected.
 """
 
 from __future__ import annotations
@@ -44,12 +42,8 @@ PARSED_OPS: dict[str, tuple[ReduceOp, bool]] = {
 
 
 def to_numpy(x: Any, name: str) -> np.ndarray:
-    """A numpy view of ``x`` (an ndarray or a CPU torch tensor), or a TypeError.
-
-    An ndarray subclass (np.matrix, np.memmap, ...) is worked on through a plain ndarray
-    view of the same memory, so in-place results land in it; a masked array is refused,
-    since its mask would be silently ignored.
-    """
+    """A numpy view of ``x`` (an ndarray, a subclass's plain view, a CPU torch tensor),
+    or a TypeError (a masked array: its mask would be ignored)."""
     if isinstance(x, np.ndarray):
         if type(x) is np.ndarray:
             return x

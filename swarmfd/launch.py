@@ -130,6 +130,7 @@ from dataclasses import dataclass
 from types import FrameType, MappingProxyType
 from typing import IO, Any, ClassVar
 
+from . import statusline
 from .config import (
     ENV_ELASTIC,
     ENV_ELASTIC_DONE,
@@ -145,11 +146,13 @@ from .config import (
     ENV_RANK,
     ENV_RESTART_COUNT,
     ENV_SECRET_FILE,
+    ENV_STATUS,
     ENV_WORLD_SIZE,
     check_int,
     check_seconds,
     usable_cores,
 )
+from .jobs import JobStatus, job_line
 from .request import JobRequest, option
 
 __all__ = [
@@ -201,6 +204,8 @@ RESERVED_ENV: Mapping[str, str] = MappingProxyType({
 ENV_TRACEBACK = "SWARMFD_TRACEBACK"
 
 _MAX_LINE = 64 * 1024
+#: SWARMFD_STATUS for the ranks (unless set): a status line a second (see swarmfd.jobs).
+STATUS_INTERVAL = "1"
 _POLL = 0.05
 _READER_DRAIN = 1.0  # seconds to wait for a rank's output after its group is gone
 _HANDLED_SIGNALS = tuple(
@@ -523,11 +528,14 @@ def _where(texts: list[bytes]) -> bytes | None:
 
 
 def _pump(pipe: IO[bytes], fd: int, prefix: bytes, output: _Output,
-          collapse: Callable[[], bool] | None = None) -> None:
+          collapse: Callable[[], bool] | None = None,
+          status: Callable[[dict[str, Any]], None] | None = None) -> None:
     """Copy one rank's pipe to the output line by line until EOF.
 
     Once ``collapse()`` is true (another rank failed, or the launcher was interrupted),
-    the lines go through a :class:`TracebackFilter`.
+    the lines go through a :class:`TracebackFilter`. With ``status``, the rank's status
+    lines (:mod:`swarmfd.statusline`) go there instead of the output; what the rank had
+    written of a line before one is put back before the rest of that line.
     """
 
     def emit(line: bytes) -> None:
@@ -538,12 +546,23 @@ def _pump(pipe: IO[bytes], fd: int, prefix: bytes, output: _Output,
         output.write(fd, line)
 
     cut = TracebackFilter(emit) if collapse is not None else None
+    carry = b""
     try:
         with pipe:
             while True:
                 line = pipe.readline(_MAX_LINE)
                 if not line:
+                    if carry:
+                        emit(carry)
                     break
+                if status is not None:
+                    line, record = statusline.split(carry + line)
+                    carry = b""
+                    if record is not None:
+                        if record:
+                            status(record)
+                        carry = line
+                        continue
                 if cut is not None and (cut.holding or collapse()):
                     cut.feed(line)
                 else:
@@ -757,8 +776,11 @@ class _Attempt:
         output: _Output,
         guardian: _Guardian,
         signals: _Signals,
+        job: JobStatus | None = None,
     ) -> None:
         self.config = config
+        #: Where the ranks' status lines go (swarmfd top reads them there).
+        self.job = job
         self.argv = argv
         self.env = env
         self.output = output
@@ -819,9 +841,10 @@ class _Attempt:
         collapse = None if self.config.tracebacks else self._collapsing
         for fd, pipe in ((1, proc.stdout), (2, proc.stderr)):
             assert pipe is not None
+            status = self.job.add if fd == 2 and self.job is not None else None
             t = threading.Thread(
                 target=_pump,
-                args=(pipe, fd, prefix, self.output, collapse if fd == 2 else None),
+                args=(pipe, fd, prefix, self.output, collapse if fd == 2 else None, status),
                 name=f"swarmfd-run-rank{rank}-fd{fd}",
                 daemon=True,
             )
@@ -1093,6 +1116,7 @@ def _rank_env(config: LaunchConfig, port: int, swarmfd_port: int, restart: int,
     if config.elastic:
         env.update({ENV_ELASTIC: "1", ENV_ELASTIC_DONE: _done_file(secret_file),
                     ENV_ELASTIC_PEERS: ",".join(f"{config.master_addr}:{p}" for p in agents)})
+    env.setdefault(ENV_STATUS, STATUS_INTERVAL)
     return env
 
 
@@ -1141,6 +1165,8 @@ def launch(
     )
     guardian = _Guardian(config.grace)
     secret_dir = ""
+    job = JobStatus(config.nproc, argv)
+    started = time.monotonic()
     try:
         secret_dir, secret_file = _write_secret()
         guardian.remove_at_exit(secret_dir)
@@ -1157,10 +1183,13 @@ def launch(
                     return _ElasticAttempt(config, argv, env, output, guardian, signals,
                                            done_file=_done_file(secret_file)).run().code
                 env = _rank_env(config, port, swarmfd_port, restart, secret_file)
-                outcome = _Attempt(config, argv, env, output, guardian, signals).run()
+                job.ranks.clear()
+                outcome = _Attempt(config, argv, env, output, guardian, signals, job).run()
                 if outcome.code == 0 or outcome.interrupted:
+                    _end_line(output, job, started)
                     return outcome.code
                 if restart >= config.max_restarts:
+                    _end_line(output, job, started)
                     if config.max_restarts:
                         output.note(
                             f"no restarts left (max_restarts={config.max_restarts}); "
@@ -1173,6 +1202,14 @@ def launch(
                     "rank(s) again"
                 )
     finally:
+        job.close()
         if secret_dir:
             shutil.rmtree(secret_dir, ignore_errors=True)
         guardian.close()
+
+
+def _end_line(output: _Output, job: JobStatus, started: float) -> None:
+    """The job's one-line status at its end (from the ranks' last status lines)."""
+    line = job_line(job.ranks, job.world, time.monotonic() - started)
+    if line:
+        output.note(line)

@@ -1,24 +1,15 @@
 """The objects :func:`swarmfd.broadcast_object` and :func:`swarmfd.all_gather_object`
 move: plain values in a tagged JSON form, never pickled.
 
-What travels: None, bool, int, float (NaN and the infinities included), str, bytes,
-bytearray, and lists, tuples, dicts (any of these as keys), sets and frozensets of
-them; numpy's integer, floating-point (up to 64 bits) and bool scalars travel as
-int, float and bool, and a memoryview as bytes. JSON has no tuples, sets, bytes or
-non-string keys, so these are written as a one-key object ``{"$": [TAG, PAYLOAD]}``
-(a dict whose only key is ``"$"`` is written that way too, so nothing is ambiguous).
-A top-level ``bytes`` object travels as it is.
-
-Every rank, the sender included, returns the decoded value, so every rank gets the
-same value: one equal to the sender's object. An object that cannot travel (another
-type, an int over MAX_INT_BITS, nesting deeper than MAX_DEPTH, more than
-MAX_OBJECT_BYTES encoded) is not an error of its sender alone: :func:`encode` returns
-a *refusal* entry naming the key path or element, the entry travels in its place, and
-:func:`decode` raises the same error on every rank, so no peer is left waiting.
-
-Decoding what came off the network is bounded: at most MAX_OBJECT_BYTES (checked
-before anything is allocated), MAX_DEPTH levels, ints of Python's default digit limit;
-it builds only the types above and runs no code of the sender's choosing.
+What travels: None, bool, int, float (NaN, infinities), str, bytes, bytearray, and
+lists, tuples, dicts (any of these as keys), sets and frozensets of them; numpy scalars
+(up to 64 bits) as int, float, bool, a memoryview as bytes. What JSON lacks is written
+``{"$": [TAG, PAYLOAD]}`` (so is a dict whose only key is ``"$"``); a top-level ``bytes``
+travels raw. Every rank, the sender included, returns the decoded value, so all get the
+same. An object that cannot travel travels as a *refusal* entry naming the key path, and
+:func:`decode` raises the same error on every rank: no peer is left waiting. Decoding is
+bounded (MAX_OBJECT_BYTES checked before allocating, MAX_DEPTH, Python's int digit
+limit) and builds only these types.
 """
 
 from __future__ import annotations
@@ -39,12 +30,10 @@ __all__ = ["MAX_DEPTH", "MAX_INT_BITS", "MAX_OBJECT_BYTES", "decode", "decode_al
 #: The largest object broadcast_object / all_gather_object move (encoded), on every rank:
 #: a receiver refuses a larger announced size before it allocates anything.
 MAX_OBJECT_BYTES = 64 << 20
-#: The deepest nesting of containers an object may have (a list in a dict is 2 levels):
-#: decoding recurses (JSON's parser, then the tags), and a deeper object from a caller
-#: already deep in its own stack could exhaust Python's recursion limit.
+#: The deepest nesting of containers (a list in a dict is 2): decoding recurses, and a
+#: caller deep in its own stack could exhaust Python's recursion limit.
 MAX_DEPTH = 32
-#: The largest int (in bits) an object may carry: under Python's default limit on the
-#: digits of an int read from text (4300), which every receiving rank applies.
+#: The largest int (bits) an object may carry: under Python's 4300-digit limit.
 MAX_INT_BITS = 14_000
 #: The key of a tagged value, and the tags.
 _TAG = "$"

@@ -36,6 +36,7 @@ from .config import (
     ENV_ELASTIC_MIN_N,
     ENV_ELASTIC_TIMEOUT,
     ENV_INIT_TIMEOUT,
+    ENV_STALL_WARN,
     ENV_TIMEOUT,
     check_int,
     check_seconds,
@@ -170,6 +171,10 @@ class JobRequest:
         "--init-timeout", type=float, metavar="SECONDS", env=ENV_INIT_TIMEOUT,
         help="Seconds the ranks wait for each other to start (sets SWARMFD_INIT_TIMEOUT; "
              "default: the timeout).")
+    stall_warn: float | None = option(
+        "--stall-warn", type=float, metavar="SECONDS", env=ENV_STALL_WARN,
+        help="Seconds a collective may wait before the waiting ranks log which ranks have "
+             "not entered it (sets SWARMFD_STALL_WARN; default 60, 0: never).")
     max_restarts: int = option(
         "--max-restarts", type=int, metavar="K",
         help="When a rank fails, stop the whole group and start it again, up to K times "
@@ -204,6 +209,9 @@ class JobRequest:
             if getattr(self, name) is not None:
                 check_seconds(self.option_name(name), getattr(self, name),
                               type_error=TypeError, value_error=ValueError)
+        if self.stall_warn is not None:
+            check_seconds("--stall-warn", self.stall_warn, allow_zero=True,
+                          type_error=TypeError, value_error=ValueError)
         if self.max_restarts is None:
             self._set("max_restarts", DEFAULT_ELASTIC_RESTARTS if self.elastic is True else 0)
         check_int("--max-restarts", self.max_restarts, minimum=0, what="a number of restarts",

@@ -13,6 +13,7 @@ algorithms.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import logging
 import os
@@ -24,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from . import collectives, membership
+from . import collectives, membership, observe
 from . import group as _group
 from .comm import malloc as _malloc
 from .comm import shm_setup
@@ -189,6 +190,7 @@ def _form(config: Config, secret: str | bytes | None = None, agent: Agent | None
             _group.make_groups(state)
             _group.activate(state)
             _export_local_ranks(config)
+            _watch(state)
             return config
         assert config.master_addr is not None  # Config guarantees it for world_size > 1
         security = _security(config, secret)
@@ -206,7 +208,7 @@ def _form(config: Config, secret: str | bytes | None = None, agent: Agent | None
                                  agent=f"{agent.inc}@{agent.advertise(master_ip)}"
                                  if agent is not None else "", watch=watch)
         try:
-            hostkey = shm_setup.host_key() if mode == "auto" else ""
+            hostkey = shm_setup.host_key(opts.shm_dir) if mode == "auto" else ""
             me = t.me(opts.node, hostkey)
             peers = t.rendezvous(me, master_ip, config.rendezvous_port, deadline)
             t.connect(None, deadline)
@@ -236,7 +238,15 @@ def _form(config: Config, secret: str | bytes | None = None, agent: Agent | None
             raise
         for g in state.groups.values():
             g.forget()  # the calls worked out before shared memory was there
+    _watch(state)
     return config
+
+
+def _watch(state: _State) -> None:
+    """Start the counters' window and, with SWARMFD_STATUS, the status lines."""
+    state.since = time.monotonic()
+    if state.config.options.status > 0:
+        state.status = observe.StatusThread(state, state.config.options.status)
 
 
 def _engine(state: _State) -> Any:
@@ -251,9 +261,17 @@ def _engine(state: _State) -> Any:
         t.channel.abort(exc, g.gid, finished)
 
     engine = Engine(t.channel, state.config.timeout, failed)
-    t.channel.on_group_error = lambda gid, exc, first: _group.group_error(state, gid, exc,
-                                                                         first)
-    t.channel.on_report = engine.report
+    ch = t.channel
+    ch.on_group_error = lambda gid, exc, first: _group.group_error(state, gid, exc, first)
+    ch.on_report = engine.report
+    ch.stalls.threshold = state.config.options.stall_warn
+
+    def describe(gid: int) -> tuple[str, tuple[int, ...]] | None:
+        g = state.groups.get(gid)
+        return None if g is None else (g.name, g.ranks)
+
+    ch.describe_group = describe
+    ch.pending = lambda gid: gid in engine.queues
     return engine
 
 
@@ -274,7 +292,8 @@ def _setup_shm(state: _State, peers: list[PeerInfo], hostkey: str, deadline: flo
     setup_group = Group(state, SETUP_GID, local, "shared-memory setup")
     plane = shm_setup.setup(t, local, hostkey, max(deadline, time.monotonic()
                                                     + state.config.timeout),
-                            lambda reason: _agree(setup_group, reason))
+                            lambda reason: _agree(setup_group, reason),
+                            state.config.options.shm_dir)
     if plane is None:
         return
     try:
@@ -373,8 +392,16 @@ def _export_local_ranks(config: Config) -> None:
 
 
 def cleanup() -> None:
-    """Leave the group and close every socket. Idempotent; a later :func:`init` works again."""
+    """Leave the group and close every socket. Idempotent; a later :func:`init` works again.
+
+    Rank 0 first logs the straggler summary, when one rank made the others wait
+    (:func:`swarmfd.observe.summarize`; the other ranks send it their counters and
+    never wait), and the status thread writes its last line."""
     global _elastic
+    s = _group.active()
+    if s is not None:
+        with contextlib.suppress(Exception):
+            s.summary = observe.summarize(s)  # rank 0's straggler line (or "")
     _close_state()
     ctx, _elastic = _elastic, None
     if ctx is not None:
@@ -383,6 +410,9 @@ def cleanup() -> None:
 
 def _close_state() -> None:
     """End this process's membership of the current world (the elastic agent stays)."""
+    s = _group.active()
+    if s is not None and s.status is not None:
+        s.status.close()
     with _group.STATE_LOCK:
         s = _group.release()
         while _exported:

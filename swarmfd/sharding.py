@@ -1,23 +1,9 @@
 """Data parallelism by splitting the data, not the model: which samples belong to this rank.
 
-Two pure functions (numpy only; no sockets, no process state beyond reading the
-current rank and world size when they are not passed in):
-
-:func:`shard_indices`
-    the dataset indices this rank trains on in one epoch. Every rank gets the
-    *same number* of indices, because every rank must run the same number of
-    steps (and so call the same number of collectives) or the ring deadlocks.
-    The padding and striding follow torch's ``DistributedSampler`` exactly, so
-    a script ported from torch sees the same assignment of samples to ranks
-    (the shuffled order differs: numpy's generator is not torch's).
-
-:func:`shard_batch`
-    this rank's slice of a batch that every rank already holds (for example an
-    evaluation set), split as :func:`numpy.array_split` splits: no padding, so
-    nothing is counted twice, and the parts may differ in length by one.
-
-Both take ``rank=`` and ``world_size=``; when omitted they come from the
-process group (:func:`swarmfd.init` / :func:`swarmfd.init_from_env`).
+Two pure functions (numpy only): :func:`shard_indices`, the dataset indices this rank
+trains on in an epoch (the same number on every rank, which must run as many steps);
+:func:`shard_batch`, this rank's slice of a batch every rank holds. Both take ``rank=``
+and ``world_size=``, else the process group's.
 """
 
 from __future__ import annotations
@@ -78,33 +64,17 @@ def shard_indices(
     rank: int | None = None,
     world_size: int | None = None,
 ) -> np.ndarray:
-    """Return this rank's dataset indices for one epoch (``int64``, in visiting order).
+    """This rank's dataset indices for one epoch (``int64``, in visiting order), as
+    torch's ``DistributedSampler`` assigns them (its shuffled order differs).
 
-    The ranks' lists are disjoint and together cover ``range(total_size)``,
-    except for the padding described next, and all have the same length: that
-    equality is what keeps every rank doing the same number of steps.
-
-    * Without ``drop_last`` the list is padded to a multiple of ``world_size``
-      by repeating indices from its start (wrapping around as often as needed
-      when ``total_size < world_size``), so a few samples are seen twice per
-      epoch. Each rank gets ``ceil(total_size / world_size)`` indices.
-    * With ``drop_last`` the tail is dropped instead: ``total_size // world_size``
-      each, and the last ``total_size % world_size`` indices (of the shuffled
-      order) are not visited this epoch.
-
-    Rank ``r`` takes every ``world_size``-th index starting at ``r`` (the
-    stride of torch's ``DistributedSampler``).
-
-    With ``shuffle`` the order is ``np.random.default_rng(seed + epoch).permutation``:
-    the same on every rank (no communication needed, only the same ``seed``)
-    and different from epoch to epoch, so pass the current ``epoch``.
-
-    ``rank``/``world_size`` default to the process group's.
-
-    Raises:
-        TypeError: ``total_size``, ``seed``, ``epoch``, ``rank`` or ``world_size``
-            is not an integer (bools included).
-        ValueError: any of them is negative, ``world_size < 1`` or ``rank >= world_size``.
+    The ranks' lists are disjoint, cover ``range(total_size)`` and have one length.
+    Without ``drop_last`` the order is padded to a multiple of ``world_size`` by
+    repeating from its start (``ceil(total_size / world_size)`` each); with it the tail
+    is dropped (``total_size // world_size`` each). Rank ``r`` takes every
+    ``world_size``-th index from ``r``. ``shuffle``: the order is
+    ``np.random.default_rng(seed + epoch).permutation``, alike on every rank: pass the
+    current ``epoch``. TypeError for a non-integer argument (bools too), ValueError for
+    a negative one, ``world_size < 1`` or ``rank >= world_size``.
     """
     n = _as_int("total_size", total_size, minimum=0)
     seed_i = _as_int("seed", seed, minimum=0)
@@ -122,32 +92,18 @@ def shard_indices(
     else:
         per_rank = -(-n // world)  # ceil
         padded = per_rank * world
-        if padded > n:
-            # n > 0 here: padded == 0 when n == 0. np.resize repeats from the start.
+        if padded > n:  # (n > 0 here) np.resize repeats from the start
             order = np.resize(order, padded)
     return np.ascontiguousarray(order[r::world])
 
 
 def shard_batch(batch: T, dim: int = 0, *, rank: int | None = None,
                 world_size: int | None = None) -> T:
-    """Return this rank's part of ``batch`` along ``dim``.
-
-    The split is :func:`numpy.array_split`'s: with ``n`` rows and ``w`` ranks
-    the first ``n % w`` ranks get ``n // w + 1`` rows and the rest ``n // w``;
-    concatenating every rank's part in rank order gives back ``batch``. A rank
-    may get zero rows when ``n < w``.
-
-    Works on numpy arrays (the result is a view: basic slicing, no copy) and,
-    by duck typing, on torch tensors (``tensor.narrow``, also a view); torch
-    itself is never imported here.
-
-    ``dim`` may be negative, counted from the end as in numpy.
-    ``rank``/``world_size`` default to the process group's.
-
-    Raises:
-        TypeError: ``batch`` is neither a numpy array nor tensor-like, or
-            ``dim`` is not an integer.
-        ValueError: ``batch`` is 0-dimensional or ``dim`` is out of range.
+    """This rank's part of ``batch`` along ``dim`` (negative counts from the end), split
+    as :func:`numpy.array_split` splits (no padding: parts differ by one row at most,
+    maybe zero rows). A view of a numpy array, or of a torch tensor (``narrow``; torch
+    is never imported). TypeError for another type or a non-integer ``dim``, ValueError
+    for a 0-d batch or ``dim`` out of range.
     """
     is_numpy = isinstance(batch, np.ndarray)
     if not is_numpy and not (hasattr(batch, "narrow") and hasattr(batch, "shape")):

@@ -1,8 +1,5 @@
-"""Checkpoint and utility helpers: the seed's fd_should_save, fd_print, fd_get_seed, ...
-
-They work before :func:`swarmfd.init` too, as in a world of one, so a script
-can print and seed before it joins the group.
-"""
+"""Checkpoint and utility helpers; they work before :func:`swarmfd.init` too (as in a
+world of one), so a script can print and seed before it joins the group."""
 
 from __future__ import annotations
 
@@ -13,13 +10,7 @@ from typing import Any
 from . import collectives, group
 from .config import Config
 
-__all__ = [
-    "checkpoint_barrier",
-    "get_seed",
-    "print",
-    "print_config",
-    "should_save",
-]
+__all__ = ["checkpoint_barrier", "get_seed", "print", "print_config", "should_save"]
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -35,11 +26,8 @@ def should_save() -> bool:
 
 
 def checkpoint_barrier() -> None:
-    """Synchronise all ranks around a checkpoint (a barrier; a no-op before init).
-
-    Call it after the main rank has written a checkpoint so that no rank reads
-    it, or moves on to change the state, before it is complete.
-    """
+    """A barrier after the main rank wrote a checkpoint, so that no rank reads it or
+    changes the state before it is complete (a no-op before init)."""
     if group.is_initialized():
         collectives.barrier()
 
@@ -59,13 +47,9 @@ def _splitmix64(x: int) -> int:
 
 
 def get_seed(base_seed: int, rank: int | None = None) -> int:
-    """A 64-bit seed derived from ``base_seed`` and the rank: deterministic, distinct per rank.
-
-    ``splitmix64(base + rank * golden)`` is a bijection of the 64-bit input, so
-    two ranks never get the same seed for the same base, and the seeds are
-    well mixed (not base, base+1, ...). Use it for per-rank randomness such as
-    data augmentation; use the plain base seed for anything all ranks must share.
-    """
+    """A 64-bit seed from ``base_seed`` and the rank, distinct per rank and well mixed
+    (splitmix64 of base + rank * golden, a bijection): for per-rank randomness such as
+    augmentation; use the base seed itself for what all ranks must share."""
     if isinstance(base_seed, bool) or not isinstance(base_seed, int):
         raise TypeError(f"get_seed: base_seed must be an integer, got {base_seed!r}")
     r = _rank() if rank is None else rank

@@ -6,23 +6,25 @@ environment, so every rank a test spawns inherits the path (and the directory is
 removed at the end of the session).
 
 The rank harness itself (``run_ranks``, ``run_ranks_raw``, ``Ranks``, ``free_port``,
-...) is tests/harness.py; its names are importable from here too, as the test files
+...) is tests/support/harness.py; its names are importable from here too, as the test files
 have always imported them.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import os
 import shutil
 import tempfile
 import zlib
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .harness import (
+from .support.harness import (
     START_LINE_TIMEOUT,
     RankFailure,
     RankResults,
@@ -55,40 +57,37 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(_SECRET_DIR, ignore_errors=True)
 
 
-#: The tests marked ``waits``, by node id (the scheduler of xdist's controller sees node
-#: ids, not markers); pytest_collection_modifyitems checks that the two agree. They mostly
-#: wait (a stopped rank, a timeout, a fresh venv installing), and most of them bound how
-#: long a detection takes: they run in the ``timed`` lane, beside no other timing test,
-#: at the highest priority of the lanes (:data:`LANE_NICE`).
-WAITS = (
-    "tests/test_readme.py::test_fresh_clone_commands_run",
-    "tests/test_robustness.py::test_sigstop_times_out_after_the_configured_timeout",
-    "tests/test_robustness.py::test_sigstop_during_a_loop_of_large_all_reduces",
-    "tests/test_robustness.py::test_init_timeout_lets_a_late_rank_join",
-    "tests/test_robustness.py::test_sigkill_while_peers_wait_is_detected_fast",
-    "tests/test_robustness.py::test_sigkill_of_a_rank_blocked_inside_a_collective",
-    "tests/test_robustness.py::test_sigkill_of_the_root_is_detected_fast",
-    "tests/test_robustness.py::test_a_rank_that_leaves_is_gone_before_its_peers_raise",
-    "tests/test_robustness.py::test_a_stashed_message_is_checked_against_the_signature",
-    "tests/test_auth.py::test_a_vanished_peer_is_lost_within_seconds",
-    "tests/test_auth.py::test_rank0_timeout_mentions_refused_handshakes",
-    "tests/test_collectives.py::test_a_silent_rank_times_out_naming_the_peer",
-    "tests/test_fuzz.py::test_a_garbage_flood_does_not_hide_a_timeout_or_a_lost_peer",
-    "tests/test_fuzz.py::test_random_traffic_at_the_rendezvous_port_does_not_stop_rendezvous",
-    "tests/test_wire.py::test_a_header_of_another_protocol_version_is_refused_naming_both",
-    "tests/test_channel.py::test_a_timeout_names_the_stuck_rank_not_the_one_waited_for",
-    "tests/test_channel.py::test_a_vanished_peer_is_lost_after_the_grace",
-    "tests/test_shm.py::test_a_write_to_an_inbox_breaks_when_its_owner_is_gone",
-    "tests/test_shm.py::test_an_inbox_never_reads_end_of_file",
-    "tests/test_shm.py::test_a_sleeping_rank_is_woken_by_a_record",
-    "tests/test_shm.py::test_hub_refuses_bad_proofs_and_strangers_then_admits_the_rank",
-    "tests/test_shm.py::test_hub_bounds_connections_in_a_handshake",
-    "tests/test_lanes.py::test_a_peer_that_refuses_the_handshake_is_an_authentication_error",
-    "tests/test_lanes.py::test_a_closed_peer_is_a_lost_peer_after_its_data",
-    "tests/test_front_door.py::test_a_storm_of_connections_does_not_stop_or_slow_init",
-    "tests/test_front_door.py::test_a_squatter_that_stays_is_named_at_the_init_timeout",
-    "tests/test_schedules.py::test_a_peer_killed_under_a_repeated_call_is_reported_fast",
-)
+def _marked(mark: str) -> frozenset[str]:
+    """The tests marked ``mark``, as node ids without parameters (``tests/x.py::test_f``),
+    read from the test files' source: a decorator ``@pytest.mark.MARK`` (called or not)
+    on a test function, or ``pytestmark`` naming it in a module. The scheduler of xdist's
+    controller sees node ids, never markers, so the lanes are decided from the source;
+    pytest_collection_modifyitems checks the result against the collected markers."""
+    root = Path(__file__).resolve().parent.parent
+    found: set[str] = set()
+
+    def names(node: ast.AST) -> set[str]:
+        return {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
+                and isinstance(n.value, ast.Attribute) and n.value.attr == "mark"}
+
+    for path in sorted((root / "tests").rglob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        rel = path.relative_to(root).as_posix()
+        whole = any(isinstance(n, ast.Assign) and any(
+            getattr(t, "id", "") == "pytestmark" for t in n.targets) and mark in names(n.value)
+            for n in tree.body)
+        for n in tree.body:
+            if isinstance(n, ast.FunctionDef) and n.name.startswith("test_") and (
+                    whole or any(mark in names(d) for d in n.decorator_list)):
+                found.add(f"{rel}::{n.name}")
+    return frozenset(found)
+
+
+#: The tests marked ``waits``: they mostly wait (a stopped rank, a timeout, a fresh venv
+#: installing), and most of them bound how long a detection takes: they run in the
+#: ``timed`` lane, beside no other timing test, at the highest priority of the lanes
+#: (:data:`LANE_NICE`).
+WAITS = _marked("waits")
 #: The Docker tests (marked ``swarm``), by node id.
 MULTINODE = "tests/multinode/"
 DOCKER = ("tests/swarm/", MULTINODE, "tests/test_readme.py::test_swarm_")
@@ -106,7 +105,7 @@ def lane_of(nodeid: str) -> str:
         return "multinode"
     if nodeid.startswith(DOCKER):
         return "swarm"
-    if nodeid.startswith(WAITS):
+    if nodeid.split("[", 1)[0] in WAITS:
         return "timed"
     return WORKING[zlib.crc32(nodeid.encode()) % len(WORKING)]
 
@@ -120,15 +119,19 @@ FIRST = ("tests/test_robustness.py::test_sigstop", "tests/test_robustness.py::te
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """DOCKER and WAITS name exactly the tests marked ``swarm`` and ``waits``; FIRST
-    tests go first (the order is otherwise the collection's)."""
+    """The lanes agree with the markers: DOCKER's paths hold exactly the tests marked
+    ``swarm``, and WAITS (read from the source) exactly those marked ``waits`` (a mark
+    the source reading misses, e.g. one set by a fixture, fails here); FIRST tests go
+    first (the order is otherwise the collection's)."""
     wrong = [item.nodeid for item in items
              if item.nodeid.startswith(DOCKER) != bool(item.get_closest_marker("swarm"))
-             or item.nodeid.startswith(WAITS) != bool(item.get_closest_marker("waits"))]
+             or (item.nodeid.split("[", 1)[0] in WAITS)
+             != bool(item.get_closest_marker("waits"))]
     if wrong:
         raise pytest.UsageError(
-            "tests/conftest.py DOCKER/WAITS disagree with the swarm/waits markers of "
-            f"{wrong[:5]}: mark them, or list them (or both, the other way)")
+            "tests/conftest.py: the lanes disagree with the swarm/waits markers of "
+            f"{wrong[:5]}: mark a Docker test swarm (in tests/swarm/ or tests/multinode/), "
+            "and a timed test with the decorator @pytest.mark.waits")
     items.sort(key=lambda item: not item.nodeid.startswith(FIRST))
 
 

@@ -25,7 +25,7 @@ import pytest
 import swarmfd as fd
 
 from .conftest import run_ranks, transport_env
-from .robust_harness import RankCtx, Ranks, error_info
+from .support.robust_harness import RankCtx, Ranks, error_info
 
 TRANSPORTS = ["shm", "tcp", "zmq"]
 

@@ -243,11 +243,6 @@ def test_cli_rejects_bad_options(args: list[str], match: str) -> None:
     assert match in result.output
 
 
-def _launcher_available() -> bool:
-    return "run" in getattr(main, "commands", {})
-
-
-@pytest.mark.skipif(not _launcher_available(), reason="`swarmfd run` (launch.py) not there yet")
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
 def test_two_ranks_through_swarmfd_run(tmp_path: os.PathLike, transport: str) -> None:
     """A real 2-rank run via `swarmfd run -n 2 -- swarmfd bench` gives correct JSON rows
@@ -272,7 +267,6 @@ def test_two_ranks_through_swarmfd_run(tmp_path: os.PathLike, transport: str) ->
     assert "swarmfd bench: all_reduce 4096 B" in proc.stderr  # progress goes to stderr
 
 
-@pytest.mark.skipif(not _launcher_available(), reason="`swarmfd run` (launch.py) not there yet")
 def test_compare_script_runs_swarmfd(tmp_path: os.PathLike) -> None:
     """benchmarks/compare.py measures swarmfd and writes its CSV and markdown tables."""
     script = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "compare.py")
@@ -292,7 +286,6 @@ def test_compare_script_runs_swarmfd(tmp_path: os.PathLike) -> None:
     assert all(int(r["wrong"]) == 0 and float(r["latency_us"]) > 0 for r in rows)
 
 
-@pytest.mark.skipif(not _launcher_available(), reason="`swarmfd run` (launch.py) not there yet")
 def test_steps_script_counts_a_calls_python_steps() -> None:
     """benchmarks/steps.py counts the bytecodes and Python calls of a collective in every
     rank of a real job, per function, and names the layers a call passes through."""

@@ -105,8 +105,8 @@ def test_run_and_deploy_share_the_options_of_job_request() -> None:
     """Every JobRequest option is an option of both commands, declared alike."""
     run, deploy = _params("run"), _params("deploy")
     shared = [f.name for f, _spec in option_specs(JobRequest)]
-    assert shared == ["nproc", "env", "timeout", "init_timeout", "max_restarts", "elastic",
-                      "min_n", "elastic_timeout", "prefix"]
+    assert shared == ["nproc", "env", "timeout", "init_timeout", "stall_warn", "max_restarts",
+                      "elastic", "min_n", "elastic_timeout", "prefix"]
     for name in shared:
         assert run[name].to_info_dict() == deploy[name].to_info_dict(), name
 
@@ -117,6 +117,7 @@ def test_run_and_deploy_share_the_options_of_job_request() -> None:
     (["-n", "2", "--timeout", "0"], "--timeout must be a positive number of seconds, got 0.0"),
     (["-n", "2", "--init-timeout", "inf"], "--init-timeout must be a positive number"),
     (["-n", "2", "--max-restarts", "-1"], "--max-restarts must be an integer >= 0"),
+    (["-n", "2", "--stall-warn", "-1"], "--stall-warn must be a finite number of seconds >= 0"),
     (["-n", "2", "-e", "RANK=1"], "-e RANK is not allowed"),
     (["-n", "2", "-e", "SWARMFD_TEST_SURELY_UNSET"], "is not set in this shell"),
 ])

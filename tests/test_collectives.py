@@ -16,7 +16,15 @@ from swarmfd.algorithms import select
 from swarmfd.comm import wire
 from swarmfd.comm.planes import zmq as zmq_transport
 
-from .harness import RankFailure, free_port, run_ranks, run_ranks_raw, transport_env
+from .support.harness import (
+    RankFailure,
+    free_port,
+    require_torch,
+    run_ranks,
+    run_ranks_raw,
+    transport_env,
+)
+from .support.reference import assert_sum
 
 INTS = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64]
 FLOATS = [np.float16, np.float32, np.float64]
@@ -295,14 +303,24 @@ def test_non_contiguous_arrays_are_handled_in_place() -> None:
     run_ranks(_non_contiguous, 2)
 
 
-def _identical_floats(rank: int, world: int) -> str:
+def _wide_floats(rank: int) -> list[np.ndarray]:
+    """Rank ``rank``'s inputs: random floats with exponents over nine orders of magnitude."""
     rng = np.random.default_rng(rank)
+    return [rng.standard_normal(n).astype(np.float32) * 10.0 ** rng.integers(-5, 5, n)
+            for n in (1, 7, 1000, 16_384, 300_001)]
+
+
+def _identical_floats(rank: int, world: int) -> str:
+    inputs = [_wide_floats(r) for r in range(world)]
     out = []
-    for n in (1, 7, 1000, 16_384, 300_001):
-        x = rng.standard_normal(n).astype(np.float32) * 10.0 ** rng.integers(-5, 5, n)
+    for k, mine in enumerate(inputs[rank]):
+        x = mine.copy()
         fd.all_reduce(x)
+        assert_sum(x, [each[k] for each in inputs], what=f"all_reduce of {x.size}")
         out.append(_digest(x))
+        total = x.copy()
         fd.all_reduce_mean(x)
+        assert_sum(x, [total] * world, world, what=f"all_reduce_mean of {x.size}")
         out.append(_digest(x))
     return ":".join(out)
 
@@ -310,7 +328,8 @@ def _identical_floats(rank: int, world: int) -> str:
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_float_results_are_bitwise_identical_on_every_rank(world: int, transport: str) -> None:
-    """Random floats with wide exponents: every rank ends with the same bytes."""
+    """Random floats with wide exponents: every rank ends with the same bytes, the sum
+    (and the mean of the sums) to float precision (tests/support/reference.py)."""
     results = run_ranks(_identical_floats, world, env=transport_env(transport))
     assert len(set(results)) == 1
 
@@ -673,7 +692,7 @@ def _which_transport(rank: int, world: int) -> tuple[bool, list[str]]:
 
 def test_ranks_of_one_host_use_shared_memory_and_leave_no_files() -> None:
     """auto picks shared memory on one host, tcp forces TCP; the segments have no name
-    (memfds: nothing in /dev/shm; see tests/test_shm.py for the full checks)."""
+    (memfds: nothing in /dev/shm; see tests/test_shm_plane.py for the full checks)."""
     auto = run_ranks(_which_transport, 3)
     tcp = run_ranks(_which_transport, 3, env={"SWARMFD_TRANSPORT": "tcp"})
     assert [used for used, _ in auto] == [True] * 3
@@ -706,7 +725,7 @@ def _torch_tensors(rank: int, world: int) -> list[float]:
 
 def test_cpu_torch_tensors_are_accepted_in_place() -> None:
     """CPU torch tensors (and parameters) go through collectives in place, zero-copy."""
-    pytest.importorskip("torch")
+    require_torch(load=False)
     out = run_ranks(_torch_tensors, 2)
     assert out == [[3.0, 1.0, 0.5, 1.0, 0.0, 1.0]] * 2
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from .harness import require
+from .support.harness import require
 from .test_elastic import run_elastic_job
 
 torch = require("torch", "pip install torch==2.13.0, the CPU wheel")

@@ -16,8 +16,6 @@ from pathlib import Path
 
 import pytest
 
-import swarmfd
-
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "train.py"
 TIMEOUT = 120.0
@@ -55,27 +53,6 @@ def explain(result: subprocess.CompletedProcess[str]) -> str:
     return f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
 
 
-def _launcher_problem() -> str | None:
-    """Why ``swarmfd run`` cannot be used here yet, or None when it can."""
-    if not hasattr(swarmfd, "all_reduce"):
-        return "swarmfd.all_reduce not available yet (core not landed)"
-    try:
-        result = subprocess.run([sys.executable, "-m", "swarmfd", "run", "--help"],
-                                capture_output=True, text=True, timeout=60, env=clean_env())
-    except subprocess.TimeoutExpired:
-        return "`swarmfd run --help` timed out"
-    if result.returncode != 0:
-        return f"`swarmfd run` not available yet: {result.stderr.strip()[-300:]}"
-    return None
-
-
-LAUNCHER_PROBLEM = _launcher_problem()
-needs_launcher = pytest.mark.skipif(LAUNCHER_PROBLEM is not None,
-                                    reason=LAUNCHER_PROBLEM or "")
-needs_core = pytest.mark.skipif(not hasattr(swarmfd, "all_reduce"),
-                                reason="swarmfd.all_reduce not available yet (core not landed)")
-
-
 def train_cmd(tmp_path: Path, *extra: str, world: int | None = None,
               launcher_opts: tuple[str, ...] = ()) -> list[str]:
     script = [str(TRAIN), "--checkpoint-dir", str(tmp_path / "ckpt"), *extra]
@@ -101,7 +78,6 @@ def check_success(result: subprocess.CompletedProcess[str], world: int,
     return identical[0][1]
 
 
-@needs_core
 def test_world_of_one_learns(tmp_path):
     """`python examples/train.py` alone trains to > 90% test accuracy and saves a checkpoint."""
     result = run(train_cmd(tmp_path, "--epochs", "30", "--min-accuracy", "0.9"))
@@ -110,7 +86,6 @@ def test_world_of_one_learns(tmp_path):
     assert (tmp_path / "ckpt" / "train_checkpoint.npz").is_file()
 
 
-@needs_core
 def test_resume_continues_exactly(tmp_path):
     """3 epochs, then --resume to 6, ends with the same parameters as 6 epochs in one go."""
     straight = run(train_cmd(tmp_path / "a", "--epochs", "6"))
@@ -123,7 +98,6 @@ def test_resume_continues_exactly(tmp_path):
         straight, world=1, min_accuracy=None)
 
 
-@needs_core
 def test_resume_without_checkpoint_starts_fresh(tmp_path):
     """--resume with no checkpoint says so and trains from epoch 1."""
     result = run(train_cmd(tmp_path, "--epochs", "2", "--resume", "--checkpoint-every", "0"))
@@ -133,7 +107,6 @@ def test_resume_without_checkpoint_starts_fresh(tmp_path):
     assert not (tmp_path / "ckpt").exists()
 
 
-@needs_core
 def test_without_a_checkpoint_dir_nothing_is_written_and_it_says_so(tmp_path):
     """No --checkpoint-dir, no SWARMFD_CHECKPOINT_DIR: no checkpoints, none in the current
     directory (it used to create ./checkpoints silently), and the output says so."""
@@ -143,7 +116,6 @@ def test_without_a_checkpoint_dir_nothing_is_written_and_it_says_so(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-@needs_core
 def test_checkpoint_dir_comes_from_the_environment(tmp_path):
     """SWARMFD_CHECKPOINT_DIR (what deploy --checkpoint-volume sets) is where it saves, and
     where a restart (SWARMFD_RESTART_COUNT=1) resumes from."""
@@ -184,7 +156,6 @@ def _restore_on_rank(rank: int, world: int, base: str) -> tuple[int, int, str]:
     return epoch, holder, train.checksum(flat)
 
 
-@needs_core
 def test_restore_takes_the_checkpoint_from_whichever_rank_has_it(ranks, tmp_path):
     """Ranks on separate disks (a volume per node): only rank 1 finds a checkpoint; every
     rank resumes from it (epoch 2, rank 1's copy), with its parameters and velocities."""
@@ -205,7 +176,6 @@ def test_bad_arguments_are_rejected(tmp_path):
     assert "--epochs must be >= 1" in result.stderr
 
 
-@needs_launcher
 @pytest.mark.parametrize("world", [2, 3])
 def test_data_parallel_run(tmp_path, world):
     """`swarmfd run -n N examples/train.py`: every rank trains, > 90% accuracy, identical params."""
@@ -218,7 +188,6 @@ def test_data_parallel_run(tmp_path, world):
     assert result.stdout.count("epoch  40/40") == 1, explain(result)
 
 
-@needs_launcher
 def test_shared_memory_and_tcp_end_with_the_same_parameters(tmp_path):
     """The same run on shared memory (swarmfd run's default) and over TCP (what crosses
     hosts on a Swarm) ends with bit-identical parameters: the same checksum."""
@@ -230,7 +199,6 @@ def test_shared_memory_and_tcp_end_with_the_same_parameters(tmp_path):
     assert checksums["auto"] == checksums["tcp"], checksums
 
 
-@needs_launcher
 def test_restart_resumes_from_checkpoint(tmp_path):
     """A rank dies after epoch 3; --max-restarts 1 restarts the group, which resumes at epoch 3
     and ends with exactly the parameters of an uninterrupted run."""
@@ -243,7 +211,6 @@ def test_restart_resumes_from_checkpoint(tmp_path):
         straight, world=2, min_accuracy=None)
 
 
-@needs_launcher
 def test_failure_without_restart_fails_the_run(tmp_path):
     """Without --max-restarts the simulated failure makes `swarmfd run` exit non-zero."""
     result = run(train_cmd(tmp_path, "--epochs", "4", "--fail-at-epoch", "2", world=2))

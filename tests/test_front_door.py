@@ -4,7 +4,7 @@ The threat model (docs/security.md): a *stranger* reaches the ports and opens as
 connections as it likes (here: up to 1100 at once, and thousands of new ones a second,
 as fast as one process makes them) but holds no secret; a *passive reader* also sees
 every byte on the wire (here: a raw socket on the loopback interface); a *local user*
-may bind a port first. Each attack is a real process (:mod:`tests.attacker`) against
+may bind a port first. Each attack is a real process (:mod:`tests.support.attacker`) against
 real ranks on loopback, bounded in time:
 
 * a storm of new connections at every rank's data port (or all at one) from the
@@ -41,8 +41,8 @@ from swarmfd import config as cfg
 from swarmfd.comm import transport
 from swarmfd.comm.plane import PeerInfo
 
-from .attacker import Attacker, listening_ports
-from .harness import RankCtx, Ranks, allowed, record, run_ranks, stall_meter
+from .support.attacker import Attacker, listening_ports
+from .support.harness import RankCtx, Ranks, allowed, record, run_ranks, stall_meter
 
 IS_ROOT = os.geteuid() == 0
 

@@ -22,7 +22,7 @@ plane's listener is closed, and the zmq plane's bound socket only sends (a rank
 receives on the sockets it connected to its peers; what strangers manage to send to
 it without authentication is read and dropped there, never parsed). So the ranks
 count no garbage at all. What a receiver does with hostile bytes on a connection it accepted is
-tested in-process, through a real plane (test_lanes.py).
+tested in-process, through a real plane (test_tcp_planes.py).
 """
 
 from __future__ import annotations
@@ -49,15 +49,23 @@ from hypothesis import strategies as st
 import swarmfd as fd
 from swarmfd import errors
 from swarmfd.comm import wire
-from swarmfd.comm.channel import TIMEOUT_GRACE
 
-from .harness import RankCtx, Ranks, allowed, error_info, record, stall_meter
-from .robust_fuzz import ZMTP_READY, Fuzzed, fuzz_in_a_process, zmtp_handshake
+from .support.harness import (
+    LOST_PEER_LIMIT,
+    TIMEOUT_REPORT,
+    RankCtx,
+    Ranks,
+    allowed,
+    error_info,
+    record,
+    stall_meter,
+)
+from .support.robust_fuzz import ZMTP_READY, Fuzzed, fuzz_in_a_process, zmtp_handshake
 
 SWARMFD = Path(fd.__file__).parent
 #: The data-port fuzz runs against the zmq data plane and shared-memory groups (whose TCP
 #: side is the default socket plane). On the socket data plane the data ports are closed
-#: once init returned (tested below and in test_lanes.py, with strangers during setup).
+#: once init returned (tested below and in test_tcp_planes.py, with strangers during setup).
 TRANSPORTS = ["zmq", "shm"]
 #: How long the job-level fuzz runs (the whole test stays well under a minute).
 FUZZ_SECONDS = 15.0
@@ -538,7 +546,7 @@ def test_forged_future_messages_do_not_grow_memory() -> None:
     """200 MiB of DATA 'from rank 1' for calls far ahead (without the job secret) at rank
     0's data socket: none of it reaches rank 0 (its bound socket only sends, and drops a
     connection whose frame exceeds a handshake's size), memory stays flat, the job goes
-    on. (A real peer that runs too far ahead is a protocol error: test_lanes.py.)"""
+    on. (A real peer that runs too far ahead is a protocol error: test_tcp_planes.py.)"""
     chunk = b"\x01" * (1 << 20)
 
     def messages(seq: int) -> list[list[bytes]]:
@@ -661,12 +669,12 @@ def test_a_garbage_flood_does_not_hide_a_timeout_or_a_lost_peer(what: str) -> No
         if what == "timeout":
             ranks.signal(1, signal.SIGKILL)
     assert info["type"] is not None, info
-    # A timeout: the deadline, then TIMEOUT_GRACE (0.6 s) listening for the others' reports
+    # A timeout: the deadline, then TIMEOUT_REPORT (0.6 s) listening for the others' reports
     # (Transport._timeout), then < 1 s of scheduling slack; a flood that kept restarting or
     # starving the deadline check would show as a wait of 2x the timeout or more. (The old
     # bound, timeout + 1 s, left 0.3-0.4 s for the slack.) A loss: well under the timeout.
     # Plus any time in which this machine did not run the test process (harness.allowed).
-    bound = timeout + TIMEOUT_GRACE + 1.0 if what == "timeout" else 2.0
+    bound = timeout + TIMEOUT_REPORT + 1.0 if what == "timeout" else LOST_PEER_LIMIT
     limit, stalled = allowed(bound, info["t"] - info["elapsed"], info["t"])
     assert info["elapsed"] < limit, (
         f"rank 0 raised after {info['elapsed']:.2f} s (limit {bound} s{stalled}): "
@@ -754,7 +762,7 @@ def test_a_frame_of_the_right_size_is_still_accepted() -> None:
 
 def test_fuzz_helper_forges_headers_the_transport_decodes() -> None:
     """Guard: plausible forged messages decode, so they reach the checks past the header."""
-    from .robust_fuzz import forged_message
+    from .support.robust_fuzz import forged_message
 
     rng = random.Random(0)
     kinds, decoded = set(), 0

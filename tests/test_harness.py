@@ -1,4 +1,4 @@
-"""The test harness's own promises (tests/harness.py): ranks never outlive their test."""
+"""The test harness's own promises (tests/support/harness.py): ranks never outlive their test."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 #: without reaping them (as a pytest worker that libzmq or a signal killed).
 _DYING_TEST = """
 import json, os, sys, time
-from tests import harness
+from tests.support import harness
 from tests.test_harness import _forever
-harness._CTX.set_forkserver_preload(["tests.harness"])  # (no torch: seconds of CPU)
+harness._CTX.set_forkserver_preload(["tests.support.harness"])  # (no torch: seconds of CPU)
 ranks = harness.Ranks(_forever, 2, init=False)
 ranks.__enter__()
 ranks.wait("up")

@@ -1,11 +1,12 @@
 """The two-level algorithms (swarmfd/algorithms/hier.py), in-process on simulated hosts.
 
 Thread-ranks with a memory plane to every rank (the "TCP" between hosts) and real
-shared memory among the ranks of each simulated host (tests/memplane.py run_hosts):
+shared memory among the ranks of each simulated host (tests/support/memplane.py run_hosts):
 every collective, even and uneven hosts, two and three hosts, spread placements,
-sizes around the rounds and shards, every dtype group, against numpy's answer (exact
-for integers; floats bitwise identical on every rank). tests/test_hier_netsim.py runs
-the public calls between real processes on simulated hosts.
+sizes around the rounds and shards, every dtype group, against the sum of the inputs
+(exact for integers; floats to float precision, tests/support/reference.py, and bitwise
+identical on every rank). tests/test_hier_netsim.py runs the public calls between
+real processes on simulated hosts.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import pytest
 from swarmfd.algorithms import hier, select
 from swarmfd.algorithms.base import Op
 from swarmfd.comm import wire
+from swarmfd.counters import CallStats
 
-from .memplane import Fabric, run_hier_algorithm, sample_data
+from .support.memplane import Fabric, run_hier_algorithm, sample_data
+from .support.reference import assert_sum
 
 #: Simulated hosts of each rank: even, spread (hosts interleaved in rank order), uneven
 #: (3 + 1, 1 + 3, 4 + 2 where K=4 does not divide evenly), three hosts, 2 x 4.
@@ -44,11 +47,7 @@ COUNTS = [0, 1, 3, 1001, 131072 * 2 + 5]
 def _check_reduced(got: list[np.ndarray], inputs: list[np.ndarray], dtype: Any) -> None:
     for r in range(1, len(got)):
         assert got[r].tobytes() == got[0].tobytes(), f"rank {r} differs from rank 0 ({dtype})"
-    want = sum(inputs[1:], start=inputs[0].copy())
-    if np.dtype(dtype).kind in "iu":
-        assert np.array_equal(got[0], want), dtype
-    else:
-        assert np.allclose(got[0], want, rtol=1e-2, atol=1e-2), dtype
+    assert_sum(got[0], inputs, what=dtype)
 
 
 def _crossing(fabric: Fabric, hosts: Any) -> dict[tuple[int, int], int]:
@@ -190,6 +189,8 @@ def test_a_two_level_mean_divides_as_divide_by_divides_the_sum(shape: str, count
         for c, kind in enumerate(kinds):
             want = sums[r][c].copy()
             if kind != "reduce" or r == 1:
+                a, b = parts[r] if kind == "reduce_scatter" else (0, count)
+                assert_sum(want, [x[a:b] for x in inputs], what=(r, kind))
                 divide_by(want, n)
             else:
                 assert np.array_equal(want, inputs[r]), "a non-root's array changed"
@@ -323,7 +324,6 @@ def test_reduce_scatter(shape: str, count: int) -> None:
              for b in np.array_split(np.arange(count), n)]
     for dtype in [np.int64, np.float32] if count > 1000 else DTYPES:
         inputs = [sample_data(r, count, dtype) for r in range(n)]
-        want = sum(inputs[1:], start=inputs[0].copy())
 
         def make(op: Op, lay: hier.Layout, shm: Any, call: int,
                  inputs: list[np.ndarray] = inputs, dtype: Any = dtype) -> Any:
@@ -339,10 +339,7 @@ def test_reduce_scatter(shape: str, count: int) -> None:
             out, buf = got[r][0]
             a, b = parts[r]
             assert np.array_equal(buf, inputs[r]), "the input changed"
-            if np.dtype(dtype).kind in "iu":
-                assert np.array_equal(out, want[a:b]), (r, dtype)
-            else:
-                assert np.allclose(out, want[a:b], rtol=1e-2, atol=1e-2), (r, dtype)
+            assert_sum(out, [x[a:b] for x in inputs], what=(r, dtype))
 
 
 @pytest.mark.parametrize("streams", [1, 2, 4])
@@ -365,9 +362,8 @@ def test_reduce_scatter_streams(shape: str, streams: int) -> None:
 
     got = run_hier_algorithm(hosts, make, sig=wire.Signature(wire.Collective.REDUCE_SCATTER),
                              fabric=fabric)
-    want = sum(inputs[1:], start=inputs[0].copy())
-    for r in range(n):
-        assert np.allclose(got[r][0], want[parts[r][0]:parts[r][1]], rtol=1e-2, atol=1e-2)
+    for r, (a, b) in enumerate(parts):
+        assert_sum(got[r][0], [x[a:b] for x in inputs], what=f"rank {r}")
     on = {x: [r for r in range(n) if hosts[r] == x] for x in (0, 1)}
     pairs = {(on[1 - x][(j % streams) % len(on[1 - x])], on[x][(j % streams) % len(on[x])])
              for x in (0, 1) for j in range(len(on[x]))}
@@ -386,7 +382,7 @@ def test_progress_engine_drives_the_phases() -> None:
 
     from swarmfd.engine import Engine
 
-    from .memplane import run_hosts
+    from .support.memplane import run_hosts
 
     hosts = HOSTS["3+1"]
     n = len(hosts)
@@ -405,7 +401,7 @@ def test_progress_engine_drives_the_phases() -> None:
 
         lay = hier.layout_of(names, r)
         engine = Engine(channel, 10.0, lambda g, exc, finished: None)
-        group = SimpleNamespace(gid=0, broken=None)
+        group = SimpleNamespace(gid=0, broken=None, stats=CallStats(r, n))
         works, bufs = [], []
         sig = wire.Signature(wire.Collective.ALL_REDUCE)
         for call in range(2):
@@ -530,7 +526,7 @@ class _World:
         from swarmfd import session as _session
         from swarmfd.config import Config
 
-        from .memplane import run_hosts
+        from .support.memplane import run_hosts
 
         n = len(hosts)
         names = [f"host{h}" for h in hosts]
@@ -616,7 +612,7 @@ def test_public_calls_on_simulated_hosts(monkeypatch: pytest.MonkeyPatch) -> Non
                for o in got)
     means = [o["mean"] for o in got]
     assert all(m.tobytes() == means[0].tobytes() for m in means)
-    assert np.allclose(means[0], np.mean(inputs["mean"], axis=0))
+    assert_sum(means[0], inputs["mean"], n, what="mean")
     for k, (c, dt) in enumerate([(7, np.float64), (1000, np.int32), (5, np.float64)]):
         _check_reduced([o["list"][k] for o in got], [sample_data(r, c, dt) for r in range(n)], dt)
     nc = np.arange(40, dtype=np.float32).reshape(8, 5)[:, ::2]
@@ -661,7 +657,7 @@ def test_host_lost_mid_call_is_named_by_every_survivor(algo: str) -> None:
     from swarmfd.comm.plane import PeerInfo
     from swarmfd.errors import PeerLostError
 
-    from .memplane import run_hosts
+    from .support.memplane import run_hosts
 
     hosts = [0, 1, 0, 0, 1]
     n = len(hosts)
@@ -728,7 +724,7 @@ def test_reading_another_plane_never_abandons_a_payload_half_read() -> None:
 
     from swarmfd.comm.channel import LOST_PEER_GRACE, Channel
 
-    from .memplane import MemoryPlane
+    from .support.memplane import MemoryPlane
 
     class SlowPlane(MemoryPlane):
         """A payload that trickles in: read_payload waits in slices, calling between."""
@@ -768,7 +764,7 @@ def test_flat_collectives_cross_each_host_link_as_few_times_as_their_order_allow
     without shared memory, so the flat algorithms run: the broadcast and reduce chains
     cross between the hosts once (S bytes, not the 3 S of a chain in rank order), the
     all_reduce ring twice (3 S, not 6 S)."""
-    from .threadranks import run_api
+    from .support.threadranks import run_api
 
     hosts = ["a", "b", "a", "b"]
     S = 4 << 20

@@ -2,12 +2,12 @@
 
 Each simulated host is a network namespace, so its ranks share memory (the setup's
 abstract unix socket is per namespace) and reach the other hosts over TCP. A job runs
-tests/hier_job.py: every collective at sizes around the paths, lists of several
+tests/support/hier_job.py: every collective at sizes around the paths, lists of several
 dtypes, a group that crosses hosts; each rank checks its results and reports the path
 it took. Then a host is lost in the middle of a loop of large calls: its ranks killed,
 or its link cut (no FIN: the keepalive finds it), and every survivor must name a rank
-of that host and its host name within today's bounds (tests/test_robustness.py,
-tests/test_auth.py). Needs root: skips without it, fails under CI=true.
+of that host and its host name within the suite's bounds (tests/support/harness.py
+LOST_PEER_LIMIT, VANISHED_PEER_LIMIT). Needs root: skips without it, fails under CI=true.
 """
 
 from __future__ import annotations
@@ -21,22 +21,14 @@ from typing import Any
 
 import pytest
 
-from swarmfd.comm.security import KEEPALIVE
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import netsim  # noqa: E402
 
-from .harness import unavailable  # noqa: E402
+from .support.harness import LOST_PEER_LIMIT, VANISHED_PEER_LIMIT, unavailable  # noqa: E402
 
-JOB = str(ROOT / "tests" / "hier_job.py")
+JOB = str(ROOT / "tests" / "support" / "hier_job.py")
 PREFIX = "HIER-RESULT "
-#: A killed rank is named within this long (tests/test_robustness.py KILL_DETECTION_LIMIT).
-KILL_DETECTION_LIMIT = 2.0
-#: A host gone without FIN is lost after the keepalive's idle + interval * probes, plus
-#: the same slack tests/test_auth.py allows.
-idle, intvl, cnt = KEEPALIVE
-VANISH_DETECTION_LIMIT = idle + intvl * (cnt + 1) + 2.0
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +121,7 @@ def test_host_lost_mid_call(net: netsim.SimulatedHosts, how: str) -> None:
     finally:
         if how != "killed":
             net.set_link(1, True)
-    limit = KILL_DETECTION_LIMIT if how == "killed" else VANISH_DETECTION_LIMIT
+    limit = LOST_PEER_LIMIT if how == "killed" else VANISHED_PEER_LIMIT
     name = net.name(1)
     for r in survivors:
         lines = [ln for ln in res.stdout(r).splitlines() if ln.startswith(PREFIX)]

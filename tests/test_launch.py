@@ -37,9 +37,11 @@ from swarmfd.launch import (
     resolve_command,
 )
 
-pytestmark = pytest.mark.skipif(
-    not sys.platform.startswith("linux"), reason="the launcher tests use /proc and PDEATHSIG"
-)
+from .support.harness import unavailable
+
+if not sys.platform.startswith("linux"):  # pragma: no cover - depends on the machine
+    unavailable("the launcher tests use /proc and PDEATHSIG", what="the launcher tests",
+                fix="run them on Linux", module_level=True)
 
 SCRIPTS = Path(__file__).parent / "launch_scripts"
 WORKER = str(SCRIPTS / "worker.py")

@@ -13,7 +13,7 @@ import pytest
 from swarmfd.comm import malloc
 from swarmfd.config import GLIBC_SETTINGS
 
-from .harness import run_ranks_raw
+from .support.harness import run_ranks_raw
 
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc")
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import hierarchy  # noqa: E402
 import netsim  # noqa: E402
 
-from .harness import unavailable  # noqa: E402
+from .support.harness import unavailable  # noqa: E402
 
 NETSIM = str(ROOT / "benchmarks" / "netsim.py")
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from . import harness
+from .support import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -189,17 +189,11 @@ def _needs_torch(block: Block) -> bool:
     return re.search(r"^import torch|^from torch", block.body, re.M) is not None
 
 
-def _have_torch() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("torch") is not None
-
-
 @pytest.mark.parametrize("block", of_kind("python"), ids=lambda b: b.id)
 def test_python_blocks_run_as_a_world_of_one(block: Block, tmp_path: Path) -> None:
     """Each Python snippet runs as written in a fresh interpreter and exits 0."""
     if _needs_torch(block):
-        pytest.importorskip("torch", reason="the snippet needs torch (torch==2.13.0, CPU)")
+        harness.require_torch(load=False)
     try:
         proc = subprocess.run([sys.executable, "-c", block.body], cwd=tmp_path,
                               env=clean_env(), capture_output=True, text=True,
@@ -223,7 +217,8 @@ def test_python_blocks_run_on_two_ranks(tmp_path: Path) -> None:
     """Every Python snippet also runs as written on two ranks: all of them, one after the
     other, in one ``swarmfd run -n 2`` job (one launcher and one secret for all), each
     in a fresh interpreter on each rank; every rank runs every snippet to its end."""
-    blocks = [b for b in of_kind("python") if _have_torch() or not _needs_torch(b)]
+    with_torch = harness.torch_installed()
+    blocks = [b for b in of_kind("python") if with_torch or not _needs_torch(b)]
     names = []
     for i, block in enumerate(blocks):
         name = f"{i:02d}-{block.page.replace('/', '-')}-{block.line}.py"

@@ -9,7 +9,7 @@
   timed out hears the others' reports; resumed, the stopped rank fails fast too.
 
 Each time bound also allows whatever time in its window this machine did not run the
-test process's stall meter (tests/harness.py StallMeter; 0 on a machine that runs
+test process's stall meter (tests/support/harness.py StallMeter; 0 on a machine that runs
 its processes), and says so when it did.
 * Mismatched calls (collective, shape, dtype, op, root) at N=2 and N=3, small
   and large: every rank raises a MismatchError naming the collective, both
@@ -30,10 +30,18 @@ import numpy as np
 import pytest
 
 import swarmfd as fd
-from swarmfd.comm.channel import TIMEOUT_GRACE
-from swarmfd.session import ABORT_LINGER
 
-from .harness import RankCtx, Ranks, allowed, error_info, free_port, record, stall_meter
+from .support.harness import (
+    LOST_PEER_LIMIT,
+    TIMEOUT_REPORT,
+    RankCtx,
+    Ranks,
+    allowed,
+    error_info,
+    free_port,
+    record,
+    stall_meter,
+)
 
 #: Elements of a "small" array (direct exchange) and of a "large" one (ring / chains;
 #: 16 MiB of float32, several pieces and several shared-memory rounds).
@@ -42,7 +50,7 @@ LARGE_N = 4 << 20
 #: The group timeout of the kill tests: loss must be noticed long before it.
 LONG_TIMEOUT = 60.0
 #: What "fail fast" means for a killed peer.
-KILL_DETECTION_LIMIT = 2.0
+KILL_DETECTION_LIMIT = LOST_PEER_LIMIT
 #: The group timeout of the stop tests.
 STOP_TIMEOUT = 2.5
 #: Their init's timeout: what they time is the collective, and at the start of a CI run
@@ -60,13 +68,13 @@ STOP_SLACK = 1.0
 
 
 #: The latest a rank waiting on a stopped peer may raise its CollectiveTimeout. A rank
-#: that times out listens TIMEOUT_GRACE (0.6 s) to the others' reports to name the rank
+#: that times out listens TIMEOUT_REPORT (0.6 s) to the others' reports to name the rank
 #: really stuck (Channel._timeout), by design, on every plane. Before the one message
 #: layer, shared memory raised at once and its bound had no grace; the bound kept that
 #: after shared memory got the grace, which left it 0.36 s of headroom (3.14-3.16 s
 #: measured on a quiet machine, against 3.5 s) where TCP had 0.96 s, and a CI run at a
 #: load of 14 once took 4.0 s.
-STOP_LIMIT = STOP_TIMEOUT + TIMEOUT_GRACE + STOP_SLACK
+STOP_LIMIT = STOP_TIMEOUT + TIMEOUT_REPORT + STOP_SLACK
 
 
 @pytest.fixture(autouse=True)
@@ -712,8 +720,8 @@ def test_an_abort_of_the_next_call_lets_the_current_one_finish() -> None:
     which call its sender finished last) lets that call finish, blocking or async; the
     group fails from the call the sender failed on. It used to fail the root's call,
     depending on which connection delivered first (a flaky CI run of the test above)."""
-    from .memplane import Fabric
-    from .threadranks import run_api
+    from .support.memplane import Fabric
+    from .support.threadranks import run_api
 
     for async_op in (False, True):
         fabric = Fabric(3)
@@ -815,6 +823,9 @@ def test_a_rank_that_leaves_is_gone_before_its_peers_raise(transport: str) -> No
             out = ranks.results(timeout=60)
         left, victim = out[1], out[0]
         assert victim["type"] is not None and "PeerLostError" in victim["mro"], victim
+        limit, stalled = allowed(LOST_PEER_LIMIT, victim["t"] - victim["elapsed"], victim["t"])
+        assert victim["elapsed"] < limit, (
+            f"rank 0 raised {victim['elapsed']:.2f} s into its call{stalled}: {victim}")
         record(f"leave-mid-job[{transport}]", cleanup=round(left["cleanup"], 3),
                head_start=round(victim["t"] - left["left"], 3))
         assert left["left"] < victim["t"], (
@@ -842,7 +853,8 @@ def test_cleanup_after_a_lost_peer_is_prompt(transport: str) -> None:
     # them ABORT_LINGER (0.5 s) by design (measured 0.50-0.51 s; < 0.02 s elsewhere), so
     # the old 1 s bound left 0.5 s for scheduling. A cleanup that waited for the peer (the
     # group timeout, 60 s) or for the normal linger (5 s) is still far outside this one.
-    limit = ABORT_LINGER + 1.0
+    # (Written out: a bound of ABORT_LINGER + 1 s would pass a longer linger.)
+    limit = 0.5 + 1.0
     assert info["cleanup"] < limit, (
         f"cleanup() took {info['cleanup']:.2f} s after the loss (limit {limit} s)")
 

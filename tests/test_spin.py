@@ -13,9 +13,9 @@ import pytest
 
 from swarmfd.comm import security, spin, transport, wire
 
-from .harness import run_ranks_raw
-from .test_shm import _planes, _run_setups
-from .threadranks import connect_transports
+from .support.harness import run_ranks_raw
+from .support.threadranks import connect_transports
+from .test_shm_plane import _planes, _run_setups
 
 
 @pytest.fixture(autouse=True)

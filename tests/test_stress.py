@@ -14,7 +14,7 @@ pieces; the 16 MiB calls of every plane are tests/test_collectives.py's).
 
 One run per real plane between processes (N=3: the socket and zmq planes, shared
 memory), and N=4 (the plan's first THREAD_STEPS steps) on thread-ranks over the
-socket plane and shared memory (tests/threadranks.py: the same public calls and
+socket plane and shared memory (tests/support/threadranks.py: the same public calls and
 planes, without spawning).
 """
 
@@ -31,8 +31,8 @@ import pytest
 
 import swarmfd as fd
 
-from .harness import record, run_ranks, transport_env
-from .threadranks import run_api
+from .support.harness import record, run_ranks, transport_env
+from .support.threadranks import run_api
 
 STEPS = 1000
 #: Steps of the N=4 runs on thread-ranks (their GIL-bound Python makes a step 2-3x
@@ -93,7 +93,7 @@ def _digest(*arrays: np.ndarray) -> str:
 class _Inputs:
     """Every rank's input of a step and their reduction, each made once per step and
     kept read-only for a few steps: a rank needs every rank's input to check its result,
-    and the random numbers were most of the run's time. Thread-ranks (tests/threadranks.py)
+    and the random numbers were most of the run's time. Thread-ranks (tests/support/threadranks.py)
     share one; each process has its own."""
 
     KEEP = 4  # steps kept: a rank may be a call or two ahead of another

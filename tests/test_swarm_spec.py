@@ -609,9 +609,9 @@ def test_timestamps_are_timezone_aware():
 
 def test_line_splitter_keeps_partial_lines_until_complete():
     """Chunks split anywhere still give whole lines; the unterminated rest comes at flush."""
-    from swarmfd.swarm.follow import _Lines
+    from swarmfd.swarm.follow import LineSplitter
 
-    lines = _Lines()
+    lines = LineSplitter()
     got = list(lines.feed(b"one\ntw")) + list(lines.feed(b"o\r\nthr")) + list(lines.flush())
     assert got == [b"one", b"two", b"thr"]
     assert list(lines.flush()) == []
@@ -619,9 +619,9 @@ def test_line_splitter_keeps_partial_lines_until_complete():
 
 def test_line_splitter_cuts_very_long_lines():
     """A line longer than 64 KiB is passed on in 64 KiB pieces, never buffered without end."""
-    from swarmfd.swarm.follow import MAX_LINE, _Lines
+    from swarmfd.swarm.follow import MAX_LINE, LineSplitter
 
-    pieces = list(_Lines().feed(b"x" * (2 * MAX_LINE + 5)))
+    pieces = list(LineSplitter().feed(b"x" * (2 * MAX_LINE + 5)))
     assert [len(p) for p in pieces] == [MAX_LINE, MAX_LINE]
 
 
@@ -675,11 +675,11 @@ def test_log_pump_waits_for_the_named_ranks_readers_only():
 
 def test_service_log_details_name_the_task():
     """A service log chunk with details starts with the attributes, task ID among them."""
-    from swarmfd.swarm.follow import _parse_details
+    from swarmfd.swarm.follow import parse_details
 
     chunk = (b"com.docker.swarm.node.id=n1,com.docker.swarm.service.id=s1,"
              b"com.docker.swarm.task.id=t42 hello world\n")
-    assert _parse_details(chunk) == ("t42", b"hello world\n")
+    assert parse_details(chunk) == ("t42", b"hello world\n")
 
 
 def test_rank_output_prefixes_whole_lines_per_stream():

@@ -11,9 +11,9 @@ import gc
 
 import pytest
 
-from .harness import require
+from .support.harness import require_torch
 
-torch = require("torch", "pip install torch==2.13.0, the CPU wheel")
+torch = require_torch()
 
 import swarmfd as fd  # noqa: E402 (swarmfd.torch imports torch)
 import swarmfd.torch as sft  # noqa: E402 (swarmfd.torch imports torch)

@@ -14,10 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .harness import require_installed
+from .support.harness import require_installed, require_torch
 
 # Both are imported by the example's processes only.
-require_installed("torch", "pip install torch==2.13.0, the CPU wheel")
+require_torch(load=False)
 require_installed("sklearn", "the example's data: pip install -e '.[examples]'")
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,16 +18,16 @@ from typing import Any
 
 import pytest
 
-from .harness import (
+from .support.harness import (
     count_runs,
     free_port,
-    require,
+    require_torch,
     run_ranks,
     run_ranks_raw,
     transport_env,
 )
 
-torch = require("torch", "pip install torch==2.13.0, the CPU wheel")
+torch = require_torch()
 
 ROOT = Path(__file__).resolve().parents[1]
 F64 = torch.float64
@@ -226,7 +226,7 @@ def _ddp_rank(rank: int, world: int, overlap: bool | None = None) -> dict[str, A
 
 
 @pytest.mark.parametrize(("transport", "overlap"), [("shm", None), ("shm", True),
-                                                    ("tcp", None), ("tcp", True)])
+                                                    ("tcp", False), ("tcp", True)])
 def test_ddp_equals_one_process_on_the_global_batch(ranks, transport: str,
                                                     overlap: bool | None) -> None:
     """Parameters identical on every rank after every step and equal to one process on
@@ -292,15 +292,46 @@ def _hooks_rank(rank: int, world: int) -> None:
     assert torch.equal(bn[1].running_mean, torch.full((4,), 5.0))
 
 
-def _hooks_and_state_rank(rank: int, world: int) -> None:
+def _bucket_paths_rank(rank: int, world: int) -> dict[str, tuple[int, int]]:
+    """DDP's three ways to reduce its buckets, each on a small model of several buckets
+    trained two steps like one process on the whole batch: every bucket in one call
+    (no rank overlaps), each bucket during backward (overlap), and each at the end of
+    backward on the rank that does not overlap while its peer does. Returns each way's
+    (calls in one backward, buckets)."""
+    import swarmfd.torch as sft
+    from swarmfd import group as _grp
+
+    B = 4
+    X, Y = data(2, B * world, seed=3)
+    mine = slice(rank * B, (rank + 1) * B)
+    world_group = _grp.resolve_group(None, "the test")
+    out = {}
+    for way, overlap in (("one call", False), ("overlap", True), ("mixed", rank == 0)):
+        ddp = sft.DistributedDataParallel(mlp(seed=rank), bucket_cap_mb=0.0006,
+                                          first_bucket_mb=0.0001, overlap=overlap)
+        _train_like_one_process(ddp, mlp(seed=0), X, Y, mine, 2, way)
+        before = world_group.seq
+        loss_fn(ddp(X[0, mine]), Y[0, mine]).backward()
+        out[way] = (world_group.seq - before, len(ddp._buckets))
+    return out
+
+
+def _hooks_and_state_rank(rank: int, world: int) -> dict[str, tuple[int, int]]:
     _hooks_rank(rank, world)
     _state_rank(rank, world)
+    return _bucket_paths_rank(rank, world)
 
 
-def test_comm_hook_bfloat16_buffers_and_broadcast_state(ranks) -> None:
-    """fp16 compression, bfloat16 reduced in float32, buffers from rank 0; one rank's
-    model and optimizer state (the others never stepped) broadcast to all."""
-    ranks(_hooks_and_state_rank, 2, timeout=120)
+def test_comm_hook_bfloat16_buffers_bucket_paths_and_broadcast_state(ranks) -> None:
+    """fp16 compression, bfloat16 reduced in float32, buffers from rank 0; every way
+    DDP reduces its buckets (the last bucket holds the first layer: one dropped shows);
+    one rank's model and optimizer state (the others never stepped) broadcast to all."""
+    got = ranks(_hooks_and_state_rank, 2, timeout=120)
+    for out in got:
+        assert all(buckets >= 3 for _, buckets in out.values()), got
+        assert out["one call"][0] == 1, got
+        assert out["overlap"][0] == out["overlap"][1], got
+        assert out["mixed"][0] == out["mixed"][1], got
 
 
 def _seed_api_lists_rank(rank: int, world: int) -> dict[str, Any]:
@@ -741,7 +772,7 @@ def _c10d_subgroups_rank(rank: int, world: int, port: int) -> None:
     mine = [g for g in (ends, low) if rank in dist.get_process_group_ranks(g)]
     for g in mine:
         sg = g.swarmfd_group  # torch's group is the backend's ProcessGroupSwarmfd
-        assert sg.plane().kind == "shm" and sg.area in swarmfd.group.MEMBER_AREAS, sg.area
+        assert sg.plane().shares_memory and sg.area in swarmfd.group.MEMBER_AREAS, sg.area
     if rank == 0:
         areas = [g.swarmfd_group.area for g in mine]
         assert len(set(areas)) == 2, areas

@@ -1,19 +1,14 @@
 """What an algorithm sees of a collective call: :class:`Op`.
 
-An algorithm is a generator function ``algo(op, ...)``. It sends with
-:meth:`Op.send` (never blocks) and waits for a message with
-``data = yield op.recv(peer, tag, nbytes, into)``; whoever drives it (the caller's
-thread for a blocking call, the progress engine for an async one) completes the
-receive and sends the payload back in (``None`` when it landed ``into``).
-``yield op.flush()`` waits until no plane still reads a buffer it was handed (before
-the algorithm overwrites one it sent without a copy). Peers are
-*group ranks*: the op maps them to world ranks, and to the plane the algorithm runs
-on. Algorithms never see a socket, a plane's internals or another group's traffic.
-
-Shared-memory algorithms also address the members' segments directly
-(:meth:`Op.region`), one slot per round (:meth:`Op.next_slot`), rotating over
-SLOTS slots of the group's area, so a slot is rewritten only after every member
-passed a later barrier.
+An algorithm is a generator function ``algo(op, ...)``: it sends with :meth:`Op.send`
+(never blocks) and waits with ``data = yield op.recv(peer, tag, nbytes, into)``; its
+driver (:func:`run` on the caller's thread, or the progress engine) sends the payload
+back in (``None`` when it landed ``into``). ``yield op.flush()`` waits until no plane
+still reads a buffer sent without a copy. Peers are *group ranks*; algorithms never see
+a socket or another group's traffic. Shared-memory algorithms also address the
+members' segments (:meth:`Op.region`), one slot per round (:meth:`Op.next_slot`),
+rotating over SLOTS slots, so a slot is rewritten only after every member passed a
+later barrier.
 """
 
 from __future__ import annotations
@@ -52,12 +47,9 @@ _DATA = int(wire.Kind.DATA)
 
 
 class Op:
-    """One collective call of one group, on one plane (see module docstring).
-
-    An op is made once per kind of call and reused by every call of that kind (see
-    :mod:`swarmfd.call`): :meth:`at` sets the call's number. Each message header is
-    packed once (:attr:`heads`) and joined around the call's number; a blocking call's
-    receives first look for their message on the plane itself (:func:`run`)."""
+    """One collective call of one group, on one plane: made once per kind of call and
+    reused (:mod:`swarmfd.call`), :meth:`at` setting the call's number; its headers are
+    packed once and joined around that number."""
 
     __slots__ = ("channel", "gid", "heads", "me", "next_slot", "out", "plane", "ranks", "ring",
                  "seq", "seqb", "shm", "sig", "size", "tag_base", "views")
@@ -76,13 +68,11 @@ class Op:
         self.shm = shm
         self.next_slot = next_slot
         self.tag_base = tag_base
-        #: The group ranks in the order rings and chains follow (the group's, by host);
-        #: None: rank order.
-        self.ring = ring
+        self.ring = ring  # group ranks in ring and chain order (by host); None: rank order
         #: Packed headers by (source world rank, tag, bytes): see :meth:`header`.
         self.heads: dict[tuple[int, int, int], tuple[bytes, bytes]] = {}
-        #: Set when a send left bytes queued (the call flushes before it returns):
-        #: shared by the ops of one call's phases.
+        #: Whether a send left bytes queued (flushed before the call returns); shared by
+        #: the ops of one call's phases.
         self.out = [False] if out is None else out
         #: Shared-memory views the algorithm asked for, by (member, slot, dtype, count).
         self.views: dict[tuple[Any, ...], Any] = {}
@@ -102,9 +92,8 @@ class Op:
                   self.sig, self.shm, self.next_slot, self.tag_base, self.ring)
 
     def header(self, src: int, tag: int, nbytes: int) -> tuple[bytes, bytes]:
-        """The header of this call's message from world rank ``src`` with ``tag`` (the
-        op's tag base included) and ``nbytes`` of payload, as the plane frames it, cut
-        around the call's number: packed once per op (at most MAX_HEADS kept)."""
+        """The cut header of this call's message from world rank ``src`` with ``tag``
+        (tag base included) and ``nbytes``, packed once per op (Plane.header)."""
         key = (src, tag, nbytes)
         head = self.heads.get(key)
         if head is None:
@@ -115,25 +104,21 @@ class Op:
         return head
 
     def phase(self, tag_base: int) -> Op:
-        """The same call, members, plane and ring order, with tags from ``tag_base``: a
-        later phase of a call of two (sizes, then data), whose tags must not meet the
-        first phase's."""
+        """The same call with tags from ``tag_base``: a later phase (sizes, then data)."""
         return Op(self.channel, self.plane, self.ranks, self.me, self.gid, self.seq,
                   self.sig, self.shm, self.next_slot, tag_base, self.ring, self.out)
 
     def sub(self, plane: Plane, members: list[int], tag_base: int, shm: Any = None,
             next_slot: Callable[[], int] | None = None) -> Op:
-        """The same call among some of its members (group ranks ``members``), on
-        ``plane``, with tags from ``tag_base`` (hierarchical algorithms' phases), its rings
-        in rank order among them."""
+        """The same call among group ranks ``members`` on ``plane``, tags from
+        ``tag_base``, rings in rank order (the two-level algorithms' phases)."""
         ranks = [self.ranks[m] for m in members]
         return Op(self.channel, plane, ranks, members.index(self.me), self.gid, self.seq,
                   self.sig, shm, next_slot, tag_base, None, self.out)
 
     def send(self, to: int, tag: int, payload: Any = b"", *, copy: bool = False) -> None:
-        """Queue a message to group rank ``to``; never blocks. ``copy``: the caller may
-        rewrite ``payload`` as soon as this returns (else a large payload may still be
-        read until the call flushes)."""
+        """Queue a message to group rank ``to``; never blocks. Without ``copy`` a large
+        payload may be read until the call flushes."""
         size = len(payload) if type(payload) is bytes else memoryview(payload).nbytes
         if size > _MAX_PAYLOAD:
             raise wire.too_large(size)
@@ -149,8 +134,8 @@ class Op:
         return (self, frm, tag, nbytes, into)
 
     def view(self, frm: int, tag: int, nbytes: int) -> Recv:
-        """The receive to ``yield`` of a payload the algorithm reads at once: what it
-        returns may be the plane's own buffer, valid only until the next receive."""
+        """The receive to ``yield`` of a payload read at once (maybe the plane's buffer,
+        valid until the next receive)."""
         return (self, frm, tag, nbytes, VIEW)
 
     def recv_key(self, key: tuple[int, int, int, int], sig: wire.Signature, nbytes: int,
@@ -166,23 +151,17 @@ class Op:
 
     def scratch(self, pieces: Sequence[Sequence[tuple[int, int]]],
                 dtype: np.dtype) -> np.ndarray | None:
-        """The reused buffer :meth:`recv_operand` takes for any of ``pieces`` (element
-        bounds, per part) of ``dtype``, or None on a plane that hands payloads over
-        without a copy."""
+        """The reused buffer :meth:`recv_operand` takes for any of ``pieces``, or None
+        where the plane hands payloads over (zero_copy_recv)."""
         if self.plane.zero_copy_recv:
             return None
         return np.empty(max((b - a for part in pieces for a, b in part), default=0), dtype)
 
     def recv_operand(self, frm: int, tag: int, dtype: np.dtype, count: int,
                      scratch: np.ndarray | None) -> Generator[Recv, Any, np.ndarray]:
-        """``yield from`` this: the message as an array of ``count`` items of ``dtype``,
-        valid until the next receive into ``scratch`` (from :meth:`scratch`). On the
-        socket plane it lands in ``scratch``: a receive without a buffer would allocate
-        one per piece. Measured 2026-12-03 at N=2: back-to-back all_reduces (5
-        alternated runs) 0.88x the time at 9 MB, 0.92x at 64 MiB, the same at 1 MiB;
-        compare.py (4 interleaved runs, input reset between calls) 0.98-0.99x at 16 and
-        64 MiB, N=4 0.97x at 64 MiB, reduce_scatter 0.97-1.01x. On the zmq plane it is
-        the frame itself (received into a buffer: 1.04x the time at 9 MB)."""
+        """``yield from`` this: the message as ``count`` items of ``dtype``, valid until
+        the next receive into ``scratch`` (a buffer per piece otherwise; on zmq, the
+        frame itself: docs/algorithms.md)."""
         if scratch is None:
             data = yield (self, frm, tag, count * dtype.itemsize, None)
             return np.frombuffer(data, dtype=dtype, count=count)
@@ -209,8 +188,7 @@ class Op:
         return self.shm.region(self.ranks[member], slot, dtype, count)
 
     def regions(self, slot: int, dtype: np.dtype, count: int) -> list[np.ndarray]:
-        """Every member's region at ``slot``, in group-rank order: kept by the op (a
-        repeated call asks for the same few)."""
+        """Every member's region at ``slot``, in group-rank order; kept by the op."""
         key = (slot, dtype, count)
         views = self.views.get(key)
         if views is None:
@@ -238,12 +216,9 @@ def complete(req: Recv) -> Any:
 
 
 def run(op: Op, algo: Algorithm) -> Any:
-    """Drive ``algo`` to its end on the caller's thread (the blocking executor); its
-    return value. A receive first looks for its message on the plane itself
-    (:meth:`Plane.take`: the header it expects, byte for byte, a whole message there);
-    anything else (nothing yet, another message first, a stashed one) is the channel's
-    receive, which waits, matches, stashes, and reports mismatches, aborts, timeouts
-    and lost peers. The messages and bits are the same either way."""
+    """Drive ``algo`` to its end on the caller's thread; its return value. A receive
+    first asks the plane for exactly its message (:meth:`Plane.take`), else goes to the
+    channel's receive, which waits, matches, stashes and reports; the bits are the same."""
     send = algo.send
     stash = op.channel.stash
     try:
@@ -280,11 +255,9 @@ def run(op: Op, algo: Algorithm) -> Any:
 
 
 class Parts:
-    """Several flat arrays of one dtype, reduced as one buffer without being copied into
-    one (:func:`swarmfd.algorithms.shm.all_reduce`, :func:`.tcp.all_reduce_ring`,
-    :func:`swarmfd.algorithms.shm.reduce_scatter`): element ``i`` of the whole is
-    element ``i - start`` of the array it falls in. The arrays are contiguous, writable
-    and not empty."""
+    """Several flat, contiguous, writable, non-empty arrays of one dtype, reduced as one
+    buffer without a copy into one: element ``i`` of the whole is element ``i - start``
+    of the array it falls in."""
 
     __slots__ = ("arrays", "dtype", "itemsize", "nbytes", "size", "starts")
 
@@ -316,22 +289,17 @@ def spans(buf: np.ndarray | Parts, a: int, b: int) -> Iterator[tuple[np.ndarray,
         at = stop
 
 
-#: In a ring over :class:`Parts`, consecutive arrays (or array ends) smaller than this
-#: travel together, copied into one message; a larger one travels as views of itself.
-#: (A message costs 20-50 us of Python and system calls; 64 KiB copy in about 10 us.)
+#: In a ring over :class:`Parts`, consecutive shares smaller than this travel copied into
+#: one message, larger ones as views (docs/algorithms.md).
 SMALL_SPAN_BYTES = 64 << 10
 
 
 def ring_pieces(buf: np.ndarray | Parts,
                 bounds: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
-    """The pieces (element bounds) each of ``bounds`` travels in around a ring.
-
-    An array: the same number P of near-equal pieces in every range, P for about
-    PIECE_BYTES in the largest. :class:`Parts`: each array's share of a range in pieces
-    of at most PIECE_BYTES, so a piece is a view of one array and is sent without a
-    copy (:func:`take`); consecutive shares smaller than SMALL_SPAN_BYTES make one
-    piece together. The cut depends on the arrays' sizes, which every rank shares (a
-    list's shapes are in its call's signature)."""
+    """The pieces (element bounds) each of ``bounds`` travels in around a ring: an
+    array's :func:`even_pieces`; for :class:`Parts`, each array's share in pieces of at
+    most PIECE_BYTES (views, sent without a copy), small shares joined (SMALL_SPAN_BYTES).
+    Every rank cuts alike: the arrays' sizes are in the call's signature."""
     if type(buf) is np.ndarray:
         return even_pieces(bounds, buf.itemsize)
     assert isinstance(buf, Parts)
@@ -364,16 +332,15 @@ def ring_pieces(buf: np.ndarray | Parts,
 
 def even_pieces(bounds: Sequence[tuple[int, int]],
                 itemsize: int) -> list[list[tuple[int, int]]]:
-    """The same number P of near-equal pieces (element bounds) of each of ``bounds``, P
-    for about PIECE_BYTES of ``itemsize`` items in the largest: a ring's pieces, whose
-    tags are step * P + piece."""
+    """P near-equal pieces of each of ``bounds``, P for about PIECE_BYTES in the largest
+    (a ring's tags are step * P + piece)."""
     P = num_pieces(max((b - a for a, b in bounds), default=0), itemsize)
     return [[(a + x, a + y) for x, y in split(b - a, P)] for a, b in bounds]
 
 
 def take(buf: np.ndarray | Parts, a: int, b: int) -> np.ndarray:
-    """Elements [a, b) of ``buf`` as one flat array: a view where they lie in one array
-    (every piece of :func:`ring_pieces` but those of small arrays), else a copy."""
+    """Elements [a, b) of ``buf`` as one flat array: a view where they lie in one array,
+    else a copy."""
     if type(buf) is np.ndarray:
         return buf[a:b]
     views = [v for v, _, _ in spans(buf, a, b)]
@@ -383,12 +350,9 @@ def take(buf: np.ndarray | Parts, a: int, b: int) -> np.ndarray:
 
 
 def divide_by(x: np.ndarray, n: int) -> None:
-    """``x`` /= ``n`` in place (a mean's last step), bit for bit as ``np.divide(x, n,
-    out=x)`` but faster: floats are divided by ``n`` as their own type, not as a Python
-    int (0.021 against 0.041 ms for 128 Ki float32 here), and multiplied by 1 / ``n``
-    where ``n`` is a power of two up to 1024 (0.010 ms): 1 / ``n`` is then exact in
-    every float type, float16 included, so the product is the very quotient, correctly
-    rounded once either way."""
+    """``x`` /= ``n`` in place, bit for bit as ``np.divide(x, n, out=x)`` but faster:
+    floats divide by ``n`` as their own type, or multiply by 1 / ``n`` where that is
+    exact (a power of two up to 1024; docs/algorithms.md)."""
     kind = x.dtype.kind
     if kind != "f" or n <= 0:
         np.divide(x, n, out=x)
@@ -407,11 +371,8 @@ def mean(op: Op, buf: np.ndarray, divide: int) -> Algorithm:
 
 
 def reduce_in_order(out: np.ndarray, operands: Sequence[np.ndarray], ufunc: np.ufunc) -> None:
-    """``out`` = ((operands[0] op operands[1]) op operands[2]) ..., the operands in the
-    order given (rank order: every rank that reduces gets the same bits). The first two
-    are combined straight into ``out``: one pass over it fewer than copying the first
-    operand in and adding the rest (64 KiB on shared memory, N=2: see
-    benchmarks/results/session-20261204-e.md)."""
+    """``out`` = ((operands[0] op operands[1]) op operands[2]) ... in the order given (rank
+    order: every rank gets the same bits); the first two straight into ``out``."""
     if len(operands) == 1:
         np.copyto(out, operands[0])
         return

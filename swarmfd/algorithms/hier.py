@@ -1,82 +1,17 @@
 """Two-level algorithms: shared memory inside each host, TCP between hosts.
 
-A group that spans hosts, with several of its ranks on some host, moves most of its
-bytes inside the hosts, where they cost a memory copy instead of a trip through the
-kernel's TCP stack and the host's link. The group's ranks on one host are its
-*locals* (group ranks in order; a rank's *local index* is its place among them);
-hosts are in :class:`Layout` order (the host of group rank 0 first), the same on
-every rank. Every phase inside a host runs over that host's shared-memory plane (a
-sub-op of the call, :meth:`swarmfd.algorithms.base.Op.sub`), every phase between
-hosts over the call's TCP plane. Hosts may hold different numbers of ranks: a host
-of one rank has no phase inside.
+A group that spans hosts with several ranks on some host moves most bytes inside the
+hosts, at a memory copy's cost. A host's ranks of the group are its *locals* (a rank's
+*local index*: its place among them); hosts are in :class:`Layout` order, the same on
+every rank. Phases inside a host run over its shared-memory plane (a sub-op,
+:meth:`swarmfd.algorithms.base.Op.sub`), phases between hosts over the call's TCP plane;
+a host of one rank has no phase inside. Every element's operands combine in one order
+(inside its host, then between hosts, in host order), computed once and copied or alike
+on every rank: the same bits everywhere.
 
-**all_reduce** (S bytes, H hosts, K = the most ranks any host holds). The buffer is
-cut into K *shards*; on a host of L ranks shard q belongs to local index q mod L
-(so on the fullest host every rank owns one, elsewhere some own several).
-
-* *small* (:func:`all_reduce_small`, up to one segment): every local copies its
-  buffer into its slot, one barrier, every local reduces the host's buffers in
-  local order (the *host partial*, bitwise the same on all of them); then local
-  index j exchanges host partials with local index j mod L_g of every other host g
-  and everyone reduces the H partials in host order. One barrier and one network
-  hop; each link carries L copies of S, which only small buffers can afford.
-* *large* (:func:`all_reduce_large`): rounds of at most ROUND_BYTES per rank; round
-  t holds piece t of every shard. In each round every local copies the pieces of
-  the shards it does not own into its slot (a reduce-scatter inside the host), a
-  barrier, and each owner reduces its pieces from the others' slots into its own
-  slot (its own operand first, then local order): the host partial of that piece,
-  computed once. Between two hosts the shards travel on at most STREAMS TCP streams
-  each way: a stream's *carrier* on each host sends the host's partials of its
-  shards, from the owners' slots, to the other host's carrier, and receives the
-  other host's into its own slot. After a later barrier every local computes every
-  shard's result, ``ufunc(first host's, second's)``, into its own array: the same
-  bits everywhere. The partials of round t leave in round t or t + 1 and are
-  combined in round t + 2, so the link carries them while the hosts work on the
-  next rounds.
-  Each host's link carries S each way: the two-level bound 2(H-1)/H S for H = 2,
-  against 2(N-1)/N S for the best flat ring. With more than two hosts the phases
-  run one after the other: the reduce-scatter of every round, then a flat
-  all-reduce (ring, in host order) of each shard among its H owners, then the
-  all-gather.
-
-Every element is reduced once inside its host and once between hosts (a ring
-reduces it once as well), then copied: float results are bitwise identical on
-every rank.
-
-**broadcast**: the root's host is the first of a chain of host *leaders* (the root;
-elsewhere local index i_root mod L), in host order from the root's host, over TCP;
-each leader forwards every round as soon as it has it and publishes it in its slot,
-where its locals copy it from after the round's barrier. **reduce**: the mirror
-image: each host's locals copy into their slots, the leader reduces them (its own
-operand first, then local order) and the chain of leaders ends at the root, each
-combining ``ufunc(incoming, own)`` as the flat chain does. Both show their
-signature around the ring of leaders and end with an acknowledgement to the root
-(broadcast) or from it (reduce), as the flat chains do; inside a host every rank
-both sends and receives barrier records, which carry the signature.
-
-**all_gather** (:func:`all_gather`): each host's rows go to every other host over
-at most STREAMS TCP streams each way, round by round; every rank publishes its own
-row in its slot, a stream's receiver the rows it received, and everyone copies the
-rest from its locals' slots. Each link carries what the other hosts need once: as
-much as the flat ring in host order, without the TCP hops inside the hosts.
-
-**Streams.** Between two hosts the large all_reduce and the all_gather use at most
-STREAMS TCP connections each way, whatever the number of ranks a host holds (a
-small all_gather, a connection per rank): more
-streams spread the kernel's TCP work over more ranks, but K streams sharing a shaped
-link with a shallow queue lost packets together and stalled on retransmission
-timeouts (see STREAMS).
-
-**reduce_scatter** (:func:`reduce_scatter`, two hosts, from 1 MiB): each host computes
-the host partials of every block over its slots, the partials of the other host's
-blocks cross over at most STREAMS streams, and each rank combines its own block's
-two partials: a link carries the other host's blocks once, (N - L) / N of S, against
-(N - 1) / N of S for the flat ring.
-
-The other collectives (all_to_all, gather, scatter) run flat.
-
-Tags: the phases between hosts use the call's own tags (round-major, < 2^30, plus
-ACK and SIG of :mod:`.tcp`); those inside a host a sub-op's from LOCAL_TAGS.
+Each algorithm's steps, barriers and bytes on a host's link: docs/algorithms.md ("Two
+levels"). Phases between hosts use the call's own tags (round-major, < 2^30, plus ACK
+and SIG of :mod:`.tcp`), phases inside a host a sub-op's from LOCAL_TAGS.
 """
 
 from __future__ import annotations
@@ -93,63 +28,34 @@ from ..comm.planes.shm import SEGMENT_BYTES, SLOTS
 from .base import Algorithm, Op, divide_by, mean, num_pieces, reduce_in_order, split
 from .tcp import ACK, SIG, barrier
 
-__all__ = [
-    "LOCAL_TAGS",
-    "ROUND_BYTES",
-    "SMALL_GATHER_BYTES",
-    "STREAMS",
-    "Layout",
-    "all_gather",
-    "all_reduce_large",
-    "all_reduce_small",
-    "broadcast",
-    "reduce",
-    "reduce_scatter",
-]
+__all__ = ["LOCAL_TAGS", "ROUND_BYTES", "SMALL_GATHER_BYTES", "STREAMS", "Layout", "all_gather",
+           "all_reduce_large", "all_reduce_small", "broadcast", "reduce", "reduce_scatter"]
 
 #: Bytes one rank moves through its slot per round of a large call (at most a slot).
 ROUND_BYTES = SEGMENT_BYTES
-#: TCP streams each way between two hosts for the large all_reduce and the all_gather
-#: (see _all_reduce_two_hosts and all_gather). Measured with benchmarks/hierarchy.py
-#: (2026-12-02, 2 interleaved runs a shape; benchmarks/results/hierarchy-20261202-
-#: streams.md), 16 / 64 MiB all_reduce at 2x4 ranks, host placement:
-#: * 500 Mbit/s (the network is the limit; bound 268 / 1074 ms): 1 stream 294-299 /
-#:   1147-1164 ms, 2 streams 295-303 / 1146-1311 ms, 3 streams 357-507 / 1746-1894 ms,
-#:   4 (one per shard, the earlier algorithm) 535-1367 / 3610-5611 ms: with 3 or more
-#:   streams the tbf queue (221 KB) overflowed and retransmission timeouts stalled calls;
-#: * 2 Gbit/s (4 ranks a core: the CPU is the limit): 1 stream 125-138 / 442-500 ms,
-#:   2 streams 121-122 / 417-422 ms, 4 streams 97-111 / 386-401 ms: more streams spread
-#:   the kernel's TCP work over more ranks.
-#: Two keeps every shape near its bound where the link is the limit, at up to 1.1x the
-#: time of a stream per shard where the CPU is.
+#: TCP streams each way between two hosts (large all_reduce, all_gather): more spread
+#: the kernel's work where CPU is the limit, but three overflowed a shaped link's queue
+#: (docs/algorithms.md).
 STREAMS = 2
-#: An all_gather of rows up to this size, in one round, sends every rank's row itself
-#: (a stream per rank, one barrier) instead of through STREAMS carriers (two
-#: barriers): at 3+1 ranks, 5 Gbit/s, 64 KiB took 0.63-0.82 ms that way against
-#: 1.20-1.35 ms through carriers, and at 2x4, 500 Mbit/s, 4.9-5.3 against 4.6-4.8 ms
-#: (benchmarks/hierarchy.py, 2026-12-02, 2 interleaved runs).
+#: An all_gather of rows up to this size sends every rank's row itself in one round (a
+#: stream per rank, one barrier) instead of through STREAMS carriers (docs/algorithms.md).
 SMALL_GATHER_BYTES = 64 << 10
-#: Rounds of an all_gather sent ahead of the one being received (more would sit in
-#: the send queue, which only moves while the rank waits on TCP).
+#: Rounds of an all_gather sent ahead of the one being received (more would sit in the
+#: send queue, which moves only while the rank waits on TCP).
 GATHER_AHEAD = 2
-#: Tag base of the phases inside a host (a sub-op's barriers): above every tag the
-#: phases between hosts use, below ACK and SIG.
+#: Tag base of the phases inside a host: above the phases between hosts, below ACK, SIG.
 LOCAL_TAGS = 1 << 31
-#: Tag base of the rings of the shards among their owners (more than two hosts), one
-#: block of SHARD_TAGS tags per shard (a ring of a 1 GiB shard uses about 2000), apart
-#: from a call's size exchange (from 2^30, collectives._exchange).
+#: Tag base of the shard rings among their owners (more than two hosts), SHARD_TAGS a
+#: shard (a 1 GiB shard's ring uses about 2000), apart from a call's second phase (2^30).
 RING_TAGS = 3 << 29
 SHARD_TAGS = 1 << 20
 
 
 @dataclass(frozen=True)
 class Layout:
-    """How a group's ranks sit on hosts, as one member sees it.
-
-    ``hosts``: the group ranks on each host, in host order (the host of group rank 0
-    first, then by first appearance), each in group-rank order; ``me``: this rank's
-    group rank. The same ``hosts`` on every member.
-    """
+    """How a group's ranks sit on hosts: ``hosts``, the group ranks of each host in
+    host order (group rank 0's first, then by first appearance), the same on every
+    member; ``me``, this rank's group rank."""
 
     hosts: tuple[tuple[int, ...], ...]
     me: int
@@ -209,11 +115,8 @@ def _local_op(op: Op, lay: Layout, shm: Any) -> Op | None:
 
 def all_reduce_small(op: Op, buf: np.ndarray, ufunc: np.ufunc, divide: int, lay: Layout,
                      shm: Any) -> Algorithm:
-    """Host partials through one slot, then exchanged between hosts (module docstring).
-
-    ``buf`` must fit one slot (at most SEGMENT_BYTES); ``divide``: divide the result by
-    it (a mean).
-    """
+    """Host partials through one slot (``buf`` fits it), exchanged between hosts;
+    ``divide``: a mean's divisor (0: none)."""
     hosts, h, i = lay.hosts, lay.host, lay.local
     L = len(hosts[h])
     local = _local_op(op, lay, shm)
@@ -224,8 +127,7 @@ def all_reduce_small(op: Op, buf: np.ndarray, ufunc: np.ufunc, divide: int, lay:
         yield from barrier(local, 0)
         reduce_in_order(buf, regions, ufunc)
     H = len(hosts)
-    # Local index j sends to the ranks k of host g with k mod L == j, and receives
-    # from local index j mod L_g of host g.
+    # Local index j sends to local indices k = j mod L of host g, receives from j mod L_g.
     for g in range(H):
         if g != h:
             for k in range(i, len(hosts[g]), L):
@@ -248,10 +150,9 @@ def all_reduce_small(op: Op, buf: np.ndarray, ufunc: np.ufunc, divide: int, lay:
 def all_reduce_large(op: Op, buf: np.ndarray, ufunc: np.ufunc, divide: int, lay: Layout,
                      shm: Any, flat: Callable[..., Any] | None = None,
                      round_bytes: int = ROUND_BYTES) -> Algorithm:
-    """Reduce-scatter inside each host, partials of each shard between its owners,
-    all-gather inside each host, in rounds (see the module docstring); ``divide``:
-    divide the result by it (a mean). ``flat(nbytes, size, count)``: the selection's
-    flat all_reduce among the shards' owners (more than two hosts)."""
+    """Reduce-scatter inside each host, each shard's partials between its owners,
+    all-gather inside each host, in rounds; ``flat(nbytes, size, count)``: the
+    selection's flat all_reduce among the shards' owners (more than two hosts)."""
     yield from _all_reduce_large(op, buf, ufunc, lay, shm, flat, round_bytes)
     yield from mean(op, buf, divide)
 
@@ -262,10 +163,8 @@ def _all_reduce_large(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout, shm
     if len(lay.hosts) == 2:
         yield from _all_reduce_two_hosts(op, buf, ufunc, lay, local, round_bytes)
         return
-    # More hosts: the phases one after the other: every round's reduce-scatter, a flat
-    # all-reduce of each owned shard among its owners (one per host, in host order;
-    # owners take their shards in order, so the rings never wait on each other in a
-    # cycle), every round's all-gather.
+    # More hosts, the phases one after the other; owners take their shards in order, so
+    # the rings never wait on each other in a cycle.
     assert flat is not None, "the flat all_reduce of more than two hosts' shards"
     p = _Shards(op, buf, lay, local, round_bytes)
     if local is not None:
@@ -280,9 +179,7 @@ def _all_reduce_large(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout, shm
         sub = op.sub(op.plane, members, RING_TAGS + q * SHARD_TAGS)
         seg = buf[a:b]
         yield from flat(seg.nbytes, H, seg.size).algo(sub, seg, ufunc, 0)
-    if local is not None:
-        # (The rings may still be sending pieces of the owned shards: the all-gather
-        # only reads them.)
+    if local is not None:  # (the rings may still send the owned shards: only read here)
         for t in range(p.R):
             slot = op.next_slot()
             p.publish(t, slot)
@@ -291,9 +188,8 @@ def _all_reduce_large(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout, shm
 
 
 class _Shards:
-    """The rounds inside a host of the all_reduce over more than two hosts: shard q at
-    position q * per of each slot, whatever the round; its owner here is local index
-    q mod L."""
+    """The rounds inside a host over more than two hosts: shard q at position q * per
+    of each slot; its owner is local index q mod L."""
 
     def __init__(self, op: Op, buf: np.ndarray, lay: Layout, local: Op | None,
                  round_bytes: int) -> None:
@@ -350,37 +246,17 @@ class _Shards:
 def _all_reduce_two_hosts(op: Op, buf: np.ndarray, ufunc: np.ufunc, lay: Layout,
                           local: Op | None, round_bytes: int,
                           streams: int | None = None) -> Algorithm:
-    """Two hosts, pipelined (see the module docstring), over at most ``streams`` TCP
-    streams each way (default STREAMS).
+    """Two hosts, pipelined over at most ``streams`` (STREAMS) TCP streams each way:
+    shard q on stream q mod C, carried on each host by local index (q mod C) mod L.
 
-    Shard q travels on stream c = q mod C (C = min(streams, K)). On each host the
-    stream's *carrier* is local index c mod L: it sends the host's partials of its
-    shards to the other host's carrier of the stream, and receives that host's
-    partials of them.
-
-    Round t, in each rank's slot (positions fixed, ``per`` items each, whatever the
-    round):
-
-    * position q of a shard q this rank does not own: its piece, for the owner to
-      reduce; of a shard it owns: the host partial, reduced straight there from its
-      own array and the locals' pieces;
-    * a carrier's positions K, K + 1, ...: the other host's partials of the shards it
-      carries, received there.
-
-    A carrier sends a partial from its owner's slot (no copy) as soon as it knows it
-    is reduced: its own at once, the others' one round later, after the barrier that
-    tells it. It receives the other host's partials of round t two rounds later; after
-    that round's barrier every local computes every shard's result of round t,
-    ``ufunc(first host's, second's)``, from the owner's and the carrier's positions
-    into its own array: the same bits everywhere, the other host included.
-
-    Slots rotate (SLOTS = 3): a position is rewritten three rounds after it was
-    written, and the barriers in between tell that everyone read it. Before a partial
-    it sent three rounds earlier is overwritten (by another owner after the next
-    barrier, or by itself), a carrier waits until the kernel took it (normally long
-    done). A host of one
-    rank has no slot: it carries every stream, owns every shard and sends from its
-    array.
+    Round t's slot positions (``per`` items each): position q holds this rank's piece
+    of a shard it does not own, or the host partial of one it owns; a carrier's
+    positions K, K + 1, ... the other host's partials it receives. A carrier sends a
+    partial from its owner's slot (no copy): its own at once, the others' after the next
+    barrier; it receives round t's two rounds later (LAG), when every local combines
+    ``ufunc(first host's, second's)`` into its array. A position is rewritten SLOTS
+    rounds later: a carrier first waits until the kernel took what it sent from it. A
+    host of one rank carries every stream and sends from its array.
     """
     p = _TwoHosts(op, buf, lay, local, round_bytes, streams)
     if local is None:
@@ -406,16 +282,14 @@ class _TwoHosts:
         C = max(1, min(STREAMS if streams is None else streams, K))
         other = hosts[1 - h]
         self.first = h == 0
-        # The carrier of each shard on this host (local index) and on the other (group
-        # rank); the shards this rank carries, and those it owns.
+        # Each shard's carrier here (local index) and there (group rank).
         self.carrier = [(q % C) % L for q in range(K)]
         self.partner = [other[(q % C) % len(other)] for q in range(K)]
         self.carried = [q for q in range(K) if self.carrier[q] == i]
         self.mine = [q for q in range(K) if q % L == i]
         # Where a carrier receives the other host's partial of each shard it carries.
         self.at_pos = _places([(q, self.carrier[q]) for q in range(K)], K)
-        # The same rounds on both hosts: K positions of pieces and partials, and as many
-        # positions of received partials as the busiest carrier of either host needs.
+        # The same rounds on both hosts: K positions, and M for the busiest carrier.
         M = max(_busiest_carrier(K, C, len(rs)) for rs in hosts if len(rs) > 1)
         self.per = per = max(1, min(round_bytes, SEGMENT_BYTES) // buf.itemsize // (K + M))
         shards = split(buf.size, K)
@@ -479,9 +353,8 @@ class _TwoHosts:
                 region[q * per:q * per + b - a] = buf[a:b]
 
     def _receive(self, t: int, fin: int) -> Algorithm:
-        """A carrier's part of round t: the other host's partials of round fin, into its
-        positions; then (from round SLOTS) what the other owners sent from their slots
-        is out, before they overwrite it."""
+        """A carrier's part of round t: the other host's partials of round fin; then what
+        it sent from the owners' slots must be out before they overwrite it."""
         op, per = self.op, self.per
         if fin >= 0:
             into = self.regions_at(self.slots[fin])[self.i]
@@ -496,8 +369,7 @@ class _TwoHosts:
                 yield from _drained(op, p)
 
     def _finish(self, fin: int, ufunc: np.ufunc) -> None:
-        """Every shard's result of round fin, from the owner's and the carrier's
-        positions into this rank's array: the same bits everywhere."""
+        """Every shard's result of round fin into this rank's array."""
         regions, per = self.regions_at(self.slots.pop(fin)), self.per
         for q in range(self.K):
             a, b = self.pieces[q][fin]
@@ -517,9 +389,7 @@ class _TwoHosts:
         """The host partials of this rank's shards of round t, into its slot; those it
         carries go out at once."""
         regions, per, i = self.regions_at(self.slots[t]), self.per, self.i
-        if t >= SLOTS:
-            # This rank's own partials of round t - SLOTS went out from where it reduces
-            # now (waiting here, not before the barrier, holds up no one).
+        if t >= SLOTS:  # its partials of round t - SLOTS went out from here
             for p in sorted({self.partner[q] for q in self.mine if self.carrier[q] == i}):
                 yield from _drained(self.op, p)
         for q in self.mine:
@@ -597,13 +467,8 @@ def _recv_split(op: Op, frm: int, tag: int, out: np.ndarray, parts: int) -> Algo
 
 
 def _drained(op: Op, peer: int) -> Algorithm:
-    """Wait until nothing is queued to ``peer`` any more (a flush, when needed).
-
-    Also what keeps the link busy: a rank that waits on shared memory drives no TCP
-    sends (the message layer looks at the other planes once per wait slice, 50 ms), so
-    before a phase inside the host whatever the kernel did not take yet is pushed out
-    (normally nothing, or the tail of the last piece: the kernel holds several).
-    """
+    """Wait until nothing is queued to ``peer`` (a flush, when needed). Also keeps the
+    link busy: a rank waiting on shared memory drives no TCP sends."""
     if op.ranks[peer] in op.plane.unsent():
         yield op.flush()
 
@@ -620,17 +485,16 @@ def _rounds(count: int, itemsize: int) -> list[tuple[int, int]]:
 
 
 def _leaders(lay: Layout, root: int) -> list[int]:
-    """Each host's leader for a call rooted at ``root``: the root on its host, local
-    index (the root's local index mod L) elsewhere, so that calls with different
-    roots spread the work over the ranks."""
+    """Each host's leader for ``root``: the root on its host, local index (the root's
+    mod L) elsewhere, so that different roots spread the work."""
     hr = next(g for g, rs in enumerate(lay.hosts) if root in rs)
     ir = lay.hosts[hr].index(root)
     return [root if g == hr else rs[ir % len(rs)] for g, rs in enumerate(lay.hosts)]
 
 
 def broadcast(op: Op, buf: np.ndarray, root: int, lay: Layout, shm: Any) -> Algorithm:
-    """Chain of host leaders from the root's host, each host's locals from their
-    leader's slot, round by round (see the module docstring)."""
+    """A chain of host leaders from the root's host; locals copy from their leader's
+    slot, round by round."""
     hosts, h = lay.hosts, lay.host
     H = len(hosts)
     leaders = _leaders(lay, root)
@@ -669,9 +533,8 @@ def broadcast(op: Op, buf: np.ndarray, root: int, lay: Layout, shm: Any) -> Algo
 
 def reduce(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc, divide: int, lay: Layout,
            shm: Any) -> Algorithm:
-    """Each host's locals reduced by their leader, the leaders' chain ending at the
-    root, round by round (see the module docstring). Only the root's buffer changes
-    (``divide``: the root divides it by that, a mean)."""
+    """Each host's locals reduced by their leader, the chain of leaders ending at the
+    root; only the root's buffer changes (``divide``: a mean's divisor)."""
     yield from _reduce(op, buf, root, ufunc, lay, shm)
     if op.me == root:
         yield from mean(op, buf, divide)
@@ -742,21 +605,10 @@ def all_gather_v(op: Op, flat: np.ndarray, out: np.ndarray,
 
 def all_gather(op: Op, out: np.ndarray, lay: Layout, shm: Any,
                streams: int | None = None) -> Algorithm:
-    """Each host's rows to every other host over at most ``streams`` TCP streams each
-    way (default STREAMS), then through the slots (see the module docstring).
-    ``out``: N x count, this rank's row filled.
-
-    Stream c carries the rows of the locals j with j mod C = c (C = ``streams``): local
-    c sends them, to local c mod L_g of every other host g, which receives them into
-    its slot (on a host of one rank: straight into ``out``). A carrier sends its own
-    row from ``out`` at once, the others' from their owners' slots after the barrier
-    that tells they are there. Rows of round t are received GATHER_AHEAD rounds later.
-    A small all_gather (SMALL_GATHER_BYTES) has a stream per rank of the fullest host
-    and one round: its rows are received in it.
-    Every local copies its host's rows of a round from the owners' slots after that
-    round's barrier, and the other hosts' from the receivers' slots after the barrier
-    of the round that received them.
-    """
+    """Each host's rows to every other host over at most ``streams`` (STREAMS) TCP
+    streams each way, then through the slots; ``out``: N x count, this rank's row filled.
+    Stream c carries the rows of locals j = c mod C, from local c to local c mod L_g of
+    each other host g; rows of round t are received GATHER_AHEAD rounds later."""
     p = _Gather(op, out, lay, _local_op(op, lay, shm), streams)
     for t in range(p.R + p.ahead):
         yield from p.round(t)
@@ -772,8 +624,7 @@ class _Gather:
         H, L = len(hosts), len(hosts[h])
         count = out.shape[1]
         K = max(len(rs) for rs in hosts)
-        if streams is None:
-            # A small one: every rank sends its own row (see SMALL_GATHER_BYTES).
+        if streams is None:  # small: every rank sends its own row
             streams = K if count * out.itemsize <= SMALL_GATHER_BYTES else STREAMS
         self.C = C = max(1, streams)
         self.rows_in = rows_in = self._inbound(h)
@@ -792,17 +643,14 @@ class _Gather:
         self.per = per = max(1, min(ROUND_BYTES, SEGMENT_BYTES) // out.itemsize // width)
         self.cols = split(count, max(1, -(-count // per)))
         self.R = R = len(self.cols)
-        # Rounds received this many rounds after they were sent. A carrier sends other
-        # locals' rows after the round's barrier, so they can be received a round later
-        # at the earliest; rows that travel with their own rank in a single round are
-        # received before that round's barrier (one barrier in all).
+        # Rounds received this many after they were sent: other locals' rows leave after
+        # the barrier; a single round where every rank sends its own needs none.
         self.ahead = 0 if R == 1 and K <= C else min(GATHER_AHEAD, R)
         self.slots: dict[int, int] = {}
         self.regions_at = _slot_views(local, out.dtype, width * per)
 
     def _receiver(self, g: int, j: int) -> int:
-        """The local index on host g that receives the row of local index j of another
-        host (the stream of j ends there)."""
+        """The local index on host g receiving the row of another host's local j."""
         return (j % self.C) % len(self.hosts[g])
 
     def _inbound(self, g: int) -> list[list[int]]:
@@ -832,9 +680,7 @@ class _Gather:
             yield from self._receive(fin)
         if self.local is None:
             return
-        if t >= 2 and len(self.carried) > 1:
-            # After this barrier the owners overwrite their rows of round t - 2, which
-            # went out from their slots without a copy.
+        if t >= 2 and len(self.carried) > 1:  # owners overwrite round t - 2's rows next
             for to in sorted({d[j] for d in self.dests.values() for j in self.carried
                               if j != i}):
                 yield from _drained(op, to)
@@ -859,8 +705,8 @@ class _Gather:
             yield self.op.recv_into(self.source[row], fin * self.op.size + row, into)
 
     def _forward_and_copy(self, t: int) -> None:
-        """After round t's barrier: a carrier sends its stream's locals' rows, and every
-        rank copies its host's rows out of the owners' slots."""
+        """After round t's barrier: a carrier sends its stream's rows; every rank copies
+        its host's rows from the owners' slots."""
         a, b = self.cols[t]
         regions = self.regions_at(self.slots[t])
         for j in self.carried:
@@ -886,19 +732,11 @@ def reduce_scatter(op: Op, buf: np.ndarray, out: np.ndarray, parts: Sequence[tup
 def _reduce_scatter(op: Op, buf: np.ndarray, out: np.ndarray,
                     parts: Sequence[tuple[int, int]], ufunc: np.ufunc, lay: Layout, shm: Any,
                     streams: int | None = None) -> Algorithm:
-    """Two hosts: block g of ``buf`` (``parts[g]``, flat bounds) reduced over the group
-    into ``out`` of group rank g (see the module docstring). ``buf`` is left unchanged.
-
-    Round t, block pieces of ``per`` items: every local copies its pieces of the blocks
-    it does not compute into its slot (position g), a barrier, and each computes the
-    host partials of its blocks into its slot (its own operand first, then local
-    order): its own block, and the blocks of the other host's local indices j that its
-    stream carries (stream j mod C, carried by local (j mod C) mod L). It sends those
-    to the other host's carrier of the stream, which receives them into its slot
-    (positions N + k); two rounds later, after the barrier, each rank combines its own
-    block's two partials, ``ufunc(first host's, second's)``, into ``out``. A host's
-    link carries the other host's blocks once: (N - L) / N of S.
-    """
+    """Two hosts: block g of ``buf`` (``parts[g]``) reduced into group rank g's ``out``;
+    ``buf`` unchanged. Each round every local copies its pieces of the blocks it does
+    not compute into its slot, a barrier, and each computes the host partials of its own
+    block and of the other host's blocks its stream carries, sending the latter to that
+    host's carrier; LAG rounds later each rank combines its block's two partials."""
     p = _Scatter(op, buf, out, parts, lay, _local_op(op, lay, shm), streams)
     for t in range(p.R + LAG):
         if p.local is None:
@@ -922,8 +760,7 @@ class _Scatter:
         Lo = len(other)
         C = max(1, STREAMS if streams is None else streams)
         self.first = h == 0
-        # Which local computes each block here: its owner for this host's blocks, the
-        # stream's carrier for the other host's.
+        # Who computes each block here: its owner, or the carrier of the other host's.
         computes = {g: j for j, g in enumerate(mine_rs)}
         computes.update({g: (j % C) % L for j, g in enumerate(other)})
         self.computes = computes
@@ -973,8 +810,7 @@ class _Scatter:
                 if self.computes[g] != i:
                     a, b = self.pieces[g][t]
                     region[g * per:g * per + b - a] = buf[a:b]
-        if fin >= 0:
-            # The other host's partials of round fin of the blocks whose stream ends here.
+        if fin >= 0:  # the other host's partials of round fin whose stream ends here
             into = self.regions_at(self.slots[fin])[i]
             for g in self.mine_rs:
                 a, b = self.pieces[g][fin]
@@ -1002,8 +838,7 @@ class _Scatter:
         """The host partials of the blocks this rank computes in round t; those of the
         other host's blocks go to it at once."""
         regions, i, per = self.regions_at(self.slots[t]), self.i, self.per
-        if t >= SLOTS:
-            # Partials sent from where this rank reduces now (round t - SLOTS).
+        if t >= SLOTS:  # partials of round t - SLOTS were sent from here
             for p in sorted({self.dest[g] for g in self.ours if g in self.dest}):
                 yield from _drained(self.op, p)
         for g in self.ours:

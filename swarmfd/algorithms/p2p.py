@@ -1,21 +1,12 @@
 """Point-to-point messages: send and recv, matched by (group, peer, tag) and order.
 
-The n-th message rank A sends to rank B in a group with a tag is received by B's n-th
-recv from A in that group with that tag: messages between two ranks with one tag
-never overtake each other; different tags, peers and groups are independent. A
-point-to-point message never meets a collective's (their keys differ), so p2p
-traffic never disturbs a collective, and both may be in flight at once.
-
-Protocol. A message of up to EAGER_BYTES goes at once, in one piece (the receiver
-keeps it until its recv asks). A larger one sends a request to send (its signature,
-no data); the receiver answers *ready* once its recv is posted, and only then do the
-pieces go, straight into the receiver's array. So pending sends never pile up in a
-receiver's memory: what waits there is small messages and requests (flow control).
-A blocking send of a large message therefore returns once the receiver took it; use
-isend and irecv to exchange in both directions at once.
-
-Every piece carries the sender's signature (dtype, count, shape): a recv whose array
-differs raises :class:`MismatchError` naming both sides.
+The n-th message A sends B in a group with a tag is B's n-th recv from A there with
+that tag; other tags, peers and groups are independent, and never meet a collective's
+messages. A message up to EAGER_BYTES goes at once; a larger one sends a request to
+send, and its pieces go, straight into the receiver's array, once the receiver answers
+that its recv is posted: only small messages and requests wait in a receiver's memory,
+and a blocking large send returns once received (isend/irecv exchange both ways).
+Every piece carries the signature: a recv whose array differs raises MismatchError.
 """
 
 from __future__ import annotations
@@ -30,17 +21,14 @@ from .base import Algorithm, Op, num_pieces, split
 
 __all__ = ["EAGER_BYTES", "recv", "send"]
 
-#: Messages up to this size are sent at once (copied: the sender's array is free when the
-#: send returns); larger ones wait for the receiver (see the module docstring). Small
-#: enough that hundreds of unanswered sends keep the receiver's memory bounded (1000 of
-#: them: 16 MiB), large enough that typical small messages take one trip.
+#: Messages up to this size are sent at once (copied); 1000 unanswered cost a receiver
+#: 16 MiB, and typical small messages take one trip.
 EAGER_BYTES = 16 << 10
 
 
 @functools.lru_cache(maxsize=4096)
 def _piece_sig(sig: wire.Signature, piece: int) -> wire.Signature:
-    """``sig`` for one piece of a message (the piece travels in the root field). Cached:
-    dataclasses.replace took 11 us, as much as the rest of a small send's Python."""
+    """``sig`` for one piece (in the root field); cached, as replace is slow."""
     return dataclasses.replace(sig, root=piece)
 
 

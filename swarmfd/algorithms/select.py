@@ -1,17 +1,11 @@
 """The selection table: one place decides which algorithm a call runs.
 
-Each function takes what the choice depends on (the plane's capabilities, the buffer's
-bytes, the group's size and shape, the root) and returns a :class:`Choice`: the
-algorithm, the extra arguments it takes, and whether it reduces :class:`~.base.Parts`
-(several arrays where they are). A call's schedule (:mod:`swarmfd.call`) asks once and
-keeps the answer. Planes are chosen by capability (:class:`swarmfd.comm.plane.Plane`:
-``shares_memory``, ``io_thread``, ``reads_peers``), never by name. Thresholds and the
-measurements behind them: docs/algorithms.md.
-
-A group that spans hosts may take the two-level algorithms (:mod:`.hier`) instead of
-the flat TCP ones: :func:`two_level_layout` says whether it can (the same answer on
-every member); the functions below take its ``two`` (layout, shared-memory plane) and
-pick the two-level algorithm where it wins.
+Each function takes what the choice depends on (the plane's capabilities, the bytes,
+the group's size and shape, the root) and returns a :class:`Choice`; a call's schedule
+(:mod:`swarmfd.call`) asks once and keeps it. Planes are chosen by capability, never by
+name. A group spanning hosts passes ``two`` (layout, shared-memory plane) where
+:func:`two_level_layout` allows the two-level algorithms (:mod:`.hier`). The table, its
+thresholds and their measurements: docs/algorithms.md ("How select.py chooses").
 """
 
 from __future__ import annotations
@@ -24,53 +18,30 @@ from typing import Any
 from ..comm import wire
 from ..comm.planes.shm import SEGMENT_BYTES
 from . import hier, shm, tcp
+from .base import split
 
-__all__ = [
-    "ALL_GATHER_V_INLINE_BYTES",
-    "DIRECT_MAX_BYTES",
-    "DIRECT_MAX_WORLD",
-    "HIER_FAN_FLAT_MAX_BYTES",
-    "HIER_GATHER_FLAT_MAX_BYTES",
-    "HIER_GATHER_SAVES_BYTES",
-    "HIER_REDUCE_ALONE_MAX_BYTES",
-    "HIER_SCATTER_MIN_BYTES",
-    "HIER_SMALL_BYTES",
-    "PAIR_MAX_BYTES",
-    "SHM_CMA_MIN_BYTES",
-    "SHM_ONE_ROUND_MAX_BYTES",
-    "Choice",
-    "all_gather",
-    "all_gather_counts",
-    "all_gather_parts",
-    "all_reduce",
-    "all_to_all",
-    "all_to_all_splits",
-    "barrier",
-    "broadcast",
-    "flat_gather_rows_in",
-    "gather",
-    "reduce",
-    "reduce_scatter",
-    "scatter",
-    "small_fan",
-    "split_rows",
-    "two_level_layout",
-]
+__all__ = ["ALL_GATHER_V_INLINE_BYTES", "DIRECT_MAX_BYTES", "DIRECT_MAX_WORLD",
+           "HIER_FAN_FLAT_MAX_BYTES", "HIER_GATHER_FLAT_MAX_BYTES", "HIER_GATHER_SAVES_BYTES",
+           "HIER_REDUCE_ALONE_MAX_BYTES", "HIER_SCATTER_MIN_BYTES", "HIER_SMALL_BYTES",
+           "PAIR_MAX_BYTES", "SHM_CMA_MIN_BYTES", "SHM_ONE_ROUND_MAX_BYTES",
+           "SHM_SCATTER_CMA_MIN_BYTES", "Choice", "all_gather",
+           "all_gather_counts", "all_gather_parts", "all_reduce", "all_to_all", "all_to_all_splits",
+           "barrier", "broadcast", "flat_gather_rows_in", "gather", "reduce", "reduce_scatter",
+           "scatter", "small_fan", "split_rows", "two_level_layout"]
 
-#: Two ranks all-reduce up to this many bytes as one message each way (the pair
-#: exchange); above it the ring's pipelined pieces win.
+#: Two ranks all-reduce up to this many bytes as one message each way (the pair exchange).
 PAIR_MAX_BYTES = wire.PIECE_BYTES
-#: Up to this many bytes, all_reduce, reduce, broadcast, all_gather and reduce_scatter
-#: over messages use a direct exchange (one hop instead of 2(N-1) for the ring) ...
+#: Up to this many bytes, in groups up to DIRECT_MAX_WORLD, collectives over messages use
+#: a direct exchange (one hop; N-1 copies).
 DIRECT_MAX_BYTES = 256 << 10
-#: ... in groups up to this size (the direct exchange sends N-1 copies).
 DIRECT_MAX_WORLD = 8
-#: Up to this many bytes a shared-memory all_reduce runs in one round, every rank
-#: reducing all of it (one barrier); above it each rank reduces its 1/N.
+#: Up to this many bytes a shared-memory all_reduce runs in one round (one barrier).
 SHM_ONE_ROUND_MAX_BYTES = shm.SMALL_BYTES
-#: From this many bytes a shared-memory all_reduce reads and writes the peers' buffers
-#: directly (cross-memory attach) where the host allows it.
+#: From this many bytes a shared-memory all_reduce uses cross-memory attach where allowed.
 SHM_CMA_MIN_BYTES = shm.CMA_MIN_BYTES
+#: From this many bytes (the whole input) a shared-memory reduce_scatter reads the
+#: peers' buffers directly (no copy into the slots) where the host allows it.
+SHM_SCATTER_CMA_MIN_BYTES = 1 << 20
 
 Algo = Callable[..., Any]
 
@@ -78,7 +49,7 @@ Algo = Callable[..., Any]
 @dataclass(frozen=True)
 class Choice:
     """What the table picked: ``algo(op, buf, ..., *args)`` runs the call; ``parts``:
-    it takes :class:`~.base.Parts` too (reduces several arrays where they are)."""
+    it takes :class:`~.base.Parts` too."""
 
     name: str
     algo: Algo
@@ -91,23 +62,17 @@ def _direct(nbytes: int, size: int) -> bool:
 
 
 def _doubling(nbytes: int, size: int, plane: Any) -> bool:
-    """Recursive doubling instead of the direct exchange: a power-of-two group from 4,
-    not where an I/O thread makes each hop cost more than a message saves, and its last
-    round's message (N/2 buffers) within a message's limit."""
+    """Recursive doubling instead of the direct exchange: N a power of two from 4, no
+    I/O thread (a hop costs more than a message saves), its last message within
+    MAX_PAYLOAD."""
     return (not plane.io_thread and size >= 4 and size & (size - 1) == 0
             and size // 2 * nbytes <= wire.MAX_PAYLOAD)
 
 
 def all_reduce(plane: Any, nbytes: int, size: int, count: int, two: Any = None,
                arrays: int = 1) -> Choice:
-    """The all_reduce of ``count`` items (``nbytes``) among ``size`` ranks on ``plane``
-    (``arrays``: how many arrays a Parts buffer holds). Algorithms take
-    ``(op, buf, ufunc, divide, *args)``.
-
-    Shared memory: one round up to SHM_ONE_ROUND_MAX_BYTES; cross-memory attach from
-    SHM_CMA_MIN_BYTES where the peers' memory can be read; rounds of chunks otherwise.
-    Messages: two-level where the group's shape makes it win, else the pair exchange
-    (two ranks), recursive doubling or the direct exchange (small), the ring (large)."""
+    """The all_reduce of ``count`` items (``nbytes``) among ``size`` ranks (``arrays``:
+    in a Parts buffer). Algorithms take ``(op, buf, ufunc, divide, *args)``."""
     if plane.shares_memory:
         if nbytes <= SHM_ONE_ROUND_MAX_BYTES or count < size:
             return Choice("shm.one_round", shm.all_reduce_one_round, parts=True)
@@ -152,15 +117,18 @@ def reduce(plane: Any, nbytes: int, size: int, root: int, two: Any = None) -> Ch
 
 def split_rows(rows: int, parts: int) -> list[tuple[int, int]]:
     """Row bounds of ``parts`` parts of ``rows`` rows, as np.array_split cuts them."""
-    from .base import split
-
     return split(rows, parts)
 
 
-def reduce_scatter(plane: Any, nbytes: int, size: int, two: Any = None) -> Choice:
-    """``nbytes``: the whole input (every rank's part of it together). Algorithms take
-    ``(op, buf, out, parts, ufunc, divide, *args)``; every flat one reads Parts."""
+def reduce_scatter(plane: Any, nbytes: int, size: int, two: Any = None,
+                   arrays: int = 1) -> Choice:
+    """``nbytes``: the whole input (``arrays`` arrays of Parts). Algorithms take ``(op,
+    buf, out, parts, ufunc, divide, *args)``; every flat one reads Parts. Shared memory
+    reads the peers' buffers directly from SHM_SCATTER_CMA_MIN_BYTES where it can."""
     if plane.shares_memory:
+        if (plane.reads_peers and nbytes >= SHM_SCATTER_CMA_MIN_BYTES
+                and arrays <= shm.CMA_MAX_ARRAYS):
+            return Choice("shm.reduce_scatter_cma", shm.reduce_scatter_cma, parts=True)
         return Choice("shm.reduce_scatter", shm.reduce_scatter, parts=True)
     if two is not None and len(two[0].hosts) == 2 and nbytes >= HIER_SCATTER_MIN_BYTES:
         return Choice("hier.reduce_scatter", hier.reduce_scatter, two)
@@ -192,9 +160,8 @@ def all_to_all(plane: Any) -> Choice:
 
 
 def all_to_all_splits(plane: Any, size: int, equal: bool, out_known: bool) -> Choice | None:
-    """The all_gather of every rank's splits an uneven all_to_all runs first (None:
-    none): where the receiving rows are not given, or where the exchange of the parts
-    reads every rank's splits (shared memory's windows)."""
+    """The all_gather of every rank's splits an uneven all_to_all runs first, or None:
+    needed where the receiving rows are not given, or on shared memory (its windows)."""
     if equal or (out_known and not plane.shares_memory):
         return None
     return all_gather(plane, 8 * size, size)
@@ -205,19 +172,14 @@ def barrier(plane: Any) -> Choice:
     return Choice("barrier", tcp.barrier, (0,))
 
 
-#: An uneven all_gather's part (one rank's rows) of at most this many bytes travels with
-#: its row count, in one round (:func:`.tcp.all_gather_counts`); a larger one is announced
-#: by its count, then all parts move by the table (two rounds). One round instead of two
-#: is about half a small call's time.
+#: An uneven all_gather's part of at most this many bytes travels with its row count in
+#: one round; otherwise all parts move in a second (:func:`.tcp.all_gather_counts`).
 ALL_GATHER_V_INLINE_BYTES = 64 << 10
 
 
 def all_gather_counts(plane: Any, size: int) -> Choice:
-    """The one-round exchange of an uneven all_gather's counts (with the rows that fit):
-    shared memory's through one slot; over messages recursive doubling where the even
-    all_gather takes it (its last round's messages within a message's limit), else the
-    direct exchange. Algorithms take ``(op, count, flat, row_nbytes, *args)`` and
-    return (counts, parts)."""
+    """The one-round exchange of an uneven all_gather's counts (with the rows that fit).
+    Algorithms take ``(op, count, flat, row_nbytes, *args)``, return (counts, parts)."""
     if plane.shares_memory:
         return Choice("shm.all_gather_counts", shm.all_gather_counts)
     if _doubling(ALL_GATHER_V_INLINE_BYTES + 8, size, plane):
@@ -243,11 +205,8 @@ def all_gather(plane: Any, nbytes: int, size: int, two: Any = None) -> Choice:
 
 def all_gather_parts(plane: Any, largest: int, size: int, equal: bool,
                      two: Any = None) -> Choice:
-    """The second round of an uneven all_gather (the parts that did not travel with
-    their counts; ``largest``: the largest part's bytes). Algorithms take ``(op, flat,
-    out, bounds, *args)``. Parts of one size go two-level where the even all_gather
-    would; else shared memory's through the slots, or over messages the direct exchange
-    where the even table picks a small all_gather, the ring otherwise."""
+    """The second round of an uneven all_gather (``largest``: the largest part's bytes).
+    Algorithms take ``(op, flat, out, bounds, *args)``."""
     if plane.shares_memory:
         return Choice("shm.all_gather_v", shm.all_gather_v)
     if equal and two is not None and _all_gather_two_level(largest, two[0], plane):
@@ -258,28 +217,17 @@ def all_gather_parts(plane: Any, largest: int, size: int, equal: bool,
 
 # -- two-level (hier.py) ------------------------------------------------------------------
 
-#: Up to this many bytes the two-level all_reduce sends whole host partials between
-#: hosts (one barrier, one network hop; at most a slot); above it the sharded pipeline.
-#: The small path puts L copies of S on each link, the pipeline S. Measured with
-#: benchmarks/hierarchy.py (2026-12-02, 2 interleaved runs, host placement), small /
-#: pipelined ms at 64 / 128 / 256 KiB: 2x2@5gbit 0.94 / 1.24, 1.30 / 1.53, 1.86 / 1.89;
-#: 2x4@2gbit 4.12 / 5.00, 5.27 / 5.26, 7.31 / 5.68; 2x2@1gbit 1.18 / 1.45, 2.56 / 1.62,
-#: 4.81 / 3.23; 2x4@500mbit 5.32 / 5.26, 10.27 / 5.61, 129 (retransmission timeouts) /
-#: 7.71 (benchmarks/results/hierarchy-20261202-1140-small-threshold-ab.json; it was
-#: 256 KiB until then).
+#: Up to this many bytes (and a slot) the two-level all_reduce sends whole host partials
+#: between hosts (L copies of S on each link); above it the sharded pipeline (S).
 HIER_SMALL_BYTES = 64 << 10
 
 
 def two_level_layout(hosts: Sequence[str], domains: Sequence[int], me: int,
                      mode: str) -> hier.Layout | None:
     """The layout of a group whose group rank g runs on ``hosts[g]`` in shared-memory
-    plane ``domains[g]`` (its lowest world rank, -1 for none), as group rank ``me``
-    sees it, when its calls may run two-level; else None.
-
-    Two-level when ``mode`` is "auto", the group spans hosts, some host holds several
-    of its ranks, and on every such host they all share one shared-memory plane.
-    Everything here is known alike to every member (init shares the planes).
-    """
+    plane ``domains[g]`` (-1: none), as ``me`` sees it, where its calls may run two-level
+    (``mode`` "auto", spanning hosts, some host holding several ranks that all share one
+    plane); else None. Every member gets the same answer."""
     if mode != "auto":
         return None
     lay = hier.layout_of(hosts, me)
@@ -292,39 +240,27 @@ def two_level_layout(hosts: Sequence[str], domains: Sequence[int], me: int,
     return lay
 
 
-#: Up to this many bytes an all_reduce runs flat where the flat one is recursive doubling
-#: (log2 N messages a rank) and the two-level small one would make some rank exchange
-#: host partials with more peers than that (:func:`small_fan`: a host of one rank
-#: beside a host of three exchanges with all three, and waits for them behind their
-#: barrier). Measured with benchmarks/hierarchy.py (2026-12-04, 5 interleaved runs;
-#: benchmarks/results/hierarchy-20261204-small.md), 3+1 ranks, two-level / flat time
-#: at 4 / 16 / 64 / 256 KiB: 5 Gbit/s by host 1.24 / 1.12 / 1.02 / 0.78, spread 1.46 /
-#: 1.10 / 0.90 / 0.70; 1 Gbit/s by host 1.10 / 1.20 / 0.94 / 0.34, spread 1.17 / 1.06 /
-#: 0.94 / 0.34. Where the fan is within log2 N (2x2, 2x4: 0.75-1.15 at 4 and 16 KiB)
-#: or the flat one is the direct exchange (2+1, 3+2, 4+1: 0.79-1.15, 4 runs),
-#: two-level.
+#: Up to this many bytes an all_reduce stays flat where that is recursive doubling and
+#: the two-level small one makes some rank exchange with more than log2 N peers
+#: (:func:`small_fan`).
 HIER_FAN_FLAT_MAX_BYTES = 16 << 10
 
 
 def small_fan(lay: hier.Layout) -> int:
     """The most peers any rank sends its host partial to in the two-level small
-    all_reduce: local index i of a host of L ranks sends to the ranks k = i, i + L, ...
-    of every other host (local index 0 the most)."""
+    all_reduce (local index i of a host of L sends to k = i, i + L, ... of each other)."""
     return _small_fan(lay.hosts)
 
 
 @functools.lru_cache(maxsize=64)
-def _small_fan(hosts: tuple[tuple[int, ...], ...]) -> int:
-    # (Cached, as _flat_gather_rows_in: asked again by every small call of a group.)
+def _small_fan(hosts: tuple[tuple[int, ...], ...]) -> int:  # asked by every small call
     sizes = [len(rs) for rs in hosts]
     return max(sum(-(-other // size) for y, other in enumerate(sizes) if y != x)
                for x, size in enumerate(sizes))
 
 
 def _all_reduce_two_level(nbytes: int, two: Any, plane: Any) -> Choice | None:
-    """The two-level all_reduce of ``nbytes`` on the TCP ``plane`` (``two``: the
-    group's layout and shared-memory plane), or None for the flat one (see
-    HIER_FAN_FLAT_MAX_BYTES)."""
+    """The two-level all_reduce of ``nbytes``, or None for the flat one."""
     lay = two[0]
     if nbytes <= HIER_FAN_FLAT_MAX_BYTES:
         n = lay.size
@@ -332,91 +268,48 @@ def _all_reduce_two_level(nbytes: int, two: Any, plane: Any) -> Choice | None:
             return None
     if nbytes <= min(HIER_SMALL_BYTES, SEGMENT_BYTES):
         return Choice("hier.all_reduce_small", hier.all_reduce_small, tuple(two))
-    # More than two hosts: each shard among its owners by the flat table.
     return Choice("hier.all_reduce_large", hier.all_reduce_large,
                   (*two, functools.partial(all_reduce, plane)))
 
 
 def _broadcast_two_level(nbytes: int, lay: hier.Layout, root: int) -> bool:
-    """Whether a broadcast of ``nbytes`` from group rank ``root`` runs two-level.
-
-    A small broadcast (the flat one is then the direct send: one hop from the root to
-    every rank) stays flat when no other host than the root's holds several of the
-    group's ranks: the direct send then puts one copy on each other host's link anyway,
-    and the two-level one only adds its shared-memory stage. Measured with
-    benchmarks/hierarchy.py (2026-12-02, 3 interleaved runs, 5 Gbit/s, root on the
-    larger host), two-level against flat at 4 KiB / 64 KiB / 256 KiB: 3+1 0.89 / 0.83 /
-    0.97x by host and 0.91 / 0.89 / 1.11x spread; 2x2, where the direct send crosses the
-    link twice, 1.06 / 1.22 / 1.31x by host and 0.97 / 1.01 / 1.16x spread.
-    """
+    """Whether a broadcast from group rank ``root`` runs two-level: not a direct-sized
+    one where no other host than the root's holds several ranks (the direct send puts
+    one copy on each link anyway)."""
     others_full = any(len(h) > 1 for h in lay.hosts if root not in h)
     return others_full or not _direct(nbytes, lay.size)
 
 
-#: Up to this many bytes a reduce whose root's host is the only one holding several of
-#: the group's ranks stays flat (the direct send: every other host's single rank sends
-#: one copy over its link either way, and the two-level reduce only adds the barrier
-#: inside the root's host). Measured with benchmarks/hierarchy.py (2026-12-04, root 0,
-#: 3+1 ranks at 5 Gbit/s; benchmarks/results/hierarchy-20261204-small.md), medians
-#: of 5 interleaved runs, flat / two-level ms: by host 0.51 / 0.62 at 4 KiB, 0.52 /
-#: 0.64 at 16 KiB, 0.58 / 0.67 at 64 KiB; spread (the root's host holds ranks 0, 2 and
-#: 3) 0.48 / 0.61, 0.51 / 0.51, 0.61 / 0.52. From 32 KiB the two placements disagree
-#: (3 runs at 32 KiB: by host 0.51 / 0.63, spread 0.54 / 0.50), so only up to 16 KiB.
-#: Where another host holds several ranks the two-level reduce was as fast or faster
-#: at every size (2x2, 2x4, 500 Mbit/s to 5 Gbit/s).
+#: Up to this many bytes a reduce whose root's host alone holds several ranks stays flat
+#: (each other host sends one copy either way; two-level only adds a barrier).
 HIER_REDUCE_ALONE_MAX_BYTES = 16 << 10
 
 
 def _reduce_two_level(nbytes: int, lay: hier.Layout, root: int) -> bool:
-    """Whether a reduce of ``nbytes`` to group rank ``root`` runs two-level (see
-    HIER_REDUCE_ALONE_MAX_BYTES)."""
+    """Whether a reduce to group rank ``root`` runs two-level."""
     others_full = any(len(h) > 1 for h in lay.hosts if root not in h)
     return others_full or nbytes > HIER_REDUCE_ALONE_MAX_BYTES
 
 
-#: From this many bytes (the whole buffer) a group on two hosts reduce-scatters
-#: two-level (:func:`hier.reduce_scatter`); below it, and on more hosts, flat. Measured
-#: on simulated hosts (2026-12-02, 2 runs each, benchmarks/results/hierarchy-20261202-
-#: streams.md), flat / two-level ms at 64 KiB, 1 MiB and 16 MiB: 2x4@500mbit 3.9-4.9 /
-#: 3.9-4.3, 15.6-15.8 / 11.0-11.4, 259-263 / 144; 2x2@5gbit 0.86-1.15 / 1.36-1.50,
-#: 3.0-3.6 / 2.5-3.4, 36.4-36.5 / 25.6-31.1; 3+1@5gbit 0.83-0.95 / 1.24-1.26,
-#: 2.7-2.9 / 2.9, 31.5-34.6 / 29.7-33.4; 2x4@2gbit and 2x2@1gbit faster two-level at
-#: every size.
+#: From this many bytes (the whole buffer) a group on two hosts reduce-scatters two-level.
 HIER_SCATTER_MIN_BYTES = 1 << 20
 
 
-#: An all_gather of rows up to HIER_GATHER_FLAT_MAX_BYTES runs two-level only when that
-#: keeps more than HIER_GATHER_SAVES_BYTES off the busiest host's link (into it, one
-#: way) than the flat one (:func:`flat_gather_rows_in`): below that the flat one's
-#: network round beats the two-level one's round plus its barrier inside the host,
-#: above it the link decides. Larger rows always run two-level. Measured with
-#: benchmarks/hierarchy.py (2026-12-04, 3-5 interleaved runs, medians;
-#: benchmarks/results/hierarchy-20261204-small.md), flat / two-level ms by row size:
-#: * 2x2 by host (the flat doubling carries 2 rows more into a host): 16 KiB 0.48 /
-#:   0.61 at 5 Gbit/s, 0.52 / 0.58 at 1 Gbit/s; 32 KiB 0.56 / 0.63 and 0.95 / 0.61;
-#: * 2x4 by host (12 rows more): 4 KiB 1.25 / 1.41 at 2 Gbit/s, 1.41 / 1.48 at 500
-#:   Mbit/s; 8 KiB 1.27 / 1.34 and 1.84 / 1.47; 16 KiB 1.82 / 1.45 and 4.12 / 1.57;
-#: * no row more (2x2 and 2x4 spread, where the doubling's first round crosses; 3+1,
-#:   whose one-rank host takes its 3 rows either way): 3+1 by host 0.34 / 0.45 at 4
-#:   KiB, 0.44 / 0.65 at 16 KiB, 0.47 / 0.67 at 32 KiB; 2x2 spread 0.34 / 0.52 and
-#:   0.48 / 0.55; 2x4 spread at 2 Gbit/s level to 32 KiB (1.29-1.59 against
-#:   1.32-1.58). At 64 KiB they disagree: 2x4 spread 2.34 / 1.97, 2x2 spread 0.66 /
-#:   0.69, 3+1 by host 0.69 / 0.77 (5 runs each).
+#: An all_gather of rows up to HIER_GATHER_FLAT_MAX_BYTES runs two-level only where that
+#: keeps more than HIER_GATHER_SAVES_BYTES off the busiest host's link than the flat one
+#: (:func:`flat_gather_rows_in`); larger rows always do.
 HIER_GATHER_FLAT_MAX_BYTES = 32 << 10
 HIER_GATHER_SAVES_BYTES = 48 << 10
 
 
 def flat_gather_rows_in(lay: hier.Layout, doubling: bool) -> int:
-    """Rows the flat small all_gather carries into the busiest host over its link: the
-    direct exchange sends every row to every rank; recursive doubling (rank r swaps its
-    block of k rows with rank r ^ k, k = 1, 2, 4, ...) only what its rounds cross."""
+    """Rows the flat small all_gather carries into the busiest host: the direct
+    exchange's every row to every rank, or what doubling's rounds (r ^ k) cross."""
     return _flat_gather_rows_in(lay.hosts, doubling)
 
 
 @functools.lru_cache(maxsize=64)
 def _flat_gather_rows_in(hosts: tuple[tuple[int, ...], ...], doubling: bool) -> int:
-    # (Cached: a group's calls ask again for the same hosts; the loops cost about as much
-    # as a small call's selection otherwise.)
     host_of = {r: x for x, rs in enumerate(hosts) for r in rs}
     n = len(host_of)
     into = [0] * len(hosts)
@@ -434,8 +327,7 @@ def _flat_gather_rows_in(hosts: tuple[tuple[int, ...], ...], doubling: bool) -> 
 
 
 def _all_gather_two_level(nbytes: int, lay: hier.Layout, plane: Any) -> bool:
-    """Whether an all_gather of parts of ``nbytes`` (one rank's) on the TCP ``plane``
-    runs two-level (see HIER_GATHER_FLAT_MAX_BYTES)."""
+    """Whether an all_gather of parts of ``nbytes`` runs two-level."""
     n = lay.size
     if nbytes <= HIER_GATHER_FLAT_MAX_BYTES and _direct(nbytes, n):
         flat_in = flat_gather_rows_in(lay, _doubling(nbytes, n, plane))

@@ -1,34 +1,12 @@
 """Algorithms over shared memory (the ranks of one host, :mod:`swarmfd.comm.planes.shm`).
 
-Each round moves up to SEGMENT_BYTES: every rank copies its part into its own slot
-of its segment, a barrier (records through the members' inboxes) tells that all
-did, then each reads the others' slots. Slots rotate (SLOTS of them in the group's
-area), so a rank rewrites a slot only after every member passed a later barrier,
-that is, after everyone finished reading it.
-
-* **all_reduce**, small (S <= SMALL_BYTES): one barrier; every rank reduces all of it
-  in rank order (identical everywhere).
-* **all_reduce**, large: pipelined rounds, one barrier each: copy in round r (all of
-  it but this rank's own 1/N chunk, which only it reduces), barrier, copy out the
-  others' reduced chunks of round r-1, reduce this rank's chunk of round r from its
-  own buffer and the others' slots into its slot, and copy it back to its buffer. The
-  barrier after copy-in r also tells that everyone finished reducing r-1. Each chunk
-  is reduced once (its owner's operand first, then the others in rank order), so
-  every rank has the same bits. (Copying the whole round in and reducing in the slot
-  moved about 5.5 round sizes of memory per rank at N=2, this 4.5: interleaved A/B,
-  benchmarks/ab.py, 2026-12-02, N=2 0.82-0.96x the time at 1-64 MiB, N=4 0.88-1.0x.)
-  A mean (``divide``) is divided by the owner in its reduced chunk, while the chunk is
-  in cache, instead of in a pass over the whole buffer afterwards; and the buffer may
-  be :class:`~.base.Parts`, several arrays reduced as one without a staging copy
-  (a list all_reduce, a DDP bucket's gradients): the copies in and out go from and
-  to the arrays themselves.
-* **broadcast**: the root copies in, barrier, everyone copies out.
-* **reduce**: everyone copies in, barrier, the root reduces in rank order.
-* **all_gather**: everyone copies in, barrier, everyone copies the others' out (also
-  of uneven parts).
-* **reduce_scatter**: everyone copies in, barrier, each reduces its own part.
-* **all_to_all**: everyone copies in, barrier, each copies the parts meant for it.
-* **gather**, **scatter**: through the members' segments, the root copying out or in.
+Each round moves up to SEGMENT_BYTES: every rank copies its part into its own slot, a
+barrier (records through the plane) tells that all did, then each reads the others'
+slots. Slots rotate (SLOTS in the group's area), so a rank rewrites a slot only after
+every member passed a later barrier, that is, finished reading it. Each element is
+reduced in one order (rank order, or its chunk's owner first, then rank order), so
+every rank gets the same bits. Barriers, copies and cost of each: docs/algorithms.md
+("Shared memory").
 """
 
 from __future__ import annotations
@@ -41,35 +19,36 @@ from ..errors import PeerLostError, ProtocolError
 from .base import Algorithm, Op, Parts, bounds, divide_by, reduce_in_order, spans, split
 from .tcp import barrier
 
-__all__ = ["CMA_MAX_ARRAYS", "CMA_MIN_BYTES", "COUNT_BYTES", "SMALL_BYTES", "all_gather",
-           "all_gather_counts", "all_gather_v", "all_reduce_cma", "all_reduce_one_round",
-           "all_reduce_rounds", "all_to_all", "all_to_all_rows", "broadcast", "gather", "reduce",
-           "reduce_scatter", "rounds", "scatter"]
+__all__ = [
+    "CMA_MAX_ARRAYS",
+    "CMA_MIN_BYTES",
+    "COUNT_BYTES",
+    "SMALL_BYTES",
+    "all_gather",
+    "all_gather_counts",
+    "all_gather_v",
+    "all_reduce_cma",
+    "all_reduce_one_round",
+    "all_reduce_rounds",
+    "all_to_all",
+    "all_to_all_rows",
+    "broadcast",
+    "gather",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_cma",
+    "rounds",
+    "scatter",
+]
 
-#: Up to this many bytes every rank reduces the whole round itself (one barrier); above
-#: it each rank reduces its 1/N and copies the rest (two barriers' worth of rounds).
+#: Up to this many bytes every rank reduces the whole round itself (one barrier).
 SMALL_BYTES = 1 << 18
-#: From this many bytes an all_reduce reads the peers' buffers directly where the host
-#: allows it (:func:`_all_reduce_cma`). Measured against the segments (compare.py, 4
-#: interleaved runs each, 2026-12-03; time ratios at N=2 / N=4): 1 MiB 1.26 / 1.39,
-#: 2 MiB 1.10 / 1.16, 3 MiB 1.03 / 1.08, 4 MiB 0.82 / 0.88, 16 MiB 0.66 / 0.67,
-#: 64 MiB 0.87 / 0.69 (each read pins the peer's pages; three barriers a call then).
-#: Since the reduced chunks are written into the peers' buffers (two barriers a call,
-#: about a fifth less memory traffic; 2026-12-04, a machine whose process_vm_readv of
-#: 16 MiB took 1.6x a memcpy), against the reading version: compare.py 4-5 interleaved
-#: runs, medians of the per-run ratios N=2 0.9-1.0 at 4-16 MiB and 0.9 at 64 MiB, N=4
-#: 0.9-1.1 at 4 MiB and 0.8-0.95 from 16 MiB; 1 MiB stays slower than the segments
-#: (1.4-3x there); benchmarks/results/session-20261204-h.md.
+#: From this many bytes an all_reduce uses cross-memory attach where allowed: below it
+#: pinning the peers' pages costs more than the copy saved (docs/algorithms.md).
 CMA_MIN_BYTES = 4 << 20
-#: The block of a peer's chunk read into scratch and reduced at once (stays in cache:
-#: this machine's L2 is 2 MiB a core). 512 KiB against 256 KiB (compare.py, 10
-#: interleaved runs, 2026-12-04; time ratios, medians of the per-run ratios): N=2 0.97-0.98
-#: at 16 MiB and 0.96-0.99 at 64 MiB, N=4 0.96-0.98 and 0.98-1.00, 4 MiB 0.99-1.00;
-#: 1 MiB blocks 1.03-1.07 (half as many reads and Python steps again, but a block that no
-#: longer stays in cache beside the chunk it is added into costs more than they save).
+#: A peer's block read into scratch and reduced at once, in cache (docs/algorithms.md).
 CMA_BLOCK_BYTES = 1 << 19
-#: The most arrays whose addresses a slot holds (a count, then an address and a length
-#: each, as int64).
+#: The most arrays whose addresses (a count, then address and length, int64) a slot holds.
 CMA_MAX_ARRAYS = (SEGMENT_BYTES // 8 - 1) // 2
 
 
@@ -84,8 +63,8 @@ def rounds(nbytes: int, itemsize: int) -> list[tuple[int, int]]:
 
 def all_reduce_one_round(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
                          divide: int = 0) -> Algorithm:
-    """One round, one barrier; every rank reduces all of it in rank order (identical
-    everywhere): the small all_reduce (``divide``: divide the result by it, a mean)."""
+    """One round, one barrier; every rank reduces all of it in rank order (``divide``:
+    a mean's divisor, 0 for none)."""
     me = op.me
     regions = op.regions(op.next_slot(), buf.dtype, buf.size)
     if type(buf) is np.ndarray:  # no views of the regions to make: the latency path
@@ -104,8 +83,10 @@ def all_reduce_one_round(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
 
 def all_reduce_rounds(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
                       divide: int = 0) -> Algorithm:
-    """Pipelined rounds, one barrier each, each rank reducing its 1/N chunk of every
-    round (see the module docstring)."""
+    """Pipelined rounds, one barrier each: copy in round r (all but this rank's own
+    chunk), barrier (which also says r-1 is reduced), copy out the others' chunks of
+    r-1, reduce this rank's chunk of r (its operand first) into its slot and its buffer.
+    The owner divides a mean while the chunk is in cache; ``buf`` may be Parts."""
     N, me = op.size, op.me
     pending: tuple[np.ndarray | Parts, int, list[np.ndarray], list[tuple[int, int]]] | None = \
         None
@@ -115,7 +96,6 @@ def all_reduce_rounds(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
         regions = op.regions(slot, buf.dtype, b - a)
         chunks = split(b - a, N)
         ca, cb = chunks[me]
-        # The others need every chunk of this rank's but its own (which only it reduces).
         for piece, u, v in spans(buf, a, a + ca):
             regions[me][u:v] = piece
         for piece, u, v in spans(buf, a + cb, b):
@@ -123,8 +103,6 @@ def all_reduce_rounds(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
         yield from barrier(op, r)
         if pending is not None:
             _copy_out(*pending, me)
-        # Its own chunk: the owner's operand (from buf) first, then the others in rank
-        # order, into its slot (where the others copy it from), then into buf.
         mine = regions[me][ca:cb]
         others = [p for p in range(N) if p != me]
         for piece, u, v in spans(buf, a + ca, a + cb):
@@ -147,21 +125,38 @@ def _layout(buf: np.ndarray | Parts) -> list[tuple[int, int]]:
     return [(a.ctypes.data, a.nbytes) for a in arrays if a.nbytes]
 
 
-def all_reduce_cma(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
-                   divide: int = 0) -> Algorithm:
-    """all_reduce reading and writing the peers' buffers where they are (cross-memory
-    attach, see the module docstring): each rank publishes its arrays' addresses in its
-    slot; barrier; each reduces its own 1/N chunk in its buffer, block by block, reading
-    the others' chunk into a block of scratch (its own operand first, then the others in
-    rank order, as the segment algorithm: the same bits), and writes each reduced block,
-    still in cache, straight into every peer's buffer; a last barrier tells that every
-    rank's buffer is complete. Chunk c of every buffer is read and written by rank c
-    only, so nothing races. Against reading the others' reduced chunks after a second
-    barrier (the earlier version: three barriers, and the reduced chunks read back from
-    memory): see CMA_MIN_BYTES."""
-    N, me = op.size, op.me
-    pids = op.shm.cma_pids
-    itemsize = buf.itemsize
+class _Peers:
+    """The members' buffers of a call through cross-memory attach: every rank published
+    its arrays' addresses in its slot (:func:`_published`); this reads and writes
+    element ranges of them (a failed read or write is the peer's loss)."""
+
+    def __init__(self, op: Op, layouts: list[list[tuple[int, int]]], itemsize: int) -> None:
+        self.op, self.layouts, self.itemsize = op, layouts, itemsize
+        self.starts = [cma.offsets(layout) for layout in layouts]
+        self.pids = op.shm.cma_pids
+
+    def local(self, p: int, a: int, b: int) -> list[tuple[int, int]]:
+        """(address, bytes) spans of elements [a, b) of group rank ``p``'s buffer."""
+        n = self.itemsize
+        return cma.spans(self.layouts[p], self.starts[p], a * n, b * n)
+
+    def copy(self, p: int, local: list[tuple[int, int]], a: int, b: int, out: bool) -> None:
+        """Elements [a, b) of group rank ``p``'s buffer into ``local``, or (``out``)
+        ``local`` into them."""
+        world = self.op.ranks[p]
+        try:
+            (cma.write if out else cma.read)(self.pids[world], local, self.local(p, a, b))
+        except OSError as exc:
+            raise PeerLostError(
+                f"{self.op.channel.activity}: {'writing' if out else 'reading'} rank "
+                f"{world}'s memory failed ({exc.strerror or exc}): it exited or failed"
+            ) from None
+
+
+def _published(op: Op, buf: np.ndarray | Parts) -> Algorithm:
+    """``yield from`` this: every member's buffer layout, after each published its own
+    in its slot and a barrier (:class:`_Peers` over them)."""
+    me = op.me
     mine = _layout(buf)
     slot = op.next_slot()
     table = op.region(me, slot, np.dtype(np.int64), 1 + 2 * len(mine))
@@ -169,46 +164,73 @@ def all_reduce_cma(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
     table[1:] = np.asarray(mine, dtype=np.int64).reshape(-1)
     yield from barrier(op, 0)
     layouts: list[list[tuple[int, int]]] = []
-    for p in range(N):
+    for p in range(op.size):
         if p == me:
             layouts.append(mine)
             continue
         count = int(op.region(p, slot, np.dtype(np.int64), 1)[0])
         row = op.region(p, slot, np.dtype(np.int64), 1 + 2 * count)[1:].reshape(count, 2)
         layouts.append([(int(a), int(n)) for a, n in row])
-    starts = [cma.offsets(layout) for layout in layouts]
-    world = op.ranks  # group rank -> world rank (the pids' keys)
-    chunks = split(buf.size, N)
-    ca, cb = chunks[me]
+    return _Peers(op, layouts, buf.itemsize)
+
+
+def all_reduce_cma(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
+                   divide: int = 0) -> Algorithm:
+    """all_reduce through the peers' buffers (cross-memory attach): each rank publishes
+    its arrays' addresses, barrier, then reduces its 1/N chunk block by block (its
+    operand first, the peers' read into scratch) and writes each block, in cache, into
+    every peer's buffer; a last barrier. Chunk c is touched by rank c only: no race."""
+    N, me = op.size, op.me
+    peers = yield from _published(op, buf)
+    ca, cb = split(buf.size, N)[me]
     others = [p for p in range(N) if p != me]
-    per = max(1, CMA_BLOCK_BYTES // itemsize)
+    per = max(1, CMA_BLOCK_BYTES // buf.itemsize)
     scratch = np.empty(min(per, max(cb - ca, 1)), buf.dtype)
-
-    def copy(p: int, local: list[tuple[int, int]], a: int, b: int, out: bool) -> None:
-        """Elements [a, b) of group rank ``p``'s buffer into ``local``, or (``out``)
-        ``local`` into them."""
-        remote = cma.spans(layouts[p], starts[p], a * itemsize, b * itemsize)
-        try:
-            (cma.write if out else cma.read)(pids[world[p]], local, remote)
-        except OSError as exc:
-            raise PeerLostError(
-                f"{op.channel.activity}: {'writing' if out else 'reading'} rank "
-                f"{world[p]}'s memory failed ({exc.strerror or exc}): it exited or failed"
-            ) from None
-
     for a in range(ca, cb, per):
         b = min(a + per, cb)
         block = scratch[:b - a]
         for p in others:
-            copy(p, [(block.ctypes.data, block.nbytes)], a, b, False)
+            peers.copy(p, [(block.ctypes.data, block.nbytes)], a, b, False)
             for piece, u, v in spans(buf, a, b):
                 ufunc(piece, block[u:v], out=piece)
         if divide:
             for piece, _, _ in spans(buf, a, b):
                 divide_by(piece, divide)
-        result = cma.spans(mine, starts[me], a * itemsize, b * itemsize)
+        result = peers.local(me, a, b)
         for p in others:
-            copy(p, result, a, b, True)
+            peers.copy(p, result, a, b, True)
+    yield from barrier(op, 1)
+
+
+def reduce_scatter_cma(op: Op, buf: np.ndarray | Parts, out: np.ndarray,
+                       parts: list[tuple[int, int]], ufunc: np.ufunc,
+                       divide: int = 0) -> Algorithm:
+    """reduce_scatter through the peers' buffers (cross-memory attach): each rank
+    publishes its arrays' addresses, barrier, then reduces its own part block by block
+    in rank order (each peer's operand read into scratch, its own read where it is) into
+    ``out``; a last barrier, after which the buffers may change. Nothing is copied into
+    the slots: the ranks move (N-1)/N of the buffer less than :func:`reduce_scatter`."""
+    peers = yield from _published(op, buf)
+    pa, pb = parts[op.me]
+    per = max(1, CMA_BLOCK_BYTES // buf.itemsize)
+    scratch = np.empty(min(per, max(pb - pa, 1)), buf.dtype)
+    for a in range(pa, pb, per):
+        b = min(a + per, pb)
+        dst = out[a - pa:b - pa]
+        for p in range(op.size):
+            if p == op.me:
+                operand = spans(buf, a, b)
+            else:
+                block = scratch[:b - a]
+                peers.copy(p, [(block.ctypes.data, block.nbytes)], a, b, False)
+                operand = ((block, 0, b - a),)
+            for piece, u, v in operand:
+                if p == 0:
+                    np.copyto(dst[u:v], piece)
+                else:
+                    ufunc(dst[u:v], piece, out=dst[u:v])
+        if divide:
+            divide_by(dst, divide)
     yield from barrier(op, 1)
 
 
@@ -231,7 +253,7 @@ def _copy_out(buf: np.ndarray | Parts, a: int, regions: list[np.ndarray],
 
 
 def broadcast(op: Op, buf: np.ndarray, root: int) -> Algorithm:
-    """See the module docstring."""
+    """The root copies in, a barrier, everyone copies out."""
     if buf.nbytes <= SEGMENT_BYTES:  # one round (the latency path: no bounds to make)
         region = op.region(root, op.next_slot(), buf.dtype, buf.size)
         if op.me == root:
@@ -253,7 +275,7 @@ def broadcast(op: Op, buf: np.ndarray, root: int) -> Algorithm:
 
 def reduce(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc,
            divide: int = 0) -> Algorithm:
-    """See the module docstring (``divide``: the root divides its result by it)."""
+    """Everyone copies in, a barrier, the root reduces in rank order (and divides)."""
     for r, (a, b) in enumerate(rounds(buf.nbytes, buf.itemsize)):
         slot = op.next_slot()
         regions = op.regions(slot, buf.dtype, b - a)
@@ -266,7 +288,8 @@ def reduce(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc,
 
 
 def all_gather(op: Op, out: np.ndarray) -> Algorithm:
-    """See the module docstring (``out``: N x count, this rank's row filled)."""
+    """Everyone copies in, a barrier, everyone copies the others' rows out (``out``:
+    N x count, this rank's row filled)."""
     flat = out[op.me]
     if flat.nbytes <= SEGMENT_BYTES:  # one round (the latency path: no bounds to make)
         regions = op.regions(op.next_slot(), flat.dtype, flat.size)
@@ -293,17 +316,15 @@ def _window(t: int, per: int, lo: int, hi: int) -> tuple[int, int]:
 
 def reduce_scatter(op: Op, buf: np.ndarray | Parts, out: np.ndarray,
                    parts: list[tuple[int, int]], ufunc: np.ufunc, divide: int = 0) -> Algorithm:
-    """Every rank copies its buffer in, round by round (but its own part, which only it
-    reads); each reduces its own part of the round from every member's slot (its own
-    operand from its buffer), in rank order, into ``out`` (flat), divided by ``divide``
-    (a mean). ``buf`` may be :class:`Parts` (as all_reduce's; only read)."""
+    """Every rank copies its buffer in, round by round (but its own part); each reduces
+    its part in rank order into ``out`` (flat), divided by ``divide``. ``buf`` may be
+    :class:`Parts` (only read)."""
     pa, pb = parts[op.me]
     me = op.me
     for r, (a, b) in enumerate(rounds(buf.nbytes, buf.itemsize)):
         slot = op.next_slot()
         regions = op.regions(slot, buf.dtype, b - a)
-        x, y = max(pa, a), min(pb, b)
-        # This rank's own part is read from buf, never copied in.
+        x, y = max(pa, a), min(pb, b)  # its own part is read from buf, never copied in
         for lo, hi in ((a, x), (y, b)) if x < y else ((a, b),):
             for piece, u, v in spans(buf, lo, hi):
                 regions[me][lo - a + u:lo - a + v] = piece
@@ -324,10 +345,9 @@ def reduce_scatter(op: Op, buf: np.ndarray | Parts, out: np.ndarray,
 
 def all_to_all(op: Op, buf: np.ndarray, totals: list[int], mine_in: list[tuple[int, int]],
                out: np.ndarray, recv: list[tuple[int, int]]) -> Algorithm:
-    """Every rank copies its buffer in by windows; each copies, from every member's
-    window, the part of it meant for this rank. ``totals``: each member's buffer size;
-    ``mine_in[p]``: the range of member p's buffer that is for this rank; ``recv[p]``:
-    where it goes in ``out``."""
+    """Every rank copies its buffer in by windows; each copies out the parts for it.
+    ``totals``: each member's size; ``mine_in[p]``: member p's range for this rank;
+    ``recv[p]``: where it goes in ``out``."""
     per = SEGMENT_BYTES // buf.itemsize
     count = max(1, max(-(-t // per) for t in totals))
     for t in range(count):
@@ -391,11 +411,8 @@ _INT64 = np.dtype(np.int64)
 
 def all_gather_counts(op: Op, count: int, flat: np.ndarray,
                       row_nbytes: int) -> Algorithm:
-    """Every rank's row count, and its rows where they fit one slot with it, in one
-    round (as :func:`swarmfd.algorithms.tcp.all_gather_counts`, whose result this
-    returns): each rank writes its count at its slot's start and, when they fit, its
-    rows after it; after the barrier each reads the others'. Whether a part's rows are
-    in the slot follows from its count alone, the same on every rank."""
+    """:func:`swarmfd.algorithms.tcp.all_gather_counts` in one round: each rank's count
+    at its slot's start, its rows after it where they fit (which the count tells)."""
     slot = op.next_slot()
     room = SEGMENT_BYTES - COUNT_BYTES
     fits = flat.nbytes <= room
@@ -423,7 +440,6 @@ def all_gather_counts(op: Op, count: int, flat: np.ndarray,
 
 def all_gather_v(op: Op, flat: np.ndarray, out: np.ndarray,
                  rows: list[tuple[int, int]]) -> Algorithm:
-    """Every rank's part (of its own size) into ``out`` at ``rows[r]``: an all_to_all in
-    which every rank sends its whole buffer to every member."""
+    """Every rank's part into ``out`` at ``rows[r]``: an all_to_all of whole buffers."""
     sizes = [b - a for a, b in rows]
     yield from all_to_all(op, flat, sizes, [(0, s) for s in sizes], out, list(rows))

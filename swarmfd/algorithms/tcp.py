@@ -1,47 +1,17 @@
 """Algorithms over point-to-point messages (the TCP planes; any message plane works).
 
-N ranks, S bytes. Every reduction combines operands in one fixed order for each
-element, whichever rank computes it, so float results are bitwise identical on
-every rank (a contract: float sums depend on their order).
+Each element's operands combine in one fixed order, whichever rank computes it, so
+float results are the same bits on every rank. Steps, messages and bytes of each:
+docs/algorithms.md ("Over messages").
 
-* **all_reduce, pair** (N=2, S <= PAIR_MAX_BYTES): one message each way, in place;
-  operands in rank order.
-* **all_reduce, direct** (S <= SMALL_BYTES, N <= SMALL_MAX_WORLD): every rank sends
-  its buffer to every other and reduces all N in rank order: one hop instead of
-  2(N-1).
-* **all_reduce, recursive doubling** (the same sizes, N a power of two from 4, on the
-  socket plane: :func:`.select.all_reduce` says why not on the zmq plane): log2 N
-  rounds of a swap with one partner gather every rank's buffer, reduced in rank order
-  as in direct; fewer messages than direct (2 against 3 a rank at N=4), the same bytes.
-* **all_reduce, ring**: reduce-scatter then all-gather over N chunks of the flat
-  buffer, each cut into pieces of about PIECE_BYTES; a piece goes on as soon as it is
-  reduced, so the reduction of one overlaps the transfer of the next. Each rank sends
-  2(N-1)/N * S bytes: bandwidth-optimal. Every chunk is reduced once, on one rank.
-* **broadcast**: small, the root sends to everyone; large, a pipelined chain from the
-  root along the ring order (every link carries S once).
-* **reduce**: small, everyone sends to the root; large, a pipelined chain along the ring
-  order, ending there.
-* **all_gather**: small, direct (or recursive doubling, as for all_reduce); large, a
-  pipelined ring ((N-1)/N of the result each). Parts of different sizes: first every
-  rank's row count, with the rows that fit a small message, in one round (direct, or
-  recursive doubling where the even all_gather takes it); larger parts follow.
-* **barrier**: dissemination, ceil(log2 N) rounds of empty messages.
+Broadcast, reduce, gather and scatter have ranks that only send, so every rank first
+shows its signature to the next (tag SIG) and the call ends with an acknowledgement
+(tag ACK) to them: a rank that called something else, or disagrees on the root, is
+caught in this call on every rank. Where a data message already travels that ring
+edge before its sender waits, it is the signature and no SIG is sent.
 
-Broadcast and reduce have ranks that only send, so they end with an acknowledgement
-(tag ACK) to them, and every rank shows its signature to the next one first (tag
-SIG): a rank that called something else, or a root mismatch that leaves every rank
-waiting to receive, is then caught in this call, on every rank. (Every message's header
-carries its call's signature, so the rule is that each ring edge carries one message
-sent before its sender waits, and that its receiver waits for it. In the direct
-algorithms a data message does that where it already travels the edge: the root's
-broadcast to the next rank, and in reduce the data of the rank before the root. Each
-rank decides from its own view of the root, so when views differ, a receiver waits for
-one kind of message and gets the other, with another signature: a mismatch, caught.
-That saves one message a call: at N=2 a small broadcast or reduce sends 3 instead of 4.)
-
-The rings and the chains follow the op's ring order (``Op.ring``, the group's: by
-host; or a ``ring`` given to the algorithm; rank order without either): ordered by
-host, they cross each host's link as few times as possible.
+Rings and chains follow the op's ring order (``Op.ring``: by host; or a ``ring`` given;
+else rank order), crossing each host's link as few times as possible.
 """
 
 from __future__ import annotations
@@ -57,32 +27,12 @@ from ..errors import ProtocolError
 from . import base
 from .base import Algorithm, Op, Parts, num_pieces, ring_pieces, split
 
-__all__ = [
-    "ACK",
-    "SIG",
-    "all_gather_counts",
-    "all_gather_counts_doubling",
-    "all_gather_direct",
-    "all_gather_doubling",
-    "all_gather_ring",
-    "all_gather_v",
-    "all_reduce_direct",
-    "all_reduce_doubling",
-    "all_reduce_pair",
-    "all_reduce_ring",
-    "all_to_all_pairwise",
-    "all_to_all_rows",
-    "barrier",
-    "broadcast_chain",
-    "broadcast_direct",
-    "gather_direct",
-    "reduce_chain",
-    "reduce_direct",
-    "reduce_scatter_direct",
-    "reduce_scatter_ring",
-    "scatter_direct",
-    "signature_ring",
-]
+__all__ = ["ACK", "SIG", "all_gather_counts", "all_gather_counts_doubling", "all_gather_direct",
+           "all_gather_doubling", "all_gather_ring", "all_gather_v", "all_reduce_direct",
+           "all_reduce_doubling", "all_reduce_pair", "all_reduce_ring", "all_to_all_pairwise",
+           "all_to_all_rows", "barrier", "broadcast_chain", "broadcast_direct", "gather_direct",
+           "reduce_chain", "reduce_direct", "reduce_scatter_direct", "reduce_scatter_ring",
+           "scatter_direct", "signature_ring"]
 
 _DATA = int(wire.Kind.DATA)
 
@@ -103,14 +53,8 @@ def _ring(op: Op, ring: Sequence[int] | None) -> tuple[list[int], int]:
 
 
 def all_reduce_pair(op: Op, buf: np.ndarray, ufunc: np.ufunc, divide: int = 0) -> Algorithm:
-    """Two ranks, one message each way: send the whole buffer, reduce the peer's into it.
-
-    One hop instead of the ring's two, and no copy of the result. Operands are taken
-    in rank order (rank 0's first), so both ranks compute the same bits. (Sent in
-    pieces, each reduced as it arrived, it was slower in an interleaved A/B: ab.py, N=2,
-    socket plane, 2026-12-01: 256 KiB pieces 1.14x one message's time at 1 MiB, 128 KiB
-    pieces 1.43x: more messages, more Python steps.)
-    """
+    """Two ranks, one message each way, rank 0's operand first on both. One message,
+    not pieces: more cost more Python steps than the overlap saves (docs/algorithms.md)."""
     peer = 1 - op.me
     op.send(peer, 0, buf, copy=True)  # copied: buf is overwritten below
     theirs = np.frombuffer((yield op.view(peer, 0, buf.nbytes)), buf.dtype, buf.size)
@@ -123,16 +67,12 @@ def all_reduce_pair(op: Op, buf: np.ndarray, ufunc: np.ufunc, divide: int = 0) -
 
 
 def reduce_in_rank_order(op: Op, buf: np.ndarray, ufunc: np.ufunc) -> Algorithm:
-    """Every rank's buffer (tag 0; this rank's own is ``buf``) reduced in rank order.
-
-    Operands are combined as ((x0 op x1) op x2) ..., whichever rank computes it.
-    Returns a new array; ``buf`` is left as it was.
-    """
+    """Every rank's buffer (tag 0; this rank's is ``buf``) reduced in rank order into a
+    new array; ``buf`` is left as it was."""
     acc: np.ndarray | None = None
     nbytes, dtype, count = buf.nbytes, buf.dtype, buf.size
     me = op.me
-    for p in range(op.size):
-        # (Op.recv_array and Op.recv, written out: a small call's every step counts.)
+    for p in range(op.size):  # (Op.recv_array, inline: a small call's steps count)
         arr = buf if p == me else np.frombuffer((yield op.view(p, 0, nbytes)), dtype, count)
         if acc is None:
             acc = arr.copy()
@@ -144,11 +84,8 @@ def reduce_in_rank_order(op: Op, buf: np.ndarray, ufunc: np.ufunc) -> Algorithm:
 
 def all_reduce_doubling(op: Op, buf: np.ndarray, ufunc: np.ufunc, divide: int = 0,
                         ring: Sequence[int] | None = None) -> Algorithm:
-    """Recursive doubling, N a power of two: log2 N rounds; in round k each rank swaps
-    the 2^k buffers it holds with the rank 2^k places away in the ring order, so after
-    the last round every rank holds all N, which it reduces in rank order, as the
-    direct exchange does (the same bits as every other plane's all_reduce). Each rank
-    sends log2 N messages (N-1 buffers' worth) where the direct exchange sends N-1."""
+    """Recursive doubling (N a power of two): gather all N buffers in log2 N swaps, then
+    reduce them in rank order as the direct exchange does (the same bits)."""
     order, pos = _ring(op, ring)
     N = op.size
     held = np.empty((N, buf.size), dtype=buf.dtype)  # row i: the buffer of order[i]
@@ -165,10 +102,8 @@ def all_reduce_doubling(op: Op, buf: np.ndarray, ufunc: np.ufunc, divide: int = 
 
 
 def _gather_doubling(op: Op, rows: np.ndarray, order: Sequence[int], pos: int) -> Algorithm:
-    """Recursive doubling over ``rows`` (row i: the part of group rank ``order[i]``; this
-    rank's, at ``pos``, filled), N a power of two: in round k this rank and the one 2^k
-    places away swap the 2^k rows each holds (one message each way), so after log2 N
-    rounds every rank holds every row."""
+    """Recursive doubling over ``rows`` (row i: group rank ``order[i]``'s; this rank's at
+    ``pos`` filled): in round k swap the 2^k rows held with the rank 2^k places away."""
     bit = 0
     while (1 << bit) < op.size:
         width = 1 << bit
@@ -195,13 +130,9 @@ def all_reduce_direct(op: Op, buf: np.ndarray, ufunc: np.ufunc, divide: int = 0)
 
 def all_reduce_ring(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc, divide: int = 0,
                     ring: Sequence[int] | None = None) -> Algorithm:
-    """Pipelined ring reduce-scatter, then all-gather (see the module docstring).
-
-    ``buf`` may be :class:`Parts` (several arrays reduced where they are: a piece is
-    sent as a view of its array, :func:`.base.ring_pieces`), with the bits of their
-    concatenation. ``divide``: the owner of each chunk divides it by this (a mean)
-    when it is fully reduced, before it goes around, so no pass over the whole
-    buffer follows."""
+    """Pipelined ring reduce-scatter, then all-gather. ``buf`` may be :class:`Parts`
+    (the bits of their concatenation); ``divide``: each chunk's owner divides it once
+    reduced, before it goes around (a mean without another pass)."""
     order, pos = _ring(op, ring)
     N = op.size
     pieces = ring_pieces(buf, split(buf.size, N))
@@ -217,8 +148,6 @@ def all_reduce_ring(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc, divide: in
         for j, (a, b) in enumerate(pieces[(pos - k - 1) % N]):
             theirs = yield from op.recv_operand(prv, k * P + j, dtype, b - a, scratch)
             base.reduce_into(buf, a, b, theirs, ufunc, div)
-            # The reduced piece goes on at once: to the next reduce step, or, after the
-            # last one, as the first all-gather step.
             op.send(nxt, (k + 1) * P + j, base.take(buf, a, b))
     # All-gather: each fully reduced piece travels once around the ring.
     last = 2 * N - 3
@@ -252,9 +181,8 @@ def signature_ring_end(op: Op) -> Algorithm:
 
 
 def broadcast_direct(op: Op, buf: np.ndarray, root: int) -> Algorithm:
-    """The root sends to everyone; everyone acknowledges. The root's data to the next
-    rank is its signature on the ring (see the module docstring): it sends no SIG, and
-    the next rank waits for none."""
+    """The root sends to everyone; everyone acknowledges. The root's data is its
+    signature to the next rank (no SIG)."""
     if op.me == root:
         for p in range(op.size):
             if p != root:
@@ -281,11 +209,8 @@ def _chain(order: list[int], me: int, first: int) -> tuple[int, int, int]:
 
 def broadcast_chain(op: Op, buf: np.ndarray, root: int,
                     ring: Sequence[int] | None = None) -> Algorithm:
-    """Pipelined chain from the root along ``ring`` (rank order by default: root ->
-    root+1 -> ... -> root-1; at N=2, the direct send in pieces); the last rank
-    acknowledges to the root. Ordered by host, the chain crosses each host's link once,
-    whatever the placement (in rank order, ranks spread over hosts cross it at every
-    hop)."""
+    """Pipelined chain from the root along ``ring`` (by default root -> root+1 -> ...);
+    the last rank acknowledges to the root."""
     signature_ring(op)
     N = op.size
     pos, prv, nxt = _chain(_ring(op, ring)[0], op.me, root)
@@ -307,9 +232,8 @@ def broadcast_chain(op: Op, buf: np.ndarray, root: int,
 
 def reduce_direct(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc,
                   divide: int = 0) -> Algorithm:
-    """Everyone sends to the root, which reduces in rank order and acknowledges. The data
-    of the rank before the root is its signature on the ring (see the module docstring):
-    it sends no SIG, and the root waits for none."""
+    """Everyone sends to the root, which reduces in rank order and acknowledges. The
+    data of the rank before the root is its signature (no SIG)."""
     if op.me != root:
         if (op.me + 1) % op.size != root:
             signature_ring(op)
@@ -330,10 +254,8 @@ def reduce_direct(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc,
 
 def reduce_chain(op: Op, buf: np.ndarray, root: int, ufunc: np.ufunc, divide: int = 0,
                  ring: Sequence[int] | None = None) -> Algorithm:
-    """Pipelined chain along ``ring`` (rank order by default: root+1 -> root+2 -> ... ->
-    root), ending at the root; only the root's buffer is written. The root acknowledges
-    to the chain's first rank. Operands combine in chain order, the same on every run of
-    one group (only the root holds the result)."""
+    """Pipelined chain along ``ring`` (by default root+1 -> ... -> root), ending at the
+    root, which alone is written and acknowledges to the first; chain order throughout."""
     signature_ring(op)
     order, _ = _ring(op, ring)
     first = order[(order.index(root) + 1) % op.size]
@@ -375,9 +297,7 @@ def all_gather_direct(op: Op, out: np.ndarray) -> Algorithm:
 
 
 def all_gather_doubling(op: Op, out: np.ndarray) -> Algorithm:
-    """Recursive doubling (N a power of two): log2 N messages a rank instead of the
-    direct exchange's N-1, the same bytes, in rank order (the rows a rank swaps are
-    contiguous in ``out``)."""
+    """Recursive doubling (N a power of two), in rank order."""
     yield from _gather_doubling(op, out, range(op.size), op.me)
     yield op.flush()  # rows of out may still be on their way out (zero-copy)
 
@@ -442,15 +362,10 @@ def reduce_scatter_direct(op: Op, buf: np.ndarray | Parts, out: np.ndarray,
 def reduce_scatter_ring(op: Op, buf: np.ndarray | Parts, out: np.ndarray,
                         parts: Sequence[tuple[int, int]], ufunc: np.ufunc, divide: int = 0,
                         ring: Sequence[int] | None = None) -> Algorithm:
-    """Pipelined ring reduce-scatter: N-1 steps, each rank sends (N-1)/N of the buffer.
-
-    The rank at ring position q first sends the part of the rank at q-1, so that after
-    N-1 steps every rank holds its own part, reduced once along the ring, in ``out``
-    (divided by ``divide`` when not 0). ``buf`` (an array, or Parts) is read, never
-    written: a partial sum travels on in a buffer of its own, so the input needs no
-    copy (it had one per call: the whole buffer). Pieces are cut as an array's, so
-    they do not depend on how Parts split it (which the call's signature does not
-    carry); a piece across arrays is copied to be sent."""
+    """Pipelined ring reduce-scatter: position q first sends position q-1's part, so
+    after N-1 steps every rank holds its own in ``out``. ``buf`` (an array or Parts) is
+    read, never written: partial sums travel in buffers of their own. Pieces are cut as
+    an array's, independent of how Parts split it (not in the signature)."""
     order, pos = _ring(op, ring)
     N = op.size
     pieces = base.even_pieces(parts, buf.itemsize)
@@ -469,7 +384,6 @@ def reduce_scatter_ring(op: Op, buf: np.ndarray | Parts, out: np.ndarray,
         last = k == N - 2
         for j, (a, b) in enumerate(pieces[part]):
             theirs = yield from op.recv_operand(prv, k * P + j, dtype, b - a, scratch)
-            # The final step: this rank's own part, fully reduced, lands in out.
             acc = out[a - parts[part][0]:b - parts[part][0]] if last else \
                 np.empty(b - a, dtype)
             for view, u, v in base.spans(buf, a, b):
@@ -568,10 +482,9 @@ _ANY_SIZE = wire.ANY_SIZE
 
 
 def _read_part(data: Any, at: int, row_nbytes: int, limit: int) -> tuple[int, int]:
-    """The part of an uneven all_gather at byte ``at`` of a message: its row count
-    (int64), then its rows when they take at most ``limit`` bytes (the rule every
-    sender follows: :func:`all_gather_counts`). Returns (row count, the byte after the
-    part), or (-1, at) when the bytes there are not such a part."""
+    """(row count, the byte after the part) of the uneven all_gather's part at byte
+    ``at`` (an int64 count, then the rows where they take at most ``limit`` bytes), or
+    (-1, at) when the bytes there are not one."""
     if len(data) - at < _COUNT.size:
         return -1, at
     n = _COUNT.unpack_from(data, at)[0]
@@ -583,15 +496,13 @@ def _read_part(data: Any, at: int, row_nbytes: int, limit: int) -> tuple[int, in
 
 
 def _encode_part(count: int, flat: np.ndarray, limit: int) -> bytes:
-    """This rank's part as :func:`_read_part` reads it: its row count, then its rows when
-    they take at most ``limit`` bytes."""
+    """This rank's part as :func:`_read_part` reads it."""
     return _COUNT.pack(count) + (flat.tobytes() if flat.nbytes <= limit else b"")
 
 
 def _part_error(op: Op, peer: int, got: int, limit: int,
                 parts: str = "its part") -> ProtocolError:
-    """A message of an uneven all_gather's parts that breaks their rule (see
-    :func:`_read_part`), its sender named."""
+    """The error for a message that breaks :func:`_read_part`'s rule."""
     return ProtocolError(f"{op.channel.activity}: rank {op.ranks[peer]} sent {got} bytes "
                          f"for {parts} of an all_gather (expected {_COUNT.size} bytes of "
                          "row count for each part, then its rows when they take at most "
@@ -600,14 +511,10 @@ def _part_error(op: Op, peer: int, got: int, limit: int,
 
 def all_gather_counts(op: Op, count: int, flat: np.ndarray, row_nbytes: int,
                       limit: int) -> Algorithm:
-    """Every rank's row count, and its rows where they take at most ``limit`` bytes, in
-    one message to every peer: the count (int64), then the rows themselves when they
-    fit, so a small uneven all_gather takes one round, not a round of counts and then
-    one of data. Returns (counts, parts): parts[r] is rank r's rows as an array of
-    ``flat``'s dtype, or None when rank r's rows did not fit (they are still to come).
-    Each rank decides from its own size, and every receiver knows the sender's rule:
-    a message that is neither the count alone of rows over ``limit`` nor the count and
-    exactly that many rows is a protocol error."""
+    """Every rank's row count, with its rows where they fit ``limit``, in one message to
+    every peer (a small uneven all_gather in one round). Returns (counts, parts):
+    parts[r], rank r's rows, or None where they did not fit (still to come). A message
+    that breaks the rule is a protocol error."""
     N, me = op.size, op.me
     mine = _encode_part(count, flat, limit)
     for p in range(N):
@@ -624,20 +531,16 @@ def all_gather_counts(op: Op, count: int, flat: np.ndarray, row_nbytes: int,
         if n < 0 or end != len(data):
             raise _part_error(op, p, len(data), limit)
         counts[p] = n
-        if n * row_nbytes <= limit:
-            # A copy: the payload may be a view of a frame the next receive releases.
+        if n * row_nbytes <= limit:  # a copy: a view dies with the next receive
             parts[p] = np.frombuffer(data, flat.dtype, offset=_COUNT.size).copy()
     return counts, parts
 
 
 def all_gather_counts_doubling(op: Op, count: int, flat: np.ndarray, row_nbytes: int,
                                limit: int) -> Algorithm:
-    """:func:`all_gather_counts` by recursive doubling (N a power of two): in round k
-    this rank and the one 2^k places away swap the parts each holds, encoded one after
-    the other in one message (a count, then the rows when they fit), so every rank sends
-    log2 N messages instead of N-1 (2 against 3 at N=4), as the even all_gather's
-    doubling does. A message whose parts do not follow the rule, or that holds more or
-    fewer than the 2^k parts of the round, is a protocol error naming its sender."""
+    """:func:`all_gather_counts` by recursive doubling (N a power of two): round k swaps
+    the 2^k parts held, one after another in one message; another count of parts, or a
+    part that breaks the rule, is a protocol error."""
     N, me = op.size, op.me
     held: list[Any] = [b""] * N  # every rank's part as it travels (count, rows)
     held[me] = _encode_part(count, flat, limit)
@@ -654,8 +557,7 @@ def all_gather_counts_doubling(op: Op, count: int, flat: np.ndarray, row_nbytes:
             n, end = _read_part(data, at, row_nbytes, limit)
             if n < 0:
                 raise _part_error(op, peer, len(data), limit, f"the {width} parts")
-            # A copy, kept past the next receive and sent on; a bytearray, so the rows
-            # returned are writable arrays over it (one copy, not two).
+            # A copy kept and sent on; a bytearray, so the rows returned are writable.
             held[r] = bytearray(data[at:end])
             counts[r] = n
             at = end

@@ -41,6 +41,11 @@ Groups: messages carry a group id. The channel knows each group's current call
 (:meth:`Channel.begin`); a message or abort for another group than the one being
 waited on is stashed, or reported to that group (:attr:`Channel.on_group_error`),
 and never disturbs the current call.
+
+Stalls. A blocking receive that waited longer than the stall threshold asks the
+group's members which call they are in and logs who has not entered this one
+(:mod:`.status`); every wait answers such queries. Each blocking receive also adds the
+time it waited to :attr:`Channel.waited` (the call layer's counters read it).
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ from ..errors import (
 )
 from . import wire
 from .plane import PeerInfo, Plane
+from .status import StallWatch, answer_body, parse, row_body
 
 __all__ = ["Channel", "GroupFailure", "Key", "Posting"]
 
@@ -108,6 +114,11 @@ _now = time.monotonic
 #: lookup each time).
 _DATA = int(wire.Kind.DATA)
 _P2P = int(wire.Kind.P2P)
+_P2P_READY = int(wire.Kind.P2P_READY)
+_STATUS = int(wire.Kind.STATUS)
+#: The kinds a posted receive may take (not aborts, not status messages).
+_POSTABLE = frozenset((_DATA, _P2P, _P2P_READY))
+_INF = float("inf")
 _P2P_COLL = int(wire.Collective.P2P)
 _P2P_KEYS = wire.P2P_KEYS
 _MAX_PAYLOAD = wire.MAX_PAYLOAD
@@ -194,6 +205,22 @@ class Channel:
         self.waiting_for = -1
         self._group = 0  # the group of the call being waited on
         self.serviced = 0.0  # when service_others last read the other planes
+        #: Seconds the blocking receives of the current call waited in all, the longest
+        #: one and the rank it waited for (the call layer reads and resets them).
+        self.waited = 0.0
+        self.waited_most = 0.0
+        self.waited_on = -1
+        #: Stall reports (see the module docstring): the watch, when the current wait
+        #: began and when it next looks at its stall (never, without a threshold).
+        self.stalls = StallWatch(rank, self._send_status)
+        self.wait_began = 0.0
+        self.stall_at = _INF
+        self.stalled = False
+        #: A group's name and world ranks, or None for a group of init's own (not
+        #: reported); whether the progress engine has calls of a group pending.
+        self.describe_group: Callable[[int], tuple[str, Sequence[int]] | None] = \
+            lambda gid: None
+        self.pending: Callable[[int], bool] = lambda gid: False
 
     # -- bookkeeping --------------------------------------------------------------------
 
@@ -236,7 +263,7 @@ class Channel:
 
     def _shares_memory(self, rank: int) -> bool:
         """Whether ``rank`` is reached through this host's shared-memory plane."""
-        return any(plane.kind == "shm" and rank in getattr(plane, "ranks", ())
+        return any(plane.shares_memory and rank in getattr(plane, "ranks", ())
                    for plane in self.planes)
 
     def gone(self, rank: int, now: float | None = None) -> bool:
@@ -371,10 +398,12 @@ class Channel:
             # While a recv waits, the group's collective messages are judged against its
             # last call (finished: none of its messages may still come).
             seq = (self.calls.get(group, 0) + 1) & 0xFFFFFFFF
-        last_check = _now()
+        last_check = began = self.wait_began = _now()
         deadline = last_check + self.timeout
         self.waiting_for = src
         self._group = group
+        threshold = self.stalls.threshold
+        self.stall_at = last_check + threshold if threshold and not key[0] & _P2P_KEYS else _INF
 
         def between() -> None:
             self._between_slices(plane, src, deadline, sig, seq)
@@ -386,7 +415,7 @@ class Channel:
                 continue
             kind = hdr.kind
             if ((kind == _DATA and (hdr.group, hdr.src, hdr.seq, hdr.tag) == key)
-                    or (kind >= _P2P and wire.message_key(hdr) == key)):
+                    or (_P2P <= kind <= _P2P_READY and wire.message_key(hdr) == key)):
                 if (hdr.nbytes != nbytes and nbytes != wire.ANY_SIZE) or not hdr.matches(sig):
                     # Read the payload off the stream first: the connection carries the
                     # other groups' calls, which must still find a header next.
@@ -394,7 +423,15 @@ class Channel:
                     if not hdr.matches(sig):
                         raise wire.mismatch_error(self.rank, sig, hdr)
                     self._check_size(hdr, nbytes)
-                return plane.read_payload(hdr, into, between)
+                got = plane.read_payload(hdr, into, between)
+                waited = _now() - began
+                self.waited += waited
+                if waited > self.waited_most:
+                    self.waited_most, self.waited_on = waited, src
+                if self.stalled:
+                    self.stalled = False
+                    self.stalls.end(group, seq)
+                return got
             self._other(plane, hdr, sig, seq, between)
             # Messages keep coming but not the one awaited (a flood, say): the deadline
             # and the peer's liveness still count. Checked after the message was handled:
@@ -433,7 +470,7 @@ class Channel:
         if hdr is None:
             return None
         key = wire.message_key(hdr)
-        posting = posted.get(key) if hdr.kind != wire.Kind.ABORT else None
+        posting = posted.get(key) if hdr.kind in _POSTABLE else None
         # A sender lost in the middle of its message fails that message's group (its
         # connection carries nothing more), not every call of the engine.
         between = self._stash_between(hdr.src, aborts=False)
@@ -471,7 +508,7 @@ class Channel:
                     sig.coll == _P2P_COLL or hdr.matches(sig)):
                 self._stash((hdr.group, src, hdr.seq, hdr.tag), hdr, payload)
                 return
-        if self._elsewhere(hdr, payload):
+        if self._elsewhere(plane, hdr, payload):
             return
         if hdr.kind == wire.Kind.ABORT:
             waited = abort_waited_for(payload)
@@ -494,11 +531,13 @@ class Channel:
         # Early message (another peer, or a later collective of a faster peer): keep it.
         self._stash((hdr.group, hdr.src, hdr.seq, hdr.tag), hdr, payload)
 
-    def _elsewhere(self, hdr: wire.Header, payload: Any) -> bool:
+    def _elsewhere(self, plane: Plane, hdr: wire.Header, payload: Any) -> bool:
         """Take a message that is not the current group's collective traffic (garbage,
         point to point, another group's); True when it was one, False to go on with it."""
         if not self._from_peer(hdr):
             self.garbage += 1
+        elif hdr.kind == _STATUS:
+            self._status(plane, hdr, payload)
         elif hdr.kind >= wire.Kind.P2P:
             self._stash_p2p(hdr, payload)
         elif hdr.group != self._group:
@@ -627,6 +666,63 @@ class Channel:
             )
         if now >= deadline:
             raise self.timeout_error(src, sig, {})
+        if now >= self.stall_at:
+            self.stalled = True
+            self.stall_at = self.stall_tick(now, self.wait_began, self._group, seq, sig, src)
+
+    # -- stall reports --------------------------------------------------------------------
+
+    def stall_tick(self, now: float, began: float, group: int, seq: int,
+                   sig: wire.Signature, src: int) -> float:
+        """A wait begun at ``began`` (on ``src``, in call ``seq`` of ``group``) passed its
+        stall time: the next step of its report (see :mod:`.status`). When to call again
+        (never, for a group of init's own)."""
+        info = self.describe_group(group)
+        if info is None:
+            return _INF
+        name, members = info
+        where = "the world" if name == "world" else name
+        rest = sig.describe()[1:-1].partition(", ")[2]
+        call = (f"{sig.coll.label} #{seq & 0xFFFFFFFF} of {where}"
+                + (f" ({rest})" if rest else ""))
+        return self.stalls.tick(now, began, group, seq, call, members, src)
+
+    def _send_status(self, dst: int, group: int, body: bytes) -> None:
+        """A status message to ``dst`` on the TCP plane (it reaches every peer), best
+        effort."""
+        with contextlib.suppress(Exception):
+            self.planes[0].send(dst, _STATUS, _NONE, 0, 0, body, len(body), True, group)
+
+    def send_row(self, dst: int, group: int, row: list[float]) -> None:
+        """This rank's counters to ``dst`` (the summary at cleanup), best effort."""
+        self._send_status(dst, group, row_body(group, row))
+
+    def ask(self, group: int, members: Sequence[int]) -> int:
+        """Ask ``members`` which call of ``group`` they are in; the query's id (the
+        answers land in ``stalls.queries[id]``)."""
+        return self.stalls.ask(_now(), group, 0, members)
+
+    def _status(self, plane: Plane, hdr: wire.Header, payload: Any) -> None:
+        """A peer's status query (answered at once, on the plane it came on) or its
+        answer to this rank's query (kept for the report)."""
+        info = parse(payload)
+        if info is None:
+            self.garbage += 1
+            return
+        if "a" in info:
+            self.stalls.answer(hdr.src, info)
+            return
+        if "r" in info:
+            self.stalls.rows[hdr.src] = info["r"]
+            return
+        g = info["g"]
+        entered = self.calls.get(g, 0)
+        busy = self.activity != "idle"
+        inside = (busy and self._group == g and not self.p2p) or self.pending(g)
+        doing = str(self.activity) if busy else ("async calls" if self.pending(g) else "")
+        body = answer_body(info["q"], g, entered, entered - 1 if inside else entered, doing)
+        with contextlib.suppress(Exception):
+            plane.send(hdr.src, _STATUS, _NONE, 0, 0, body, len(body), True, g)
 
     def timeout_error(self, src: int, sig: wire.Signature,
                       waits: dict[int, int]) -> CollectiveTimeout:
@@ -656,6 +752,8 @@ class Channel:
                         waited = abort_waited_for(payload)
                         if waited is not None and 0 <= waited < self.world_size:
                             waits.setdefault(hdr.src, waited)
+                    elif self._from_peer(hdr) and hdr.kind == _STATUS:
+                        self._status(plane, hdr, payload)
                     elif self._from_peer(hdr) and hdr.kind >= wire.Kind.P2P:
                         self._stash_p2p(hdr, payload)
                     elif self._from_peer(hdr) and hdr.group != group:
@@ -741,7 +839,7 @@ class Channel:
         """Take a message that arrived outside a receive: raise a final abort of the
         current group, stash data (``keep_data``) or drop and count it."""
         payload = plane.read_payload(hdr, None, between, keep=True)
-        if self._elsewhere(hdr, payload):
+        if self._elsewhere(plane, hdr, payload):
             return
         if hdr.kind == wire.Kind.ABORT and not abort_is_provisional(payload):
             self._final_abort(hdr, payload, deferrable=True)

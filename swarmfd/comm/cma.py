@@ -1,21 +1,12 @@
 """Single-copy reads and writes of another process's memory: Linux cross-memory attach
-(``process_vm_readv(2)``, ``process_vm_writev(2)``), as Open MPI's shared-memory
-transport uses it.
+(``process_vm_readv(2)``, ``process_vm_writev(2)``), as Open MPI uses it.
 
-Through shared memory every byte is copied twice: into a segment, then out of it.
-With cross-memory attach a rank reads its peer's buffer straight into its own (one
-copy, at the speed of a memcpy here: 16 MiB in 1.26 ms against 1.14 ms, 2026-12-03).
-The kernel allows it between processes of one user when ptrace would be allowed
-(Yama's ``ptrace_scope`` may forbid it between siblings; Docker's default seccomp
-profile forbids the call itself without CAP_SYS_PTRACE; another pid namespace hides
-the peer): the shared-memory plane's probe finds out
-(:meth:`~swarmfd.comm.planes.shm.ShmPlane.check_probes`), and the plane uses it only
-when every rank of the host could read every other (:mod:`swarmfd.group` agrees on that
-at init).
-
-Nothing here parses peer data: a read or a write copies bytes between buffers whose
-addresses the ranks of one host published to each other in their shared segments (the
-kernel checks the same permission for both).
+Through a segment every byte is copied twice; this copies once, at about a memcpy's
+speed (docs/performance.md). The kernel allows it where ptrace would be (Yama's
+``ptrace_scope``, Docker's seccomp profile or another pid namespace may not): the shm
+plane's probe finds out (:meth:`~swarmfd.comm.planes.shm.ShmPlane.check_probes`), and it
+is used only where every rank of the host can read every other. Nothing here parses
+peer data: it copies between buffers whose addresses the ranks published.
 """
 
 from __future__ import annotations
@@ -53,8 +44,7 @@ _WRITEV = _load("process_vm_writev")
 
 
 def available() -> bool:
-    """Whether this C library has process_vm_readv and process_vm_writev (the kernel may
-    still refuse them)."""
+    """Whether this C library has process_vm_readv and process_vm_writev."""
     return _READV is not None and _WRITEV is not None
 
 
@@ -85,10 +75,9 @@ def spans(layout: Sequence[tuple[int, int]], starts: Sequence[int], a: int,
 
 
 def read(pid: int, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]]) -> None:
-    """Copy the bytes of process ``pid``'s ``remote`` pieces (address, length) into this
-    process's ``local`` ones, which hold as many bytes. Raises OSError when the kernel
-    refuses (EPERM), the process is gone (ESRCH) or an address is not mapped (EFAULT),
-    and also when fewer bytes were copied than asked."""
+    """Copy process ``pid``'s ``remote`` pieces (address, length) into this process's
+    ``local`` ones (as many bytes); OSError when the kernel refuses (EPERM, ESRCH,
+    EFAULT) or copied fewer bytes."""
     _transfer(_READV, "process_vm_readv", pid, local, remote)
 
 
@@ -105,8 +94,7 @@ def _transfer(fn: ctypes._CFuncPtr | None, name: str, pid: int,  # type: ignore[
     total = sum(n for _, n in local)
     if total != sum(n for _, n in remote):
         raise ValueError("swarmfd bug: a cross-memory copy of unequal sides")
-    # Cut both sides at the union of their boundaries, so that each batch of at most
-    # IOV_MAX pieces holds the same bytes on both.
+    # Cut both sides at the union of their boundaries: each batch is alike on both.
     pairs: list[tuple[int, int, int]] = []  # (local address, remote address, length)
     li = ri = 0
     loff = roff = 0

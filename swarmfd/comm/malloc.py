@@ -1,31 +1,14 @@
 """Fixed glibc malloc thresholds for the message buffers of the zmq data plane.
 
-Every message buffer is allocated on one thread and freed on another: pyzmq copies a
-sent payload into a buffer the rank's thread allocates and libzmq's I/O thread frees
-once it is on the wire, and a received one is allocated by the I/O thread and freed by
-the rank. Pieces are up to wire.MAX_PAYLOAD (1 MiB), above glibc's initial mmap
-threshold (128 KiB), and glibc adapts its thresholds to what it sees: after the first
-large free the mmap threshold rises to that size and the trim threshold to twice it.
-From then on the free space at the top of the heap keeps crossing the trim threshold:
-the freeing thread returns it to the kernel (brk, or madvise in a thread's arena) and
-the allocating thread grows the heap again, and every page of a new buffer is faulted
-in and zeroed anew. Measured at N=4 on 2 cores (zmq plane, 1 MiB all_reduce, a ring of
-256 KiB pieces): a rank's thread spent 167-333 us of system time a call against
-67-133 us with fixed thresholds (set through glibc's environment variables), and the
-call took 3.67-3.75 ms against 2.93-3.15 ms; 8ec62ae took 3.31-3.33 ms, and
-3.00-3.12 ms with the same fixed thresholds (two alternated runs of each).
-
-So on the zmq plane init fixes both thresholds, which also stops glibc's adapting
-(mallopt): buffers up to MMAP_THRESHOLD come from the heap and are reused, and the
-heap keeps up to TRIM_THRESHOLD of free space at its top. (The socket plane allocates
-and frees on the rank's own thread; there fixed thresholds measured 1.06x glibc's own
-time at N=4 and 1 MiB, runs 0.99-1.11, and 1.01x at 16 MiB, so they are not set.)
-The cost is memory the process keeps mapped: at most TRIM_THRESHOLD at the top of
-each heap beyond what it uses. glibc itself moves the mmap threshold up to 32 MiB as
-it sees large frees, so 4 MiB is within what a process gets anyway.
-``SWARMFD_MALLOC=system`` leaves glibc alone, and so do glibc's own settings
-(``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``, ``GLIBC_TUNABLES``) when
-present, and a C library other than glibc.
+Its buffers are allocated on one thread and freed on another (the rank's and libzmq's
+I/O thread), and pieces (up to 1 MiB) exceed glibc's initial mmap threshold. glibc then
+adapts: the free space at the top of the heap keeps crossing the trim threshold, is
+returned to the kernel and faulted in again, zeroed, on the next allocation: system time
+grows with every call (docs/performance.md). So init fixes both thresholds (which stops
+the adapting): at most TRIM_THRESHOLD stays mapped beyond use, within what glibc's own
+adapting (up to 32 MiB) gives anyway. Not on the socket plane, where it gained nothing.
+``SWARMFD_MALLOC=system``, glibc's own settings (``MALLOC_TRIM_THRESHOLD_``,
+``MALLOC_MMAP_THRESHOLD_``, ``GLIBC_TUNABLES``) or another C library leave glibc alone.
 """
 
 from __future__ import annotations
@@ -48,9 +31,8 @@ _tuned = False
 
 
 def tune(mode: str) -> bool:
-    """Fix glibc's trim and mmap thresholds (see the module docstring), once per process;
-    ``mode`` 'tuned' or 'system' (SWARMFD_MALLOC, or glibc's own settings in the
-    environment: swarmfd.config.Options). Returns whether they are set by swarmfd."""
+    """Fix glibc's thresholds once per process where ``mode`` is 'tuned' (see
+    swarmfd.config.Options); whether swarmfd set them."""
     global _tuned
     if _tuned:
         return True

@@ -1,18 +1,11 @@
 """The plane interface: how the message layer (:mod:`swarmfd.comm.channel`) moves bytes.
 
-A *plane* connects this rank to some of its peers and moves whole messages: a
-:mod:`swarmfd.comm.wire` header and its payload. Three implement it:
-
-* :class:`swarmfd.comm.planes.socket.SocketPlane`: plain TCP connections and a
-  single-threaded progress engine (the default between hosts);
-* :class:`swarmfd.comm.planes.zmq.ZmqPlane`: a ZeroMQ ROUTER that sends and one DEALER
-  that receives (required for an encrypted data plane);
-* :class:`swarmfd.comm.planes.shm.ShmPlane`: the ranks of one host, through shared
-  memory; its messages are small records (the data itself moves through shared
-  segments the shm algorithms address directly).
-
-Whatever a plane does differently stays inside it. The message layer on top is the
-same for all: matching, the stash, signatures, deadlines, lost peers, aborts.
+A *plane* connects this rank to some peers and moves whole messages (a
+:mod:`swarmfd.comm.wire` header and its payload): :mod:`.planes.socket` (plain TCP, the
+default between hosts), :mod:`.planes.zmq` (ZeroMQ; the one that encrypts) and
+:mod:`.planes.shm` (one host's shared memory: small records, the data moving through
+segments the algorithms address). What a plane does differently stays inside it; the
+message layer on top (docs/internals.md) is the same for all.
 """
 
 from __future__ import annotations
@@ -36,19 +29,15 @@ class PeerInfo:
     endpoint: str
     host: str
     pid: int
-    #: What ranks must share to use shared memory (machine, network namespace, user);
-    #: "" when the rank does not offer it (SWARMFD_TRANSPORT=tcp).
+    #: What ranks must share to use shared memory (shm_setup.host_key); "" where not offered.
     hostkey: str = ""
-    #: The per-session token of its data plane: the key its peers' one-time PLAIN
-    #: passwords derive from (zmq), of its handshakes' HMAC (socket), and of its
-    #: shared-memory handshake; unencrypted plane only.
+    #: The per-session token its data plane's handshakes prove (unencrypted plane only).
     token: str = field(default="", repr=False)
     #: Its TCP data plane (config.DATA_PLANES); every rank of a job must use the same.
     plane: str = "socket"
     #: Where it offers its host's shared memory (the shm plane's local socket), or "".
     shm: str = ""
-    #: The launch it belongs to (SWARMFD_JOB_ID, "" for ranks started by hand): rank 0
-    #: refuses a rank of another launch, even one with the same secret.
+    #: Its launch (SWARMFD_JOB_ID, "" by hand): rank 0 refuses a rank of another launch.
     job: str = ""
     #: Its elastic agent (``incarnation@host:port``, :mod:`swarmfd.comm.agent`), "" when
     #: the job is not elastic.
@@ -70,33 +59,27 @@ class PlaneOwner(Protocol):
 
 
 class Plane(Protocol):
-    """One way of moving messages between this rank and ``peers`` (see module docstring).
+    """One way of moving messages between this rank and its peers.
 
-    Sends never block: what the kernel (or libzmq) does not take at once is queued,
-    and every wait drives the queues. A large payload may be sent without a copy:
-    :meth:`unsent` names the peers whose queued bytes still read the caller's buffers
-    and :meth:`wait` drives them out.
+    Sends never block: what is not taken at once is queued, and every wait drives the
+    queues; :meth:`unsent` names the peers whose queued bytes may still read a caller's
+    buffer, and :meth:`wait` drives them out.
     """
 
     #: "socket", "zmq" or "shm": for messages and logs; nothing chooses by it.
     name: str
-    #: Whether the peers' shared-memory segments are mapped here: the algorithms then
-    #: address them directly (:meth:`Op.region`), and messages are only small records.
+    #: The peers' segments are mapped here: algorithms address them, messages are records.
     shares_memory: bool
-    #: Whether this rank reads and writes its peers' buffers directly (cross-memory
-    #: attach, shared memory only; every rank of the host agreed it can).
+    #: This rank reads and writes its peers' buffers (cross-memory attach, agreed by all).
     reads_peers: bool
-    #: Whether an I/O thread (libzmq's) moves every message: a hop then costs thread
-    #: hand-offs on both ends, so the choice prefers fewer hops to fewer messages.
+    #: An I/O thread (libzmq's) moves every message: a hop costs hand-offs at both ends.
     io_thread: bool
     #: The largest payload a message carries in one frame (or record) with its header.
     inline_max: int
     #: Where peers reach it (announced at rendezvous); "" when that is not a TCP address.
     endpoint: str
-    #: Whether a payload read without a buffer (``read_payload(hdr, None, ...)``) is
-    #: handed over as it arrived (ZeroMQ's frame), rather than copied into a new buffer
-    #: (the socket plane): algorithms that reduce piece after piece receive into one
-    #: reused buffer where it is not (:meth:`swarmfd.algorithms.base.Op.recv_operand`).
+    #: A payload read without a buffer comes as it arrived (ZeroMQ's frame), not copied:
+    #: elsewhere a piecewise reduction reuses one buffer (Op.recv_operand).
     zero_copy_recv: bool
 
     def idle(self) -> None:
@@ -111,38 +94,32 @@ class Plane(Protocol):
 
     def header(self, kind: int, sig: Signature, src: int, tag: int, nbytes: int,
                group: int) -> tuple[bytes, bytes]:
-        """The header of a message (``src``'s, ``tag``, ``nbytes`` of payload, in
-        ``group``) as this plane frames it, cut around the call's number
-        (:func:`swarmfd.comm.wire.cut_header`): a call repeated many times packs its
-        headers once (:meth:`send_packed`, :meth:`take`)."""
+        """A message's header as this plane frames it, cut around the call's number
+        (:func:`swarmfd.comm.wire.cut_header`): a repeated call packs it once."""
 
     def send_packed(self, dst: int, header: bytes, payload: Any, size: int,
                     copy: bool) -> bool:
-        """:meth:`send` of a message whose header is packed already (from
-        :meth:`header`); whether bytes to ``dst`` stay queued, still reading the
-        caller's buffer or waiting to go out: only then must the caller flush."""
+        """:meth:`send` with a header packed from :meth:`header`; whether bytes to ``dst``
+        stay queued (only then must the caller flush)."""
 
     def take(self, src: int, header: bytes, nbytes: int) -> Any:
-        """``src``'s next message when its header is ``header`` (packed, byte for byte)
-        and it is here whole: its payload (a view valid until the plane reads again, or
-        bytes), what the channel's receive would give, in a few steps. None, having
-        consumed nothing, in any other case (the channel's receive then handles it: a
-        mismatch, an abort, another call's message, a lost peer)."""
+        """``src``'s next message if its header is ``header`` byte for byte and it is here
+        whole: its payload (a view valid until the plane reads again, or bytes). Else
+        None, having consumed nothing: the channel's receive then handles it."""
 
     def send_all(self, kind: int, sig: Signature, body: bytes, group: int) -> None:
         """Best effort: ``body`` to every peer (aborts, timeout reports); never raises."""
 
     def next_header(self, timeout: float, src: int = -1) -> Header | None:
-        """The next message's header, or None after ``timeout`` seconds (drives sends).
-        Its payload must be read with :meth:`read_payload` before the next call.
-        ``src`` is the peer the caller waits for (-1: any): a plane that reads its peers
-        through separate sockets looks there first (a hint, never a filter)."""
+        """The next message's header (its payload read with :meth:`read_payload` before
+        the next call), or None after ``timeout`` s; drives sends. ``src``: the peer
+        waited for (-1: any), a hint, never a filter."""
 
     def read_payload(self, hdr: Header, into: Any, between: Callable[[], None],
                      keep: bool = False) -> Any:
-        """The payload of the header :meth:`next_header` returned: into ``into`` (None
-        returned) or as a new buffer (``keep``: one that may outlive the next receive).
-        Calls ``between`` after every wait slice without progress."""
+        """The payload of :meth:`next_header`'s header: into ``into`` (None returned) or a
+        new buffer (``keep``: may outlive the next receive). Calls ``between`` (which
+        raises on a deadline or a lost peer) after every wait slice without progress."""
 
     def unsent(self) -> list[int]:
         """Peers with queued bytes that still read a caller's buffer (or must go out)."""
@@ -158,13 +135,9 @@ class Plane(Protocol):
 
 
 def reserve_port(host: str, avoid: Collection[int] = ()) -> socket.socket:
-    """A TCP socket bound on ``host`` to a port the system picks, but none of ``avoid``
-    (see ``avoid`` of :class:`swarmfd.comm.transport.Transport`), and not listening: the
-    port is a rank's data endpoint, announced in the rendezvous, and nobody can connect
-    to it (the kernel resets every attempt) until the plane listens, once the rendezvous
-    is over (see the planes). Without SO_REUSEADDR, so that no other socket can bind the
-    port meanwhile. A port to avoid stays bound until another is found, so that the
-    system does not pick it again."""
+    """A TCP socket bound on ``host`` to a free port not in ``avoid``, not listening:
+    a rank's data endpoint, announced at rendezvous, which resets every connection until
+    the plane listens. No SO_REUSEADDR, so nothing else binds it meanwhile."""
     host = host.strip("[]")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     held: list[socket.socket] = []

@@ -1,28 +1,19 @@
 """Security: the job's keys, the ZAP policies, and the options of sockets strangers reach.
 
-Every rank derives the same CURVE keypair from the job secret (SHA-256 of it, with
-a domain label, is the secret key); the secret itself is never kept. Every ZeroMQ
-socket that binds is a server, every one that connects a client, and one ZAP
-handler per rank (:class:`Authenticator`, pyzmq's ``ThreadAuthenticator`` with
-swarmfd's policies) admits only connections that prove they belong to the job:
+Every rank derives the same CURVE keypair from the job secret (which is not kept).
+Every bound ZeroMQ socket is a server, every connecting one a client, and one ZAP
+handler per rank (:class:`Authenticator`) admits only the job's own (docs/security.md):
 
-* the rendezvous (SWARMFD_PORT, else MASTER_PORT + 1): always CURVE, authenticated and
-  encrypted, any number of clients holding the job key (its listener closes after init);
-* the zmq data plane: each peer's connection is admitted **once**. Unencrypted, a
-  ZMQ PLAIN user name is the connecting rank and its password a one-time token
-  (:func:`connection_token`) derived from the listening rank's per-session token,
-  which only the encrypted rendezvous carried; encrypted (``SWARMFD_ENCRYPT=1``),
-  a CURVE client with the job key, at most ``world_size - 1`` times. A reader of the
-  network who replays a token is refused. A rank has DATA_ATTEMPTS tokens for each
-  peer, and a refused one is followed by the next, which nobody has seen: a replay
-  that reaches the peer's ZAP handler before the rank's own handshake (the handler
-  is a Python thread, and it reads its connections' requests fair-queued, not in
-  the order they came) costs the rank one attempt, not its init. Tokens nobody has
-  used stay valid, but only the rank that derives them can present them.
+* the rendezvous: always CURVE, any number of clients holding the job key;
+* the zmq data plane: each peer's connection is admitted **once**: a PLAIN user name
+  (the connecting rank) and a one-time password (:func:`connection_token`) derived from
+  the listener's session token, or, with ``SWARMFD_ENCRYPT=1``, CURVE at most
+  ``world_size - 1`` times. A replayed token is refused; a replay that reaches the ZAP
+  handler first (it reads requests fair-queued, not in order) costs the rank one of its
+  DATA_ATTEMPTS tokens, not its init.
 
-Sockets a stranger can reach (:func:`stranger_facing`) refuse frames larger than
-their legitimate traffic needs and drop connections that have not authenticated
-within HANDSHAKE_IVL_MS, so a stranger pins little memory, briefly.
+Sockets a stranger can reach (:func:`stranger_facing`) refuse oversized frames and drop
+connections not authenticated within HANDSHAKE_IVL_MS.
 """
 
 from __future__ import annotations
@@ -39,34 +30,20 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
-__all__ = [
-    "DATA_ATTEMPTS",
-    "HANDSHAKE_IVL_MS",
-    "KEEPALIVE",
-    "ZAP_DATA",
-    "ZAP_RENDEZVOUS",
-    "Authenticator",
-    "Security",
-    "connection_token",
-    "keepalive",
-    "routing_id",
-    "server_proof",
-    "stranger_facing",
-]
+__all__ = ["DATA_ATTEMPTS", "HANDSHAKE_IVL_MS", "KEEPALIVE", "ZAP_DATA", "ZAP_RENDEZVOUS",
+           "Authenticator", "Security", "connection_token", "keepalive", "routing_id",
+           "server_proof", "stranger_facing"]
 
 #: ZAP domains of the rendezvous and of the zmq data plane.
 ZAP_RENDEZVOUS = "swarmfd-rendezvous"
 ZAP_DATA = "swarmfd-data"
-#: A connection to a bound socket (the rendezvous port, the zmq data socket) that has not
-#: authenticated within this many ms is dropped (libzmq's default is 30 s). A legitimate
-#: handshake takes a few ms (a CURVE one under 5 ms here, on a loaded machine).
+#: A connection to a bound socket not authenticated within this many ms is dropped
+#: (libzmq's default: 30 s; a handshake takes a few ms: docs/security.md).
 HANDSHAKE_IVL_MS = 2000
-#: One-time tokens a rank has for its zmq data connection to each peer (unencrypted):
-#: a refused one is followed by the next (see the module docstring).
+#: One-time tokens a rank has for its zmq data connection to each peer.
 DATA_ATTEMPTS = 8
-#: TCP keepalive on every connection (idle s, interval s, probes): a host that vanished
-#: (no FIN) is found within about idle + interval * probes seconds (measured 3.9 s); a
-#: stopped process still answers (its kernel does), so a SIGSTOP stays a timeout.
+#: TCP keepalive (idle s, interval s, probes): a vanished host is found within about
+#: idle + interval * probes s; a stopped process's kernel still answers (a timeout).
 KEEPALIVE = (1, 1, 3)
 #: pyzmq's authenticator logs credentials at DEBUG; its logger here never does.
 _ZAP_LOG = logging.getLogger("swarmfd.zap")
@@ -75,11 +52,8 @@ _ZAP_LOG.setLevel(logging.WARNING)
 
 @dataclass(frozen=True)
 class Security:
-    """The job's CURVE keypair (derived from the job secret) and the data-plane mode.
-
-    Built with :meth:`from_secret`; the secret itself is not kept. ``repr`` shows
-    neither key.
-    """
+    """The job's CURVE keypair (:meth:`from_secret`) and the data-plane mode; ``repr``
+    shows neither key."""
 
     public: bytes = field(repr=False)
     secret: bytes = field(repr=False)
@@ -106,41 +80,29 @@ class Security:
 
 
 def connection_token(session_token: str, client: int, server: int, attempt: int = 0) -> str:
-    """The one-time PLAIN password of ``client``'s data connection to ``server``, at its
-    ``attempt``-th try (0 to DATA_ATTEMPTS - 1).
-
-    Derived from ``server``'s per-session token, so a reader of the network who sees
-    one connection's password learns nothing about another's, nor about the next
-    attempt's.
-    """
+    """The one-time PLAIN password of ``client``'s data connection to ``server`` at
+    ``attempt`` (< DATA_ATTEMPTS): one seen on the wire tells nothing of another."""
     msg = b"swarmfd zmq data connection v3\0" + struct.pack("<III", client, server, attempt)
     return hmac.new(session_token.encode(), msg, hashlib.sha256).hexdigest()
 
 
 def routing_id(session_token: str, rank: int) -> bytes:
-    """The routing id of ``rank``'s zmq data connections (its DEALER's ZMQ_ROUTING_ID),
-    derived from its session token: a peer's bound socket sends to it by this id, which
-    nobody outside the job knows until the rank's own connection has claimed it (the
-    handshake carries it in clear, after ZAP), and libzmq never routes to a later
-    connection that claims an id in use. So a replay that ZAP admitted before the
-    rank's own connection (see DATA_ATTEMPTS) receives nothing and does not pass for the
-    rank. Without a session token (no security) it is the rank's number."""
+    """The routing id of ``rank``'s DEALER, derived from its session token: unknown
+    outside the job until its own connection claimed it, and libzmq never routes to a
+    later claimant, so a replay ZAP admitted first receives nothing. Without a token,
+    the rank's number."""
     if not session_token:
         return b"%d" % rank
     msg = b"swarmfd zmq routing id v1\0" + struct.pack("<I", rank)
-    # 80 bits: nobody guesses it; and with the rank, at most 31 bytes, which libzmq keeps
-    # inside its message (up to 33) instead of allocating one for every send.
+    # 80 bits; at most 31 bytes with the rank, which libzmq keeps inline in a message.
     return b"%d." % rank + hmac.new(session_token.encode(), msg,
                                     hashlib.sha256).hexdigest()[:20].encode()
 
 
 def server_proof(session_token: str, rank: int) -> str:
-    """What ``rank``'s zmq data socket announces in every handshake, next to its rank
-    (ZMQ_METADATA ``X-Rank``), when the plane is PLAIN: its peers, who got its session
-    token through the encrypted rendezvous, check it on every message, so a process
-    that binds a lost rank's freed port cannot pass for it (PLAIN does not authenticate
-    the server; CURVE does). A reader of the network sees it in clear: only CURVE
-    answers a reader who also takes over the port."""
+    """What ``rank``'s zmq data socket announces with its rank (``X-Rank``), checked by
+    its peers on every message: a process that binds a lost rank's port cannot pass for
+    it (PLAIN does not authenticate the server); sent in clear (CURVE answers that)."""
     if not session_token:
         return str(rank)
     msg = b"swarmfd zmq server proof v1\0" + struct.pack("<I", rank)
@@ -155,8 +117,7 @@ class Authenticator(ThreadAuthenticator):
         super().__init__(ctx, log=_ZAP_LOG)
         self.job_public = security.public
         self.encrypt = security.encrypt
-        #: rank -> attempt -> its one-time data connection token (PLAIN data plane), not
-        #: yet used.
+        #: rank -> attempt -> its unused one-time token (PLAIN data plane).
         self.data_tokens = {j: {a: connection_token(token, j, rank, a)
                                 for a in range(DATA_ATTEMPTS)}
                             for j in range(world_size) if j != rank}
@@ -206,9 +167,8 @@ class Authenticator(ThreadAuthenticator):
 
 
 def stranger_facing(sock: zmq.Socket, max_frame: int) -> None:
-    """Bound a socket a stranger can reach: frames over ``max_frame`` drop the connection
-    before libzmq allocates them, and a connection that has not completed its handshake
-    within HANDSHAKE_IVL_MS is dropped."""
+    """Frames over ``max_frame`` drop the connection before libzmq allocates them; so does
+    a handshake not done within HANDSHAKE_IVL_MS."""
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame)
     sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
 

@@ -1,71 +1,18 @@
-"""How the ranks of one host come to share memory (what ``swarmfd run`` uses).
+"""How the ranks of one host get each other's shared-memory descriptors, at init.
 
-The ranks of a host that share a kernel and a user, and can reach each other's unix
-sockets (one network namespace, as under ``swarmfd run``; or a directory they all
-mount, see ``SWARMFD_SHM_DIR`` below), run their groups' collectives through shared
-memory (:class:`swarmfd.comm.planes.shm.ShmPlane`: each rank's segment, an anonymous
-memory file sealed against resizing, and its inbox, a pipe). This module is how
-they get each other's descriptors, safely, at init.
+Ranks sharing a kernel, a user and a way to each other's unix sockets (a network
+namespace, or ``SWARMFD_SHM_DIR``) use :class:`swarmfd.comm.planes.shm.ShmPlane`; what
+this defends against: docs/security.md ("Other local users", "Other jobs' containers").
 
-**Nothing has a name.** Segments and pipes exist only as descriptors and mappings
-held by the ranks; the kernel frees them when the last rank holding one exits,
-however it exits (kill -9 at any moment included). Nothing is created in
-``/dev/shm`` or anywhere else, so nothing can be left behind, and another user can
-neither list, pre-create nor open any of it.
-
-**How the ranks get each other's descriptors** (:class:`Setup`): over a unix socket
-(``SOCK_SEQPACKET``), as ``SCM_RIGHTS`` messages. The host's lowest rank, the hub,
-listens; every other rank connects, both prove themselves, the rank hands over its
-segment and inbox and later receives every other rank's. The socket's address is
-derived (SHA-256 with a label) from the job token that rank 0 draws and sends in the
-rendezvous table (encrypted with a job secret), so nobody outside the job can know
-it before it is bound, and the token cannot be recovered from it:
-
-* by default an abstract-namespace socket, ``@swarmfd-shm-<hash>``: no file, gone
-  when the hub closes it or dies. Abstract names are per network namespace, which
-  the host key (:func:`host_key`) therefore includes;
-* with ``SWARMFD_SHM_DIR`` (a directory all the host's ranks mount, e.g. one
-  per-node volume shared by containers of one Swarm node, which do not share a
-  network namespace): a socket file ``<dir>/swarmfd-shm-<hash>.sock``, mode 0600,
-  unlinked as soon as every rank has connected. (A hub killed before that leaves
-  this one inert file behind: the only thing any kill can leave.)
-
-Once bound, an abstract name is listed in ``/proc/net/unix`` for every user, and
-anyone may connect to it. So a connection is checked before a byte goes over it:
-the kernel's ``SO_PEERCRED`` must give this process's uid (another user's connection
-is closed at accept); then both sides prove they hold the job's key, derived from
-the job token (HMAC-SHA256 over both ranks and a nonce from each side, the
-construction of the socket data plane's handshake: :func:`swarmfd.comm.handshake.mac`).
-Only then do descriptors move, and each is checked before it is used (a sealed memfd
-of the segment's size; the write end of a pipe).
-
-**Bound to the connection.** A process that can rename the socket file (one that
-shares ``SWARMFD_SHM_DIR`` under the same uid) could bind its own under the name and
-pass each rank's connection through to the hub: proofs over nonces alone would pass
-through it unchanged, and it would keep a copy of every descriptor. So the proofs also
-cover the hub's end of the very connection: the socket the hub accepted, by its inode,
-which the hub reads with ``fstat`` and the rank asks the kernel for (``sock_diag``: the
-peer of its own socket, :func:`peer_inode`; it works across network namespaces, as the
-rank's socket and the hub's end live in the rank's). Through a relay the rank's peer
-is the relay's socket, not the one the hub accepted: the hub refuses the proof (and
-says a relay was in the path), and no descriptor moves. (A relay that already holds
-descriptors cannot be made to give them back: the binding keeps it from getting any.)
-Where the kernel cannot say (no ``unix_diag``), a rank proves with 0, which a hub
-that can ask the kernel refuses. The hub serves its socket from a
-thread of its own while the ranks agree over TCP, so a flood of connections cannot
-hold up setup: another user's connection lives for one ``accept`` and ``close``;
-at most ``MAX_PENDING`` same-user connections wait for their proof at once (a new one
-evicts the oldest), each for at most ``HANDSHAKE_LIMIT`` s. The listener is closed
-as soon as every rank has handed over its descriptors.
-
-The ranks agree after each of the three steps (create, hand over, receive) over TCP,
-with an all_gather of every rank's result (in calls of their own group, not the
-user's). A rank that cannot take part (no memfd,
-no socket, a descriptor limit, ...) makes every rank fall back to TCP, and every rank
-logs a warning naming that rank and the cause (logger ``"swarmfd"``). A rank lost
-during setup makes the others' ``init`` raise :class:`PeerLostError` naming it, as
-in any collective, and every descriptor the setup opened is closed.
-
+The host's lowest rank, the hub, listens on a unix ``SOCK_SEQPACKET`` socket named by a
+hash of the job token (abstract, or a 0600 file in ``SWARMFD_SHM_DIR``). It closes a
+connection of another uid (``SO_PEERCRED``) before a byte moves; then both sides prove
+the job key over both ranks, both nonces and the inode of the hub's end of this very
+connection (:func:`peer_inode`), so a relay gets no descriptor; where the kernel cannot
+say a rank proves with 0, which a hub that can ask refuses. Descriptors move as
+``SCM_RIGHTS`` and are checked before use. The hub serves from its own thread, at most
+MAX_PENDING unproven connections for HANDSHAKE_LIMIT each. The ranks agree over TCP
+after each step: one that cannot take part makes all fall back to TCP, each logging why.
 """
 
 
@@ -96,16 +43,11 @@ from .planes.shm import SEGMENT_SIZE, ShmPlane
 
 __all__ = ["Setup", "Unavailable", "decode_reasons", "encode_reason", "host_key", "setup"]
 
-#: How often (s) the hub's thread looks whether it should stop, and how long it sleeps
-#: when out of descriptors.
+#: How often (s) the hub's thread looks whether it should stop.
 WAIT_SLICE = 0.05
-#: Same-user connections that have not proved themselves yet, at once on the hub; a new
-#: one evicts the oldest. (Other users' connections never get this far: they are closed
-#: at accept. Ranks that proved themselves are at most one per rank, and never evicted.)
+#: Same-user connections not proven yet at once on the hub; a new one evicts the oldest.
 MAX_PENDING = 16
-#: How long (s) a connection may take to prove itself and hand over its descriptors. A
-#: rank does it within milliseconds of connecting (the hub answers at once); the limit
-#: only keeps silent connections from holding a slot.
+#: How long (s) a connection may take to prove itself and hand over (a rank takes ms).
 HANDSHAKE_LIMIT = 2.0
 #: Connections the hub accepts in a row before it serves the ones in a handshake.
 ACCEPT_BATCH = 64
@@ -117,14 +59,12 @@ TABLE_CHUNK = 100
 MAX_REASON = 300
 #: Handshake greeting: magic, protocol version, sender rank, 16-byte nonce.
 HELLO = struct.Struct("<8sBH16s")
-#: After a connecting rank's greeting: the inode of the hub's end of the connection, as
-#: the kernel told the rank (0: it could not), which both proofs cover.
+#: After a rank's greeting: the inode of the hub's end of the connection (0: unknown).
 BOUND = struct.Struct("<Q")
 SHM_MAGIC = b"SWFDSHM2"
 MAC_SIZE = 32
 _MAC_LABEL = b"swarmfd shared-memory socket v2\0"
-#: sock_diag (linux/sock_diag.h, linux/unix_diag.h): ask for one unix socket by inode,
-#: with its peer's inode.
+#: sock_diag (linux/sock_diag.h, linux/unix_diag.h): one unix socket by inode, with its peer.
 _NETLINK_SOCK_DIAG = 4
 _SOCK_DIAG_BY_FAMILY = 20
 _NLMSG_ERROR = 2
@@ -145,20 +85,16 @@ class Unavailable(Exception):
     """This rank cannot take part in the shared-memory channel (the message says why)."""
 
 
-def host_key() -> str:
-    """Identifies what ranks must share to use this channel: the kernel, the way to
-    reach the setup socket (network namespace, or ``SWARMFD_SHM_DIR``), and the user.
-
-    Ranks whose keys differ use TCP between them, which is no fall-back: shared memory
-    was never possible. An unusable ``SWARMFD_SHM_DIR`` is one (logged, and "" returned).
-    """
+def host_key(shm_dir: str = "") -> str:
+    """What ranks must share to use shared memory: the kernel, the way to the setup
+    socket (network namespace, or the directory ``shm_dir``, ``SWARMFD_SHM_DIR``) and
+    the user; "" (logged) when ``shm_dir`` is unusable."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
         netns = os.stat("/proc/self/ns/net").st_ino
     except OSError:
         return ""
-    shm_dir = os.environ.get(ENV_SHM_DIR, "").strip()
     if not shm_dir:
         return f"{boot}:netns:{netns}:{os.getuid()}"
     try:
@@ -172,12 +108,12 @@ def host_key() -> str:
     return f"{boot}:dir:{st.st_dev}:{st.st_ino}:{os.getuid()}"
 
 
-def socket_address(token: str, hostkey: str) -> str:
-    """The setup socket of the job with ``token`` on the host ``hostkey`` (see module doc)."""
+def socket_address(token: str, hostkey: str, shm_dir: str = "") -> str:
+    """The setup socket of the job with ``token`` on the host ``hostkey``: a file in
+    ``shm_dir``, or an abstract socket without one."""
     digest = hashlib.sha256(b"swarmfd shm socket name v1\0"
                             + f"{token}\0{hostkey}".encode()).hexdigest()[:32]
     name = f"swarmfd-shm-{digest}"
-    shm_dir = os.environ.get(ENV_SHM_DIR, "").strip()
     return os.path.join(shm_dir, f"{name}.sock") if shm_dir else f"\0{name}"
 
 
@@ -187,8 +123,8 @@ def job_key(token: str) -> bytes:
 
 
 def _check_segment(fd: int) -> None:
-    """Refuse ``fd`` unless it is a segment: a memfd of SEGMENT_SIZE that cannot be resized
-    (so no peer can shrink it under a mapping: a read past the end would be a SIGBUS)."""
+    """Refuse ``fd`` unless it is a memfd of SEGMENT_SIZE sealed against resizing (a
+    peer shrinking it under a mapping would make reads past the end a SIGBUS)."""
     try:
         st = os.fstat(fd)
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
@@ -226,8 +162,7 @@ def decode_reasons(rows: Iterable[np.ndarray]) -> dict[int, str]:
 
 
 class _Segments:
-    """This rank's segment and inbox, and the peers' it receives, until they become a
-    :class:`ShmPlane` (see the module docstring)."""
+    """This rank's segment and inbox, and the peers' it receives, until :meth:`plane`."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
@@ -236,8 +171,6 @@ class _Segments:
         self.inbox = -1  # read end of this rank's pipe (never leaves this process)
         self.writer = -1  # a write end of it: the inbox never reads end-of-file
         self.outboxes: dict[int, int] = {}
-
-    # -- setup: own segment and inbox, then the peers' ------------------------------------
 
     def create(self) -> None:
         """Create and map this rank's segment (a sealed memfd) and its inbox (a pipe)."""
@@ -259,11 +192,8 @@ class _Segments:
             raise Unavailable(f"could not create the inbox (a pipe): {exc}") from None
 
     def attach(self, rank: int, memfd: int, writer: int) -> None:
-        """Map ``rank``'s segment and keep ``writer`` (its inbox) as the outbox to it.
-
-        Both are checked first. ``memfd`` stays the caller's to close (the mapping
-        outlives it); ``writer`` becomes the channel's, or is closed if refused.
-        """
+        """Check and map ``rank``'s segment, keep ``writer`` as its outbox. ``memfd``
+        stays the caller's to close; ``writer`` becomes ours, or is closed if refused."""
         try:
             _check_segment(memfd)
             _check_writer(writer)
@@ -318,9 +248,8 @@ def _mac(key: bytes, role: bytes, client: int, server: int, nonce_c: bytes,
 
 
 def peer_inode(sock: socket.socket) -> int:
-    """The inode of the socket at the other end of the unix socket ``sock``, as the kernel
-    knows it (sock_diag, UNIX_DIAG_PEER; 0 while the other end is not accepted yet).
-    Raises OSError where the kernel cannot say (no unix_diag, netlink forbidden)."""
+    """The inode of the other end of the unix socket ``sock`` (sock_diag; 0 until it is
+    accepted); OSError where the kernel cannot say (no unix_diag, netlink forbidden)."""
     ino = os.fstat(sock.fileno()).st_ino
     req = _UNIX_DIAG_REQ.pack(socket.AF_UNIX, 0, 0, 0xFFFFFFFF, ino, _UDIAG_SHOW_PEER,
                               _NO_COOKIE, _NO_COOKIE)
@@ -345,8 +274,7 @@ def peer_inode(sock: socket.socket) -> int:
 
 
 def _seen(sock: socket.socket) -> int:
-    """The inode of the other end of ``sock`` (the hub's, once it accepted), or 0 where the
-    kernel cannot say (see the module docstring)."""
+    """:func:`peer_inode`, or 0 where the kernel cannot say."""
     try:
         return peer_inode(sock)
     except OSError as exc:
@@ -406,8 +334,7 @@ class _Conn:
 
 
 class _Hub:
-    """The hub's setup socket and the thread that serves it until every rank handed over
-    its descriptors (see the module docstring)."""
+    """The hub's setup socket and the thread serving it until every rank handed over."""
 
     def __init__(self, address: str, rank: int, clients: Iterable[int], key: bytes) -> None:
         self.address = address
@@ -428,9 +355,8 @@ class _Hub:
         #: Whether a rank's proof must name this connection (the kernel can say which).
         self.binding = _can_diagnose(self.listener)
         try:
-            if not address.startswith("\0"):
-                # The file bind() creates takes the socket's mode: 0600 from the start (a
-                # chmod after bind could follow a symlink swapped in meanwhile).
+            if not address.startswith("\0"):  # 0600 from bind on (a chmod after it
+                # could follow a symlink swapped in meanwhile)
                 os.fchmod(self.listener.fileno(), 0o600)
             self.listener.bind(address)
             self._bound = True
@@ -498,8 +424,7 @@ class _Hub:
                 sock, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:
-                # Out of descriptors, say: the connection stays queued; do not spin on it.
+            except OSError:  # out of descriptors: it stays queued; do not spin on it
                 time.sleep(WAIT_SLICE / 5)
                 return
             try:
@@ -512,8 +437,7 @@ class _Hub:
                 continue
             unproven = [p for p in pending.values() if p.stage == "hello"]
             if len(unproven) >= MAX_PENDING:
-                self._drop(sel, pending, unproven[0])  # the oldest (a rank that proved
-                # itself is not evicted: there is at most one per rank)
+                self._drop(sel, pending, unproven[0])  # the oldest unproven
             c = _Conn(sock, time.monotonic())
             try:
                 sock.setblocking(False)
@@ -537,9 +461,7 @@ class _Hub:
               c: _Conn) -> None:
         """Advance ``c`` by one message: its proof, then its descriptors."""
         try:
-            if c.stage == "hello":
-                # A plain recv: descriptors sent along (there should be none) are closed
-                # by the kernel.
+            if c.stage == "hello":  # a plain recv: the kernel closes any descriptors
                 msg = c.sock.recv(HELLO.size + BOUND.size + MAC_SIZE + 1)
                 c.sock.send(self._prove(c, msg, pending))
                 c.stage = "fds"
@@ -559,8 +481,7 @@ class _Hub:
         self.admitted[c.rank] = c
 
     def _prove(self, c: _Conn, msg: bytes, pending: dict[socket.socket, _Conn]) -> bytes:
-        """Check a connecting rank's greeting and proof, for this very connection (see
-        the module docstring); return the hub's proof."""
+        """Check a rank's greeting and proof for this very connection; the hub's proof."""
         if len(msg) != HELLO.size + BOUND.size + MAC_SIZE:
             raise ValueError("not a swarmfd greeting")
         magic, version, rank, nonce = HELLO.unpack_from(msg)
@@ -583,20 +504,15 @@ class _Hub:
 
 
 class Setup:
-    """One rank's part in setting up its host's channel (see the module docstring).
-
-    ``ranks`` are the ranks of this host (today: every rank of the group); the lowest is
-    the hub. :meth:`run` goes through the three steps, agreeing with the other ranks
-    after each; :meth:`close` releases whatever is still held (idempotent; after a
-    failure, :func:`swarmfd.cleanup` calls it).
-    """
+    """One rank's part in setting up its host's channel: ``ranks`` are the host's, the
+    lowest the hub; :meth:`close` releases what is still held (idempotent)."""
 
     def __init__(self, rank: int, ranks: Iterable[int], token: str, hostkey: str,
-                 deadline: float) -> None:
+                 deadline: float, shm_dir: str = "") -> None:
         self.rank = rank
         self.ranks = sorted(ranks)
         self.hub = self.ranks[0]
-        self.address = socket_address(token, hostkey)
+        self.address = socket_address(token, hostkey, shm_dir)
         self.key = job_key(token)
         self.deadline = deadline
         self.channel: _Segments | None = _Segments(rank)
@@ -604,13 +520,9 @@ class Setup:
         self.conn: socket.socket | None = None  # on the others: the connection to the hub
 
     def run(self, agree: Callable[[str], dict[int, str]]) -> _Segments | None:
-        """The segments, or None after every rank agreed to fall back to TCP (logged).
-
-        ``agree(reason)`` gives every rank's failure reason ("" for success) to every
-        rank and returns {rank: reason} of those that failed (a TCP all_gather; it
-        raises when a rank is lost, and so does this, leaving :meth:`close` to the
-        caller).
-        """
+        """The segments, or None once every rank agreed to fall back to TCP (logged).
+        ``agree(reason)`` (a TCP all_gather; "" for success) returns {rank: reason} of
+        the ranks that failed, or raises when a rank is lost."""
         for step in (self._create, self._hand_over, self._receive):
             try:
                 step()
@@ -646,8 +558,6 @@ class Setup:
         if self.channel is not None:
             self.channel.close()
             self.channel = None
-
-    # -- the steps -------------------------------------------------------------------------
 
     def _create(self) -> None:
         """This rank's segment and inbox; the hub's listener, the others' socket."""
@@ -785,11 +695,10 @@ class Setup:
 
 
 def setup(t: Any, ranks: list[int], hostkey: str, deadline: float,
-          agree: Callable[[str], dict[int, str]]) -> ShmPlane | None:
-    """This rank's part in sharing memory with the other ``ranks`` of its host: the
-    plane, or None when they agreed to use TCP (every rank logged why). ``agree`` is the
-    host's agreement over TCP (see :meth:`Setup.run`); a rank lost meanwhile raises."""
-    s = Setup(t.rank, ranks, t.job_token, hostkey, deadline)
+          agree: Callable[[str], dict[int, str]], shm_dir: str = "") -> ShmPlane | None:
+    """The shared-memory plane with the other ``ranks`` of this host, or None when they
+    agreed to use TCP (see :meth:`Setup.run`); ``shm_dir``: as :func:`host_key`'s."""
+    s = Setup(t.rank, ranks, t.job_token, hostkey, deadline, shm_dir)
     try:
         segments = s.run(agree)
         return None if segments is None else segments.plane(t.channel)

@@ -1,60 +1,14 @@
 """Spin-then-block waits: one policy for every plane of the process (``SWARMFD_SPIN``).
 
-A rank that waits for a peer's message can sleep in the kernel (select, poll, a
-blocking receive) or poll for it for a while first. Sleeping costs a wake-up when the
-message comes, tens of microseconds each on this 2-core VM (more under load); a peer
-on another core usually answers within microseconds, so polling for a bounded time
-catches its message without any wake-up. Polling burns CPU time that training needs,
-though, and when ranks outnumber cores it steals the very CPU the peer needs to send.
-So:
-
-* waits poll for at most :data:`SPIN_SECONDS` before they block, when every busy
-  thread of the host's ranks has a core of its own (``auto``, the default:
-  :func:`configure` is told how many ranks share the host). A rank whose data goes
-  through ZeroMQ has a second busy thread, libzmq's I/O thread, which moves every
-  byte: it counts too (``threads_per_rank=2``);
-* when the busy threads outnumber the cores, but by at most
-  :data:`MAX_THREADS_PER_CORE` to one, a wait still polls (for at most
-  :data:`YIELD_SECONDS`), but gives its core away before every poll
-  (``os.sched_yield``): a peer that shares the core runs, sends, and the wait finds
-  its message without sleeping and being woken. Beyond that ratio waits block at once;
-* and adaptively: after :data:`MAX_MISSES` consecutive polls that caught nothing a
-  :class:`Spinner` blocks at once, trying a poll again every :data:`RETRY` waits (a
-  busy machine, or a peer that is slow anyway: large messages, compute between calls).
-  Where every busy thread has a core of its own, a wait that blocked but had its
-  message within :data:`LATE_SECONDS` of giving up (:meth:`Spinner.woke`) was late by
-  little: it is no miss, and a spinner that blocked at once polls again. Without that,
-  two ranks that both came to block at once (a slow start: imports, setup) stayed so:
-  each one's retry poll waited for a peer that had to be woken first, longer than the
-  poll lasts, and missed again. Measured
-  (2026-12-05, N=2, 4 KiB all_reduce on shared memory, 300 calls after a barrier each,
-  as ``swarmfd bench`` times them): in 4 of 20 jobs both ranks blocked at once
-  throughout, 117-119 us a call against 28-31 us (compare.py's medians of that cell read
-  30-116 us across 5 runs); with :meth:`Spinner.woke`, none of 48 jobs (28-61 us;
-  benchmarks/results/session-20261205.md).
-
-``SWARMFD_SPIN=0`` turns polling off everywhere (every wait blocks at once),
-``SWARMFD_SPIN=1`` forces it on (still adaptive; yielding where threads outnumber
-cores), ``auto`` (or unset) decides per job.
-
-Measured: on a quieter machine (benchmarks/compare.py, 5 interleaved runs, load
-average 1-2, 2026-12-01 20:18, benchmarks/results/compare-20261201-201758.*), at N=2
-(polling on under ``auto``) every wait blocking at once (``SWARMFD_SPIN=0``) took
-1.11-1.16x the time of the 4 KiB and 64 KiB all_reduce on shared memory and on the
-socket plane (medians; 0.99-1.14x for broadcast). Under a load average of 4-5 from
-other work (ab.py, 100 calls a size, 17:10) the ratios were 0.92-1.06 on every plane,
-CPU time per call equal within 3%: the peers are rarely running when a wait polls
-there, so the misses turn polling off.
-
-Yielding polls where two busy threads share a core, against blocking at once
-(2026-12-04, benchmarks/calls.py --loop, 3000 back-to-back 4 KiB all_reduces, 8
-alternated runs each; benchmarks/results/session-20261204-g.md): N=4 on 2 cores,
-shared memory 0.67-0.89x the time (every run faster), main-thread CPU a call 123-143
-against 127-147 us; socket plane 0.81-1.04x; zmq plane at N=2 (two ranks, two I/O
-threads) 0.77-0.96x. At four busy threads a core (the zmq plane at N=4) yielding
-polls took 0.99-1.13x the time and 20-30 % more CPU (the I/O threads need the cores
-the polls give away only now and then): those waits block at once, as before. A DDP
-step at N=4 on shared memory (benchmarks/train.py): the same within the noise.
+A peer on another core usually answers within microseconds, a wake-up costs tens, and
+polling burns CPU the peers may need (docs/performance.md). So waits poll SPIN_SECONDS
+where every busy thread of the host (a zmq rank's I/O thread too) has a core; where they
+outnumber cores by at most MAX_THREADS_PER_CORE to one, YIELD_SECONDS, yielding the core
+before each poll; beyond, they block at once. A :class:`Spinner` blocks at once after
+MAX_MISSES fruitless polls, polling again every RETRY waits; where polls do not yield,
+a wait that blocked but had its message within LATE_SECONDS is no miss (else two ranks
+blocking at once stay so).
+``SWARMFD_SPIN=0`` turns polling off, ``1`` on (still adaptive), ``auto`` decides.
 """
 
 from __future__ import annotations
@@ -65,60 +19,34 @@ from collections.abc import Callable
 
 from ..config import usable_cores
 
-__all__ = [
-    "LATE_SECONDS",
-    "MAX_MISSES",
-    "MAX_THREADS_PER_CORE",
-    "RETRY",
-    "SPIN_SECONDS",
-    "YIELD_SECONDS",
-    "Spinner",
-    "configure",
-    "enabled",
-    "yielding",
-]
+__all__ = ["LATE_SECONDS", "MAX_MISSES", "MAX_THREADS_PER_CORE", "RETRY", "SPIN_SECONDS",
+           "YIELD_SECONDS", "Spinner", "configure", "enabled", "yielding"]
 
-#: How long a wait polls before it blocks. A peer on another core usually answers within
-#: microseconds; 50 us catches a loopback TCP round trip here (20-40 us for a 1-byte
-#: ping-pong) and a shared-memory record, and bounds what a fruitless poll costs.
+#: How long a wait polls before it blocks: a loopback TCP round trip or a record.
 SPIN_SECONDS = 50e-6
-#: How long a wait polls before it blocks when busy threads outnumber cores: each poll
-#: gives the core away first (os.sched_yield, 1.6 us here), so the wait's polls are
-#: fewer and a peer's turn on the core counts into it.
+#: The same where busy threads outnumber cores (each poll yields the core first).
 YIELD_SECONDS = 200e-6
-#: Busy threads a core may have (the host's ranks, and their libzmq I/O threads) for
-#: waits to poll, yielding, rather than block at once (see the module docstring).
+#: Busy threads a core may have for waits to poll, yielding, rather than block at once.
 MAX_THREADS_PER_CORE = 2
-#: A wait whose message came within this many seconds after its poll gave up (or after
-#: it blocked at once) was late by little: the peer keeps up, and the wake-ups cost the
-#: time (tens of microseconds each here, a peer that must be woken first adds its own).
-#: Such a wait is no miss (:meth:`Spinner.woke`). Four polls' budget: a wait that blocks
-#: for longer waits for a peer that is busy, and polling would burn the CPU it needs.
-#: Not where busy threads share cores (yielding polls), where a poll takes CPU time from
-#: the peers: its one A/B at N=4 on 2 cores (compare.py, 6 interleaved runs, 2026-12-05)
-#: read 0.77-0.87x the time at 4-64 KiB and 1.13-1.20x at 1 MiB (7-27 % more CPU a
-#: call), but two identical trees differed there by 0.80-1.26x a run: nothing shown
-#: either way, so those waits keep the policy as it was.
+#: A message that came within this long after the poll gave up was late by little: no
+#: miss (:meth:`Spinner.woke`). Four polls' budget; longer means a busy peer.
 LATE_SECONDS = 4 * SPIN_SECONDS
 #: Consecutive fruitless polls after which waits block at once for a while.
 MAX_MISSES = 8
 #: While blocking at once, a poll is tried again every RETRY waits.
 RETRY = 32
-#: Whether waits poll at all (set by :func:`configure`; 1 or 0, a constant benchmarks/ab.py
-#: can switch per iteration).
+#: Whether waits poll (1 or 0, set by :func:`configure`; benchmarks/ab.py switches it).
 ENABLED = 0
-#: Whether a polling wait gives its core away before each poll (set by :func:`configure`:
-#: the host's busy threads outnumber its cores).
+#: Whether a polling wait yields its core before each poll (set by :func:`configure`).
 YIELD = 0
 _sched_yield = os.sched_yield
 
 
 def configure(mode: str, local_ranks: int, cores: int | None = None,
               threads_per_rank: int = 1) -> bool:
-    """Decide how this process's waits poll: ``mode`` 'on', 'off' or 'auto', for
-    ``local_ranks`` ranks on this host with ``threads_per_rank`` busy threads each and
-    ``cores`` usable cores (see the module docstring). Returns whether waits poll;
-    :func:`yielding` tells whether they give the core away before each poll."""
+    """Decide how this process's waits poll (``mode`` 'on', 'off' or 'auto') for
+    ``local_ranks`` ranks of ``threads_per_rank`` busy threads on ``cores``; whether
+    waits poll."""
     global ENABLED, YIELD
     if cores is None:
         cores = usable_cores()
@@ -147,8 +75,7 @@ class Spinner:
     def __init__(self) -> None:
         self.misses = 0
         self.waits = 0
-        #: When the last wait stopped polling (or blocked at once) under the adaptive
-        #: policy; 0.0: none since the last :meth:`woke`.
+        #: When the last wait stopped polling (or blocked at once); 0.0: none since woke.
         self.gave_up = 0.0
 
     def budget(self) -> float:
@@ -186,12 +113,8 @@ class Spinner:
                 give()
 
     def woke(self) -> None:
-        """The wait that :meth:`spin` gave up on (or did not poll for) got its message by
-        blocking. If that came within LATE_SECONDS the wait was late by little: not a
-        miss, and where waits were blocking at once they poll again from the next one.
-        Only where every busy thread has a core of its own: where polls give their core
-        away (:func:`yielding`) they take CPU time from the peers, and a blocked wait
-        counts as a miss, as before (see LATE_SECONDS)."""
+        """The wait :meth:`spin` gave up on got its message by blocking: within
+        LATE_SECONDS it is no miss (set only where polls do not yield)."""
         t = self.gave_up
         if not t:
             return
@@ -204,13 +127,10 @@ class Spinner:
             self.misses -= 1
 
     def polls(self, most: int) -> int:
-        """How many looks a plane's ``take`` may take at a peer's message that is not
-        there yet, before it leaves the wait to the channel's receive (which polls on,
-        then blocks): ``most`` where waits poll now (polling on, not yielding, this
-        spinner not blocking at once after misses), else 0."""
+        """Looks a plane's ``take`` may take at a message not there yet: ``most`` where
+        waits poll now without yielding, else 0."""
         return most if (ENABLED and not YIELD and self.misses < MAX_MISSES) else 0
 
     def caught(self) -> None:
-        """A wait's message was there before it polled at all, or a plane's own look
-        (``take``) caught it: the peer keeps up."""
+        """A message was there before the wait polled, or ``take`` caught it."""
         self.misses = 0

@@ -1,16 +1,10 @@
 """The wire format: a fixed binary header in front of a raw numpy buffer.
 
-Every data-plane message is a 40-byte header and a payload (raw array bytes,
-or UTF-8 JSON for control messages): one ZeroMQ frame holding both when the
-payload is small (``FLAG_INLINE``; one send, one receive), two frames when it
-is large (so the payload travels zero-copy). Nothing is
-ever pickled: a receiver rebuilds arrays with ``np.frombuffer`` from a dtype
-code it checks against a fixed table.
-
-The header carries the collective's *signature* (which collective, reduce op,
-dtype, root, element count, shape hash) in every message, so a receiver
-detects ranks that called different collectives, or the same one with other
-arguments, on the first message at no extra round trip.
+Every message is a 40-byte header and a payload (raw array bytes, or UTF-8 JSON for
+control messages). Nothing is pickled: arrays are rebuilt with ``np.frombuffer`` from a
+dtype code checked against a fixed table. Every header carries the call's *signature*
+(collective, op, dtype, root, count, shape hash), so a receiver catches ranks that
+called different collectives, or other arguments, at the first message.
 
 Layout (little-endian)::
 
@@ -20,7 +14,7 @@ Layout (little-endian)::
     coll     B   Collective
     op       B   ReduceOp
     dtype    B   code from DTYPES
-    flags    B   FLAG_INLINE: the payload follows the header in the same frame
+    flags    B   FLAG_INLINE (payload in the header's frame), FLAG_LIST
     src      H   sender rank
     root     H   root / src / dst rank, NO_ROOT when the collective has none
     seq      I   collective sequence number within the group
@@ -29,9 +23,6 @@ Layout (little-endian)::
     shape    I   CRC32 of the shape tuple (catches (2, 3) vs (3, 2))
     nbytes   I   payload length in bytes
     group    H   the process group the message belongs to (0: the world)
-
-Protocol 2 added the group (where protocol 1 had a reserved field) and the
-collectives after BARRIER.
 """
 
 from __future__ import annotations
@@ -49,62 +40,25 @@ import numpy as np
 
 from ..errors import CollectiveTimeout, MismatchError, ProtocolError
 
-__all__ = [
-    "ANY_SIZE",
-    "DTYPES",
-    "DTYPE_CODES",
-    "FLAG_INLINE",
-    "FLAG_LIST",
-    "HEADER",
-    "HEADER_SIZE",
-    "MAGIC",
-    "MAX_ABORT_TEXT",
-    "MAX_PAYLOAD",
-    "NO_ROOT",
-    "P2P_KEYS",
-    "PIECE_BYTES",
-    "PROTOCOL_VERSION",
-    "READY_PIECE",
-    "RTS_PIECE",
-    "SEQ_AT",
-    "SUPPORTED_DTYPE_NAMES",
-    "Collective",
-    "Header",
-    "Kind",
-    "ReduceOp",
-    "Signature",
-    "cut_header",
-    "dtype_code",
-    "dtype_name",
-    "finished_call_error",
-    "list_repr",
-    "message_key",
-    "mismatch_error",
-    "p2p_key",
-    "pack_header",
-    "recover_shape",
-    "rows_repr",
-    "seq_bytes",
-    "shape_hash",
-    "timeout_error",
-    "too_large",
-    "unpack_header",
-]
+__all__ = ["ANY_SIZE", "DTYPES", "DTYPE_CODES", "FLAG_INLINE", "FLAG_LIST", "HEADER", "HEADER_SIZE",
+           "MAGIC", "MAX_ABORT_TEXT", "MAX_PAYLOAD", "NO_ROOT", "P2P_KEYS", "PIECE_BYTES",
+           "PROTOCOL_VERSION", "READY_PIECE", "RTS_PIECE", "SEQ_AT", "SUPPORTED_DTYPE_NAMES",
+           "Collective", "Header", "Kind", "ReduceOp", "Signature", "cut_header", "dtype_code",
+           "dtype_name", "finished_call_error", "list_repr", "message_key", "mismatch_error",
+           "p2p_key", "pack_header", "recover_shape", "rows_repr", "seq_bytes", "shape_hash",
+           "timeout_error", "too_large", "unpack_header"]
 
 MAGIC = b"SWFD"
 PROTOCOL_VERSION = 2
 NO_ROOT = 0xFFFF
 
-#: Target size of one data message: collectives cut every buffer into pieces of about
-#: this many bytes (well below glibc's 32 MiB mmap cliff), so no message is ever larger
-#: than MAX_PAYLOAD and a receiver can refuse anything bigger (MAXMSGSIZE).
+#: Target size of one data message: buffers travel in pieces of about this size, so a
+#: receiver can refuse anything over MAX_PAYLOAD (docs/algorithms.md).
 PIECE_BYTES = 1 << 20
-#: The largest payload of any message: a piece, rounded up to whole elements (<= 16 bytes
-#: each), with room to spare. Transport.send refuses larger ones (a bug, not an input).
+#: The largest payload: a piece rounded up to whole elements, with room to spare.
 MAX_PAYLOAD = PIECE_BYTES + 1024
-#: The ``nbytes`` of a receive that takes a message of any size (up to MAX_PAYLOAD): the
-#: algorithm checks what came (an all_gather whose ranks' parts may differ, sent with
-#: their sizes in one round).
+#: The ``nbytes`` of a receive that takes any size up to MAX_PAYLOAD (the algorithm
+#: checks what came).
 ANY_SIZE = -1
 #: The longest reason text an abort message carries (so it stays far below MAX_PAYLOAD).
 MAX_ABORT_TEXT = 8192
@@ -126,6 +80,9 @@ class Kind(enum.IntEnum):
     P2P = 3
     #: The receiver of a large point-to-point message is ready for it (clear to send).
     P2P_READY = 4
+    #: A status query or its answer (JSON, :mod:`swarmfd.comm.status`): which call of a
+    #: group a peer has entered, asked by a rank whose wait stalls.
+    STATUS = 5
 
 
 #: The ``root`` of a point-to-point request to send, and of a ready message.
@@ -152,9 +109,8 @@ class Collective(enum.IntEnum):
     P2P = 10
     #: The sizes exchanged before a collective of uneven parts (all_gather, all_to_all).
     SIZES = 11
-    #: all_gather without ``out=``, whose first dimension may differ between ranks (a
-    #: protocol of its own: the sizes go first). Its count is the elements of one row
-    #: and its shape hash that of the trailing dimensions; it reads as all_gather.
+    #: all_gather whose first dimension may differ between ranks: count is one row's
+    #: elements, the shape hash the trailing dimensions'; it reads as all_gather.
     ALL_GATHER_V = 12
 
     @property
@@ -223,11 +179,8 @@ def shape_hash(shape: tuple[object, ...]) -> int:
 
 #: recover_shape gives up on element counts above this (trial division gets slow).
 _RECOVER_MAX_COUNT = 1 << 32
-#: recover_shape's budget: it tries the shapes of 2, 3 and 4 dimensions in turn while their
-#: total cost fits (in units of about 0.15 us: a 4-D shape costs 1, a 2-D or 3-D one 3).
-#: Measured worst case over counts up to _RECOVER_MAX_COUNT: 25-30 ms (a miss, on a busy
-#: 2-core machine). Without it a highly composite count such as 3491888400 (1920 divisors,
-#: 7.2 million 4-D shapes) would take about 1 s (the former 3-D search took 0.18 s).
+#: recover_shape's budget, in 4-D shape hashes (a 2-D or 3-D shape costs 3): tens of
+#: milliseconds at worst, where the most composite counts took a second (docs/performance.md).
 _RECOVER_MAX_WORK = 200_000
 
 
@@ -251,16 +204,9 @@ def _shape_count(factors: dict[int, int], dims: int) -> int:
 
 
 def recover_shape(count: int, crc: int) -> str:
-    """The shape (of up to 4 dimensions) of ``count`` elements whose hash is ``crc``, or "".
-
-    A header carries only a hash of the sender's shape; on a mismatch the
-    receiver names the sender's shape by hashing every shape of ``count``
-    elements with up to 4 dimensions (transposed and reshaped arrays, NCHW
-    tensors: the usual mistakes). Only used on error paths, so bounded by
-    ``_RECOVER_MAX_WORK``: the 4-D shapes are skipped for the most composite
-    counts from 1663200 elements on (not for 720720 or 32*3*224*224, say), the
-    3-D ones from 129729600 on; the error then shows such a shape's count only.
-    """
+    """The shape of up to 4 dimensions of ``count`` elements whose hash is ``crc``, or
+    "": names the sender's shape in a mismatch error, by hashing every candidate within
+    ``_RECOVER_MAX_WORK`` (the most composite counts skip 4-D, then 3-D shapes)."""
     if count == 1 and crc == shape_hash(()):
         return "()"
     if count < 0 or count > _RECOVER_MAX_COUNT:
@@ -336,11 +282,10 @@ class Signature:
     count: int = 0
     shape: int = 0
     shape_repr: str = ""
-    #: A list of arrays fused into one buffer (travels as FLAG_LIST; not compared: the
-    #: shape hash already differs between a list and one array).
+    #: A list of arrays fused into one buffer (FLAG_LIST; not compared: its shape hash
+    #: differs already).
     fused: bool = False
-    #: What :meth:`Header.matches` compares, as one tuple: (coll, op, dtype, root, count,
-    #: shape). Every message received is checked against it.
+    #: What :meth:`Header.matches` compares: (coll, op, dtype, root, count, shape).
     key: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -382,8 +327,7 @@ class Header(NamedTuple):
     fused: bool = False
 
     def signature(self) -> Signature:
-        """The sender's view of the collective's signature (its shape recovered from the
-        hash when it has up to 4 dimensions; see :func:`recover_shape`)."""
+        """The sender's view of the signature (its shape by :func:`recover_shape`)."""
         try:
             coll = Collective(self.coll)
         except ValueError:
@@ -436,9 +380,8 @@ SEQ_AT = 14
 
 def cut_header(kind: int, sig: Signature, src: int, tag: int, nbytes: int, flags: int = 0,
                group: int = 0) -> tuple[bytes, bytes]:
-    """The header :func:`pack_header` packs, without the call's number: what comes before
-    it and after it. A call repeated many times packs its headers once; each run joins
-    the parts around its own number (:func:`seq_bytes`)."""
+    """:func:`pack_header`'s header cut around the call's number: a repeated call packs
+    its headers once and joins the parts around each run's :func:`seq_bytes`."""
     header = pack_header(kind, sig, src, 0, tag, nbytes, flags, group)
     return header[:SEQ_AT], header[SEQ_AT + 4:]
 
@@ -459,10 +402,8 @@ def too_large(size: int) -> ValueError:
 
 
 def unpack_header(data: bytes | memoryview) -> Header:
-    """Decode and validate one header; raises :class:`ProtocolError` on garbage.
-
-    ``data`` is a header frame, or a header followed by its inline payload.
-    """
+    """Decode and validate a header (followed by its payload when inline); raises
+    :class:`ProtocolError` on garbage."""
     if len(data) < HEADER_SIZE:
         raise ProtocolError(f"bad header length {len(data)}, expected {HEADER_SIZE}")
     (magic, version, kind, coll, op, dtype, flags, src, root, seq, tag, count, shape, nbytes,
@@ -500,10 +441,7 @@ def p2p_key(group: int, src: int, seq: int, tag: int, piece: int) -> tuple[int, 
 
 
 def mismatch_error(rank: int, sig: Signature, hdr: Header) -> MismatchError:
-    """The error for a message ``hdr`` of this call whose signature disagrees with ``sig``.
-
-    One wording for every channel, so a mismatch reads the same over TCP and shm.
-    """
+    """The error for a message ``hdr`` of this call whose signature disagrees with ``sig``."""
     if sig.coll == Collective.P2P:
         theirs = hdr.signature()
         return MismatchError(
@@ -520,12 +458,8 @@ def mismatch_error(rank: int, sig: Signature, hdr: Header) -> MismatchError:
 
 
 def finished_call_error(rank: int, hdr: Header) -> MismatchError:
-    """The error for a message ``hdr`` of a call this rank (``rank``) already finished.
-
-    Every message of a call is consumed within that call, so one that arrives
-    afterwards means its sender was in another collective. One wording for every
-    channel.
-    """
+    """The error for a message ``hdr`` of a call ``rank`` already finished: its sender
+    was in another collective (a call consumes all its messages)."""
     return MismatchError(
         f"collective mismatch: rank {hdr.src} sent a message of "
         f"{hdr.signature().describe()} for call #{hdr.seq}, which rank {rank} had already "
@@ -536,11 +470,8 @@ def finished_call_error(rank: int, hdr: Header) -> MismatchError:
 
 def timeout_error(activity: str, sig: Signature, timeout: float, culprit: int,
                   where: str = "", waits: str = "") -> CollectiveTimeout:
-    """The error for a wait that timed out on rank ``culprit`` (the same on every channel).
-
-    ``where`` (the culprit's address) and ``waits`` (the chain of waiting ranks) are
-    added when the channel knows them.
-    """
+    """The error for a wait that timed out on rank ``culprit``; ``where`` (its address)
+    and ``waits`` (the chain of waiting ranks) where known."""
     at = f" ({where})" if where else ""
     hint = ("set the timeout with init(timeout=...), SWARMFD_TIMEOUT, or swarmfd run/deploy "
             "--timeout")

@@ -1,42 +1,27 @@
 """``swarmfd build``: the user's project and its packages on top of the swarmfd image.
 
-A *project* is a directory: the scripts the ranks run, and what they need, listed in
-``requirements.txt`` and/or ``pyproject.toml`` (PEP 621 ``[project]``; with a
-``[build-system]`` the project itself is built and installed as a package too).
-:func:`build_project` turns it into an image ``FROM`` the swarmfd image, through the
-Docker SDK:
+A *project* is a directory: scripts, and their requirements in ``requirements.txt``
+and/or ``pyproject.toml`` (PEP 621; with a ``[build-system]`` the project is installed
+as a package too). :func:`build_project` turns it into an image ``FROM`` the swarmfd
+image (docs/swarm.md, "Your own code"):
 
-1. The project's files (``.git``, virtual environments, caches and what its
-   ``.dockerignore`` names stay out) and the requirements give a content hash; the
-   image is tagged ``swarmfd-<dir>:<hash>``. When that tag exists, nothing is built.
-2. The wheels are resolved **on this machine**, by this machine's pip and its
-   configuration (index, ``find-links``, ``--wheelhouse`` directories), for the base
-   image's Python and platform (asked from the image itself), and carried into the
-   build context. The build never needs the network: a docker build sees neither the
-   host's pip configuration nor its wheel directories, and on a machine without
-   internet it has no index at all. Packages the base image already has (numpy,
-   pyzmq, swarmfd, ...) are kept at the base's versions and not downloaded again.
-3. torch: ``--extra torch`` adds ``torch==2.13.0``, and any requirement on torch
-   (direct or through another package) is constrained to the CPU wheel
-   ``torch==2.13.0+cpu`` (the pin the tests use). An unconstrained torch from PyPI
-   is the multi-GB CUDA build. On a machine whose pip does not know where the CPU
-   wheel is, the error says how to point it there (the PyTorch CPU index, or a
-   wheelhouse). ``cpu_torch=False`` leaves torch to the requirements.
-4. The image (classic builder, no BuildKit needed): a first stage installs the wheels
-   into a staging root (``pip install --root``), the final stage copies the installed
-   files over the base image's, then the project to ``/workspace`` (the working
-   directory, so ``python train.py`` finds it). The wheels never reach the final image,
-   and the first stage is kept, tagged ``<repo>:deps``, as the layer cache: changing a
-   script rebuilds in seconds, without reinstalling the packages.
+1. a hash of the content (files, requirements, options, base image) tags it
+   ``swarmfd-<dir>:<hash>``; an existing tag is not built again;
+2. **this machine's** pip resolves the wheels for the base image's Python and platform,
+   and they travel in the context: the build needs no network. The base's packages stay
+   (stub wheels); torch is constrained to TORCH_CPU (PyPI's torch is the CUDA build);
+3. a first stage installs the wheels under a staging root, kept as ``<repo>:deps`` (the
+   layer cache); the final stage copies what it installed, and the project to
+   ``/workspace``.
 
-Progress (pip's ``Collecting ...`` lines, the build's steps and output) goes to the
-``progress`` callback as it happens. Nothing here prints.
+Progress goes to the ``progress`` callback; nothing here prints.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import re
@@ -58,36 +43,19 @@ from docker.utils.build import PatternMatcher
 
 from .errors import SwarmJobError
 
-__all__ = [
-    "BUILTIN_EXTRAS",
-    "DEFAULT_BASE_IMAGE",
-    "TORCH_CPU",
-    "BuildError",
-    "BuildOptions",
-    "BuildRequest",
-    "BuiltImage",
-    "Project",
-    "Target",
-    "build_project",
-    "content_hash",
-    "dockerfile",
-    "parse_registry",
-    "push_image",
-    "read_project",
-    "repository_for",
-]
+__all__ = ["BUILTIN_EXTRAS", "DEFAULT_BASE_IMAGE", "TORCH_CPU", "BuildError", "BuildOptions",
+           "BuildRequest", "BuiltImage", "Project", "Target", "build_project", "content_hash",
+           "dockerfile", "parse_registry", "push_image", "read_project", "repository_for"]
 
 #: Bump when the generated Dockerfile or the context layout changes (it is in the hash).
 RECIPE = 1
 DEFAULT_BASE_IMAGE = "swarmfd:latest"
 WORKDIR = "/workspace"
-#: The CPU build of torch, pinned as scripts/test.sh pins it (``torch==2.13.0``; the
-#: local version ``+cpu`` is what tells the CPU wheel from PyPI's CUDA build).
+#: The CPU build of torch, as scripts/test.sh pins it (``+cpu`` tells it from PyPI's CUDA one).
 TORCH_CPU = "torch==2.13.0+cpu"
 #: ``--extra NAME`` when the project's pyproject.toml does not define that extra.
 BUILTIN_EXTRAS: dict[str, tuple[str, ...]] = {"torch": ("torch==2.13.0",)}
-#: Where the PyTorch project serves its CPU wheels (named in the error when pip cannot
-#: find TORCH_CPU; never contacted by swarmfd itself).
+#: Where PyTorch serves its CPU wheels (named in an error; never contacted by swarmfd).
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 LABEL_PROJECT = "org.swarmfd.build.project"
@@ -120,15 +88,10 @@ class BuildError(SwarmJobError):
 
 @dataclass(frozen=True)
 class Project:
-    """A project directory as ``swarmfd build`` sees it.
-
-    ``files``: the relative POSIX paths that go into the image (sorted);
-    ``requirements``: the requirement strings from pyproject.toml's ``[project]``
-    (dependencies plus the chosen extras); ``requirements_file``: ``requirements.txt``
-    when it exists (pip reads it, with its options and ``-r`` includes);
-    ``installable``: pyproject.toml has a ``[build-system]``, so the project is also
-    built and installed as a package.
-    """
+    """A project directory as ``swarmfd build`` sees it: ``files``, the sorted relative
+    POSIX paths that go in; ``requirements``, pyproject.toml's (with the extras);
+    ``requirements_file``, ``requirements.txt`` if any; ``installable``, it has a
+    ``[build-system]``."""
 
     root: Path
     name: str
@@ -192,12 +155,9 @@ def _ignore_patterns(root: Path) -> list[str]:
 
 
 def read_project(directory: str | os.PathLike[str], extras: Sequence[str] = ()) -> Project:
-    """Read a project directory: its files, requirements and extras.
-
-    ``extras``: names from pyproject.toml's ``[project.optional-dependencies]``, or of
-    :data:`BUILTIN_EXTRAS` (``torch``). Raises :class:`BuildError` for a missing
-    directory, an unknown extra or unreadable requirements.
-    """
+    """Read a project directory; ``extras`` from pyproject.toml's
+    ``[project.optional-dependencies]`` or :data:`BUILTIN_EXTRAS`. Raises
+    :class:`BuildError` for a missing directory, an unknown extra, bad requirements."""
     root = Path(directory).expanduser().resolve()
     if not root.is_dir():
         raise BuildError(f"project directory {str(directory)!r} does not exist (or is not a "
@@ -252,12 +212,8 @@ def validate_repository(repo: str) -> str:
 
 @dataclass(frozen=True)
 class BuildOptions:
-    """How wheels are found and what goes into the content hash.
-
-    ``wheelhouses``: directories of wheels (pip ``--find-links``); ``no_index``: use
-    only them (and pip's configured find-links), never an index; ``cpu_torch``:
-    constrain torch to :data:`TORCH_CPU`.
-    """
+    """How wheels are found: ``wheelhouses`` (pip ``--find-links``), ``no_index`` (no
+    index at all), ``cpu_torch`` (constrain torch to :data:`TORCH_CPU`)."""
 
     wheelhouses: tuple[Path, ...] = ()
     no_index: bool = False
@@ -302,10 +258,8 @@ def _file_digest(path: Path) -> str:
 
 
 def content_hash(project: Project, base_id: str, options: BuildOptions) -> str:
-    """SHA-256 of everything that decides the image: the recipe, the base image's ID,
-    every file's path, mode and content, the requirements, extras, and the wheel
-    options (wheelhouse listings by name and size). An unchanged project hashes alike,
-    so its image is found instead of rebuilt."""
+    """SHA-256 of everything that decides the image: recipe, base image ID, every file's
+    path, mode and content, requirements, extras, wheel options and wheelhouse listings."""
     digest = hashlib.sha256()
 
     def add(*parts: object) -> None:
@@ -437,11 +391,9 @@ def probe_base(client: docker.DockerClient, image_id: str) -> Target:
 
 
 def _stub_wheel(directory: Path, name: str, version: str, tag: str) -> Path:
-    """A metadata-only wheel standing for a distribution the base image already has.
-
-    It carries a build tag and the target's most specific tag, so pip prefers it to the
-    same version on an index: the resolution keeps the base's packages and downloads
-    nothing for them (and finds them even when no index has them, like swarmfd)."""
+    """A metadata-only wheel standing for a distribution the base image has: its build
+    tag and the target's best tag make pip prefer it to any index's, so nothing is
+    downloaded for the base's packages (even those no index has, like swarmfd)."""
     dist = re.sub(r"[-_.]+", "_", name)
     filename = f"{dist}-{version}-0swarmfdbase-{tag}.whl"
     path = directory / filename
@@ -483,13 +435,9 @@ def _pip_hint(stderr: str, options: BuildOptions) -> str:
 def resolve_wheels(project: Project, target: Target, options: BuildOptions, dest: Path,
                    progress: Callable[[str], None],
                    pip: Sequence[str] = (sys.executable, "-m", "pip")) -> list[Path]:
-    """Download (or copy from wheelhouses) every wheel the project needs beyond what the
-    base image has, for the base's Python and platform, into ``dest``; return them.
-
-    Runs ``pip download`` of this machine, so the index, ``find-links`` and
-    certificates of this machine's pip configuration apply. ``--only-binary`` wheels:
-    the build runs no compiler.
-    """
+    """Every wheel the project needs beyond the base image's, for its Python and
+    platform, into ``dest`` by this machine's ``pip download`` (wheels only: the build
+    runs no compiler)."""
     if not project.requirements and not project.requirements_file:
         return []
     dest.mkdir(parents=True, exist_ok=True)
@@ -603,8 +551,7 @@ def dockerfile(base_ref: str, target: Target, *, deps_hash: str | None, project_
             f"FROM {base_ref} AS deps",
             f'LABEL {LABEL_DEPS}="{deps_hash}"',
             "COPY wheels/ /tmp/swarmfd-wheels/",
-            # --root: installed as into /, but under a staging root, so the final stage
-            # copies installed files only (the wheels stay in this stage).
+            # A staging root: the final stage copies installed files, never the wheels.
             f"RUN {py} -m pip install {pip_flags} --find-links /tmp/swarmfd-wheels "
             "--root /tmp/swarmfd-root /tmp/swarmfd-wheels/*.whl",
         ]
@@ -640,7 +587,7 @@ def write_context(fileobj: Any, project: Project, dockerfile_text: str,
     ``wheels/``, ``own/`` (the project's wheel) and ``project/`` (its files)."""
     with tarfile.open(fileobj=fileobj, mode="w", format=tarfile.PAX_FORMAT) as tar:
         data = dockerfile_text.encode()
-        tar.addfile(_tarinfo("Dockerfile", len(data), 0o644), _BytesReader(data))
+        tar.addfile(_tarinfo("Dockerfile", len(data), 0o644), io.BytesIO(data))
         for name in ("wheels", "own", "project"):
             info = _tarinfo(name + "/", 0, 0o755)
             info.type = tarfile.DIRTYPE
@@ -664,18 +611,6 @@ def write_context(fileobj: Any, project: Project, dockerfile_text: str,
             mode = 0o755 if os.access(path, os.X_OK) else 0o644
             with path.open("rb") as fh:
                 tar.addfile(_tarinfo(arcname, path.stat().st_size, mode), fh)
-
-
-class _BytesReader:
-    def __init__(self, data: bytes) -> None:
-        self._data = memoryview(data)
-        self._pos = 0
-
-    def read(self, size: int = -1) -> bytes:
-        end = len(self._data) if size < 0 else self._pos + size
-        chunk = bytes(self._data[self._pos:end])
-        self._pos += len(chunk)
-        return chunk
 
 
 # --- building ---------------------------------------------------------------------------
@@ -756,11 +691,8 @@ def build_project(client: docker.DockerClient, directory: str | os.PathLike[str]
                   extras: Sequence[str] = (), options: BuildOptions | None = None,
                   rebuild: bool = False,
                   progress: Callable[[str], None] = lambda line: None) -> BuiltImage:
-    """Build (or find) the image of the project in ``directory`` on ``client``'s engine.
-
-    Returns a :class:`BuiltImage`; ``cached`` when an image of the same content (same
-    tag) exists and ``rebuild`` is false. Raises :class:`BuildError`.
-    """
+    """Build (or find: ``cached``, unless ``rebuild``) the image of the project in
+    ``directory`` on ``client``'s engine. Raises :class:`BuildError`."""
     started = time.monotonic()
     options = options or BuildOptions()
     project = read_project(directory, extras)
@@ -832,8 +764,8 @@ def build_project(client: docker.DockerClient, directory: str | os.PathLike[str]
 
 
 def _keep_deps_stage(client: docker.DockerClient, repo: str, deps_hash: str) -> None:
-    """Tag the dependency stage ``<repo>:deps`` (the layer cache of the next build) and
-    remove the one it replaces, so no untagged image is left behind."""
+    """Tag the dependency stage ``<repo>:deps`` (the next build's cache) and remove the
+    one it replaces."""
     stages = client.api.images(filters={"label": f"{LABEL_DEPS}={deps_hash}"})
     if not stages:
         return
@@ -886,9 +818,8 @@ def _push_hint(message: str, registry: str) -> str:
 
 def push_image(client: docker.DockerClient, image: str, registry: str, *,
                progress: Callable[[str], None] = lambda line: None) -> str:
-    """Push ``image`` (``repo:tag``, e.g. a :attr:`BuiltImage.ref`) to ``registry`` as
-    ``<registry>/<repo>:<tag>``; return the reference every node can pull,
-    ``<registry>/<repo>:<tag>@sha256:...`` (the digest pins exactly this image)."""
+    """Push ``image`` (``repo:tag``) to ``registry``; the reference every node can pull,
+    ``<registry>/<repo>:<tag>@sha256:...``."""
     registry = parse_registry(registry)
     if image.startswith("sha256:") or "@" in image:
         raise BuildError(f"cannot push {image!r}: give the image by name, REPOSITORY[:TAG]")

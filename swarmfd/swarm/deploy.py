@@ -37,7 +37,9 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+from ..jobs import job_line
 from . import doctor
 from .build import build_project, push_image
 from .engine import (
@@ -156,9 +158,10 @@ def run_deploy(
         ranks = "1 rank" if job.world_size == 1 else f"{job.world_size} ranks"
         progress(f"created job {job.name}: {ranks} of {job.image} ({image.ref[:19]})")
         while True:
+            records: dict[int, dict[str, Any]] = {}
             followed = follow_job(client, job.name, service_id, job.world_size, node_id,
                                   output=output, progress=progress, started=started, poll=poll,
-                                  elastic=job.elastic)
+                                  records=records, elastic=job.elastic)
             if followed.outcome != "failed" or job.restart_count >= max_restarts or \
                     job.elastic:  # (an elastic job's ranks are restarted one by one)
                 break
@@ -181,6 +184,9 @@ def run_deploy(
             progress(followed.message)
             return result
         remove = keep == "never" or (keep == "on-failure" and followed.outcome == "done")
+        line = job_line(records, job.world_size, time.monotonic() - started)
+        if line:
+            progress(f"job {job.name}: {line}")
         if followed.outcome == "done":
             progress(f"job {job.name} done: {followed.message}"
                      + (f" (after {job.restart_count} restart(s))" if job.restart_count else ""))

@@ -1,19 +1,13 @@
 """Following a job: task progress, rank-prefixed logs, failure detection, stopping.
 
-Logs. A task's output is read from its container (``GET /containers/{id}/logs``)
-when the task runs on this node: that is complete and ordered, while Swarm's
-service log stream can drop the lines of short-lived tasks. Tasks on other nodes
-can only be read through the service log stream (``GET /services/{id}/logs``,
-with ``details`` naming each line's task), so that is used for them. Each line is
-written whole, prefixed ``[rank R] ``, the container's stdout to ``out`` and its
-stderr to ``err``. A container's log stream is opened once its task is running (or
-has ended), and always from the start, so no line is missed.
+Logs: a task on this node is read from its container (complete and ordered, from the
+start once it runs), a task elsewhere through the service log (``details`` names each
+line's task; it can drop short-lived tasks' lines). Each line is written whole,
+prefixed ``[rank R] ``, stdout to ``out`` and stderr to ``err``.
 
-Failure detection. :func:`follow_job` polls the tasks every ``poll`` seconds (0.3 by
-default). A rank that fails (non-zero exit: Swarm's ``failed``), is rejected (could
-not start), or is stopped by Swarm ends the job: the other ranks are stopped by
-scaling the service to 0 (their tasks, containers and logs stay for inspection)
-and the result names the rank, its exit code and its node. Every wait is bounded.
+Failures: :func:`follow_job` polls the tasks every ``poll`` s; a rank that fails, is
+rejected or is stopped by Swarm ends the job: the others are stopped (their tasks and
+logs stay) and the result names the rank, its exit code and node. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -30,6 +24,7 @@ from typing import Any, BinaryIO
 import docker
 import docker.errors
 
+from .. import statusline
 from .engine import NodeState, job_tasks, node_states, set_labels, stop_job
 from .spec import LABEL_FAILURE
 from .tasks import (
@@ -45,7 +40,8 @@ from .tasks import (
     summarize,
 )
 
-__all__ = ["FollowResult", "LogPump", "RankOutput", "follow_job", "print_logs"]
+__all__ = ["FollowResult", "LineSplitter", "LogPump", "RankOutput", "follow_job", "parse_details",
+           "print_logs"]
 
 DEFAULT_POLL = 0.3
 STOP_TIMEOUT = 30.0
@@ -55,8 +51,7 @@ DRAIN_TIMEOUT = 10.0
 TAIL_LINES = 50
 SERVICE_LOG_GRACE = 1.0
 #: At a failure, how long the ended ranks' logs may take to be read before the others
-#: are stopped (reading an ended container's log takes milliseconds; this bounds a slow
-#: engine).
+#: are stopped (milliseconds usually; this bounds a slow engine).
 ENDED_READ_TIMEOUT = 5.0
 MAX_LINE = 64 * 1024
 
@@ -80,7 +75,7 @@ class RankOutput:
             stream.flush()
 
 
-class _Lines:
+class LineSplitter:
     """Splits a byte stream into lines; a final unterminated piece is kept for flush()."""
 
     def __init__(self) -> None:
@@ -111,7 +106,7 @@ def _split_timestamp(line: bytes) -> tuple[_dt.datetime | None, bytes]:
     return parse_timestamp(stamp.decode("ascii", "replace")), rest
 
 
-def _parse_details(chunk: bytes) -> tuple[str, bytes]:
+def parse_details(chunk: bytes) -> tuple[str, bytes]:
     """Split a service-log chunk with details into (task ID, message)."""
     attrs, _sep, message = chunk.partition(b" ")
     task_id = ""
@@ -123,12 +118,11 @@ def _parse_details(chunk: bytes) -> tuple[str, bytes]:
 
 
 class LogPump:
-    """Streams the logs of a service's tasks to a sink, one reader thread per stream.
+    """Streams the logs of a service's tasks to a sink, a reader thread per stream.
 
-    ``update(views)`` starts readers for tasks seen for the first time (once they run
-    or have ended); ``wait`` joins the readers (bounded); ``close`` cancels them.
     ``follow=False`` reads what is there and ends; ``timestamps=True`` passes each
-    line's time to the sink (used to merge the ranks' lines in time order).
+    line's time to the sink. The ranks' status lines (:mod:`swarmfd.statusline`) never
+    reach the sink: each rank's latest is kept in ``records``.
     """
 
     def __init__(
@@ -141,8 +135,11 @@ class LogPump:
         ranks: Iterable[int] | None = None,
         follow: bool = True,
         timestamps: bool = False,
+        records: dict[int, dict[str, Any]] | None = None,
     ) -> None:
         self.client = client
+        self.records: dict[int, dict[str, Any]] = {} if records is None else records
+        self._carry: dict[int, bytes] = {}  # a rank's line begun before a status line
         self.service_id = service_id
         self.node_id = node_id
         self.sink = sink
@@ -196,6 +193,14 @@ class LogPump:
         when = None
         if self.timestamps:
             when, line = _split_timestamp(line)
+        if which == "err":
+            line, record = statusline.split(self._carry.pop(rank, b"") + line)
+            if record is not None:
+                if record:
+                    self.records[rank] = record
+                if line:
+                    self._carry[rank] = line
+                return
         self.sink(rank, which, line, when)
 
     def _read_container(self, rank: int, container_id: str, which: str) -> None:
@@ -211,7 +216,7 @@ class LogPump:
             self.errors.append(f"rank {rank}: cannot read its logs: {exc}")
             return
         self._streams.append(stream)
-        lines = _Lines()
+        lines = LineSplitter()
         try:
             for chunk in stream:
                 for line in lines.feed(chunk):
@@ -231,17 +236,17 @@ class LogPump:
         except docker.errors.APIError as exc:
             self.errors.append(f"cannot read the service logs: {exc}")
             return
-        pending: dict[str, _Lines] = {}
+        pending: dict[str, LineSplitter] = {}
         try:
             for chunk in stream:
                 stamp = b""
                 if self.timestamps:
                     stamp, _sep, chunk = chunk.partition(b" ")
-                task_id, message = _parse_details(chunk)
+                task_id, message = parse_details(chunk)
                 rank = self._rank_of_remote(task_id)
                 if rank is None:
                     continue
-                lines = pending.setdefault(task_id, _Lines())
+                lines = pending.setdefault(task_id, LineSplitter())
                 for line in lines.feed(message):
                     self._emit(rank, which, (stamp + b" " + line) if stamp else line)
         except Exception as exc:
@@ -265,17 +270,13 @@ class LogPump:
         return view.rank
 
     def wait(self, timeout: float) -> bool:
-        """Join the readers, at most ``timeout`` seconds; True when all ended.
-
-        A local container's stream ends with its container. The service log stream
-        (remote tasks) never ends while following, so it is not waited for then.
-        """
+        """Join the readers, at most ``timeout`` s; True when all ended (the service log
+        never ends while following: it is not waited for then)."""
         deadline = time.monotonic() + timeout
         waited = [t for t, local, _rank in self._threads if local or not self.follow]
         for thread in waited:
             thread.join(max(0.0, deadline - time.monotonic()))
-        if self.follow and self._service_reader:
-            # Give the service log a moment to deliver the ended tasks' last lines.
+        if self.follow and self._service_reader:  # its ended tasks' last lines
             time.sleep(max(0.0, min(SERVICE_LOG_GRACE, deadline - time.monotonic())))
         return not any(t.is_alive() for t in waited)
 
@@ -294,9 +295,8 @@ class LogPump:
                        if local and rank is not None and t.is_alive()})
 
     def drain(self, timeout: float, progress: Callable[[str], None], name: str) -> None:
-        """:meth:`wait` for the ended ranks' last lines, and say on ``progress`` what could
-        not be read (a rank's output is never dropped silently: a job's logs go with its
-        service, which a restart removes)."""
+        """:meth:`wait` for the ended ranks' last lines; say on ``progress`` what could
+        not be read (a job's logs go with its service: never drop them silently)."""
         self.wait(timeout)
         unread = self.unread()
         if unread:
@@ -342,20 +342,17 @@ def follow_job(
     poll: float = DEFAULT_POLL,
     stop_timeout: float = STOP_TIMEOUT,
     drain_timeout: float = DRAIN_TIMEOUT,
+    records: dict[int, dict[str, Any]] | None = None,
     elastic: bool = False,
 ) -> FollowResult:
-    """Follow job ``name`` until every rank completed, one failed, or Ctrl-C (an
-    ``elastic`` job: until every slot has ended, see :class:`_Elastic`).
-
-    ``output`` receives every rank's lines (``None``: no logs); ``progress`` gets one
-    line per change of the phase counts, the pending reasons Swarm gives, the moment
-    all ranks run, and the outcome. On a failure the remaining ranks are stopped
-    (:func:`.engine.stop_job`) and their logs drained, each wait bounded. Ctrl-C
-    (``KeyboardInterrupt``) stops following and leaves the job as it is.
-    """
+    """Follow job ``name`` until every rank completed, one failed, or Ctrl-C (which
+    leaves the job as it is); an ``elastic`` job until every slot has ended (see
+    :class:`_Elastic`). ``output`` receives the ranks' lines (None: no logs),
+    ``records`` their status records; ``progress`` a line per change of the phase
+    counts, Swarm's pending reasons, all ranks running, and the outcome."""
     t0 = time.monotonic() if started is None else started
     tails = _Tails()
-    pump = (LogPump(client, service_id, node_id, tails.wrap(output))
+    pump = (LogPump(client, service_id, node_id, tails.wrap(output), records=records)
             if output is not None else None)
     last_summary = ""
     reasons: dict[int, str] = {}
@@ -496,8 +493,7 @@ class _Elastic:
 
 
 class _Tails:
-    """The last :data:`TAIL_LINES` lines of each rank's output, kept by a wrapped sink
-    (the log readers are threads); decoded only when asked for."""
+    """The last :data:`TAIL_LINES` lines of each rank's output, kept by a wrapped sink."""
 
     def __init__(self) -> None:
         self._lines: dict[int, deque[bytes]] = {}
@@ -524,11 +520,8 @@ def _lost(views: dict[int, TaskView], nodes: dict[str, NodeState]) -> list[TaskV
 
 def _describe_failure(failure: TaskView | None, lost: list[TaskView],
                       nodes: dict[str, NodeState]) -> tuple[TaskView, str, str]:
-    """The rank that caused the failure, its node's name and the message naming both.
-
-    A rank whose node left is the cause: the ranks that failed meanwhile lost their
-    peer (swarmfd's PeerLostError), so their failure follows from it.
-    """
+    """The rank that caused the failure, its node's name and the message naming both: a
+    rank whose node left, before ranks that failed for losing it."""
     def node_of(view: TaskView) -> NodeState:
         return nodes.get(view.node_id, NodeState(view.node_id[:12], "unknown"))
 
@@ -573,11 +566,8 @@ def _stop_after_failure(
     progress(f"{name}: {message}; stopping the other ranks")
     noticed = time.monotonic()
     if pump is not None:
-        # Read the ranks that already ended (in ``views``, the poll that found the
-        # failure; their readers started with it) before anything is stopped: stop_job
-        # scales the service to 0 when a rank is not running here yet (starting, or on
-        # another node), and Swarm then drops every task, the ended ones' containers and
-        # logs (the failed rank's traceback) with them.
+        # Read the ended ranks first: scaling to 0 makes Swarm drop every task and its
+        # logs (the failed rank's traceback).
         pump.wait_for([r for r, v in views.items() if v.terminal],
                       min(drain_timeout, ENDED_READ_TIMEOUT))
     try:
@@ -589,10 +579,8 @@ def _stop_after_failure(
                  "directly (Swarm drops their tasks)")
     deadline = noticed + stop_timeout
     views = job_tasks(client, service_id)
-    # Wait until every rank ended or is lost. A rank whose node left never ends: Swarm
-    # shows it running until the node is back. The manager declares such a node down
-    # only after missed heartbeats, so a rank that failed meanwhile (its peer vanished)
-    # is renamed as a consequence once the lost rank is known.
+    # Until every rank ended or is lost (a lost node's rank never ends). A node is
+    # declared down only after missed heartbeats: the cause is renamed once it is.
     while time.monotonic() < deadline:
         nodes = node_states(client) or nodes
         now_lost = _lost(views, nodes)
@@ -613,8 +601,7 @@ def _stop_after_failure(
     left = [r for r, v in views.items() if not v.terminal and v.task_id not in lost_ids]
     if left:
         progress(f"{name}: ranks {left} did not stop within {stop_timeout:.0f} s")
-    elif world_size > 1:
-        # Ranks stopped by scaling to 0 have no task any more: count only what is listed.
+    elif world_size > 1:  # ranks stopped by scaling to 0 have no task any more
         listed = [v for v in views.values() if v.task_id not in lost_ids]
         shown = ", ".join(([summarize(listed)] if listed else [])
                           + ([f"{len(lost)} lost"] if lost else [])) or "no tasks"
@@ -622,9 +609,7 @@ def _stop_after_failure(
     if pump is not None:
         pump.update(views)
         pump.drain(drain_timeout, progress, name)
-    if failure is not None and not lost:
-        # The rank Swarm reported first may have failed of another's failure: its
-        # traceback (all logs are drained by now) names the peer it lost.
+    if failure is not None and not lost:  # its traceback may name the peer it lost
         root = root_failure(failure, views, tails.snapshot())
         if root is not failure:
             first, failure = failure, root
@@ -649,13 +634,8 @@ def print_logs(
     poll: float = 0.5,
     drain_timeout: float = DRAIN_TIMEOUT,
 ) -> list[str]:
-    """Write the logs of a job's ranks to ``output``; return problems met (e.g. a rank
-    whose container is gone).
-
-    Without ``follow`` each rank's lines are read completely and written merged in time
-    order. With ``follow`` lines are written as they come until every task of the job
-    has ended (or Ctrl-C, which propagates as ``KeyboardInterrupt``).
-    """
+    """Write the logs of a job's ranks to ``output`` (merged in time order; ``follow``:
+    as they come until every task ended); the problems met (a container gone, ...)."""
     wanted = None if ranks is None else set(ranks)
     if not follow:
         collected: list[tuple[_dt.datetime, int, int, str, bytes]] = []
@@ -673,7 +653,6 @@ def print_logs(
             pump.wait(drain_timeout)
         finally:
             pump.close()
-        # Remote ranks arrive through the service log, which (without follow) ends too.
         for when, _n, rank, which, line in sorted(collected, key=lambda c: (c[0], c[1])):
             output(rank, which, line, when)
         return pump.errors

@@ -641,7 +641,9 @@ class JobSpec:
             contract["SWARMFD_INIT_TIMEOUT"] = f"{self.init_timeout:g}"
         if self.checkpoint_volume:
             contract[ENV_CHECKPOINT_DIR] = CHECKPOINT_TARGET
-        defaults = {"PYTHONUNBUFFERED": "1"}
+        # A status line every STATUS_INTERVAL s on each rank's stderr: what `swarmfd top`
+        # reads from the service log (deploy and logs hide the lines).
+        defaults = {"PYTHONUNBUFFERED": "1", "SWARMFD_STATUS": STATUS_INTERVAL}
         if self.local_ranks == "node":
             # The entrypoint then leaves LOCAL_RANK/LOCAL_WORLD_SIZE unset, and swarmfd
             # derives them at rendezvous by grouping the ranks on SWARMFD_NODE.
@@ -659,6 +661,11 @@ class JobSpec:
         # Defaults first (the user may override them), the contract last (it may not).
         merged = {**defaults, **self.env, **contract}
         return [f"{k}={v}" for k, v in merged.items()]
+
+
+#: SWARMFD_STATUS of a Swarm job's ranks (seconds): each line goes to the service log,
+#: which keeps it, so less often than ``swarmfd run``'s.
+STATUS_INTERVAL = "2"
 
 
 def secret_name(job_name: str) -> str:

@@ -1,11 +1,8 @@
 """Pure views of a job's Swarm tasks: rank, phase, outcome, summaries.
 
-The Engine API describes each task as a JSON object (``GET /tasks``). The
-functions here take those plain dicts and answer the questions ``deploy``,
-``ls`` and ``ps`` ask (which rank, which phase, did the job succeed, which rank
-failed first), without talking to Docker, so they are unit tested with plain data.
-
-Swarm's task states, grouped into the phases swarmfd shows:
+The functions here take ``GET /tasks`` objects (plain dicts) and answer what
+``deploy``, ``ls`` and ``ps`` ask, without talking to Docker. Swarm's task states, in
+the phases swarmfd shows:
 
 ``pending``   new, allocated, pending, assigned (waiting for a node / resources)
 ``starting``  accepted, preparing, ready, starting (the node is creating the container)
@@ -27,22 +24,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = [
-    "PHASES",
-    "TaskView",
-    "exit_code_for",
-    "failure_message",
-    "first_failure",
-    "job_state",
-    "latest_per_rank",
-    "lost_message",
-    "lost_peer",
-    "lost_ranks",
-    "parse_timestamp",
-    "phase_of",
-    "root_failure",
-    "summarize",
-]
+__all__ = ["PHASES", "TaskView", "exit_code_for", "failure_message", "first_failure", "job_state",
+           "latest_per_rank", "lost_message", "lost_peer", "lost_ranks", "parse_timestamp",
+           "phase_of", "root_failure", "summarize"]
 
 _PHASE_OF_STATE = {
     "new": "pending",
@@ -70,10 +54,7 @@ _EPOCH = _dt.datetime(1970, 1, 1, tzinfo=_dt.timezone.utc)
 
 
 def parse_timestamp(text: str | None) -> _dt.datetime:
-    """Parse Docker's RFC 3339 timestamps (nanoseconds, trailing zeros trimmed) to UTC.
-
-    Unparseable or missing values give the epoch, so sorting never fails.
-    """
+    """Docker's RFC 3339 timestamp (nanoseconds) in UTC; the epoch when unparseable."""
     match = _TS_RE.match(text or "")
     if match is None:
         return _EPOCH
@@ -146,11 +127,7 @@ class TaskView:
 
 
 def latest_per_rank(tasks: Iterable[Mapping[str, Any] | TaskView]) -> dict[int, TaskView]:
-    """The newest task of each slot, keyed by rank (tasks without a slot are ignored).
-
-    With restart condition ``none`` each slot has one task, but Swarm can keep older
-    ones (task history) after a service update, so pick the newest by creation time.
-    """
+    """The newest task of each slot, by rank (Swarm keeps older ones after an update)."""
     best: dict[int, TaskView] = {}
     for raw in tasks:
         view = raw if isinstance(raw, TaskView) else TaskView.from_api(raw)
@@ -191,13 +168,9 @@ def lost_peer(lines: Iterable[str]) -> int | None:
 
 def root_failure(failure: TaskView, views: Mapping[int, TaskView],
                  outputs: Mapping[int, Iterable[str]]) -> TaskView:
-    """The failed rank that ended the job, starting from ``failure`` (the first one Swarm
-    reported): while the cause's output says it lost rank K (``PeerLostError``) and
-    rank K failed too, K is the cause. So when rank 1 exits with code 3 and rank 0,
-    which was waiting for its data, fails at once with the PeerLostError that follows
-    from it, rank 1 is named, even if Swarm reported rank 0's exit first: the two
-    containers end within milliseconds and their task states reach the manager in
-    either order. A lost peer that ended well, or is still running, is not a cause."""
+    """The failed rank that ended the job, from ``failure`` (the first Swarm reported):
+    while the cause's output says it lost rank K (``PeerLostError``) and K failed too, K
+    is the cause (tasks ending within milliseconds reach the manager in either order)."""
     cause, seen = failure, {failure.rank}
     while True:
         peer = lost_peer(outputs.get(cause.rank, ()))
@@ -213,9 +186,8 @@ NODE_GONE_STATES = frozenset({"down", "disconnected", "unknown"})
 
 
 def lost_ranks(views: Iterable[TaskView], gone_nodes: Iterable[str]) -> list[TaskView]:
-    """The tasks not ended yet whose node has left (down, disconnected): their ranks are
-    lost. Swarm keeps showing such a task as running (desired state ``remove``) until the
-    node comes back, so it never ends on its own. Sorted by rank."""
+    """The tasks not ended whose node has left, by rank: lost (Swarm shows them running
+    until the node is back)."""
     gone = set(gone_nodes)
     return sorted((v for v in views if not v.terminal and v.node_id in gone),
                   key=lambda v: v.rank)
@@ -270,11 +242,8 @@ def summarize(views: Iterable[TaskView], world_size: int | None = None) -> str:
 
 
 def job_state(views: Iterable[TaskView], world_size: int) -> str:
-    """One word for the whole job: failed, done, running, starting, pending or stopped.
-
-    ``failed`` as soon as one rank failed (the job cannot succeed any more); ``done``
-    when every rank completed; ``stopped`` when ranks were stopped without a failure.
-    """
+    """One word for the whole job: failed (a rank failed), done (all completed),
+    stopped (without a failure), running, starting or pending."""
     views = list(views)
     phases = Counter(v.phase for v in views)
     if phases["failed"]:

@@ -14,6 +14,7 @@ stays numpy-only:
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -133,3 +134,28 @@ class Work:
 
     def exception(self) -> BaseException | None:
         return None if self._work is None else self._work.exception()
+
+
+_NUMPY_DTYPES = {torch.float16: np.float16, torch.float32: np.float32,
+                 torch.float64: np.float64, torch.bfloat16: np.int16}
+
+
+def memory(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of contiguous ``t``'s elements (bfloat16 as int16 bits) that does not
+    pin its storage.
+
+    ``Tensor.numpy()`` marks the storage unresizable for good, and fully_shard frees a
+    gathered unit by resizing its storage to zero (every view of it, those autograd
+    saved included, then holds no memory; the next gather resizes the same storage
+    back). The view is valid until that storage is resized: the caller keeps it no
+    longer than the collective that writes or reads it. Writes through it do not bump
+    the tensor's version counter, which autograd's saved views of the same storage
+    share.
+    """
+    dtype = np.dtype(_NUMPY_DTYPES[t.dtype])
+    if t.numel() == 0:
+        return np.empty(0, dtype)
+    if not t.is_contiguous():
+        raise ValueError("swarmfd.torch: memory() needs a contiguous tensor")
+    raw = (ctypes.c_byte * (t.numel() * t.element_size())).from_address(t.data_ptr())
+    return np.frombuffer(raw, dtype=dtype)

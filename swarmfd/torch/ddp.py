@@ -74,6 +74,7 @@ from swarmfd.config import usable_cores
 
 from . import _buckets
 from ._tensors import FLOAT_DTYPES, bits, check_cpu
+from .fsdp import PIECE
 
 #: Attributes naming, on a parameter, the DistributedDataParallel or
 #: ZeroRedundancyOptimizer that owns it (a weak reference: dropping the owner frees
@@ -215,6 +216,10 @@ class DistributedDataParallel(torch.nn.Module):
         for n, b in module.named_buffers():
             check_cpu(b, f"buffer {n!r}", "DistributedDataParallel")
         params = [p for _, p in named]
+        if any(hasattr(p, PIECE) for p in params):
+            raise TypeError("swarmfd.torch.DistributedDataParallel: this module is sharded "
+                            "by fully_shard, which averages its gradients itself; use it "
+                            "without DDP")
         other = live_owner(DDP_OWNERS, params)
         if other is not None and other is not self:
             raise RuntimeError("swarmfd.torch.DistributedDataParallel: this module's "

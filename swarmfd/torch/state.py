@@ -50,19 +50,20 @@ def broadcast_parameters(params: Any, src: int = 0, *, group: Any = None) -> Non
         collectives.broadcast(params, src=src, group=group)
 
 
-def _encode(value: Any, where: str) -> Any:
-    """A JSON-able form of a hyperparameter or a non-tensor state value."""
+def _encode(value: Any, where: str, fn: str = "broadcast_optimizer_state") -> Any:
+    """A JSON-able form of a hyperparameter or a non-tensor state value (``fn``: the
+    function to name in the error)."""
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
         return value if math.isfinite(value) else {"float": repr(value)}
     if isinstance(value, (tuple, list)):
         return {"tuple" if isinstance(value, tuple) else "list":
-                [_encode(v, where) for v in value]}
+                [_encode(v, where, fn) for v in value]}
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return {"scalar_tensor": value.item(),
                 "dtype": str(value.dtype).removeprefix("torch.")}
-    raise TypeError(f"swarmfd.torch.broadcast_optimizer_state: {where} is a "
+    raise TypeError(f"swarmfd.torch.{fn}: {where} is a "
                     f"{type(value).__name__}, which has no JSON form; supported: numbers, "
                     "strings, bools, None, tuples and lists of them")
 

@@ -48,6 +48,7 @@ from swarmfd import _internal
 from . import _buckets
 from ._tensors import FLOAT_DTYPES, bits, check_cpu
 from .ddp import DDP_OWNERS, ZERO_OWNERS, live_owner, set_owner
+from .fsdp import PIECE
 
 #: torch.optim classes whose update is not elementwise: a flat shard would change it.
 _NOT_ELEMENTWISE = {"LBFGS", "SparseAdam", "Adafactor", "LAMB", "LARS"}
@@ -140,6 +141,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             if p.dtype not in FLOAT_DTYPES:
                 raise TypeError(f"ZeroRedundancyOptimizer: parameter {i} has dtype {p.dtype}; "
                                 f"expected one of {FLOAT_DTYPES}")
+        if any(hasattr(p, PIECE) for p in self._params):
+            raise TypeError("ZeroRedundancyOptimizer: these parameters are fully_shard's "
+                            "shards, whose optimizer state is sharded already; use a plain "
+                            f"{optimizer_class.__name__} on them")
         if live_owner(ZERO_OWNERS, self._params) is not None:
             raise RuntimeError("ZeroRedundancyOptimizer: these parameters belong to another "
                                "live ZeroRedundancyOptimizer")
@@ -540,31 +545,58 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             for k, v in theirs.items():
                 if k != "params":
                     mine[k] = copy.deepcopy(v)
-        self._sync_hyperparameters()
-        index = {id(p): i for i, p in enumerate(self._params)}
-        for i, p in enumerate(self._params):
+
+        def entries(i: int) -> dict[str, Any]:
+            st = states.get(i, states.get(str(i))) or {}
+            kinds = self._kinds[self._group_of[id(self._params[i])]]
+            return {k: None if kinds.get(k) == "elementwise" else v for k, v in st.items()}
+
+        def read(i: int, key: str, start: int, stop: int) -> torch.Tensor:
             st = states.get(i, states.get(str(i)))
-            if st is None:
-                continue
+            return st[key].detach().reshape(-1)[start:stop]
+
+        for i, p in enumerate(self._params):
+            st = states.get(i, states.get(str(i))) or {}
             for k, v in st.items():
                 if (self._kinds[self._group_of[id(p)]].get(k) == "elementwise"
                         and (not isinstance(v, torch.Tensor) or v.numel() != p.numel())):
                     raise ValueError(f"ZeroRedundancyOptimizer.load_state_dict: state "
                                      f"{k!r} of parameter {i} does not match its shape "
                                      f"{list(p.shape)}")
+        self._load(entries, read)
+
+    def _load(self, entries: Callable[[int], dict[str, Any]],
+              read: Callable[[int, str, int, int], torch.Tensor]) -> None:
+        """Fill every owned run's state from a source that gives ranges (the one load of
+        a full state dict and of a sharded checkpoint): ``entries(i)`` is parameter i's
+        state, {key: None for an elementwise key, else its value} (empty: no state);
+        ``read(i, key, start, stop)`` elements [start, stop) of its flattened
+        elementwise state ``key``. The same source on every rank."""
+        self._wait_params()
+        self._sync_hyperparameters()
+        index = {id(p): i for i, p in enumerate(self._params)}
+        count = 0
+        for i in range(len(self._params)):
+            step = entries(i).get("step")
+            if step is not None and not count:
+                value = float(step)
+                count = int(value) if math.isfinite(value) else 0
+        anything = any(entries(i) for i in range(len(self._params)))
         for b, runs, local in zip(self._buckets, self._runs, self._local, strict=True):
             if local is None:
                 continue
             local.state.clear()
             for run in runs:
-                entry = self._run_state(b, run, states, index)
+                entry = self._run_state(b, run, entries, read, index)
                 if entry:
                     local.state[run.tensor] = entry
-        self._steps = max(self._steps, self._step_count_in(states))
-        self._has_state = self._has_state or bool(states)
+        self._steps = max(self._steps, count)
+        self._has_state = self._has_state or anything
         self._consolidated = None
 
-    def _run_state(self, b: _buckets.Bucket, run: _Run, states: dict[Any, Any],
+    def _run_state(self, b: _buckets.Bucket, run: _Run,
+                   entries: Callable[[int], dict[str, Any]],
+                   read: Callable[[int, str, int, int], torch.Tensor],
                    index: dict[int, int]) -> dict[str, Any]:
         entry: dict[str, Any] = {}
         pieces: dict[str, list[torch.Tensor]] = {}
@@ -574,13 +606,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             if a >= z:
                 continue
             i = index[id(s.param)]
-            st = states.get(i, states.get(str(i)))
+            st = entries(i)
             if not st:
                 complete = False
                 continue
             for k, v in st.items():
-                if self._kinds[run.group].get(k) == "elementwise":
-                    flat = v.detach().reshape(-1)[a - s.offset:z - s.offset]
+                if v is None:
+                    flat = read(i, k, a - s.offset, z - s.offset)
                     pieces.setdefault(k, []).append(flat.to(b.dtype))
                 elif k not in entry:
                     entry[k] = v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
@@ -591,16 +623,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         for k, parts in pieces.items():
             entry[k] = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
         return entry
-
-    @staticmethod
-    def _step_count_in(states: dict[Any, Any]) -> int:
-        for st in states.values():
-            step = st.get("step") if isinstance(st, dict) else None
-            if step is not None:
-                value = float(step)
-                if math.isfinite(value):
-                    return int(value)
-        return 0
 
     # -- introspection ------------------------------------------------------------------
 

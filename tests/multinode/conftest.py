@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from tests.harness import unavailable
+from tests.support.harness import unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 SETUP_SCRIPT = ROOT / "scripts" / "setup-docker.sh"

@@ -22,8 +22,9 @@ from typing import Any
 
 import pytest
 
+from swarmfd.statusline import MARK
 from swarmfd.swarm.spec import LABEL_JOB
-from tests.swarm_jobs import job_names, rank_lines, wait_until
+from tests.support.swarm_jobs import SLOWED_JOB, job_names, rank_lines, top_rows, wait_until
 
 pytestmark = [pytest.mark.swarm, pytest.mark.multinode]
 
@@ -32,13 +33,17 @@ TRAIN = "/opt/swarmfd/examples/train.py"
 CLI_TIMEOUT = 180.0
 
 
-def swarmfd(cluster: Any, *args: str, via_env: bool = False,
+def swarmfd(cluster: Any, *args: str, via_env: bool = False, preflight: bool = False,
             timeout: float = CLI_TIMEOUT) -> subprocess.CompletedProcess[str]:
     """``python -m swarmfd ARGS`` against the inner manager: ``--host`` after the
-    subcommand, or ``DOCKER_HOST`` in the environment with ``via_env``."""
+    subcommand, or ``DOCKER_HOST`` in the environment with ``via_env``. A deploy skips
+    its preflight (a few seconds each; tests/multinode/test_doctor.py tests it) unless
+    ``preflight``."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("DOCKER_HOST", None)
     argv = list(args)
+    if argv[0] == "deploy" and not preflight and "--no-preflight" not in argv:
+        argv[1:1] = ["--no-preflight"]
     if via_env:
         env["DOCKER_HOST"] = cluster.manager.docker_host
     else:
@@ -89,13 +94,18 @@ def test_train_one_rank_per_node(multinode: Any, job_name: Callable[[str], str])
     name = job_name("train")
     started = time.monotonic()
     proc = swarmfd(multinode, "deploy", multinode.image_id, "-n", str(n), "--name", name,
-                   "--max-per-node", "1", "--keep", "--", "python", TRAIN, "--epochs", "3")
+                   "--max-per-node", "1", "--keep", "--", "python", TRAIN, "--epochs", "3",
+                   preflight=True)  # a healthy Swarm: the preflight lets the job through
     elapsed = time.monotonic() - started
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = rank_lines(proc.stdout)
     for rank in range(n):
         assert f"rank {rank}: trained on {7200 // n} samples" in lines.get(rank, []), proc.stdout
     assert any(f"params identical on all {n} ranks: OK" in line for line in lines[0])
+    # The ranks' status lines came through the service log from every node (deploy's
+    # last line of the job is made of them) and were not shown.
+    assert f"job {name}: {n} rank(s), " in proc.stderr, proc.stderr
+    assert MARK.decode() not in proc.stdout + proc.stderr
 
     ps = swarmfd(multinode, "ps", name, via_env=True)
     assert ps.returncode == 0, ps.stderr
@@ -107,6 +117,22 @@ def test_train_one_rank_per_node(multinode: Any, job_name: Callable[[str], str])
     assert rm.returncode == 0, rm.stderr
     print(f"\nmultinode N={n}, one rank per node, train.py --epochs 3: {elapsed:.1f} s "
           f"end to end\n{ps.stdout}")
+
+
+def test_top_shows_the_ranks_of_every_node_from_the_manager(
+        multinode: Any, job_name: Callable[[str], str]) -> None:
+    """One rank per node, rank 1 slowed on every step: `swarmfd top` on the manager
+    (which cannot `docker exec` into other nodes' tasks) shows every rank on its node,
+    from the service log, and flags rank 1."""
+    n = len(multinode.nodes)
+    name = job_name("top")
+    proc = swarmfd(multinode, "deploy", "-d", multinode.image_id, "-n", str(n), "--name",
+                   name, "--max-per-node", "1", "--", "python", "-c", SLOWED_JOB)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    table = top_rows(lambda *args: swarmfd(multinode, *args), name, n)
+    assert [r["rank"] for r in table] == list(range(n)), table
+    assert sorted(r["node"] for r in table) == sorted(node_names(multinode)), table
+    assert [r["straggler"] for r in table] == [r == 1 for r in range(n)], table
 
 
 # --- 2. two ranks per node: LOCAL_RANK --------------------------------------------------
@@ -247,7 +273,7 @@ def test_bench_across_nodes_plain_and_encrypted(multinode: Any,
 
 # --- 3b. two ranks per node: the two-level collectives ------------------------------------
 
-HIER_JOB = (ROOT / "tests" / "hier_job.py").read_text()
+HIER_JOB = (ROOT / "tests" / "support" / "hier_job.py").read_text()
 HIER_PREFIX = "HIER-RESULT "
 
 
@@ -255,7 +281,7 @@ def test_two_level_collectives_with_two_ranks_per_node(
         multinode: Any, job_name: Callable[[str], str]) -> None:
     """2 ranks per node (N=6 on 3 nodes), default deploy options: the two containers of a
     node share memory through their job's own volume on it, and every collective takes
-    the two-level path (tests/hier_job.py --expect-two-level: each rank checks every
+    the two-level path (tests/support/hier_job.py --expect-two-level: each rank checks every
     result and fails on a silent fall-back to flat TCP)."""
     n = 2 * len(multinode.nodes)
     name = job_name("hier")

@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from tests.harness import unavailable
+from tests.support.harness import unavailable
 from tests.swarm.docker_setup import ensure_engine
 
 ROOT = Path(__file__).resolve().parents[2]

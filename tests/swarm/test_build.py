@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
+from tests.support.swarm_jobs import job_names, rank_lines
 from tests.swarm.wheels import probe_lines, probe_project
-from tests.swarm_jobs import job_names, rank_lines
 
 pytestmark = pytest.mark.swarm
 

@@ -26,8 +26,9 @@ from typing import Any
 
 import pytest
 
+from swarmfd.statusline import MARK
 from swarmfd.swarm.spec import LABEL_JOB
-from tests.swarm_jobs import job_names, rank_lines, wait_until
+from tests.support.swarm_jobs import job_names, rank_lines, wait_until
 
 pytestmark = pytest.mark.swarm
 
@@ -94,6 +95,9 @@ def test_deploy_trains_on_three_ranks(swarm: Any, swarmfd_image: str,
     assert f"{name}: all 3 ranks running after" in proc.stderr
     assert f"job {name} done: all 3 ranks exited 0" in proc.stderr
     assert f"removed job {name}" in proc.stderr
+    # The job's last line, from the ranks' status lines (which were not shown).
+    assert f"job {name}: 3 rank(s), " in proc.stderr, proc.stderr
+    assert MARK.decode() not in proc.stdout + proc.stderr
     # Everything of a successful job is gone (the default: remove on success).
     assert not any(job_objects(swarm, name).values())
     print(f"deploy -n 3 train.py --epochs 3: {elapsed:.1f} s end to end")
@@ -248,6 +252,10 @@ def test_detach_logs_ls_ps(swarm: Any, swarmfd_image: str, tmp_path: Path,
     which runs the image by ID although it was given by tag, with the options given."""
     name = job_name("show")
     (tmp_path / "hello.txt").write_text("from-the-host")
+    # The ranks run as the image's unprivileged user: a bind-mounted directory must be
+    # readable by it, as for any container that does not run as root.
+    tmp_path.chmod(0o755)
+    (tmp_path / "hello.txt").chmod(0o644)
     tag = f"sfdt-image:{uuid.uuid4().hex[:8]}"
     repo, _, version = tag.partition(":")
     assert swarm.images.get(swarmfd_image).tag(repo, version)

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from swarmfd.swarm.spec import LABEL_JOB
-from tests.swarm_jobs import wait_until
+from tests.support.swarm_jobs import wait_until
 
 pytestmark = pytest.mark.swarm
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from swarmfd.swarm.spec import LABEL_JOB
-from tests.swarm_jobs import job_names, rank_lines, wait_until
+from tests.support.swarm_jobs import job_names, rank_lines, wait_until
 
 pytestmark = pytest.mark.swarm
 

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from swarmfd.swarm.spec import LABEL_JOB
+from tests.support.swarm_jobs import job_names, rank_lines
 from tests.swarm.test_deploy import swarmfd
-from tests.swarm_jobs import job_names, rank_lines
 
 pytestmark = pytest.mark.swarm
 

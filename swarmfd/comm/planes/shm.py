@@ -1,41 +1,23 @@
-"""The shared-memory plane: the ranks of one host, through segments and pipes.
+"""The shared-memory plane: the ranks of one host, through segments and rings.
 
 Each rank of a host owns:
 
-* one **segment**: an anonymous memory file (``memfd_create``, sealed against
-  shrinking and growing) of AREAS areas of SLOTS slots of SEGMENT_BYTES, mapped by
-  every rank of the host. A group on this host uses one area (:func:`area_of`); its
-  algorithms copy into their own slot and read the others' directly
-  (:meth:`ShmPlane.region`). Pages are allocated when first touched, so unused areas
-  cost address space only;
-* **record rings** (x86-64, :data:`RINGS`): after the areas, a control block and one
-  ring of records towards each rank of the host. A record is a :mod:`swarmfd.comm.wire`
-  header and at most MAX_RECORD - HEADER_SIZE payload bytes, so it carries the call's
-  signature and mismatches are caught exactly as on TCP. A rank writes only its own
-  segment: its records and their count, and how many of each peer's it has read
-  (:meth:`ShmPlane._rings`); no system call moves a record;
-* one **inbox**: a pipe. With rings it only wakes a rank that sleeps (a byte a peer
-  writes when it added a record and found the rank marked SLEEPING); without rings it
-  carries the records themselves (each at most PIPE_BUF bytes, so writes are atomic and
-  never interleave). The owner holds the only read end (and one write end, so it never
-  reads end-of-file); a peer's write fails with EPIPE exactly when the owner is gone, and
-  the plane reports that peer lost (a plane that closes marks itself GONE, so its peers'
-  next record writes that byte and sees it).
+* one **segment**, an anonymous memory file (``memfd_create``, sealed against resizing)
+  mapped by every rank of the host: AREAS areas of SLOTS slots of SEGMENT_BYTES, where
+  the algorithms copy into their own slot and read the others' (:meth:`ShmPlane.region`),
+  then (x86-64, :data:`RINGS`) a control block and one **record ring** towards each rank
+  of the host. A record is a :mod:`swarmfd.comm.wire` header (so signatures are checked
+  as on TCP) and at most MAX_RECORD - HEADER_SIZE payload bytes. A rank writes only its
+  own segment: its records, their count, and how many of each peer's it read; no system
+  call moves a record (a pipe's write and read are one each: docs/performance.md);
+* one **inbox**, a pipe. With rings it only wakes a rank that marked itself SLEEPING;
+  without, it carries the records (each at most PIPE_BUF, so writes never interleave).
+  The owner holds the only read end (and a write end, so it never reads end-of-file); a
+  peer's write fails with EPIPE exactly when the owner is gone (or marked GONE), and the
+  plane reports it lost.
 
-Nothing has a name: the segments and pipes exist only as descriptors and mappings,
-freed by the kernel when the last rank holding one exits, however it exits. How the
-ranks get each other's descriptors is :mod:`swarmfd.comm.shm_setup`.
-
-This module implements :class:`swarmfd.comm.plane.Plane` (records only: no payload
-larger than a record); the message semantics are the channel's, as on every plane.
-
-The rings against the pipes (2026-12-05; a pipe's write and read are a system call
-each, about 1 us here, and a poll of an empty pipe raises): compare.py, 8 interleaved
-runs, medians of the per-run time ratios: all_reduce N=2 0.94 at 4 KiB, 0.96 at 64 KiB,
-0.98 at 1 MiB, N=4 0.89, 0.89 and 0.92; broadcast N=2 0.94, 0.92 and 1.03, N=4 0.86,
-0.89 and 0.95
-(benchmarks/results/compare-20261205-015916-rings-ab.*). Back to back at N=2, 4 KiB
-all_reduce: 25.0-27.3 against 27.2-30.1 us a call (4 alternated jobs each).
+Nothing has a name: segments and pipes are descriptors and mappings the kernel frees
+when the last rank holding one exits. :mod:`swarmfd.comm.shm_setup` hands them around.
 """
 
 from __future__ import annotations
@@ -66,60 +48,52 @@ SEGMENT_BYTES = 1 << 20
 #: Slots per area: a pipelined all_reduce touches three rounds at once.
 SLOTS = 3
 #: Areas per segment: groups with a member in common use different areas
-#: (swarmfd.group.choose_area), so one group's ranks never rewrite a slot another
-#: group's ranks still read. The world's is area 0, the host groups' 1, new_group's
-#: groups take 2-7 and groups made by their members alone (torch's dist.new_group) 8-15.
-#: Pages are touched only by a group that runs, so an unused area costs address space.
+#: (swarmfd.group.choose_area), so no group rewrites a slot another still reads. The
+#: world's is 0, host groups' 1, new_group's 2-7, groups made by their members alone
+#: 8-15. Pages are touched only when used: an unused area costs address space only.
 AREAS = 16
-#: Bytes of one area.
 AREA_BYTES = SLOTS * SEGMENT_BYTES
-#: Where the record rings start in a segment (after the areas), and their bytes: a
-#: control block (RING_CONTROL_BYTES: this rank's state word, then a cache line per
-#: counter), then this rank's ring towards each rank of the host (see ShmPlane).
+#: The rings start after the areas: a control block (this rank's state word, then a
+#: cache line per counter), then this rank's ring towards each rank of the host.
 RING_BASE = AREAS * AREA_BYTES
 RING_BYTES = 4 << 20
 RING_CONTROL_BYTES = 64 << 10
-#: Records a ring holds at most (fewer when the host's ranks are many: the rings of
-#: a segment share RING_BYTES - RING_CONTROL_BYTES); a pipe holds 16 such by default.
+#: Records a ring holds at most (fewer on a host of many ranks; a pipe holds 16).
 RING_SLOTS = 32
 #: The least a ring may hold; a host of more ranks than that allows uses the pipes.
 MIN_RING_SLOTS = 4
 #: Counters per kind in the control block: ranks a host may have for rings.
 RING_MAX_RANKS = 255
-#: A cache line: each counter has one of its own (64 bytes; 8 words).
+#: A cache line (8 words): each counter has one of its own.
 _LINE_WORDS = 8
-#: The state word's values (the first word of a rank's control block): it may sleep
-#: (peers that add a record write a byte to its inbox), or it closed its plane.
+#: The state word's values: it may sleep (peers adding a record write a byte to its
+#: inbox), or it closed its plane.
 SLEEPING, GONE = 1, 2
-#: Whether records travel through the rings (x86-64) or the pipes (elsewhere): a ring
-#: relies on x86's store order (a record's bytes are visible before the counter that
-#: publishes them) and on a locked instruction as a full fence (see _fence).
+#: Rings rely on x86's store order (a record before the counter that publishes it) and
+#: a locked instruction as a full fence (_fence); elsewhere records go through pipes.
 RINGS = platform.machine().lower() in ("x86_64", "amd64")
 SEGMENT_SIZE = RING_BASE + RING_BYTES
-#: Views of segments a plane keeps (ShmPlane.region), then forgets all at once: a
-#: training loop's calls take a few sizes in a few slots, far fewer.
+#: Views of segments a plane keeps (ShmPlane.region) before it forgets them all.
 REGION_VIEWS = 1024
-#: Longest record written to an inbox (POSIX guarantees atomic writes up to PIPE_BUF).
+#: Longest record (POSIX writes up to PIPE_BUF atomically).
 MAX_RECORD = 4096
-#: Looks at a peer's ring for the record a wait expects (:meth:`ShmPlane.take`) before
-#: the wait goes to the channel's receive, which polls on, then sleeps: about what a
-#: peer that runs the same call a step behind needs to catch up (docs/performance.md).
+#: Looks at a peer's ring in :meth:`ShmPlane.take` before the wait goes to the channel:
+#: about what a peer a step behind needs to catch up (docs/performance.md).
 POLLS = 200
 _pack_header = wire.pack_header
 _unpack_header = wire.unpack_header
 _HEADER_SIZE = wire.HEADER_SIZE
 _join = b"".join
+_now = time.monotonic
 
 
 _fence_lock = threading.Lock()
 
 
 def _fence() -> None:
-    """A full memory fence: a store before it is visible to other cores before any load
-    after it. Acquiring and releasing a lock executes locked instructions (glibc's
-    semaphore operations under CPython's lock), which x86 never reorders with loads or
-    stores. It keeps a rank that goes to sleep and a peer that adds a record from each
-    missing the other's store (see ShmPlane.next_header): about 0.1 us."""
+    """A full memory fence: a lock's acquire and release execute locked instructions,
+    which x86 never reorders with loads or stores. It keeps a rank that goes to sleep and
+    a peer that adds a record from missing each other's store (ShmPlane.next_header)."""
     _fence_lock.acquire()
     _fence_lock.release()
 
@@ -137,27 +111,18 @@ def area_of(group: int) -> int:
     return (group % AREAS) * AREA_BYTES
 
 
-def _now() -> float:
-    return time.monotonic()
-
-
 class ShmPlane:
     """Records and segments among the ranks of one host (see module docstring).
 
-    ``segments`` maps each rank of the host (this one included) to its mapped
-    segment; ``inbox`` is this rank's read end, ``outboxes`` the write ends of the
-    peers' inboxes. The plane owns and closes all of them.
+    ``segments``: each rank of the host's mapped segment; ``inbox``: this rank's read
+    end; ``outboxes``: the peers' write ends. The plane owns and closes all of them.
     """
 
     name = "shm"
-    kind = "shm"
     endpoint = ""
     zero_copy_recv = False
-    #: The peers' segments are this rank's memory too: the algorithms address them.
     shares_memory = True
-    #: No I/O thread between a send and the peer: a hop is a record in a ring.
     io_thread = False
-    #: The largest payload a record carries with its header.
     inline_max = MAX_RECORD - _HEADER_SIZE
     #: The longest abort or report body a record carries.
     max_control = MAX_RECORD - wire.HEADER_SIZE
@@ -183,9 +148,6 @@ class ShmPlane:
         self.records: collections.deque[tuple[wire.Header, bytes]] = collections.deque()
         self.current = b""
         self.queued: dict[int, collections.deque[bytes]] = {}
-        # Polls the inbox before sleeping (swarmfd.comm.spin): a peer on another core
-        # usually answers within microseconds, and catching its record without sleeping
-        # saves two wake-ups (tens of microseconds each).
         self.spinner = Spinner()
         self.closed = False
         #: Records each ring holds, 0 when records go through the pipes (see _rings).
@@ -197,22 +159,15 @@ class ShmPlane:
         if self.ring_slots:
             self._rings()
         #: Each rank's pid when every rank of the host can read every other's memory
-        #: (cross-memory attach, :mod:`swarmfd.comm.cma`), else None: see
-        #: :meth:`publish_probe`.
+        #: (:mod:`swarmfd.comm.cma`, :meth:`publish_probe`), else None.
         self.cma_pids: dict[int, int] | None = None
         self._probe = np.frombuffer(os.urandom(16), dtype=np.int64).copy()
         self._pids: dict[int, int] = {}
 
     def _rings(self) -> None:
-        """Set up the record rings (RINGS): each rank writes the records for a peer into
-        its own ring towards that peer, in its own segment, and counts them (a counter
-        in its control block); the peer reads them in order and counts what it read (in
-        its own control block), which frees the slots. Every word has one writer, and
-        records need no system call: a pipe's write and read cost about 1 us each here,
-        and a poll of an empty pipe raises an exception (BlockingIOError). A rank that
-        gives up polling marks itself SLEEPING before it blocks in its inbox; a peer that
-        adds a record and finds it so writes a byte there to wake it (see
-        :meth:`next_header`)."""
+        """Set up the rings: a rank writes a peer's records into its own ring towards
+        it and counts them; the peer counts what it read (in its own control block),
+        which frees the slots. Every word has one writer."""
         local = {r: i for i, r in enumerate(self.ranks)}
         me, slots = local[self.rank], self.ring_slots
         data = {r: memoryview(mm) for r, mm in self.segments.items()}
@@ -245,11 +200,8 @@ class ShmPlane:
     # -- segments -----------------------------------------------------------------------
 
     def region(self, rank: int, offset: int, dtype: np.dtype, count: int) -> np.ndarray:
-        """``count`` items of ``dtype`` at byte ``offset`` of ``rank``'s segment.
-
-        Kept (at most REGION_VIEWS of them): a call of the same size in the same slot
-        asks again, and a cached view costs a third of a new one (0.11 against 0.34 us
-        here), of which a small call makes several."""
+        """``count`` items of ``dtype`` at byte ``offset`` of ``rank``'s segment; kept,
+        as a repeated call asks again (docs/performance.md)."""
         key = (rank, offset, dtype, count)
         view = self.regions.get(key)
         if view is None:
@@ -263,8 +215,7 @@ class ShmPlane:
 
     @property
     def reads_peers(self) -> bool:
-        """Whether this rank reads and writes its peers' memory directly (every rank of
-        the host agreed it can: :meth:`enable_cma`)."""
+        """Whether every rank of the host agreed to cross-memory attach (enable_cma)."""
         return self.cma_pids is not None
 
     def _probe_row(self, rank: int) -> np.ndarray:
@@ -281,9 +232,8 @@ class ShmPlane:
         row[2:4] = self._probe
 
     def check_probes(self) -> str:
-        """Read every peer's probe bytes from its memory, and write them back unchanged
-        (after every rank published):
-        "" when all matched, else why not (the kernel refused, another pid namespace)."""
+        """Read every peer's probe bytes from its memory and write them back: "" when
+        all matched, else why not (the kernel refused, another pid namespace)."""
         if not cma.available():
             return "the C library has no process_vm_readv/process_vm_writev"
         got = np.zeros(2, np.int64)
@@ -331,9 +281,7 @@ class ShmPlane:
 
     def send_packed(self, dst: int, header: bytes, payload: Any, size: int,
                     copy: bool) -> bool:
-        """:meth:`send` of a record whose header is packed already; whether records to
-        ``dst`` stay queued (its ring or pipe was full): only then must the caller flush.
-        A record is always a copy (``copy`` changes nothing)."""
+        """:meth:`Plane.send_packed`; a record is always a copy (``copy`` is ignored)."""
         if self.ring_slots:
             if size > MAX_RECORD - _HEADER_SIZE:
                 raise ValueError(f"swarmfd bug: a shared-memory record of "
@@ -341,8 +289,7 @@ class ShmPlane:
             queue = self.queued.get(dst)
             if not queue and self._put(dst, header, payload, size):
                 return False
-            # The ring is full (the peer is behind): keep the record, in order, and push
-            # what waited before it (a ring that was just found full is not tried again).
+            # The ring is full: queue the record in order, push what waited before it.
             self.queued.setdefault(dst, collections.deque()).append(
                 header + _contiguous(payload).tobytes())
             if queue:
@@ -361,8 +308,7 @@ class ShmPlane:
                 queue.append(record)
                 self._push(dst)
                 return True
-        else:
-            # (_write's usual case, written out: a barrier's messages are many.)
+        else:  # (_write's usual case, inline: a barrier's messages are many)
             fd = self.outboxes.get(dst)
             if fd is not None and dst not in self.owner.lost:
                 try:
@@ -388,9 +334,8 @@ class ShmPlane:
         if size:
             at += _HEADER_SIZE
             data[at:at + size] = payload if type(payload) is bytes else _contiguous(payload)
-        # The record's bytes are stored before the counter that publishes them (x86 keeps
-        # stores in order); then a fence, so the peer's state is read after the counter
-        # is visible: a peer that marked itself SLEEPING after this read sees the record.
+        # The record before its counter (x86 store order), then a fence before reading
+        # the peer's state: a peer that marks itself SLEEPING after this sees the record.
         ring.count = count + 1
         self.words[ring.counter] = count + 1
         _fence()
@@ -399,15 +344,8 @@ class ShmPlane:
         return True
 
     def take(self, src: int, header: bytes, nbytes: int) -> bytes | None:
-        """``src``'s next record when its header is ``header`` (packed, byte for byte) and
-        it carries ``nbytes`` of payload: the payload (``b""`` for none), copied out of
-        the ring; what the channel's receive of that record would give, in a few steps.
-        Looks again while the ring is empty, as many times as the spinner allows. None,
-        having taken nothing, otherwise: records read already and not yet taken, no
-        rings, an empty ring, another record (another call's, a mismatch, an abort: the
-        channel's receive handles it), a counter out of bounds (the receive reports
-        it). A record caught by looking again counts for the spinner as a poll's
-        catch does."""
+        """:meth:`Plane.take`: the payload copied out of the ring; looks up to POLLS
+        times while the ring is empty, as the spinner allows."""
         if self.records:
             return None
         ring = self.incoming_from.get(src)
@@ -434,11 +372,7 @@ class ShmPlane:
         payload = bytes(data[body:body + nbytes]) if nbytes else b""
         ring.count = count + 1
         self.words[ring.counter] = count + 1
-        if looked:
-            # Caught by looking again: what a wait's poll that catches its record tells
-            # the spinner (Spinner.spin); without it, misses of the waits that fell back
-            # to the channel's receive would only add up, and waits would end up
-            # blocking at once while these looks keep catching their records.
+        if looked:  # a catch, as a poll's: else only the misses would count
             self.spinner.caught()
         return payload
 
@@ -451,15 +385,12 @@ class ShmPlane:
             os.write(fd, b"\0")
         except BlockingIOError:
             pass  # full of wake-ups already
-        except OSError:
-            # The peer closed its inbox: it failed or exited. An abort it sent before is
-            # in our ring; the channel raises that, or the loss after its grace.
+        except OSError:  # its inbox is closed: it failed or exited
             self.owner.lost.setdefault(dst, _now())
             self.queued.pop(dst, None)
 
     def _write(self, dst: int, record: bytes) -> bool:
-        """Write ``record`` now; queue it when the pipe (or ring) is full. False when
-        queued."""
+        """Write ``record`` now, or queue it when the ring or pipe is full (False)."""
         if self.ring_slots:
             if self._put(dst, record[:_HEADER_SIZE], record[_HEADER_SIZE:],
                          len(record) - _HEADER_SIZE):
@@ -475,9 +406,7 @@ class ShmPlane:
         except BlockingIOError:
             self.queued.setdefault(dst, collections.deque()).append(record)
             return False
-        except (BrokenPipeError, OSError):
-            # The peer closed its inbox: it failed or exited. An abort it sent before is
-            # in ours; the channel raises that, or the loss after its grace.
+        except OSError:  # its inbox is closed: it failed or exited
             self.owner.lost.setdefault(dst, _now())
             self.queued.pop(dst, None)
             return True
@@ -486,8 +415,7 @@ class ShmPlane:
         queue = self.queued.get(dst)
         while queue:
             record = queue.popleft()
-            if not self._write(dst, record):
-                # _write queued it again at the back: put it back at the front instead.
+            if not self._write(dst, record):  # queued again at the back: to the front
                 again = self.queued[dst]
                 again.appendleft(again.pop())
                 return
@@ -496,10 +424,7 @@ class ShmPlane:
     def send_all(self, kind: int, sig: wire.Signature, body: bytes, group: int = 0) -> None:
         """Best effort: ``body`` to every peer's inbox (aborts, reports); never blocks."""
         record = wire.pack_header(kind, sig, self.rank, 0, 0, len(body), 0, group) + body
-        if self.ring_slots:
-            # After the records queued for a peer (a full ring), in their order: they go
-            # out as the peer reads, while this rank waits (its failure's abort also goes
-            # through the TCP plane).
+        if self.ring_slots:  # after what is queued for a peer, in order
             record = record[:MAX_RECORD]
             for dst in self.outgoing:
                 with contextlib.suppress(Exception):
@@ -520,8 +445,8 @@ class ShmPlane:
         return [dst for dst, q in self.queued.items() if q and dst not in self.owner.lost]
 
     def wait(self, timeout: float) -> wire.Header | None:
-        """Push queued records for up to ``timeout`` s (returns no header: records that
-        arrive meanwhile stay in the inbox for the next receive)."""
+        """Push queued records for up to ``timeout`` s; records that arrive meanwhile
+        stay for the next receive (a header only while rings are full)."""
         end = _now() + timeout
         while self.unsent():
             for dst in self.unsent():
@@ -529,9 +454,7 @@ class ShmPlane:
             left = end - _now()
             if not self.unsent() or left <= 0:
                 return None
-            if self.ring_slots:
-                # A ring frees up as its peer reads: nothing to poll for but records
-                # to this rank (the peer may be waiting for them), so look now and then.
+            if self.ring_slots:  # a ring frees as its peer reads, who may wait for us
                 if self._read():
                     return self._take()
                 if self.poller.poll(1):
@@ -557,9 +480,8 @@ class ShmPlane:
         if self.spinner.spin(self._read):
             return self._take()
         if self.ring_slots:
-            # Marked SLEEPING, then fenced, then the rings once more: a peer that added
-            # a record before it could see the mark is seen here, and one that adds it
-            # after sees the mark and wakes this rank (see _put).
+            # SLEEPING, a fence, the rings once more: a peer's record added before it
+            # could see the mark is read here, one added after wakes us (_put).
             words = self.words
             words[0] = SLEEPING
             _fence()
@@ -611,8 +533,7 @@ class ShmPlane:
                         f"{MAX_RECORD - _HEADER_SIZE} from rank {ring.peer}")
                 records.append((hdr, data[body:body + n].tobytes() if n else b""))
                 count += 1
-            # Copied out before the slots are given back.
-            ring.count = count
+            ring.count = count  # copied out before the slots are given back
             self.words[ring.counter] = count
         return bool(records)
 
@@ -626,9 +547,7 @@ class ShmPlane:
             return bool(self.records)
         buf = self.buffer + data if self.buffer else data
         n, at = len(buf), 0
-        while n - at >= _HEADER_SIZE:
-            # Only this host's ranks of this job can write here (see shm_setup): a bad
-            # header is a bug, a ProtocolError that reaches the caller.
+        while n - at >= _HEADER_SIZE:  # only this job's ranks write here: bad is a bug
             body = at + _HEADER_SIZE
             hdr = _unpack_header(buf[at:body])
             end = body + hdr.nbytes
@@ -669,8 +588,7 @@ class ShmPlane:
             self._buffers = []
         self.views = {}
         self.regions = {}
-        for mm in self.segments.values():
-            # A view still alive somewhere keeps the mapping; the GC unmaps it later.
+        for mm in self.segments.values():  # a live view keeps it: the GC unmaps it later
             with contextlib.suppress(BufferError):
                 mm.close()
         self.segments = {}
@@ -690,11 +608,10 @@ def _contiguous(payload: Any) -> memoryview:
 
 
 class _Ring:
-    """One direction of the record rings between this rank and ``peer``: outgoing, the
-    ring this rank writes (``count`` records added, ``seen``: how many the peer had
-    read when last looked at); incoming, the peer's ring to this rank (``count``: read).
-    ``at``: where the ring starts in ``data``, its owner's segment; ``counter``: this
-    rank's word for it; ``peer_words[peer_counter]``: the peer's word for it."""
+    """One direction of the rings with ``peer``. Outgoing: ``count`` records added,
+    ``seen`` read by the peer when last looked; incoming: ``count`` read. ``at``: where
+    it starts in ``data`` (its owner's segment); ``counter``: this rank's word for it,
+    ``peer_words[peer_counter]`` the peer's."""
 
     __slots__ = ("at", "count", "counter", "data", "peer", "peer_counter", "peer_words",
                  "seen")

@@ -1,58 +1,18 @@
 """The socket plane: plain TCP connections and a single-threaded progress engine.
 
-Why. On the unencrypted TCP path ZeroMQ itself was the floor: libzmq's I/O thread
-(two busy threads per rank, four for two ranks on a 2-core host), the hand-offs
-between it and Python, and a copy out of its receive buffers. Measured on loopback
-(N=2, both ranks send S bytes in 1 MiB pieces and receive S bytes): pyzmq
-PUSH/PULL took 9.5-10.2 ms for 16 MiB and 35-46 ms for 64 MiB whatever the
-options; one thread per rank doing non-blocking ``send`` + ``recv_into`` straight
-into the array took 6.2 ms and 20.5 ms. That is the model of MPI and gloo, and
-this module implements it:
+One thread per rank doing non-blocking ``sendmsg`` and ``recv_into`` straight into the
+array, as MPI and gloo do, takes half to two thirds of ZeroMQ's time (docs/performance.md).
+A full mesh (rank i dials every j < i; TCP_NODELAY, keepalive); a message is the
+:mod:`swarmfd.comm.wire` header and exactly ``nbytes`` of payload. Every header is
+validated (source = the connection's rank, ``nbytes <= MAX_PAYLOAD``); a bad one drops
+the connection (:class:`ProtocolError`). What the kernel does not take is queued, and
+every wait drives every queue, so two ranks sending to each other never deadlock.
 
-* one TCP connection per pair of ranks (the full mesh, rank i connects to every
-  j < i and accepts from every j > i), each with TCP_NODELAY and keepalive;
-* messages are the 40-byte :mod:`swarmfd.wire` header followed by exactly
-  ``nbytes`` payload bytes on the stream. Every header is validated (magic,
-  version, source = the connection's rank, ``nbytes <= MAX_PAYLOAD``); a bad one
-  makes the stream unusable: :class:`ProtocolError` naming the rank, and the
-  connection is dropped. Nothing is ever read past a validated length, nothing
-  is unpickled;
-* sends go out at once when the kernel takes them (header and payload in one
-  ``sendmsg``, no copy) and are otherwise queued: zero-copy views of the caller's
-  array, or a copy of the rest when the caller asked for one. Every wait
-  (receive, flush, close) drives every queued send while it waits, so two ranks
-  sending large buffers to each other never deadlock;
-* the awaited message's payload is read with ``recv_into`` straight into the
-  caller's buffer; small messages come in one ``recv`` with their header. A large
-  payload's read that has to block asks not to be woken before a good part of the
-  rest is there (``SO_RCVLOWAT``, see LOWAT_BYTES), not once a TCP segment.
-
-Setup and security. The data port is bound when the transport is created and
-announced in the (CURVE-encrypted) rendezvous, but the socket listens only once the
-rendezvous is over, while the mesh connects (and the last rank, which nobody dials,
-never listens); then it is closed, so a stranger has nothing to connect to during the
-rendezvous, however long it takes, nor once ``init`` returned. Each
-connection starts with a mutual challenge-response handshake (see HANDSHAKE_MAGIC):
-both sides send magic, version, ranks and a fresh random nonce; with a job secret
-the listener then proves it knows the connector's per-session data token
-(HMAC-SHA256 over both ranks and nonces), the connector proves it knows the
-listener's, and the listener ends with an explicit verdict. A reader of the network
-learns nothing replayable (the nonces are fresh). Against a flood of strangers while
-it listens: the listener accepts in batches of ACCEPT_BATCH between which the
-handshakes in progress move on, reads each connection's hello as it accepts it, gives
-each unknown connection HANDSHAKE_STEP_LIMIT per step and, when MAX_PENDING_HANDSHAKES
-are in progress, evicts a silent one first, so silent connections cannot hold the
-door shut nor push a peer's handshake out. Such connections are closed and
-counted, never admitted, never fatal. A connecting rank whose handshake fails
-without evidence (closed, reset, refused) dials again until the init deadline; only
-a listener's wrong MAC, or its explicit refusal after it proved itself, is reported
-as another job secret (:class:`AuthenticationError`). The bytes themselves travel
-in clear, as on the ZeroMQ PLAIN data plane; SWARMFD_ENCRYPT=1 uses ZeroMQ CURVE
-instead (see :mod:`swarmfd.transport`).
-
-This module only moves bytes (it implements :class:`swarmfd.comm.plane.Plane`); the
-message semantics (stash, signatures, aborts, timeouts, lost-peer grace) live in
-:class:`swarmfd.comm.channel.Channel`, the same for every plane.
+The data port listens only while the mesh connects (docs/security.md, "Strangers on the
+network"); each connection starts with the handshake of HANDSHAKE_MAGIC. A dialled
+handshake that fails without evidence is dialled again until the init deadline; only a
+wrong MAC or a proven listener's refusal raise :class:`AuthenticationError`. The bytes
+travel in clear (SWARMFD_ENCRYPT=1 takes the zmq plane with CURVE).
 """
 
 from __future__ import annotations
@@ -79,77 +39,55 @@ __all__ = ["SocketPlane"]
 
 #: Per-connection receive buffer: headers and small payloads arrive in one recv.
 RECV_BUFFER = 128 << 10
-#: Payloads up to this size are copied when they must be queued (the caller's buffer
-#: is then free at once); larger ones are queued as zero-copy views unless copy=True.
+#: Payloads up to this size are copied when they must be queued; larger ones are queued
+#: as zero-copy views unless copy=True.
 SMALL_SEND = 64 << 10
-#: Reads of a peer's connection that found nothing, before a wait goes to the channel's
-#: receive (:meth:`SocketPlane.take`): about what a small message over loopback takes to
-#: come (docs/performance.md).
+#: Empty reads of a peer's connection before :meth:`SocketPlane.take` gives up: about
+#: a small message's time over loopback (docs/performance.md).
 TAKE_POLLS = 16
-#: A payload read that has to block, with at least LOWAT_MIN bytes still to come, asks
-#: the kernel (SO_RCVLOWAT) not to wake it before min(the rest, LOWAT_BYTES) bytes are
-#: queued: on a link slower than the CPU (another host) the rest of a piece trickles in
-#: one segment at a time, and a wake-up for each cost a select, a recv and the Python
-#: around them. Non-blocking reads still take what is there, and a closed or failed
-#: connection wakes the select at once. Measured on two simulated hosts at 5 Gbit/s, one
-#: rank each (benchmarks/hierarchy.py --shape 2x1@5gbit, 4 interleaved runs): CPU a call
-#: per rank 0.76 / 3.23 / 14.9 ms at 1 / 4 / 16 MiB against 1.39 / 4.93 / 22.4 before,
-#: the same time a call (the link's); 2x2 ranks spread, flat ring: 4-11 % less CPU; on
-#: loopback (compare.py, calls.py --loop, N=2 and N=4, 1-16 MiB) the same time and CPU
-#: within the noise. 256 KiB and 1 MiB measured alike.
+#: A payload read about to block with at least LOWAT_MIN bytes to come asks the kernel
+#: (SO_RCVLOWAT) not to wake it before min(the rest, LOWAT_BYTES) are queued: across
+#: hosts the rest trickles in a segment at a time, and each wake-up costs CPU
+#: (docs/performance.md). Smaller remainders block without it (latency untouched).
 LOWAT_BYTES = 512 << 10
-#: Smaller remainders block as before (a small message's latency is untouched).
 LOWAT_MIN = 64 << 10
 #: At most this many queued buffers go into one sendmsg.
 MAX_IOV = 64
-#: Handshake (protocol 2): both sides send HELLO (magic, protocol version, sender rank,
-#: receiver rank, 16-byte nonce). The listener answers a valid hello with its own, then
-#: (with a job secret) first proves it knows the connector's per-session token (a MAC);
-#: the connector checks it and proves it knows the listener's token; the listener ends
-#: the handshake with a status byte: ACCEPT, or REFUSE (an explicit refusal from a peer
-#: that has proven itself: the only evidence, with a MAC that fails, on which a rank
-#: reports another job secret).
+#: Handshake (protocol 2): both sides send HELLO (magic, version, sender and receiver
+#: rank, nonce); with a job secret the listener proves first that it knows the
+#: connector's token (a MAC), the connector checks it and proves it knows the
+#: listener's, and the listener ends with ACCEPT or REFUSE. Only a failed MAC or a
+#: REFUSE from a listener that proved itself is evidence of another job secret.
 HANDSHAKE_MAGIC = b"SWFDLAN2"
 ACCEPT = b"\x01"
 REFUSE = b"\x00"
 _MAC_LABEL = b"swarmfd socket data plane v2\0"
-#: Unknown (accepted) connections whose handshake is in progress at once. A new one at
-#: the limit evicts a silent one (nothing received: see EVICT_SCAN), else the one that
-#: has waited longest for its next step. A peer's hello is read as its connection is
-#: accepted (it sends it as it connects), so a peer is past the silent ones from its
-#: first step and answers each next one within a round trip: a flood of silent
-#: connections only ever evicts its own. An evicted legitimate connection is not fatal:
-#: the connecting rank dials again.
+#: Accepted connections in their handshake at once. At the limit a new one evicts a
+#: silent one (nothing received, among the EVICT_SCAN stalest), else the stalest. A peer
+#: sends its hello as it connects and it is read on accept, so a flood of silent
+#: connections only ever evicts its own; an evicted peer dials again.
 MAX_PENDING_HANDSHAKES = 1024
-#: How many of the stalest handshakes a new connection at the limit looks through for a
-#: silent one to evict.
 EVICT_SCAN = 64
-#: Connections the listener accepts in a row before the handshakes in progress (and the
-#: rank's own dials) get their turn: a flood in the accept queue cannot starve them.
+#: Connections accepted in a row before the handshakes in progress get their turn.
 ACCEPT_BATCH = 64
-#: Connections a second that did not authenticate at which a setup timeout names a flood
-#: of them as its cause (a job's own retries make a few).
+#: Unauthenticated connections a second at which a setup timeout names a flood.
 FLOOD_RATE = 100
-#: How long an unknown connection may take for each step of its handshake (its hello,
-#: its MAC) before it is closed: strangers that connect and stay silent cost a slot for
-#: at most this long.
+#: How long an accepted connection may take for each handshake step before it is closed.
 HANDSHAKE_STEP_LIMIT = 1.0
-#: A connecting rank whose handshake failed (closed or reset by the listener: evicted by
-#: a flood, or not yet listening) dials again after this delay, doubling up to
-#: RETRY_MAX, until the init deadline.
+#: A dialled handshake that failed without evidence dials again after RETRY_FIRST,
+#: doubling up to RETRY_MAX, until the init deadline.
 RETRY_FIRST = 0.01
 RETRY_MAX = 0.25
-#: Listen backlog (the kernel caps it at net.core.somaxconn): connections that wait to be
-#: accepted cost no descriptor of this process, and a peer's connection queued behind a
-#: flood is accepted, not dropped (a dropped SYN is sent again only after a second).
+#: Listen backlog (capped at net.core.somaxconn): queued connections cost no descriptor,
+#: and a peer behind a flood is accepted, not dropped (a lost SYN is resent after 1 s).
 LISTEN_BACKLOG = 4096
 #: At close, how long to read (and drop) what peers still send until they close too.
 CLOSE_DRAIN = 1.0
+_now = time.monotonic
 
 
 def _set_lowat(sock: socket.socket, nbytes: int) -> int:
-    """Set ``sock``'s SO_RCVLOWAT to ``nbytes`` (see LOWAT_BYTES); returns it. A socket
-    that refuses it (closed meanwhile) only means more wake-ups: 1 is then assumed."""
+    """Set ``sock``'s SO_RCVLOWAT (see LOWAT_BYTES); returns it, or 1 where refused."""
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
     except OSError:
@@ -157,19 +95,13 @@ def _set_lowat(sock: socket.socket, nbytes: int) -> int:
     return nbytes
 
 
-def _now() -> float:
-    return time.monotonic()
-
-
 def _keepalive(sock: socket.socket, idle: int, intvl: int, cnt: int) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, intvl)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, cnt)
-    # Keepalive probes only an idle connection: one with data in flight to a host that
-    # vanished retransmits for many minutes instead. The user timeout ends it as soon:
-    # data unacknowledged for as long as keepalive takes (a stopped peer's kernel still
-    # acknowledges, also the probes of a full window, so a SIGSTOP stays a timeout).
+    # Keepalive probes only idle connections; the user timeout ends one with data in
+    # flight as soon (a stopped peer's kernel still acknowledges: SIGSTOP stays a timeout).
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, (idle + intvl * cnt) * 1000)
 
 
@@ -193,7 +125,7 @@ class _Lane:
         self.rend = 0
         self.hdr: wire.Header | None = None  # parsed, payload not read yet
         self.busy = False  # its payload is being read
-        self.muted = False  # read interest off while a parsed header waits (see _select)
+        self.muted = False  # read interest off while a parsed header waits
         self.dead = False
         self.out: collections.deque[list[Any]] = collections.deque()  # [view, zero-copy]
         self.zc = 0  # queued zero-copy views of caller buffers
@@ -223,8 +155,7 @@ class _Handshake:
         self.peer_rank = peer
         self.inbuf = bytearray()
         self.outbuf = b""
-        # Dialled: "hello" (theirs) -> "mac" (theirs, with a secret) -> "status" -> "done".
-        # Accepted: "hello" -> "mac" (with a secret) -> "done".
+        # Dialled: hello -> mac (with a secret) -> status -> done; accepted: hello -> mac -> done.
         self.stage = "hello"
 
 
@@ -240,7 +171,6 @@ class SocketPlane:
     """The full mesh of one rank and its progress engine (see module docstring)."""
 
     name = "socket"
-    kind = "tcp"
     zero_copy_recv = False
     shares_memory = False
     reads_peers = False
@@ -265,12 +195,10 @@ class SocketPlane:
         self.lanes: dict[int, _Lane] = {}
         self.ready: collections.deque[_Lane] = collections.deque()
         self.current: _Lane | None = None
-        #: Waits poll the sockets before they sleep in select (swarmfd.comm.spin).
         self.spinner = Spinner()
-        #: Accepted connections that did not authenticate and were closed (strangers, or
-        #: a peer's attempt evicted under a flood, which that peer then retries).
+        #: Accepted connections closed unauthenticated (strangers, or evicted peers' dials).
         self.strangers = 0
-        #: Accepted connections whose handshake was still in progress when setup ended.
+        #: Accepted connections still in their handshake when setup ended.
         self.strangers_pending = 0
         #: When the listener opened (0: never), for the flood's rate in a timeout.
         self.listened_at = 0.0
@@ -280,8 +208,7 @@ class SocketPlane:
         self._dialled: dict[socket.socket, _Handshake] = {}
         self._hs_sel: selectors.BaseSelector | None = selectors.DefaultSelector()
         self._tokens: dict[int, str] = {}
-        #: The dialled peers' retry state: when to dial next, the next delay, attempts,
-        #: the last failure.
+        #: Per dialled peer: when to dial next, the next delay, attempts, the last failure.
         self._retry_at: dict[int, float] = {}
         self._backoff: dict[int, float] = {}
         self._attempts: dict[int, int] = {}
@@ -291,21 +218,11 @@ class SocketPlane:
     # -- setup --------------------------------------------------------------------------
 
     def idle(self) -> None:
-        """Nothing to look after during the rendezvous: the listener opens only in
-        :meth:`connect`, once every peer's token is known (so strangers have nothing to
-        connect to, or queue at, meanwhile)."""
+        """Nothing to do: the listener opens only in :meth:`connect`."""
 
     def connect(self, peers: Sequence[PeerInfo], deadline: float) -> None:
-        """Connect the mesh (handshakes included) by ``deadline``, then stop listening.
-
-        Rank i dials every rank j < i and accepts from every j > i: it listens only now,
-        and only if some rank dials it (the last rank never does). A dialled handshake
-        that fails without evidence (the listener closed or reset it, or was not
-        listening yet) is dialled again until ``deadline``; only a failed MAC or an
-        explicit refusal from a listener that proved itself raise
-        :class:`AuthenticationError`. Accepted connections that fail are closed and
-        counted, never fatal.
-        """
+        """Connect the mesh by ``deadline``, then stop listening (see the module
+        docstring); accepted connections that fail are closed and counted, never fatal."""
         self._tokens = {p.rank: p.token for p in peers}
         endpoints = {p.rank: p.endpoint for p in peers}
         hs_sel = self._hs_sel
@@ -354,9 +271,8 @@ class SocketPlane:
         self._hs_sel.register(self.listener, selectors.EVENT_READ, None)
 
     def _advance(self, hs: _Handshake) -> None:
-        """One step of a handshake in progress: admit it when done; a failure closes it
-        (a dialled one is dialled again, an accepted one counted), or raises
-        AuthenticationError on evidence (see :meth:`connect`)."""
+        """One step of a handshake: admit it when done; a failure closes it (a dialled
+        one is dialled again, an accepted one counted) or, on evidence, raises."""
         try:
             done = self._step(hs, self._tokens)
         except (_Refused, _Impostor) as exc:
@@ -368,9 +284,7 @@ class SocketPlane:
             self._drop(hs)
             if hs.peer == NO_RANK:
                 self.strangers += 1
-            else:
-                # No evidence against the peer: a flood evicted us, or it is not listening
-                # yet. Dial again.
+            else:  # no evidence: evicted by a flood, or not listening yet
                 self._last_error[hs.peer] = str(exc) or type(exc).__name__
                 delay = self._backoff.get(hs.peer, RETRY_FIRST)
                 self._backoff[hs.peer] = min(RETRY_MAX, delay * 2)
@@ -420,10 +334,8 @@ class SocketPlane:
         return hs
 
     def _accept(self, now: float) -> None:
-        """Accept up to ACCEPT_BATCH waiting connections (then the handshakes in progress
-        get their turn), making room at the limit (:meth:`_make_room`), and read each
-        one's hello at once: a peer sends it as it connects, so it is usually there, and
-        the connection is then past the silent ones, which are evicted first."""
+        """Accept up to ACCEPT_BATCH connections, making room at the limit, and read
+        each one's hello at once (see MAX_PENDING_HANDSHAKES)."""
         if self.listener is None or self._hs_sel is None:
             return
         for _ in range(ACCEPT_BATCH):
@@ -445,8 +357,7 @@ class SocketPlane:
             self._advance(hs)
 
     def _make_room(self) -> None:
-        """Evict one accepted handshake: the longest silent one (nothing received yet)
-        among the EVICT_SCAN stalest, else the stalest of all."""
+        """Evict one accepted handshake (see MAX_PENDING_HANDSHAKES)."""
         victim = None
         for i, hs in enumerate(self._accepted.values()):
             if victim is None:
@@ -471,20 +382,21 @@ class SocketPlane:
                 return
             self._evict(hs)
 
-    def _drop(self, hs: _Handshake) -> None:
+    def _forget(self, hs: _Handshake) -> None:
+        """Take ``hs`` out of the handshakes in progress."""
         self._accepted.pop(hs.sock, None)
         self._dialled.pop(hs.sock, None)
         if self._hs_sel is not None:
             with contextlib.suppress(KeyError, ValueError):
                 self._hs_sel.unregister(hs.sock)
+
+    def _drop(self, hs: _Handshake) -> None:
+        self._forget(hs)
         hs.sock.close()
 
     def _finish(self, hs: _Handshake) -> None:
         """A handshake completed: admit the connection as ``hs.peer_rank``'s lane."""
-        if self._hs_sel is not None:
-            self._hs_sel.unregister(hs.sock)
-        self._accepted.pop(hs.sock, None)
-        self._dialled.pop(hs.sock, None)
+        self._forget(hs)
         self._admit(hs)
 
     def _send(self, hs: _Handshake, data: bytes) -> None:
@@ -539,8 +451,7 @@ class SocketPlane:
                 hs.stage = "done"
                 self._send(hs, reply + ACCEPT)
                 return
-            # Prove first that we know the client's token, so that the client can trust
-            # our verdict on its own proof (ACCEPT or REFUSE).
+            # Prove ourselves first, so that the client can trust our verdict on its proof.
             hs.stage = "mac"
             self._send(hs, reply + _mac(tokens[client], b"s", client, server, hs.peer_nonce,
                                         hs.nonce))
@@ -604,9 +515,7 @@ class SocketPlane:
         rank = hs.peer_rank
         sock = hs.sock
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        _keepalive(sock, *self.keepalive)
-        # SO_SNDBUF/SO_RCVBUF stay the kernel's (autotuned): 1 MiB and 4 MiB buffers
-        # measured no better at 64 KiB-64 MiB (interleaved compare.py runs, N=2).
+        _keepalive(sock, *self.keepalive)  # buffer sizes stay autotuned (docs/performance.md)
         lane = _Lane(rank, sock)
         self.lanes[rank] = lane
         lane.mask = selectors.EVENT_READ
@@ -627,10 +536,7 @@ class SocketPlane:
 
     def send_packed(self, dst: int, header: bytes, payload: Any, size: int,
                     copy: bool) -> bool:
-        """:meth:`send` of a message whose header is packed already (``header``: this
-        rank's, announcing ``size`` payload bytes: :meth:`header`'s). Whether bytes to
-        ``dst`` stay queued (the kernel did
-        not take them all): only then must the caller flush before it returns."""
+        """:meth:`send` with a packed header; whether bytes to ``dst`` stay queued."""
         lane = self.lanes[dst]
         if lane.dead:
             return False  # the receive side reports the loss
@@ -708,9 +614,8 @@ class SocketPlane:
                 self._push(lane)
 
     def unsent(self) -> list[int]:
-        """Peers with queued bytes. All of them, not only views of caller buffers: with no
-        I/O thread, bytes left queued would move only when this rank next calls in, and a
-        peer may need them to finish the collective this rank is leaving."""
+        """Peers with any queued bytes: with no I/O thread, what stays queued moves only
+        when this rank calls in again, and a peer may need it to finish this call."""
         return [lane.rank for lane in self.lanes.values() if lane.out and not lane.dead]
 
     def pending_bytes(self) -> bool:
@@ -729,16 +634,9 @@ class SocketPlane:
         return self._progress(timeout, until_sent=False)
 
     def take(self, src: int, expected: bytes, nbytes: int) -> memoryview | None:
-        """``src``'s next message when its header is ``expected`` (packed, byte for byte)
-        and its ``nbytes`` of payload fit the connection's buffer: a view of the payload
-        there, valid until this plane reads again; what the channel's receive of that
-        message would give, in a few steps. Reads what the kernel holds, again (up to
-        TAKE_POLLS times, as the spinner allows) while nothing came. None,
-        having taken nothing, otherwise: headers parsed already and not yet taken, a
-        payload being read, another message first (another call's, a mismatch, an
-        abort), a lost connection, not all of it here yet. What it read stays in the
-        buffer, where the channel's receive parses it as always. A message caught by
-        polling counts for the plane's spinner as a poll's catch does."""
+        """:meth:`Plane.take`: a view into the connection's buffer, when the message fits
+        it. Reads up to TAKE_POLLS times (as the spinner allows); what it read and did
+        not take stays in the buffer for the channel's receive."""
         lane = self.lanes.get(src)
         need = wire.HEADER_SIZE + nbytes
         if (lane is None or self.ready or lane.hdr is not None or lane.busy or lane.dead
@@ -775,8 +673,8 @@ class SocketPlane:
         return lane.rview[body:start + need]
 
     def _progress(self, timeout: float, until_sent: bool) -> wire.Header | None:
-        """Drive sends and receives until a header is ready (returned), ``timeout`` s
-        passed or, ``until_sent``, the send queues are empty (None)."""
+        """Drive sends and receives until a header is ready (returned), ``timeout``
+        passed or, ``until_sent``, the queues are empty (None)."""
         end = _now() + timeout
         blocked = False
         while not self.ready:
@@ -815,10 +713,8 @@ class SocketPlane:
                 continue
             if lane.busy:
                 progress = True  # its payload reader takes it
-            elif lane.hdr is not None:
-                # Readable, but its header waits for its payload to be read: stop
-                # watching it until then (else every wait would return at once).
-                lane.muted = True
+            elif lane.hdr is not None:  # mute it until its payload is read, else every
+                lane.muted = True  # wait would return at once
                 self._update(lane)
             else:
                 progress |= self._pump(lane)
@@ -881,16 +777,12 @@ class SocketPlane:
 
     def read_payload(self, hdr: wire.Header, into: Any,
                      between: Callable[[], None], keep: bool = False) -> Any:
-        """Read the payload of the header :meth:`next_header` returned: into ``into``
-        (returns None) or into a new buffer (returned; ``keep`` changes nothing here).
-        Calls ``between`` after every wait slice without progress (it raises on a
-        deadline or a lost peer)."""
+        """:meth:`Plane.read_payload` (``keep`` changes nothing here)."""
         lane = self.current
         assert lane is not None
         self.current = None
         n = hdr.nbytes
-        # A new buffer is uninitialised: bytearray(n) would zero it first (interleaved
-        # A/B, N=2: 0.95-0.98x the time at 64 KiB-16 MiB).
+        # Uninitialised: bytearray(n) would zero it first (docs/performance.md).
         buf = np.empty(n, np.uint8) if into is None else None
         target = memoryview(buf if buf is not None else into).cast("B")
         got = min(n, lane.rend - lane.rstart)
@@ -925,8 +817,7 @@ class SocketPlane:
             except OSError:
                 return 0
 
-        def poll() -> bool:
-            # A spinning wait's step: push what is queued, read once.
+        def poll() -> bool:  # a spinning wait's step
             nonlocal k
             self._push_all()
             k = read_once()
@@ -958,9 +849,7 @@ class SocketPlane:
                 _set_lowat(sock, 1)
 
     def wait(self, timeout: float) -> wire.Header | None:
-        """Drive queued sends until they are all out (None), or ``timeout`` s passed
-        (None), or a message arrived meanwhile (its header; its payload must then be
-        read: a peer may be flushing towards this rank at the same time)."""
+        """:meth:`Plane.wait`: a peer may be flushing towards this rank meanwhile."""
         return self._progress(timeout, until_sent=True)
 
     def check_lost(self) -> None:
@@ -990,9 +879,8 @@ class SocketPlane:
         if lane.mask:
             self.sel.unregister(lane.sock)
             lane.mask = 0
-        # End our side at once. A peer that is leaving waits in close() until its peers
-        # end theirs, so it exits now, before the ranks that lost it raise PeerLostError
-        # (0.3 s later): the launcher and Swarm then name it, the rank that ended the job.
+        # End our side at once: a leaving peer waits in close() for it, so it exits
+        # before the ranks that lost it raise, and the launcher names it first.
         with contextlib.suppress(OSError):
             lane.sock.shutdown(socket.SHUT_WR)
         lane.out.clear()
@@ -1010,9 +898,8 @@ class SocketPlane:
             if self.pending_bytes():
                 self.sel.select(min(0.05, max(0.0, end - _now())))
         self.stop_listening()
-        # Closing a socket with unread bytes makes the kernel send a reset, which destroys
-        # what the peer has not read yet (the abort this rank just sent, say). So: end
-        # our side (FIN after the queued bytes) and read until the peers end theirs.
+        # Closing with unread bytes sends a reset, destroying what the peer has not read
+        # (an abort just sent): end our side and read until the peers end theirs.
         live = [lane for lane in self.lanes.values() if not lane.dead]
         for lane in live:
             with contextlib.suppress(OSError):

@@ -1,36 +1,17 @@
 """The ZeroMQ plane: a bound ROUTER that only sends, one DEALER that only receives.
 
-Each rank binds one ROUTER socket and sends to peer j through it, by j's routing id
-(on the PLAIN plane a secret derived from j's session token: security.routing_id).
-It connects one DEALER socket to every peer's ROUTER and only ever receives on it:
-libzmq fair-queues the peers' messages into that one socket. A message's source is
-the connection it arrived on, never a header's claim: each ROUTER announces its rank
-in its handshake (ZMQ_METADATA ``X-Rank``, with a proof from its session token on the
-PLAIN plane: :func:`swarmfd.comm.security.server_proof`), which libzmq attaches to
-every message of that connection (``Frame.get``), and the DEALER's connections go only
-to the endpoints the rendezvous gave. A message whose connection announced no peer
-(libzmq dials a lost peer's endpoint again, whoever binds it next) is dropped. A
-header whose ``src`` differs is a protocol error. ZAP admits the DEALER's connection
-to each peer once (:class:`swarmfd.comm.security.Authenticator`: a one-time PLAIN
-token, set per connection, or CURVE with the job key when the plane is encrypted).
-The bound socket is what a stranger can reach for as long as the job runs (libzmq's
-unbind would drop its connections too), so it refuses frames over
-MAX_HANDSHAKE_FRAME and drops a connection that has not authenticated within
-HANDSHAKE_IVL_MS; a socket monitor on the DEALER reports a peer whose connection
-closed (by its endpoint). It binds only once the rendezvous is over (its port is held
-until then by a plain socket that does not listen,
-:func:`~swarmfd.comm.plane.reserve_port`), so a storm of connections at it cannot slow
-the rendezvous, whose sockets share libzmq's I/O thread with it.
+Each rank sends to peer j through its ROUTER by j's routing id (security.routing_id),
+and receives on one DEALER connected to every peer's ROUTER (libzmq fair-queues them;
+docs/performance.md). A message's source is its connection's ``X-Rank`` (announced by the
+peer's ROUTER with :func:`~swarmfd.comm.security.server_proof`), never a header's claim:
+a connection that announced no peer is dropped, a header claiming another is a protocol
+error. ZAP admits each DEALER connection once (:class:`~swarmfd.comm.security.Authenticator`).
 
-One receiving socket, not one per peer: at N=4, plain pyzmq exchanging 4 KiB with
-every peer took 182-213 us a round with a DEALER per peer (polled) against 155-165 us
-with one DEALER and 153-185 us with a PUSH/PULL pair per peer (4 interleaved runs,
-benchmarks/zmq_patterns.py), and 165-168 us with one DEALER whose receiver reads each
-message's metadata, as this plane does.
-
-Messages: a :mod:`swarmfd.comm.wire` header with its payload inline (one frame) up
-to INLINE_MAX_BYTES, else a header frame and a payload frame (copied up to
-COPY_MAX_BYTES, zero-copy and tracked above).
+The bound ROUTER faces strangers as long as the job runs (unbind would drop its
+connections): it refuses frames over MAX_HANDSHAKE_FRAME, drops connections not
+authenticated within HANDSHAKE_IVL_MS, and binds only after the rendezvous (which
+shares libzmq's I/O thread). A message is a header with its payload inline (one frame)
+up to INLINE_MAX_BYTES, else two frames (copied up to COPY_MAX_BYTES, zero-copy above).
 """
 
 from __future__ import annotations
@@ -64,53 +45,40 @@ __all__ = ["ZmqPlane"]
 
 #: A blocking receive returns at least this often (ms) to check deadlines and lost peers.
 WAIT_SLICE_MS = 50
-#: The same in seconds: a wait of exactly one slice is one blocking recv (_recv).
 WAIT_SLICE = WAIT_SLICE_MS / 1000
 #: Payloads up to this size travel inline (one frame with the header, copied).
 INLINE_MAX_BYTES = 64 << 10
-#: Larger payloads up to this size are copied into their own frame (one memcpy, done
-#: without the GIL); still larger ones go zero-copy. Measured at N=2 over TCP (interleaved
-#: A/B): a 256 KiB all_reduce took 2.9-3.4x longer inline (a 256 KiB Python bytes object
-#: per copy) and 64 KiB 1.5x longer zero-copy (the tracking) than this copy; the ring's
-#: 1 MiB pieces stream 1.2-1.3x faster zero-copy than copied.
+#: Larger payloads up to this size are copied into their own frame (one memcpy without
+#: the GIL); larger ones go zero-copy (docs/performance.md).
 COPY_MAX_BYTES = 512 << 10
-#: Limit on one frame a DEALER receives: the largest legitimate one (a header with an
-#: inline payload, or a payload of MAX_PAYLOAD) plus CURVE's few bytes of overhead.
+#: Largest frame the DEALER takes: a header and MAX_PAYLOAD plus CURVE's overhead.
 MAX_FRAME = wire.HEADER_SIZE + wire.MAX_PAYLOAD + 4096
-#: Limit on every frame the bound ROUTER receives. It only sends, so what arrives is
-#: handshakes (a PLAIN hello is under 600 bytes, CURVE's under 400).
+#: Largest frame the bound ROUTER takes: it only sends, so only handshakes arrive (a
+#: PLAIN hello is under 600 bytes, CURVE's under 400).
 MAX_HANDSHAKE_FRAME = 4096
-#: Messages (each at most MAX_FRAME) libzmq queues from one peer on the receiving socket
-#: before it stops reading that connection: a peer that sends while this rank does not
-#: read (it computes, or its call failed) pins at most this many in its memory, besides
-#: the channel's stash (SWARMFD_STASH_MB); the sender's own queue takes the rest, and the
-#: kernel's window holds it back (docs/security.md).
+#: Messages libzmq queues from one peer before it stops reading that connection: what a
+#: peer can pin in this rank's memory, besides the channel's stash (docs/security.md).
 RX_HWM = 64
-#: Frames a stranger left on the bound socket that one check_lost reads and drops (a
-#: bound on the time it takes from the rank's own work; check_lost runs at least every
-#: wait slice while the rank waits, and the socket's receive queue holds one message a
-#: connection, RCVHWM=1).
+#: Frames left on the bound socket that one check_lost reads and drops (it runs every
+#: wait slice; the socket queues one message a connection, RCVHWM=1).
 STRANGER_READS = 256
-#: Socket options and flags as plain ints: pyzmq's constants are enums, and an expression
-#: such as ``sock.get(zmq.EVENTS) & zmq.POLLIN`` builds enum values on every call (2.6 us
-#: against 1.4 us with ints, measured here; the receive path checks readiness several
-#: times per message).
+#: Options and flags as plain ints: pyzmq's enums cost twice the time on the receive
+#: path (docs/performance.md).
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 _RCVMORE = int(zmq.RCVMORE)
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
-#: libzmq's send and receive without pyzmq's Python wrapper (zmq.Socket.send, which only
-#: handles the DRAFT routing_id and group arguments): about 0.5 us less per frame, and
-#: every message is two frames (routing id, then data). Measured here: 1.05 against 1.6 us
-#: a send (100-byte frames, 3 runs).
+#: libzmq's send and receive without pyzmq's wrapper (it only handles DRAFT arguments):
+#: a third less per frame, and every message is two (docs/performance.md).
 _send = zmq.backend.Socket.send
 _recv = zmq.backend.Socket.recv
 _unpack_header = wire.unpack_header
 _pack_header = wire.pack_header
 _FLAG_INLINE = wire.FLAG_INLINE
 _join = b"".join
-#: The DEALER monitor's events, as a refused connection's story tells them.
+_now = time.monotonic
+#: The DEALER monitor's events, as a refused connection's history tells them.
 _EVENT_NAMES = {zmq.EVENT_HANDSHAKE_SUCCEEDED: "authenticated",
                 zmq.EVENT_DISCONNECTED: "closed",
                 zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed",
@@ -120,36 +88,19 @@ HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_F
                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
-def _now() -> float:
-    return time.monotonic()
-
-
-#: The first delay before the receiving socket dials a peer's ROUTER again (ms; it
-#: doubles up to 0.1 s): the peer binds as it leaves the rendezvous.
+#: The first delay (ms, doubling up to 0.1 s) before the DEALER dials a peer again: the
+#: peer binds as it leaves the rendezvous, maybe after this rank dialled.
 RECONNECT_FIRST_MS = 5
 
 
 class ZmqPlane:
-    """The ZeroMQ data plane (see the module docstring).
-
-    Each rank binds one ROUTER socket that only *sends*: to peer j by its routing id.
-    It connects one DEALER socket to every peer's ROUTER that only *receives*; a
-    message's source is its connection's ``X-Rank`` (set by the peer's ROUTER in the
-    handshake), never a header's claim. ZAP admits the DEALER's connection to each
-    peer once; the bound socket, which is what a stranger can reach for as long as the
-    job runs, refuses frames over MAX_HANDSHAKE_FRAME and drops a connection that has
-    not authenticated within HANDSHAKE_IVL.
-    """
+    """The ZeroMQ data plane (see the module docstring)."""
 
     name = "zmq"
-    kind = "tcp"
     zero_copy_recv = True
     shares_memory = False
     reads_peers = False
-    #: libzmq's I/O thread moves every message: a hop costs thread hand-offs on both
-    #: ends, so fewer hops win over fewer messages.
     io_thread = True
-    #: The largest payload that travels in one frame with its header.
     inline_max = INLINE_MAX_BYTES
 
     def __init__(self, t: PlaneOwner, ctx: zmq.Context, rank: int, world_size: int,
@@ -165,9 +116,8 @@ class ZmqPlane:
         self.router = self._router(ctx, security, timeout, token, rank)
         self.reserved: socket.socket | None = reserve_port(bind_host, avoid)
         self.endpoint = f"tcp://{bind_host}:{self.reserved.getsockname()[1]}"
-        # Counts the peers whose DEALER authenticated, and failed accepts (descriptors).
-        # Not failed handshakes: a storm of strangers makes one each, which this rank's
-        # Python would read one by one (thousands a second) while it sets up.
+        # Counts authenticated peers and failed accepts, not failed handshakes: a storm
+        # of strangers would make this rank read thousands a second while it sets up.
         self.router_monitor: zmq.Socket | None = self.router.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_ACCEPT_FAILED)
         self.inbound = 0
@@ -183,8 +133,6 @@ class ZmqPlane:
         self.rx.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
         self.rx.setsockopt(zmq.RCVTIMEO, WAIT_SLICE_MS)
         self.rx.setsockopt(zmq.LINGER, 0)
-        # A peer's ROUTER binds as its rank leaves the rendezvous, maybe after this rank
-        # dials it: dial again soon (libzmq's default waits 0.1 s), backing off to 0.1 s.
         self.rx.setsockopt(zmq.RECONNECT_IVL, RECONNECT_FIRST_MS)
         self.rx.setsockopt(zmq.RECONNECT_IVL_MAX, 100)
         keepalive(self.rx)
@@ -192,27 +140,22 @@ class ZmqPlane:
         self.peers: list[int] = []
         #: A connection's X-Rank (as Frame.get returns it) -> the peer's rank.
         self.rank_of: dict[str, int] = {}
-        #: Messages dropped because their connection announced no peer's rank (a process
-        #: on a lost peer's port, which libzmq dials again).
+        #: Messages dropped because their connection announced no peer's rank.
         self.unknown = 0
         #: A peer's endpoint (as the DEALER's monitor reports it) -> the peer's rank.
         self.at: dict[bytes, int] = {}
         self.connected: set[int] = set()
-        #: What the DEALER's monitor said of each peer's connection while it was set up
-        #: (seconds since connect(), event): told when a peer refuses this rank's token, to
-        #: tell a replay that came first from this rank's own connection dropped and redialled.
+        #: The DEALER monitor's events per peer during setup (seconds since connect(),
+        #: event): told when a peer refuses this rank's token.
         self.history: dict[int, list[tuple[float, str]]] = {}
         self.setup_start = 0.0
         #: peer -> this rank's attempt at its data connection (its one-time token's index).
         self.attempts: dict[int, int] = {}
         self.trackers: list[tuple[int, zmq.MessageTracker]] = []
-        #: The frame whose header next_header returned (a view that keeps its Frame alive),
-        #: and whether its payload follows in a frame of its own.
+        #: The frame whose header next_header returned, and whether a payload frame follows.
         self.raw: memoryview | bytes = b""
         self.more = False
-        #: A frame take read that was not the message it looked for: the next
-        #: next_header returns it first (its message's other frames, if any, are still
-        #: in the DEALER, where read_payload reads them).
+        #: A frame take read and did not want: next_header returns it first.
         self.back: zmq.Frame | None = None
         self.spinner = Spinner()
 
@@ -231,14 +174,10 @@ class ZmqPlane:
         stranger_facing(router, MAX_HANDSHAKE_FRAME)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.SNDHWM, 0)
-        # Nothing legitimate is ever received on it: without authentication (AUTH=off) a
-        # stranger's messages wait unread in its queue, so keep that queue minimal.
-        router.setsockopt(zmq.RCVHWM, 1)
+        router.setsockopt(zmq.RCVHWM, 1)  # nothing legitimate arrives: keep it minimal
         router.setsockopt(zmq.LINGER, int(min(timeout, 5.0) * 1000))
         keepalive(router)
-        # Every message this ROUTER sends carries its rank to the receiver (see the module
-        # docstring), with a proof from its session token on the PLAIN plane: set before
-        # bind, since a listener copies the options it has then.
+        # Its rank, with a proof, on every message it sends; before bind, which copies it.
         router.setsockopt(zmq.METADATA, f"X-Rank:{server_proof(token, rank)}".encode())
         return router
 
@@ -258,14 +197,10 @@ class ZmqPlane:
                 self.accept_failed += 1
 
     def connect(self, peers: Sequence[PeerInfo], deadline: float) -> None:
-        """Connect a DEALER to every peer's ROUTER, and wait until the mesh is up: every
-        DEALER authenticated, and this ROUTER routes to every peer's routing id (so no
-        message is sent before its receiver listens; a route is probed with an empty
-        frame, which receivers skip). A peer that refuses this rank's one-time token
-        (unencrypted: a replay came first) is dialled again with the next one
-        (:data:`~swarmfd.comm.security.DATA_ATTEMPTS` in all). Routes, not handshakes,
-        count: a replay that ZAP admitted first completes a handshake too, but does not
-        hold the peer's routing id (:func:`~swarmfd.comm.security.routing_id`)."""
+        """Connect the DEALER to every peer and wait until every connection authenticated
+        and this ROUTER routes to every peer's routing id (:meth:`_probe`). Routes count,
+        not handshakes: a replay ZAP admitted first lacks the routing id. A peer that
+        refuses this rank's one-time token is dialled with the next (DATA_ATTEMPTS)."""
         t = self.t
         rx = self.rx
         self.setup_start = _now()
@@ -322,12 +257,10 @@ class ZmqPlane:
                        "of descriptors: a flood of strangers?)" if self.accept_failed else "")
                 )
             time.sleep(0.002)
-        # Setup is over: the bound socket's events are only strangers' now. Stop its
-        # monitor, so that they cannot pile up in it.
-        self._stop_router_monitor()
+        self._stop_router_monitor()  # from now on only strangers' events: stop it
 
     def _bind(self) -> None:
-        """Bind the ROUTER to the port held since init (see the module docstring)."""
+        """Bind the ROUTER to the port held since init."""
         reserved, self.reserved = self.reserved, None
         if reserved is None:
             return
@@ -363,8 +296,8 @@ class ZmqPlane:
 
     def close(self, linger: float) -> None:
         """Close every socket; pending sends get ``linger`` seconds."""
-        # Read the monitors empty, then stop them before closing their sockets: the other
-        # order, or a full monitor pipe, can block in disable_monitor (libzmq#3575).
+        # Read the monitors empty and stop them first: else disable_monitor can block
+        # (libzmq#3575).
         self.check_lost()
         self._stop_router_monitor()
         mon, self.rx_monitor = self.rx_monitor, None
@@ -379,9 +312,8 @@ class ZmqPlane:
         self.router.close(linger=int(linger * 1000))
 
     def _redial(self, peer: PeerInfo) -> bool:
-        """Dial ``peer`` again with this rank's next one-time token, after it refused
-        one (unencrypted only: a CURVE refusal is a wrong key, and stays one). False
-        when there is none left."""
+        """Dial ``peer`` again with the next one-time token (PLAIN only: a CURVE refusal
+        is a wrong key); False when none is left."""
         sec = self.security
         attempt = self.attempts.get(peer.rank, 0) + 1
         if sec is None or sec.encrypt or attempt >= DATA_ATTEMPTS:
@@ -408,9 +340,7 @@ class ZmqPlane:
 
     def header(self, kind: int, sig: wire.Signature, src: int, tag: int, nbytes: int,
                group: int) -> tuple[bytes, bytes]:
-        """The header of such a message, cut around the call's number (wire.cut_header):
-        marked inline up to INLINE_MAX_BYTES, where it travels in one frame with its
-        payload."""
+        """:meth:`Plane.header`, marked inline up to INLINE_MAX_BYTES."""
         return wire.cut_header(kind, sig, src, tag, nbytes,
                                _FLAG_INLINE if nbytes <= INLINE_MAX_BYTES else 0, group)
 
@@ -422,13 +352,9 @@ class ZmqPlane:
 
     def send_packed(self, dst: int, header: bytes, payload: Any, size: int,
                     copy: bool) -> bool:
-        """:meth:`send` of a message whose header is packed already (by :meth:`header`'s
-        rule: inline up to INLINE_MAX_BYTES). Up to that size one frame, ``header`` and
-        ``payload`` joined in one copy (one send, one receive; a non-contiguous payload,
-        which join refuses, is copied first); above it a header frame and a payload frame,
-        sent without a copy unless ``copy`` (or it is small). Whether the payload stays
-        in use by libzmq (zero copy): only then must the caller flush before it
-        rewrites it."""
+        """:meth:`Plane.send_packed`: inline, ``header`` and ``payload`` joined in one
+        frame; else two frames, the payload zero-copy (and tracked) above COPY_MAX_BYTES
+        unless ``copy``."""
         if not self._route(dst):
             return False
         if size <= INLINE_MAX_BYTES:
@@ -448,8 +374,8 @@ class ZmqPlane:
         return True
 
     def _route(self, dst: int) -> bool:
-        """Send the routing id of ``dst`` (a message's first frame); False, with ``dst``
-        recorded as lost, when no connection holds it any more (ROUTER_MANDATORY)."""
+        """Send ``dst``'s routing id (a message's first frame); False, ``dst`` recorded
+        as lost, when no connection holds it (ROUTER_MANDATORY)."""
         try:
             _send(self.router, self.ids[dst], _SNDMORE)
         except zmq.ZMQError as exc:
@@ -480,15 +406,10 @@ class ZmqPlane:
         return None
 
     def _recv(self, timeout: float) -> zmq.Frame | None:
-        """The next frame from any peer, or None after ``timeout``: polls for the spin
-        budget (swarmfd.comm.spin), then blocks in the DEALER (GIL released). Readiness
-        is read from ZMQ_EVENTS: a non-blocking recv on an empty socket raises zmq.Again,
-        several microseconds each.
-
-        Without polling, a wait of one slice is one blocking recv and nothing else: it
-        returns at once when a message is queued, and reading ZMQ_EVENTS first costs a
-        poll() system call (libzmq processes its command mailbox). At N=4 on 2 cores that
-        was 1.5 of the 6.8 poll() calls a rank made per 4 KiB broadcast (strace)."""
+        """The next frame from any peer, or None after ``timeout``: polls ZMQ_EVENTS for
+        the spin budget (a non-blocking recv on an empty socket raises, slowly), then
+        blocks in the DEALER. Without polling a one-slice wait is one blocking recv:
+        reading ZMQ_EVENTS costs a poll() system call (docs/performance.md)."""
         rx = self.rx
         if not spin.ENABLED and timeout == WAIT_SLICE:
             return self._recv_frame(0)
@@ -517,15 +438,11 @@ class ZmqPlane:
             return None
 
     def next_header(self, timeout: float, src: int = -1) -> wire.Header | None:
-        """The next valid header (its payload then read with read_payload) or None after
-        ``timeout`` s. Messages come in the order libzmq fair-queues the peers' (``src``,
-        the peer the caller waits for, is not looked at first: there is one queue). A
-        header that is not a swarmfd message, or claims another source than its
-        connection's, is a protocol error: the peer does not follow the protocol."""
+        """:meth:`Plane.next_header` (``src`` is ignored: there is one queue); a header
+        that is not a swarmfd message or claims another source is a ProtocolError."""
         if self.back is not None:  # a frame take read and put back
             frame, self.back = self.back, None
-        elif timeout == WAIT_SLICE and not spin.ENABLED:
-            # The common wait, written out (_recv's first case): one blocking receive.
+        elif timeout == WAIT_SLICE and not spin.ENABLED:  # _recv's first case, inline
             try:
                 frame = _recv(self.rx, 0, False)
             except zmq.Again:
@@ -535,16 +452,12 @@ class ZmqPlane:
             if frame is None:
                 return None
         peer = self.rank_of.get(frame.get(b"X-Rank"))
-        if peer is None:
-            # Not a peer: the DEALER dials only peers' endpoints, but libzmq dials a lost
-            # peer's again, and whoever binds its port next is connected to (see
-            # server_proof). Read and drop, never parsed.
+        if peer is None:  # whoever bound a lost peer's port: dropped, never parsed
             self._drain()
             self.unknown += 1
             return None
-        raw = memoryview(frame)  # (not frame.buffer: 0.10 against 0.17 us here)
-        # Whether a frame follows, as libzmq reported it with this one (no getsockopt).
-        self.more = more = frame.more
+        raw = memoryview(frame)  # (not frame.buffer, which is slower)
+        self.more = more = frame.more  # (no getsockopt)
         try:
             hdr = _unpack_header(raw)
             if hdr.src != peer:
@@ -563,15 +476,8 @@ class ZmqPlane:
         return hdr
 
     def take(self, src: int, expected: bytes, nbytes: int) -> memoryview | None:
-        """``src``'s inline message whose header is ``expected`` (packed, byte for byte)
-        with ``nbytes`` of payload, when it is the next frame within one wait slice (the
-        plane's wait: polls per the spin policy, then blocks): a view of its payload,
-        valid while the view lives; what the channel's receive of that message would
-        give, in a few steps. None otherwise, having consumed nothing: a message larger
-        than a frame takes, nothing came within the slice, or the frame is another
-        message (another call's, a mismatch, an abort, a frame of no peer's connection),
-        which is put back for the channel's receive to read first
-        (:meth:`next_header`)."""
+        """:meth:`Plane.take` of an inline message that is the next frame within one
+        wait slice; another frame is put back for :meth:`next_header`."""
         if self.back is not None or nbytes > INLINE_MAX_BYTES:
             return None
         frame = self._recv(WAIT_SLICE)
@@ -587,9 +493,8 @@ class ZmqPlane:
 
     def read_payload(self, hdr: wire.Header, into: Any, between: Callable[[], None],
                      keep: bool = False) -> Any:
-        """The payload of the header next_header returned: into ``into`` (None returned)
-        or as a buffer (``bytes`` when the caller ``keep``s it, e.g. in the stash: a zmq
-        Frame must not outlive the receive that returned it)."""
+        """:meth:`Plane.read_payload`: ``keep`` gives bytes, as a Frame must not outlive
+        the receive that returned it."""
         raw = self.raw
         self.raw = b""
         rx = self.rx
@@ -617,12 +522,9 @@ class ZmqPlane:
         return data
 
     def _drop_strangers(self) -> None:
-        """Read and drop what reached the bound socket, at most STRANGER_READS frames a
-        call. It only sends: no peer sends to it, so whatever arrives is a stranger's
-        (possible with SWARMFD_AUTH=off; with authentication ZAP admits no stranger).
-        Left unread, each such message kept its connection's pipe alive after the
-        stranger had gone (libzmq delivers a closed pipe's pending messages before it
-        frees the pipe): a job fuzzed for 5, 15 and 45 s grew by 5, 18 and 55 MiB."""
+        """Read and drop what reached the bound socket (a stranger's: no peer sends to it):
+        left unread, each message keeps its closed connection's pipe alive in libzmq, and
+        memory grows while strangers connect (docs/security.md)."""
         router = self.router
         for _ in range(STRANGER_READS):
             try:
@@ -665,8 +567,7 @@ class ZmqPlane:
                         peer not in self.connected:
                     continue  # the close of a refused attempt, redialled (connect())
                 self.t.lost.setdefault(peer, _now())
-            elif event & HANDSHAKE_FAILED:
-                # A peer that refuses this rank's credentials: no data will ever flow.
+            elif event & HANDSHAKE_FAILED:  # refused: no data will ever flow
                 self.t.lost.setdefault(peer, _now())
                 if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                     self.t.refused.add(peer)

@@ -1,6 +1,6 @@
 """A stranger without the job secret, attacking a running swarmfd job (tests/test_front_door.py).
 
-Run as its own process (``python -m tests.attacker MODE ...``), so its CPU and
+Run as its own process (``python -m tests.support.attacker MODE ...``), so its CPU and
 descriptors are its own, and the test can stop it at any time. It prints one JSON
 line of counters when it ends (SIGTERM or its duration). Modes:
 
@@ -50,8 +50,8 @@ import threading
 import time
 from typing import Any
 
-#: The checkout (``python -m tests.attacker`` runs from there).
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: The checkout (``python -m tests.support.attacker`` runs from there).
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def greeting(mechanism: str) -> bytes:
@@ -503,7 +503,7 @@ def sniff_replay(duration: float, out: Counters, stop: threading.Event,
 
 def _forged_messages() -> list[list[bytes]]:
     """A DATA message claiming rank 1 for the first all_reduce of 8 int64s, and an ABORT."""
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, ROOT)
     from swarmfd.comm import wire
 
     sig = wire.Signature(wire.Collective.ALL_REDUCE, wire.ReduceOp.SUM, 4, wire.NO_ROOT, 8,
@@ -519,7 +519,7 @@ def _forged_messages() -> list[list[bytes]]:
 
 
 class Attacker:
-    """``python -m tests.attacker ...`` as a context manager, for the tests; ``.result``
+    """``python -m tests.support.attacker ...`` as a context manager, for the tests; ``.result``
     its counters once stopped."""
 
     def __init__(self, *args: Any, wait_ready: bool = False) -> None:
@@ -528,7 +528,7 @@ class Attacker:
         self.result: dict[str, Any] = {}
 
     def __enter__(self) -> Attacker:
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.attacker", *self.args],
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.support.attacker", *self.args],
                                      cwd=ROOT, stdout=subprocess.PIPE, stdin=subprocess.PIPE,
                                      text=True)
         if self.wait_ready:

@@ -9,6 +9,41 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
+#: A job's command (``python -c``): rank 1 sleeps 50 ms before each all_reduce, for 90 s
+#: at most (``swarmfd top`` flags it).
+SLOWED_JOB = (
+    "import time\n"
+    "import numpy as np\n"
+    "import swarmfd as fd\n"
+    "fd.init()\n"
+    "x = np.ones(256, np.float32)\n"
+    "end = time.monotonic() + 90\n"
+    "while time.monotonic() < end:\n"
+    "    if fd.get_rank() == 1:\n"
+    "        time.sleep(0.05)\n"
+    "    fd.all_reduce(x)\n"
+)
+
+
+def top_rows(run: Callable[..., Any], name: str, ranks: int, timeout: float = 90) -> Any:
+    """``swarmfd top --once --json NAME`` (through ``run(*args)``, which returns a
+    CompletedProcess) until it shows ``ranks`` ranks at work and a straggler; its rows."""
+    import json
+
+    rows: list[dict[str, Any]] = []
+
+    def ready() -> bool:
+        nonlocal rows
+        out = run("top", "--once", "--json", name)
+        assert out.returncode == 0, out.stderr
+        rows = json.loads(out.stdout)
+        return (len(rows) == ranks and all(r["calls_per_s"] > 0 for r in rows)
+                and any(r["straggler"] for r in rows))
+
+    with contextlib.suppress(TimeoutError):  # the caller's assertions show the rows
+        wait_until(ready, timeout, f"swarmfd top showing the {ranks} ranks of {name}")
+    return rows
+
 
 def rank_lines(text: str) -> dict[int, list[str]]:
     """deploy's '[rank R] line' output, grouped by rank (prefix removed)."""

@@ -30,8 +30,8 @@ stacks of each of its threads (faulthandler, on SIGUSR1: :func:`arm_stack_dump`)
 child is reaped whatever happens (SIGCONT, then SIGKILL of whatever is left), so no
 test can hang or leak; :meth:`Ranks.close` asserts none survives.
 
-Logic that does not need processes runs on thread-ranks instead: tests/memplane.py
-(the algorithms, the message layer) and tests/threadranks.py (the public API over the
+Logic that does not need processes runs on thread-ranks instead: tests/support/memplane.py
+(the algorithms, the message layer) and tests/support/threadranks.py (the public API over the
 real planes).
 """
 
@@ -89,13 +89,15 @@ __all__ = [
 #: ranks were made, plus ``env``) and the test's stdout and stderr (see _child).
 #: torch is preloaded too where it is installed (the server skips a module it cannot
 #: import): a torch rank imported it itself, about 3 s of CPU each, for 16 ranks of
-#: tests/test_torch_ranks.py; the server pays it once. Importing torch starts no thread
-#: beyond numpy's OpenBLAS one (2 tasks in /proc/self/task with numpy alone or with
-#: torch too) and runs no op, so forking after it is safe (as DataLoader workers do).
+#: tests/test_torch_ranks.py; the server pays it once. So does torch._dynamo, which a
+#: process's first torch optimizer imports (about 4 CPU-seconds a rank otherwise).
+#: Importing them starts no thread beyond numpy's OpenBLAS one (2 tasks in
+#: /proc/self/task with numpy alone or with torch too) and runs no op, so forking after
+#: it is safe (as DataLoader workers do).
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["numpy", "zmq", "psutil", "pytest", "hypothesis", "swarmfd",
                              "swarmfd.comm.transport", "swarmfd.comm.shm_setup",
-                             "swarmfd.engine", "tests.harness", "torch"])
+                             "swarmfd.engine", "tests.support.harness", "torch", "torch._dynamo"])
 _STACK_FILES: list[Any] = []  # in a rank: the open file faulthandler writes to
 
 #: How long a spawned rank waits at the start line for the others to have started.
@@ -635,6 +637,33 @@ def require_installed(module: str, install: str) -> None:
                     fix=install, module_level=True)
 
 
+#: How to get torch: optional for swarmfd's users, required in CI (its CPU wheel, pinned).
+TORCH_INSTALL = "pip install torch==2.13.0, the CPU wheel"
+
+
+def require_torch(*, load: bool = True) -> Any:
+    """torch, for a test of swarmfd's torch support: the module (with ``load=False`` only
+    found, for a test whose ranks import it). Without it the calling test (or module)
+    skips, or fails under ``CI=true``: a broken torch must not pass CI as skips."""
+    if not load:
+        require_installed("torch", TORCH_INSTALL)
+        return None
+    return require("torch", TORCH_INSTALL)
+
+
+def torch_installed() -> bool:
+    """For a test that runs with or without torch (what needs it is left out without it):
+    whether torch is installed. Under ``CI=true`` its absence fails the calling test."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is not None:
+        return True
+    if in_ci():  # pragma: no cover - depends on the machine
+        unavailable("torch is not installed", what="the tests that need it",
+                    fix=TORCH_INSTALL)
+    return False
+
+
 class StallMeter:
     """How long this machine failed to run a high-priority thread, over a time window.
 
@@ -685,6 +714,19 @@ def stall_meter() -> StallMeter:
     if _STALL_METER is None:
         _STALL_METER = StallMeter()
     return _STALL_METER
+
+
+#: The bounds the suite holds swarmfd's detections to, written out: a bound in terms of
+#: the constant that sets the detection (LOST_PEER_GRACE, KEEPALIVE, TIMEOUT_GRACE) would
+#: pass a slower one. A peer that died or left is reported within 2 s.
+LOST_PEER_LIMIT = 2.0
+#: A host gone without a FIN is found by TCP keepalive in about 4 s (docs/security.md: 1 s
+#: idle, 3 probes 1 s apart); the bound allows for when its last packet went, the
+#: lost-peer grace and a loaded machine.
+VANISHED_PEER_LIMIT = 7.0
+#: A rank that times out listens this long to the others' reports (to name the rank
+#: really stuck) before it raises.
+TIMEOUT_REPORT = 0.6
 
 
 def allowed(limit: float, since: float, until: float) -> tuple[float, str]:

@@ -48,8 +48,9 @@ from swarmfd.comm.channel import LOST_PEER_GRACE, Channel
 from swarmfd.comm.planes.shm import ShmPlane
 from swarmfd.errors import CollectiveTimeout, MismatchError, PeerLostError
 
-from .attacker import Attacker
-from .robust_harness import RankCtx, Ranks, error_info, record
+from .support.attacker import Attacker
+from .support.harness import LOST_PEER_LIMIT, allowed, stall_meter, unavailable
+from .support.robust_harness import RankCtx, Ranks, error_info, record
 
 #: A job token as the rendezvous draws them (16 hex digits).
 TOKEN = "0123456789abcdef"
@@ -76,23 +77,20 @@ def test_host_key_names_kernel_namespace_or_directory_and_user(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """The host key changes with SWARMFD_SHM_DIR (a directory replaces the network
     namespace); an unusable directory is a logged fall-back, not a silent one."""
-    monkeypatch.delenv(shm.ENV_SHM_DIR, raising=False)
     plain = shm.host_key()
     assert f":netns:{os.stat('/proc/self/ns/net').st_ino}:{os.getuid()}" in plain
-    monkeypatch.setenv(shm.ENV_SHM_DIR, str(tmp_path))
     st = os.stat(tmp_path)
-    assert shm.host_key().endswith(f":dir:{st.st_dev}:{st.st_ino}:{os.getuid()}")
-    assert shm.socket_address(TOKEN, "k").startswith(str(tmp_path) + "/swarmfd-shm-")
-    monkeypatch.setenv(shm.ENV_SHM_DIR, str(tmp_path / "missing"))
+    assert shm.host_key(str(tmp_path)).endswith(f":dir:{st.st_dev}:{st.st_ino}:{os.getuid()}")
+    assert shm.socket_address(TOKEN, "k", str(tmp_path)).startswith(
+        str(tmp_path) + "/swarmfd-shm-")
     with caplog.at_level(logging.WARNING, "swarmfd"):
-        assert shm.host_key() == ""
+        assert shm.host_key(str(tmp_path / "missing")) == ""
     assert "SWARMFD_SHM_DIR" in caplog.text and "missing" in caplog.text
 
 
 def test_socket_address_is_abstract_and_reveals_no_token(monkeypatch: pytest.MonkeyPatch) -> None:
     """By default the setup socket is abstract (no file); its name differs per job and
     host and does not contain the token; the key is another derivation again."""
-    monkeypatch.delenv(shm.ENV_SHM_DIR, raising=False)
     a = shm.socket_address(TOKEN, "host-a")
     assert a.startswith("\0swarmfd-shm-") and TOKEN not in a
     assert a != shm.socket_address(TOKEN, "host-b") != shm.socket_address("f" * 16, "host-a")
@@ -221,13 +219,16 @@ def test_a_write_to_an_inbox_breaks_when_its_owner_is_gone() -> None:
     sig = wire.Signature(wire.Collective.BARRIER)
     try:
         (_, p1), (h2, p2) = planes[1], planes[2]
+        stall_meter()
         p1.close()
         t0 = time.monotonic()
         h2.send(p2, 1, sig, 0, 1, 0)  # EPIPE: recorded, not raised
         assert 1 in h2.lost
         with pytest.raises(PeerLostError, match="lost rank 1"):
             h2.recv(p2, 1, sig, 0, 1, 0, 0)
-        assert LOST_PEER_GRACE <= time.monotonic() - t0 < LOST_PEER_GRACE + 1.0
+        t1 = time.monotonic()
+        limit, stalled = allowed(LOST_PEER_LIMIT, t0, t1)
+        assert LOST_PEER_GRACE <= t1 - t0 < limit, (t1 - t0, stalled)
     finally:
         for _, p in planes:
             p.close()
@@ -302,7 +303,7 @@ def test_an_abort_to_a_full_ring_follows_the_records_before_it() -> None:
     try:
         (h0, p0), (_, p1) = planes
         if not p0.ring_slots:
-            pytest.skip("records travel through the pipes on this machine")
+            _no_rings()
         count = p0.ring_slots + 3
         for i in range(count):
             _send(h0, p0, 1, i)
@@ -333,7 +334,7 @@ def test_a_sleeping_rank_is_woken_by_a_record() -> None:
     try:
         (h0, p0), (_, p1) = planes
         if not p1.ring_slots:
-            pytest.skip("records travel through the pipes on this machine")
+            _no_rings()
         got: list[Any] = []
         waiter = threading.Thread(target=lambda: got.append(p1.next_header(10.0)))
         t0 = time.monotonic()
@@ -364,7 +365,7 @@ def test_a_bad_record_in_a_ring_is_a_protocol_error() -> None:
     try:
         (_, p0), (_, p1) = planes
         if not p0.ring_slots:
-            pytest.skip("records travel through the pipes on this machine")
+            _no_rings()
         ring = p0.outgoing[1]
 
         def forge(src: int, nbytes: int) -> None:
@@ -420,6 +421,13 @@ def test_an_inbox_never_reads_end_of_file() -> None:
     finally:
         for _, p in planes:
             p.close()
+
+
+def _no_rings() -> None:
+    """Skip a test of the records' rings where records travel through the pipes (not on
+    x86-64), or fail under CI=true: there a missing ring is a broken one."""
+    unavailable("records travel through the pipes on this machine",
+                what="the tests of the shared-memory rings", fix="run them on x86-64")
 
 
 def _hub(clients: list[int]) -> tuple[shm._Hub, str]:
@@ -1259,7 +1267,7 @@ def test_a_packed_record_goes_through_the_rings_and_is_taken_in_a_few_steps_or_n
     try:
         (h0, p0), (h1, p1) = planes
         if not p0.ring_slots:
-            pytest.skip("records travel through the pipes on this machine")
+            _no_rings()
 
         def header(src: int, seq: int, sig: wire.Signature = _SIG, n: int = 0) -> bytes:
             return wire.pack_header(int(wire.Kind.DATA), sig, src, seq, 0, n, 0, 0)

@@ -5,7 +5,7 @@ process group, over the real planes: every rank builds a real
 :class:`swarmfd.comm.transport.Transport` (its channel, its socket or zmq TCP plane,
 bound on loopback, with the session's job secret), the ranks connect their TCP mesh
 to each other (authenticated, as in init), and with ``plane="shm"`` they also share
-real shared memory (memfd segments and pipes, :func:`tests.memplane.shm_planes`).
+real shared memory (memfd segments and pipes, :func:`tests.support.memplane.shm_planes`).
 Each rank then gets what ``fd.init`` would have given it: the world group, its host
 group and the progress engine (``swarmfd.group.make_groups``, ``swarmfd.session._engine``).
 
@@ -16,7 +16,7 @@ the real one on other threads). So ``fd.all_reduce(x)`` on rank 2's thread is ra
 call, ``fd.get_rank()`` is 2, ``fd.new_group`` makes rank 2's groups.
 
 What this does not run: rendezvous, the shared-memory setup between processes
-(memfds over a unix socket: tests/test_shm.py), process boundaries, ``fd.init`` and
+(memfds over a unix socket: tests/test_shm_plane.py), process boundaries, ``fd.init`` and
 ``fd.cleanup``. The process tests (tests/conftest.py ``run_ranks``) keep one run per
 plane of what is tested here for every size; failure detection stays in processes.
 
@@ -109,7 +109,7 @@ def connect_transports(ts: list[_transport.Transport], timeout: float) -> None:
 
 
 class _MemoryTransport:
-    """What a group needs of a transport, over :class:`tests.memplane.MemoryPlane`."""
+    """What a group needs of a transport, over :class:`tests.support.memplane.MemoryPlane`."""
 
     plane = "memory"
 

@@ -89,7 +89,6 @@ class MemoryPlane:
     """A plane over in-memory queues (see the module docstring)."""
 
     name = "memory"
-    kind = "tcp"
     endpoint = ""
     zero_copy_recv = False
     shares_memory = False
@@ -358,7 +357,7 @@ def run_algorithm(n: int, make: Callable[[Op], Any], *, plane: str = "memory",
             return slot
 
         op = Op(channel, pl, list(range(n)), r, 0, 1, sig,
-                pl if getattr(pl, "kind", "") == "shm" else None, next_slot)
+                pl if pl.shares_memory else None, next_slot)
         algo, result = make(op)
         run(op, algo)
         channel.flush()
