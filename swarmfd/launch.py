@@ -1180,8 +1180,10 @@ def launch(
                     agents = find_free_ports(config.master_addr, config.nproc,
                                              avoid=(port, swarmfd_port))
                     env = _rank_env(config, port, swarmfd_port, 0, secret_file, agents)
-                    return _ElasticAttempt(config, argv, env, output, guardian, signals,
-                                           done_file=_done_file(secret_file)).run().code
+                    outcome = _ElasticAttempt(config, argv, env, output, guardian, signals,
+                                              job, done_file=_done_file(secret_file)).run()
+                    _end_line(output, job, started)
+                    return outcome.code
                 env = _rank_env(config, port, swarmfd_port, restart, secret_file)
                 job.ranks.clear()
                 outcome = _Attempt(config, argv, env, output, guardian, signals, job).run()
