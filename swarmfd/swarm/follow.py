@@ -18,7 +18,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 import docker
@@ -354,8 +354,7 @@ def follow_job(
     tails = _Tails()
     pump = (LogPump(client, service_id, node_id, tails.wrap(output), records=records)
             if output is not None else None)
-    last_summary = ""
-    reasons: dict[int, str] = {}
+    told = _Told(name, world_size, progress)
     all_running: float | None = None
     polls = 0
     watch = _Elastic(progress, name) if elastic else None
@@ -364,32 +363,13 @@ def follow_job(
             views = job_tasks(client, service_id)
             polls += 1
             elapsed = time.monotonic() - t0
-            summary = summarize(views.values(), world_size)
-            if summary != last_summary:
-                progress(f"{name}: {summary} ({elapsed:.1f} s)")
-                last_summary = summary
-            for rank, view in views.items():
-                reason = view.error if view.phase in ("pending", "starting") else ""
-                if reason and reasons.get(rank) != reason:
-                    progress(f"{name}: rank {rank} {view.state}: {reason}")
-                reasons[rank] = reason
+            told.update(views, elapsed)
+            all_running = told.all_running
             if pump is not None:
                 pump.update(views)
-            if (all_running is None and len(views) >= world_size
-                    and all(v.phase in ("running", "done") for v in views.values())
-                    and any(v.phase == "running" for v in views.values())):
-                all_running = elapsed
-                progress(f"{name}: all {world_size} ranks running after {elapsed:.1f} s")
             nodes = node_states(client)
             if watch is not None:
-                history = [TaskView.from_api(t)
-                           for t in client.api.tasks(filters={"service": service_id})]
-                ended = watch.update(views, nodes, history)
-                if ended is not None and watch.late:
-                    progress(f"{name}: stopping {len(watch.late)} replacement(s) that came "
-                             "after the job had finished")
-                    with contextlib.suppress(docker.errors.APIError):
-                        client.services.get(service_id).scale(0)
+                ended = _elastic_poll(client, service_id, watch, views, nodes)
                 if ended is not None:
                     if pump is not None:
                         pump.drain(drain_timeout, progress, name)
@@ -411,14 +391,11 @@ def follow_job(
                 return FollowResult("done", 0, f"all {world_size} ranks exited 0 "
                                     f"({elapsed:.1f} s)", all_running_after=all_running,
                                     elapsed=elapsed)
-            if polls % 8 == 0 or not views:
-                try:
-                    client.api.inspect_service(service_id)
-                except docker.errors.NotFound:
-                    elapsed = time.monotonic() - t0
-                    return FollowResult("removed", 1, f"the job {name} was removed while "
-                                        "running (by `swarmfd rm` or `docker service rm`)",
-                                        all_running_after=all_running, elapsed=elapsed)
+            if (polls % 8 == 0 or not views) and _removed(client, service_id):
+                return FollowResult("removed", 1, f"the job {name} was removed while "
+                                    "running (by `swarmfd rm` or `docker service rm`)",
+                                    all_running_after=all_running,
+                                    elapsed=time.monotonic() - t0)
             time.sleep(poll)
     except KeyboardInterrupt:
         return FollowResult("interrupted", 130, "stopped following (Ctrl-C)",
@@ -426,6 +403,61 @@ def follow_job(
     finally:
         if pump is not None:
             pump.close()
+
+
+@dataclass
+class _Told:
+    """What :func:`follow_job` said of a job so far: each line once, on a change."""
+
+    name: str
+    world_size: int
+    progress: Callable[[str], None]
+    summary: str = ""
+    reasons: dict[int, str] = field(default_factory=dict)
+    #: Seconds after the start when every rank ran (None: not yet).
+    all_running: float | None = None
+
+    def update(self, views: dict[int, TaskView], elapsed: float) -> None:
+        """The phase counts, Swarm's pending reasons, and all ranks running."""
+        summary = summarize(views.values(), self.world_size)
+        if summary != self.summary:
+            self.progress(f"{self.name}: {summary} ({elapsed:.1f} s)")
+            self.summary = summary
+        for rank, view in views.items():
+            reason = view.error if view.phase in ("pending", "starting") else ""
+            if reason and self.reasons.get(rank) != reason:
+                self.progress(f"{self.name}: rank {rank} {view.state}: {reason}")
+            self.reasons[rank] = reason
+        if (self.all_running is None and len(views) >= self.world_size
+                and all(v.phase in ("running", "done") for v in views.values())
+                and any(v.phase == "running" for v in views.values())):
+            self.all_running = elapsed
+            self.progress(f"{self.name}: all {self.world_size} ranks running after "
+                          f"{elapsed:.1f} s")
+
+
+def _removed(client: docker.DockerClient, service_id: str) -> bool:
+    """Whether the job's service is gone (removed by hand while it ran)."""
+    try:
+        client.api.inspect_service(service_id)
+    except docker.errors.NotFound:
+        return True
+    return False
+
+
+def _elastic_poll(client: docker.DockerClient, service_id: str, watch: _Elastic,
+                  views: dict[int, TaskView], nodes: dict[str, NodeState]
+                  ) -> FollowResult | None:
+    """One poll of an elastic job (:class:`_Elastic`): its outcome once it is over; the
+    replacements that came after the end are stopped (the service scaled to 0)."""
+    history = [TaskView.from_api(t) for t in client.api.tasks(filters={"service": service_id})]
+    ended = watch.update(views, nodes, history)
+    if ended is not None and watch.late:
+        watch.progress(f"{watch.name}: stopping {len(watch.late)} replacement(s) that came "
+                       "after the job had finished")
+        with contextlib.suppress(docker.errors.APIError):
+            client.services.get(service_id).scale(0)
+    return ended
 
 
 #: Seconds every slot of an elastic job must have stayed ended before it counts as over

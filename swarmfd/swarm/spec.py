@@ -624,6 +624,16 @@ class JobSpec:
         """The labels on every object of the job (service, network, containers)."""
         return {**self.labels, LABEL_JOB: self.name}
 
+    def restart_policy(self) -> dict[str, Any]:
+        """The tasks' restart policy. One-shot ranks: a task that ends is never restarted
+        (a restarted rank could not rejoin a running group; ``swarmfd deploy`` stops the
+        job when a rank fails). An elastic job's failed task is, at once: the new one
+        joins the running job."""
+        if self.elastic and self.elastic_restarts:
+            return {"Condition": "on-failure", "Delay": 0, "Window": 0,
+                    "MaxAttempts": self.elastic_restarts}
+        return {"Condition": "none", "MaxAttempts": 0}
+
     def task_env(self) -> list[str]:
         """The service's environment, ``KEY=VALUE`` strings (templates expanded by Swarm)."""
         contract = {
@@ -724,12 +734,7 @@ def build_service_spec(job: JobSpec, secret_id: str | None = None) -> dict[str, 
         container["StopGracePeriod"] = ELASTIC_STOP_GRACE * 10**9
     task: dict[str, Any] = {
         "ContainerSpec": container,
-        # One-shot ranks: a task that ends is never restarted (a restarted rank could not
-        # rejoin a running group; `swarmfd deploy` stops the job when a rank fails); an
-        # elastic job's failed task is, at once: the new one joins the running job.
-        "RestartPolicy": {"Condition": "on-failure", "Delay": 0, "Window": 0,
-                          "MaxAttempts": job.elastic_restarts}
-        if job.elastic and job.elastic_restarts else {"Condition": "none", "MaxAttempts": 0},
+        "RestartPolicy": job.restart_policy(),
         "Networks": [{"Target": job.name}] + [{"Target": n} for n in job.networks],
     }
     if resources:
