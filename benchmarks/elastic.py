@@ -18,10 +18,12 @@ momentum, one thread per rank, N ranks on loopback (shared memory), a commit eve
               --max-restarts 1``; ``torchrun``, torch's DDP over gloo under ``torchrun
               --standalone --max-restarts 1`` (with torch 2.13.0 here, its restarted
               group failed every time in gloo's connectFullMesh: "Connection refused").
-``commit``    the cost of the commits: interleaved rounds of the job with a commit every
-              ``--commit-every`` steps and without (twice: the A/A control shows the
-              noise); a job's figure is its slowest rank's mean step over the timed steps
-              (commits included), a variant's the median over rounds.
+``commit``    the cost of the commits: in each job, blocks of ``--block`` steps take
+              turns: with a commit every ``--commit-every`` steps, and without (twice:
+              the A/A control shows the noise), so the variants share the processes and
+              the machine's moment (separate jobs differ more than the commits cost); a
+              job's figure is its slowest rank's mean step (commits included), a
+              variant's the median over ``--rounds`` jobs.
 ``accuracy``  ``examples/train_torch.py --elastic`` on N ranks, undisturbed and with two
               kills (``--kill-at-step``), final test accuracy.
 
@@ -51,6 +53,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 POSITIONS = ("first", "middle", "last")
+#: The commit figure's variants: with commits, and twice without (the A/A control).
+VARIANTS = ("commit", "plain-a", "plain-b")
 
 
 # -- a rank -----------------------------------------------------------------------------------
@@ -89,19 +93,24 @@ def elastic_worker(args: argparse.Namespace) -> None:
     x, y = torch.randn(BATCH, IN), torch.randint(0, OUT, (BATCH,))
     state = sft.elastic.TorchState(model, opt, step=0)
     times: list[float] = []
+    blocks: dict[str, list[float]] = {v: [] for v in VARIANTS}
 
     @fd.elastic.run
     def train(state: Any) -> None:
         first = True
         while state.step < args.steps:
+            variant = VARIANTS[(state.step // args.block) % 3] if args.block else "commit"
             t0 = time.perf_counter()
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
             state.step += 1
-            if args.commit_every and state.step % args.commit_every == 0:
+            if variant == "commit" and args.commit_every and \
+                    state.step % args.commit_every == 0:
                 state.commit()
             times.append(time.perf_counter() - t0)
+            if state.step > args.warmup:
+                blocks[variant].append(times[-1])
             if first:
                 _event(args, kind="step", gen=fd.session.elastic_state().world.gen,
                        join=bool(os.environ.get("SWARMFD_ELASTIC_JOIN")))
@@ -112,7 +121,10 @@ def elastic_worker(args: argparse.Namespace) -> None:
 
     train(state)
     timed = times[args.warmup:]
-    if timed:
+    if args.block:
+        print(json.dumps({v: 1e3 * statistics.fmean(t) for v, t in blocks.items()}),
+              flush=True)
+    elif timed:
         print(json.dumps({"mean_ms": 1e3 * statistics.fmean(timed)}), flush=True)
     fd.cleanup()
 
@@ -223,19 +235,23 @@ def recovery(args: argparse.Namespace, system: str, position: str) -> dict[str, 
 
 
 def commit_cost(args: argparse.Namespace) -> dict[str, list[float]]:
-    """Interleaved rounds of the job with commits and without (twice)."""
-    variants = {"commit": args.commit_every, "plain-a": 0, "plain-b": 0}
-    out: dict[str, list[float]] = {v: [] for v in variants}
-    for r in range(args.rounds):
-        order = list(variants)[r % 3:] + list(variants)[:r % 3]
-        for v in order:
-            with tempfile.TemporaryDirectory() as events:
-                argv = _me(args, "elastic-worker", events=events)
-                argv[argv.index("--commit-every") + 1] = str(variants[v])
-                proc = _job([sys.executable, "-m", "swarmfd", "run", "-n", str(args.n),
-                             "--elastic", "--", *argv], args.job_timeout)
-            means = [json.loads(m)["mean_ms"] for m in re.findall(r"\{.*\}", proc.stdout)]
-            out[v].append(max(means))
+    """Jobs whose steps run in blocks of ``--block`` steps that take turns: with commits
+    every ``--commit-every`` steps, and twice without (the A/A control), so the three
+    share the processes, their placement and the machine's moment; a job's figure per
+    variant is its slowest rank's mean step (commits included), a variant's the median
+    over the jobs."""
+    out: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    block = args.block or 2 * args.commit_every
+    steps = args.warmup + 3 * block * max(1, args.steps // (3 * block))
+    for _ in range(args.rounds):
+        with tempfile.TemporaryDirectory() as events:
+            argv = _me(args, "elastic-worker", events=events, block=block)
+            argv[argv.index("--steps") + 1] = str(steps)
+            proc = _job([sys.executable, "-m", "swarmfd", "run", "-n", str(args.n),
+                         "--elastic", "--", *argv], args.job_timeout)
+        ranks = [json.loads(m) for m in re.findall(r"\{.*\}", proc.stdout)]
+        for v in VARIANTS:
+            out[v].append(max(r[v] for r in ranks))
     return out
 
 
@@ -271,7 +287,7 @@ def report(args: argparse.Namespace, rec: dict[str, Any], cost: dict[str, list[f
                   f"{med['plain-b']:.1f} ms without (A/A); cost "
                   f"{100 * (med['commit'] / med['plain-a'] - 1):+.1f} %, A/A "
                   f"{100 * (med['plain-b'] / med['plain-a'] - 1):+.1f} % "
-                  f"({args.rounds} interleaved rounds, medians)", ""]
+                  f"(blocks of each interleaved in {args.rounds} jobs, medians)", ""]
     if acc:
         lines += [f"accuracy (examples/train_torch.py --elastic): undisturbed "
                   f"{acc['undisturbed']:.4f}, two kills {acc['two kills']:.4f}", ""]
@@ -289,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--commit-every", type=int, default=10)
+    p.add_argument("--block", type=int, default=0,
+                   help="commit figure: steps per block of a variant (default 2 commits)")
     p.add_argument("--kill-step", type=int, default=45)
     p.add_argument("--position", choices=POSITIONS, default="last")
     p.add_argument("--events", default="")
