@@ -312,6 +312,25 @@ def test_a_users_exception_ends_the_job_instead_of_re_forming_it(tmp_path: Path)
     assert text.count("raised ValueError: a bug at step 4") >= 2, text  # the others' error
 
 
+def test_a_rank_that_asks_to_leave_leaves_at_a_commit_and_old_groups_refuse_calls(
+        tmp_path: Path) -> None:
+    """The last of 3 ranks asks to leave at step 3: at the commit of step 5 it exits 0,
+    and the others go on as a world of 2 without a rollback (every sample processed
+    as often as without the change); a group made in the first world refuses a call
+    after the change, saying to make it again."""
+    code, out = run_elastic_job(tmp_path, "-n", "3", "--elastic", env={
+        "LEAVE_AT": "3", "OLD_GROUP": "1", "EPOCHS": "2", "SAMPLES": "120"})
+    text = out.decode(errors="replace")
+    assert code == 0, text
+    results = _results(out)
+    assert sorted((r[0], r[1]) for r in results) == [(0, 2), (1, 2)], text
+    assert all(r[3] == 2 for r in results), f"a sample was skipped:\n{text}"
+    assert "left the job at a commit, as asked" in text, text
+    assert "lost rank" not in text.replace("lost rank(s) []", ""), text
+    assert text.count("old group refused:") == 2, text
+    assert "was made in generation 0" in text and "make it again" in text, text
+
+
 def test_a_replacement_that_comes_after_the_job_finished_exits_0(tmp_path: Path) -> None:
     done = tmp_path / "finished"
     done.write_text("")

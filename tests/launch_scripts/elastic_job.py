@@ -13,6 +13,10 @@ Faults, from the environment:
   in its first re-formation (a loss during a re-formation).
 * ``RAISE_AT=5``: the rank that starts as rank 1 raises ValueError at step 5 (a bug of
   the user's: it ends the job).
+* ``LEAVE_AT=5``: the rank that starts last asks to leave at step 5
+  (``fd.elastic.request_leave``): it leaves at the next commit, without a rollback.
+* ``OLD_GROUP="1"``: the first ranks make a group of the whole first world; the reset
+  callbacks use it, and print the error it raises.
 """
 
 import os
@@ -30,7 +34,10 @@ BATCH = int(os.environ.get("BATCH", "4"))
 COMMIT_EVERY = int(os.environ.get("COMMIT_EVERY", "5"))
 STEP_SLEEP = float(os.environ.get("STEP_SLEEP", "0.02"))
 RAISE_AT = int(os.environ.get("RAISE_AT", "0"))
+LEAVE_AT = int(os.environ.get("LEAVE_AT", "0"))
 SLOT = int(os.environ.get("RANK", "0"))
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+LAST = SLOT == WORLD - 1
 FIRST = not os.environ.get("SWARMFD_ELASTIC_JOIN")
 
 
@@ -50,6 +57,16 @@ state = fd.elastic.State(counts=np.zeros(SAMPLES), sampler=sampler, epoch=0, bat
                          steps=0)
 state.register_reset_callbacks([lambda: print(f"reset: now rank {fd.get_rank()} of "
                                               f"{fd.get_world_size()}", flush=True)])
+if os.environ.get("OLD_GROUP") and FIRST:
+    old = fd.new_group(list(range(fd.get_world_size())))
+
+    def use_old_group():
+        try:
+            fd.all_reduce(np.ones(1), group=old)
+        except ValueError as exc:
+            print(f"old group refused: {exc}", flush=True)
+
+    state.register_reset_callbacks([use_old_group])
 
 
 @fd.elastic.run
@@ -66,6 +83,8 @@ def train(state):
             maybe_kill(state.steps)
             if state.steps == RAISE_AT and SLOT == 1:
                 raise ValueError(f"a bug at step {state.steps}")
+            if state.steps == LEAVE_AT and FIRST and LAST:
+                fd.elastic.request_leave()
             if state.batch % COMMIT_EVERY == 0:
                 state.commit()
                 if state.commits == 1 and fd.get_rank() == 0:
