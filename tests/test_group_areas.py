@@ -70,7 +70,7 @@ def _interleave(rank: int, world: int) -> dict[str, Any]:
         fd.all_reduce(b, group=g)
         wrong += int(not (a == 3).all()) + int(not (b == 30).all())
     return {"wrong": wrong, "areas": [g.area for g in groups],
-            "planes": [g.plane().kind for g in groups]}
+            "planes": ["shm" if g.plane().shares_memory else "tcp" for g in groups]}
 
 
 def test_interleaved_groups_on_shared_memory_keep_their_rounds_apart() -> None:
