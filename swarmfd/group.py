@@ -369,8 +369,7 @@ def group_error(state: _State, gid: int, exc: BaseException, first: int) -> None
     The group may not be made here yet: making one needs no message, so a peer may make
     it, fail its first call and abort it while this rank is still busy before its own
     new_group. The failure is then kept until this rank makes the group (dropped, this
-    rank would wait in that call for the peer that left it, until the timeout: 1 run in
-    about 15 of a mismatch test under load, 2026-12-04)."""
+    rank would wait in that call for the peer that left it, until the timeout)."""
     g = state.groups.get(gid)
     if g is None:
         # Not STATE_LOCK: init holds it while its transport may read messages.
