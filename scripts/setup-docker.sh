@@ -206,7 +206,7 @@ debootstrap_tar() {
   # customize hook removes them from the essential packages, which mmdebstrap unpacked
   # before. (Given as --dpkgopt, the same excludes make mmdebstrap filter each essential
   # package through mmtarfilter, a Python process per package: the base rootfs then took
-  # 56 CPU-s against 40-46, 2026-12-02.)
+  # 56 CPU-s against 40-46.)
   local nodoc="printf '%s\\n'" opt
   for opt in 'path-exclude=/usr/share/man/*' 'path-exclude=/usr/share/doc/*' \
              'path-include=/usr/share/doc/*/copyright' 'path-exclude=/usr/share/locale/*' \

@@ -33,7 +33,7 @@ TORCH=("torch==2.13.0")
 # The installer is uv (astral-sh/uv, from the package index into the venv) where it
 # can be had, else pip. On this 2-core machine a fresh venv with these requirements
 # took pip 46 s wall (31 CPU-s, most of it unpacking torch, one file at a time) and uv
-# 11 s, uv's own install included (2026-12-01); the suite waits for it, so it is the
+# 11 s, uv's own install included; the suite waits for it, so it is the
 # start of every CI run. The same versions either way: uv is told pip's configuration
 # of this machine (below) and to pick, like pip, the best version of every index.
 # SWARMFD_NO_UV=1 uses pip.
@@ -105,7 +105,7 @@ fi
 # imports the CLI). The suite's processes write and reuse it (in __pycache__, ignored by
 # git and by image builds). pip compiles nothing (it compiled every file of torch,
 # scipy and scikit-learn, most of which nothing imports: venv and install took 60 s
-# that way against 106 s, 2026-12-01); what the suite imports is compiled once here,
+# that way against 106 s); what the suite imports is compiled once here,
 # before the lanes start (else each of them compiles the same modules at once).
 export PYTHONDONTWRITEBYTECODE=
 "$VENV/bin/python" -m compileall -q swarmfd tests benchmarks examples >/dev/null
