@@ -1081,3 +1081,21 @@ def test_following_an_elastic_job_reports_failures_and_waits_for_every_slot() ->
     left.settled = -1e9
     end = left.update({0: finished, 1: late}, {})
     assert end is not None and end.outcome == "done" and left.late == [late]
+    # Swarm made the replacement as the members finished (before the newest exit 0): it
+    # is late once it stayed silent while the status lines flowed, not while a member
+    # that works on after the function returned writes them.
+    racing = TaskView.from_api(task(2, "running", created="2024-01-01T00:07:59Z", tid="r"))
+    member_on = TaskView.from_api(task(3, "running", created="2024-01-01T00:00:00Z"))
+    race = _Elastic(said.append, "job")
+    views = {0: finished, 1: racing, 2: member_on}
+    written = racing.created.timestamp()
+    race.settled, race.done_at = -1e9, -1e9
+    assert race.update(views, {}, seen={2: written + 60}) is None  # member 2: not late
+    race.settled = -1e9
+    assert race.update(views, {}, seen={}) is None  # status lines off: nothing is judged
+    views = {0: finished, 1: racing}
+    race.settled = -1e9
+    end = race.update(views, {}, seen={0: written - 1})
+    assert end is not None and end.outcome == "done" and race.late == [racing]
+    race.settled, race.done_at = -1e9, None
+    assert race.update(views, {}, seen={0: written - 1}) is None  # just finished: wait

@@ -139,6 +139,8 @@ class LogPump:
     ) -> None:
         self.client = client
         self.records: dict[int, dict[str, Any]] = {} if records is None else records
+        #: When (``time.time()``) each rank's latest status record came.
+        self.seen: dict[int, float] = {}
         self._carry: dict[int, bytes] = {}  # a rank's line begun before a status line
         self.service_id = service_id
         self.node_id = node_id
@@ -198,6 +200,7 @@ class LogPump:
             if record is not None:
                 if record:
                     self.records[rank] = record
+                    self.seen[rank] = time.time()
                 if line:
                     self._carry[rank] = line
                 return
@@ -369,7 +372,8 @@ def follow_job(
                 pump.update(views)
             nodes = node_states(client)
             if watch is not None:
-                ended = _elastic_poll(client, service_id, watch, views, nodes)
+                ended = _elastic_poll(client, service_id, watch, views, nodes,
+                                      pump.seen if pump is not None else None)
                 if ended is not None:
                     if pump is not None:
                         pump.drain(drain_timeout, progress, name)
@@ -446,12 +450,12 @@ def _removed(client: docker.DockerClient, service_id: str) -> bool:
 
 
 def _elastic_poll(client: docker.DockerClient, service_id: str, watch: _Elastic,
-                  views: dict[int, TaskView], nodes: dict[str, NodeState]
-                  ) -> FollowResult | None:
+                  views: dict[int, TaskView], nodes: dict[str, NodeState],
+                  seen: dict[int, float] | None) -> FollowResult | None:
     """One poll of an elastic job (:class:`_Elastic`): its outcome once it is over; the
     replacements that came after the end are stopped (the service scaled to 0)."""
     history = [TaskView.from_api(t) for t in client.api.tasks(filters={"service": service_id})]
-    ended = watch.update(views, nodes, history)
+    ended = watch.update(views, nodes, history, seen)
     if ended is not None and watch.late:
         watch.progress(f"{watch.name}: stopping {len(watch.late)} replacement(s) that came "
                        "after the job had finished")
@@ -480,13 +484,31 @@ class _Elastic:
         self.completed = False
         self.last_failure: TaskView | None = None
         self.settled: float | None = None
+        #: ``time.monotonic()`` when a rank's exit 0 was first seen.
+        self.done_at: float | None = None
         #: Tasks still there when the job was done (replacements that came too late).
         self.late: list[TaskView] = []
 
+    def _late(self, v: TaskView, done: list[Any], seen: dict[int, float] | None) -> bool:
+        """Whether ``v``, still running after an exit 0, is a replacement with nothing to
+        join: made after the newest exit 0, or (Swarm made it as the members finished)
+        silent since it was made while the ranks' status lines flow: a member writes
+        one every few seconds until its cleanup, also when it works on after the
+        elastic function returned."""
+        if not done:
+            return False
+        if v.created > max(done):
+            return True
+        return bool(seen) and self.done_at is not None and \
+            time.monotonic() - self.done_at > 2 * ELASTIC_SETTLE and \
+            seen.get(v.rank, 0.0) < v.created.timestamp()
+
     def update(self, views: dict[int, TaskView], nodes: dict[str, NodeState],
-               history: list[TaskView] | None = None) -> FollowResult | None:
+               history: list[TaskView] | None = None,
+               seen: dict[int, float] | None = None) -> FollowResult | None:
         """``views``: each slot's newest task; ``history``: every task of the job (a
-        failed one is often replaced before a poll sees it as the newest)."""
+        failed one is often replaced before a poll sees it as the newest); ``seen``:
+        when (``time.time()``) each rank's latest status line came."""
         lost = {v.task_id for v in _lost(views, nodes)}
         for view in sorted([*views.values(), *(history or [])], key=lambda v: v.updated):
             if view.task_id in self.told:
@@ -506,7 +528,9 @@ class _Elastic:
         # nothing to join. (A rank that left at a commit exits 0 too, alone: the others,
         # made before it, still run.)
         done = [v.updated for v in [*views.values(), *(history or [])] if v.phase == "done"]
-        ended = all(v.terminal or v.task_id in lost or (done and v.created > max(done))
+        if done and self.done_at is None:
+            self.done_at = time.monotonic()
+        ended = all(v.terminal or v.task_id in lost or self._late(v, done, seen)
                     for v in views.values())
         if not views or not ended:
             self.settled = None
