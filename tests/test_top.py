@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from swarmfd import jobs
+from swarmfd.observe import RECENT
 from swarmfd.statusline import MARK
 from swarmfd.top import TopError, pick_job, rows
 
@@ -87,14 +88,18 @@ def _swarmfd(*args: str) -> list[str]:
 
 
 def _wait_for_job(proc: subprocess.Popen[bytes], world: int, timeout: float) -> dict[str, Any]:
-    """The job this test started (its status file) once every rank wrote a line."""
+    """The job this test started (its status file) once every rank's line carries only
+    calls of the steady state: the ranks write their lines up to a second apart (40
+    calls here), each with the waits of its last RECENT calls, and top compares the
+    calls they share; in the first calls the ranks' start, not the sleep, decides who
+    is last."""
     name = f"run-{proc.pid}"
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         assert proc.poll() is None, "the job ended before top could see it"
         found = [j for j in jobs.local_jobs() if j["name"] == name]
         if found and len(found[0]["ranks"]) == world and all(
-                r["calls"] > 20 for r in found[0]["ranks"].values()):
+                r["calls"] > 2 * RECENT for r in found[0]["ranks"].values()):
             return found[0]
         time.sleep(0.2)
     raise AssertionError(f"job {name} did not show all its ranks within {timeout} s")
