@@ -477,8 +477,8 @@ def _elastic_start(config: Config, secret: str | bytes | None) -> Config:
     if _elastic is None:
         _elastic = _Elastic(_make_agent(config, opts, secret), opts, config, secret)
     ctx = _elastic
-    if opts.join == "auto":
-        _leave_on_sigterm()
+    if opts.join == "auto" or config.options.swarm_task:  # (a task of a scaled-up
+        _leave_on_sigterm()                                 # service joins with "1")
     start = time.monotonic()
     admitted = _await_admission(ctx, PROBE if opts.join == "auto" else None) \
         if opts.join else None

@@ -80,3 +80,50 @@ def test_a_killed_container_is_replaced_and_the_job_finishes(
     assert ps.returncode == 0, ps.stderr
     row = next(line for line in ps.stdout.splitlines()[2:] if line.startswith("1 "))
     assert row.split()[1] == "complete" and slot2[-1]["ID"][:12] in row.split(), ps.stdout
+
+
+def test_scale_grows_and_shrinks_a_running_elastic_job(
+        swarm: Any, swarmfd_image: str, job_name: Callable[[str], str]) -> None:
+    """`swarmfd scale` to 3: the new task joins at a commit (world of 3); back to 2: the
+    task taken away leaves at its next commit (SIGTERM), without a rollback; the job
+    finishes with every sample processed as often as without the changes."""
+    name = job_name("scale")
+    deploy = subprocess.Popen(
+        [sys.executable, "-m", "swarmfd", "deploy", swarmfd_image, "-n", "2", "--elastic",
+         "--keep", "--name", name, "--mount",
+         f"type=bind,src={SCRIPTS},dst=/scripts,readonly", "-e", "EPOCHS=4",
+         "-e", "SAMPLES=240", "-e", "STEP_SLEEP=0.15", "--", "python",
+         "/scripts/elastic_job.py"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+
+    def logs() -> bytes:
+        return b"".join(swarm.api.logs(t["Status"]["ContainerStatus"]["ContainerID"])
+                        for t in _tasks(swarm, name)
+                        if t["Status"].get("ContainerStatus", {}).get("ContainerID"))
+
+    def scale(n: int) -> None:
+        out = subprocess.run([sys.executable, "-m", "swarmfd", "scale", name, str(n)],
+                             capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert out.returncode == 0, out.stdout + out.stderr
+
+    try:
+        wait_until(lambda: deploy.poll() is not None or b"first commit" in logs(), 120,
+                   "the first commit")
+        assert deploy.poll() is None, deploy.communicate()
+        scale(3)
+        wait_until(lambda: deploy.poll() is not None
+                   or b"this replacement joined the job" in logs(), 120, "the new rank joined")
+        scale(2)
+        out, err = deploy.communicate(timeout=240)
+    finally:
+        if deploy.poll() is None:
+            deploy.kill()
+            deploy.communicate()
+    assert deploy.returncode == 0, out + err
+    text = out + err
+    assert "left the job at a commit, as asked" in text, text
+    assert "lost rank(s) [" not in text.replace("lost rank(s) []", ""), text  # no rollback
+    results = [tuple(int(g) for g in m.groups()) for m in RESULT.finditer(out)]
+    assert len(results) == 2 and all(r[1] == 2 and r[3] == 4 for r in results), out
+    assert any("1 joined; world of 3" in line for lines in rank_lines(err).values()
+               for line in lines), err
