@@ -11,6 +11,8 @@ every rank gets the same bits. Barriers, copies and cost of each: docs/algorithm
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 
 from ..comm import cma
@@ -224,11 +226,7 @@ def reduce_scatter_cma(op: Op, buf: np.ndarray | Parts, out: np.ndarray,
                 block = scratch[:b - a]
                 peers.copy(p, [(block.ctypes.data, block.nbytes)], a, b, False)
                 operand = ((block, 0, b - a),)
-            for piece, u, v in operand:
-                if p == 0:
-                    np.copyto(dst[u:v], piece)
-                else:
-                    ufunc(dst[u:v], piece, out=dst[u:v])
+            _fold(dst, operand, ufunc, p == 0)
         if divide:
             divide_by(dst, divide)
     yield from barrier(op, 1)
@@ -334,13 +332,21 @@ def reduce_scatter(op: Op, buf: np.ndarray | Parts, out: np.ndarray,
             for p in range(op.size):
                 operand = spans(buf, x, y) if p == me else ((regions[p][x - a:y - a], 0,
                                                               y - x),)
-                for piece, u, v in operand:
-                    if p == 0:
-                        np.copyto(dst[u:v], piece)
-                    else:
-                        ufunc(dst[u:v], piece, out=dst[u:v])
+                _fold(dst, operand, ufunc, p == 0)
             if divide:
                 divide_by(dst, divide)
+
+
+def _fold(dst: np.ndarray, operand: Iterable[tuple[np.ndarray, int, int]], ufunc: np.ufunc,
+          first: bool) -> None:
+    """Reduce one rank's operand (``(piece, u, v)`` spans of ``dst``) into ``dst``: the
+    first rank's is copied, each later one's reduced in, so every rank reduces in rank
+    order (the same bits everywhere)."""
+    for piece, u, v in operand:
+        if first:
+            np.copyto(dst[u:v], piece)
+        else:
+            ufunc(dst[u:v], piece, out=dst[u:v])
 
 
 def all_to_all(op: Op, buf: np.ndarray, totals: list[int], mine_in: list[tuple[int, int]],
