@@ -49,7 +49,7 @@ from typing import Any
 
 import zmq
 
-from .security import ZAP_RENDEZVOUS, Authenticator, Security, keepalive, stranger_facing
+from .security import Authenticator, Security, keepalive, serving_router
 
 __all__ = ["AGENT_PROTOCOL", "JOIN_EVERY", "MAX_MESSAGE", "PING_EVERY", "Agent", "Status",
            "parse_endpoint"]
@@ -143,11 +143,7 @@ class Agent:
         self._thread.start()
 
     def _bind(self, host: str, port: int) -> zmq.Socket:
-        router = self.ctx.socket(zmq.ROUTER)
-        stranger_facing(router, MAX_MESSAGE)
-        keepalive(router)
-        if self.security is not None:
-            self.security.curve_server(router, ZAP_RENDEZVOUS)
+        router = serving_router(self.ctx, self.security, MAX_MESSAGE)
         try:
             router.bind(f"tcp://{host}:{port}")
         except zmq.ZMQError as exc:

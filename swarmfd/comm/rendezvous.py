@@ -48,7 +48,7 @@ from ..errors import ProtocolError, RendezvousError, RendezvousTimeout
 from . import wire
 from .plane import PeerInfo
 from .planes.zmq import HANDSHAKE_FAILED
-from .security import ZAP_RENDEZVOUS, Security, keepalive, stranger_facing
+from .security import Security, keepalive, serving_router
 
 __all__ = ["local_address_toward", "rendezvous", "resolve"]
 
@@ -164,12 +164,8 @@ def _peer(d: dict[str, Any]) -> PeerInfo:
 def _serve_rendezvous(
     t: _Rdv, me: PeerInfo, master_ip: str, port: int, deadline: float
 ) -> tuple[list[PeerInfo], str]:
-    router = t.ctx.socket(zmq.ROUTER)
-    stranger_facing(router, MAX_HELLO_MESSAGE)
+    router = serving_router(t.ctx, t.security, MAX_HELLO_MESSAGE)
     router.setsockopt(zmq.LINGER, 2000)
-    keepalive(router)
-    if t.security is not None:
-        t.security.curve_server(router, ZAP_RENDEZVOUS)
     counts = {"refused": 0, "accept_failed": 0}
     bind_ip = _bind_address(master_ip)
     try:

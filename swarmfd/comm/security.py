@@ -32,7 +32,7 @@ from zmq.utils import z85
 
 __all__ = ["DATA_ATTEMPTS", "HANDSHAKE_IVL_MS", "KEEPALIVE", "ZAP_DATA", "ZAP_RENDEZVOUS",
            "Authenticator", "Security", "connection_token", "keepalive", "routing_id",
-           "server_proof", "stranger_facing"]
+           "server_proof", "serving_router", "stranger_facing"]
 
 #: ZAP domains of the rendezvous and of the zmq data plane.
 ZAP_RENDEZVOUS = "swarmfd-rendezvous"
@@ -182,3 +182,15 @@ def keepalive(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, cnt)
     # TCP_USER_TIMEOUT: see swarmfd.comm.planes.socket._keepalive.
     sock.setsockopt(zmq.TCP_MAXRT, (idle + intvl * cnt) * 1000)
+
+
+def serving_router(ctx: zmq.Context, security: Security | None, max_frame: int) -> zmq.Socket:
+    """A ROUTER socket to bind where strangers can reach it (the rendezvous port, an
+    elastic agent): frames capped at ``max_frame`` (:func:`stranger_facing`), TCP
+    keepalive, and with ``security`` a CURVE server that admits only the job's keys."""
+    router = ctx.socket(zmq.ROUTER)
+    stranger_facing(router, max_frame)
+    keepalive(router)
+    if security is not None:
+        security.curve_server(router, ZAP_RENDEZVOUS)
+    return router
