@@ -39,16 +39,21 @@ def _tasks(swarm: Any, name: str) -> list[dict[str, Any]]:
     return swarm.api.tasks(filters={"service": services[0]["ID"]}) if services else []
 
 
+def _deploy(image: str, name: str, *args: str) -> subprocess.Popen[str]:
+    """``deploy --elastic --keep`` of tests/launch_scripts/elastic_job.py (240 samples),
+    with ``args`` (ranks, environment)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "swarmfd", "deploy", image, "--elastic", "--keep", "--name",
+         name, "--mount", f"type=bind,src={SCRIPTS},dst=/scripts,readonly", "-e",
+         "SAMPLES=240", *args, "--", "python", "/scripts/elastic_job.py"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+
+
 def test_a_killed_container_is_replaced_and_the_job_finishes(
         swarm: Any, swarmfd_image: str, job_name: Callable[[str], str]) -> None:
     name = job_name("kill")
-    deploy = subprocess.Popen(
-        [sys.executable, "-m", "swarmfd", "deploy", swarmfd_image, "-n", "3", "--elastic",
-         "--min-n", "2", "--keep", "--name", name, "--mount",
-         f"type=bind,src={SCRIPTS},dst=/scripts,readonly", "-e", "EPOCHS=3",
-         "-e", "SAMPLES=240", "-e", "STEP_SLEEP=0.25", "-e", "KILL_DIR=/tmp",
-         "--", "python", "/scripts/elastic_job.py"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    deploy = _deploy(swarmfd_image, name, "-n", "3", "--min-n", "2", "-e", "EPOCHS=3",
+                     "-e", "STEP_SLEEP=0.25", "-e", "KILL_DIR=/tmp")
     try:
         wait_until(lambda: deploy.poll() is not None or len(
             [t for t in _tasks(swarm, name) if t["Status"]["State"] == "running"]) == 3, 120,
@@ -88,13 +93,8 @@ def test_scale_grows_and_shrinks_a_running_elastic_job(
     task taken away leaves at its next commit (SIGTERM), without a rollback; the job
     finishes with every sample processed as often as without the changes."""
     name = job_name("scale")
-    deploy = subprocess.Popen(
-        [sys.executable, "-m", "swarmfd", "deploy", swarmfd_image, "-n", "2", "--elastic",
-         "--keep", "--name", name, "--mount",
-         f"type=bind,src={SCRIPTS},dst=/scripts,readonly", "-e", "EPOCHS=4",
-         "-e", "SAMPLES=240", "-e", "STEP_SLEEP=0.15", "--", "python",
-         "/scripts/elastic_job.py"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    deploy = _deploy(swarmfd_image, name, "-n", "2", "-e", "EPOCHS=4", "-e",
+                     "STEP_SLEEP=0.15")
 
     def logs() -> bytes:
         return b"".join(swarm.api.logs(t["Status"]["ContainerStatus"]["ContainerID"])
