@@ -125,8 +125,14 @@ def test_top_shows_every_rank_of_a_local_job_and_flags_the_slowed_one(
         assert [r["straggler"] for r in table] == [False, True, False], table
         assert all(r["node"] and r["calls_per_s"] > 0 for r in table), table
         assert table[0]["wait_share"] > 0.5 > table[1]["wait_share"], table
-        text = subprocess.run(_swarmfd("top", "--once", job["name"]), capture_output=True,
-                              timeout=30, check=True).stdout.decode()
+        # A snapshot compares the calls the ranks' last lines share (written up to a
+        # second apart): as the live view, look again for a few seconds.
+        for _ in range(10):
+            text = subprocess.run(_swarmfd("top", "--once", job["name"]),
+                                  capture_output=True, timeout=30, check=True).stdout.decode()
+            if "straggler" in text:
+                break
+            time.sleep(0.5)
         assert "RANK" in text and "straggler" in text and job["name"] in text, text
         _live_view_in_tmux(tmux, job["name"])
         stop.touch()
