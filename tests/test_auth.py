@@ -220,8 +220,13 @@ def test_wrong_secret_no_auth_no_secret_or_another_launch_cannot_join(tmp_path: 
             in wrong_text and "another job secret" in wrong_text), wrong_text
     assert "no rendezvous yet" in wrong_text, wrong_text  # the warning, before the timeout
     assert _error_line(off_text).startswith("ERROR RendezvousTimeout"), off_text
-    assert f"something at {where} answered" in off_text, off_text
-    assert "another security mechanism" in off_text and "SWARMFD_AUTH=off" in off_text
+    # libzmq's CURVE server may close before its greeting (with its mechanism) is flushed,
+    # so the NULL client sees a mismatch or a silent close; both name the setting.
+    assert (f"something at {where} answered" in off_text
+            or f"something at {where} accepts and closes" in off_text), off_text
+    assert "rank 0 with another SWARMFD_AUTH setting" in off_text or (
+        "another job secret or SWARMFD_AUTH setting" in off_text), off_text
+    assert "SWARMFD_AUTH=off" in off_text, off_text
     launch = attempts["another launch"][1]
     assert _error_line(launch).startswith("ERROR RendezvousError"), launch
     assert "belongs to another launch (SWARMFD_JOB_ID 'job-b'" in launch, launch

@@ -302,8 +302,8 @@ class _Seen:
             parts.append(
                 f"something at {where} accepts and closes without speaking swarmfd's "
                 f"handshake ({self.closed} connection(s)): a stranger on rank 0's port, or "
-                "rank 0 with another job secret (a CURVE server with another key closes "
-                "just as silently)")
+                "rank 0 with another job secret or SWARMFD_AUTH setting (a CURVE server "
+                "that cannot authenticate a client closes just as silently)")
         if self.mechanism:
             parts.append(f"something at {where} answered {self.mechanism} time(s) with "
                          "another security mechanism: rank 0 with another SWARMFD_AUTH "
