@@ -328,7 +328,9 @@ def current(what: str = "this call") -> _State:
 
 def resolve_group(group: Any, what: str) -> Group:
     """``group`` (None: the world) as a Group of this process, or a clear error."""
-    s = current(what)
+    s = _state
+    if s is None:
+        s = current(what)  # raises
     if group is None:
         assert s.world is not None
         return s.world

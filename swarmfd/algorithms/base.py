@@ -14,7 +14,7 @@ later barrier.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 import numpy as np
@@ -272,21 +272,24 @@ class Parts:
         self.nbytes = self.size * self.itemsize
 
 
-def spans(buf: np.ndarray | Parts, a: int, b: int) -> Iterator[tuple[np.ndarray, int, int]]:
+def spans(buf: np.ndarray | Parts, a: int, b: int) -> Sequence[tuple[np.ndarray, int, int]]:
     """The pieces of elements [a, b) of ``buf``: (view, u, v), the view holding elements
-    [a + u, a + v). One piece for an array; one per array met for :class:`Parts`."""
+    [a + u, a + v). One piece for an array; one per array met for :class:`Parts`. A
+    sequence, not a generator: the shared-memory algorithms take it several times a
+    call, and a generator's frame costs more than the one piece of an array."""
     if type(buf) is np.ndarray:
-        yield buf[a:b], 0, b - a
-        return
+        return ((buf[a:b], 0, b - a),)
     assert isinstance(buf, Parts)
     i = bisect.bisect_right(buf.starts, a) - 1
     at = a
+    out = []
     while at < b:
         start = buf.starts[i]
         stop = min(b, buf.starts[i + 1])
-        yield buf.arrays[i][at - start:stop - start], at - a, stop - a
+        out.append((buf.arrays[i][at - start:stop - start], at - a, stop - a))
         i += 1
         at = stop
+    return out
 
 
 #: In a ring over :class:`Parts`, consecutive shares smaller than this travel copied into

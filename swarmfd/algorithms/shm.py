@@ -93,6 +93,7 @@ def all_reduce_rounds(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
     pending: tuple[np.ndarray | Parts, int, list[np.ndarray], list[tuple[int, int]]] | None = \
         None
     parts = rounds(buf.nbytes, buf.itemsize)
+    others = [p for p in range(N) if p != me]
     for r, (a, b) in enumerate(parts):
         slot = op.next_slot()
         regions = op.regions(slot, buf.dtype, b - a)
@@ -106,7 +107,6 @@ def all_reduce_rounds(op: Op, buf: np.ndarray | Parts, ufunc: np.ufunc,
         if pending is not None:
             _copy_out(*pending, me)
         mine = regions[me][ca:cb]
-        others = [p for p in range(N) if p != me]
         for piece, u, v in spans(buf, a + ca, a + cb):
             ufunc(piece, regions[others[0]][ca + u:ca + v], out=mine[u:v])
         for p in others[1:]:
