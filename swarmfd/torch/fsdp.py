@@ -19,12 +19,12 @@ What a unit holds, and when:
   that part (a piece may be empty), so ``model.parameters()`` hands an optimizer
   this rank's shards and the gradients it steps on are this rank's part of the mean.
 * **In forward** the unit's part is all-gathered into a full buffer before its
-  forward (the next unit's all-gather is issued asynchronously before this one
-  computes), the module computes with full-shape parameters that are views of it,
+  forward (with ``overlap``, the next unit's all-gather is issued asynchronously
+  before this one computes), the module computes with full-shape parameters that are views of it,
   and after its forward the buffer's storage is released (``reshard_after_forward``;
   the root and the forward's last unit keep theirs, which backward needs first).
-* **In backward** a hook on the unit's outputs gathers it again (and issues the
-  previous unit's all-gather); as each parameter's gradient is accumulated it is
+* **In backward** a hook on the unit's outputs gathers it again (with ``overlap``,
+  and issues the previous unit's all-gather); as each parameter's gradient is accumulated it is
   copied into that parameter's own place in the full buffer (no longer read by this
   backward), so the buffer ends as the unit's gradient, which is reduce-scattered
   (mean) into the shards' ``.grad``, and released. No rank keeps the whole model or
@@ -245,9 +245,12 @@ def fully_shard(module: torch.nn.Module, *, group: Any = None,
     Apply it to each block first, then to the root. Build the optimizer afterwards, on
     ``model.parameters()`` (this rank's shards). Group rank 0's values are every
     rank's starting point. See the module docstring for what is sharded when.
-    ``overlap`` (the root's counts, as DDP's): whether each unit's reduce-scatter runs
-    asynchronously while backward goes on; None: where every rank of the host has a
-    core for its progress thread.
+    ``overlap`` (the root's counts, as DDP's): whether the all-gather of the unit that
+    runs next is issued asynchronously before this one computes and each unit's
+    reduce-scatter runs asynchronously while backward goes on (else each collective
+    blocks when its result is needed: where the ranks outnumber the cores an async
+    collective only takes turns with the compute, at the cost of a progress thread's
+    wake-ups); None: where every rank of the host has a core for its progress thread.
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"fully_shard expects a torch.nn.Module, got {type(module).__name__}")
@@ -477,7 +480,7 @@ class _Unit:
         self.wait()
         self._use(sharded=False)
         nxt = len(ctx.ran)
-        if nxt < len(ctx.order) and ctx.order[nxt] is not self:
+        if ctx.overlap and nxt < len(ctx.order) and ctx.order[nxt] is not self:
             ctx.order[nxt].unshard(async_op=True)
         if self.mp.cast_forward_inputs and self.mp.param_dtype is not None:
             cast = _caster(self.mp.param_dtype)
@@ -563,6 +566,8 @@ class _Unit:
         self.backward_started = True
         self.unshard(async_op=False)
         self.wait()
+        if not ctx.overlap:
+            return
         # The unit that ran before this one is the next to need its parameters (after
         # the forward's first unit, whose output is the last: the last one).
         i = len(ctx.ran) if ctx.ran and ctx.ran[0] is self else \
