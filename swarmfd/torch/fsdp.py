@@ -68,7 +68,7 @@ from swarmfd import _internal
 from swarmfd.config import usable_cores
 
 from . import _buckets
-from ._tensors import FLOAT_DTYPES, bits, check_cpu, memory
+from ._tensors import FLOAT_DTYPES, bits, check_cpu, keep_freed, memory
 
 #: The attribute of a wrapped module holding its unit.
 UNIT = "_swarmfd_fsdp_unit"
@@ -78,6 +78,10 @@ PIECE = "_swarmfd_fsdp_piece"
 #: name and unit, for messages. Its data is freed; an optimizer still holding it is an
 #: error at its step.
 MOVED = "_swarmfd_fsdp_moved"
+#: Units' worth of memory a backward frees and allocates again from one unit to the next
+#: (the gathered parameters, their gradients, the reduced part, the next unit's): what
+#: the C allocator keeps rather than return to the kernel (:func:`_tensors.keep_freed`).
+_WORKING_UNITS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -548,6 +552,9 @@ class _Unit:
         ctx.order = list(units)
         ctx.overlap = self.overlap if self.overlap is not None else \
             2 * fd.host_group().size <= usable_cores()
+        largest = max((u.padded * max(u.full.element_size(), _size(u.reduce))
+                       for u in units), default=0)
+        keep_freed(largest, _WORKING_UNITS * largest)
         buffers = [bits(b) for b in module.buffers()]
         if buffers and self.size > 1:
             fd.broadcast(buffers, group=self.group, group_src=0)
@@ -752,6 +759,10 @@ def _pre_backward_hook(me: weakref.ref[_Unit]) -> Callable[[torch.Tensor], None]
             unit._pre_backward()
 
     return hook
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _top(unit: _Unit) -> _Unit:
