@@ -20,9 +20,10 @@ What a unit holds, and when:
   this rank's shards and the gradients it steps on are this rank's part of the mean.
 * **In forward** the unit's part is all-gathered into a full buffer before its
   forward (with ``overlap``, the next unit's all-gather is issued asynchronously
-  before this one computes), the module computes with full-shape parameters that are views of it,
-  and after its forward the buffer's storage is released (``reshard_after_forward``;
-  the root and the forward's last unit keep theirs, which backward needs first).
+  before this one computes), the module computes with full-shape parameters that are
+  views of it, and after its forward the buffer's storage is released
+  (``reshard_after_forward``; the root and the forward's last unit keep theirs, which
+  backward needs first).
 * **In backward** a hook on the unit's outputs gathers it again (with ``overlap``,
   and issues the previous unit's all-gather); each parameter's gradient is kept where
   autograd made it, and once all are in the gathered buffer is released and the
