@@ -90,6 +90,29 @@ def test_mixed_precision_computes_in_bfloat16_and_keeps_float32() -> None:
                for p in model.parameters())
 
 
+def test_glibc_keeps_freed_units_unless_told_to_leave_it_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """keep_freed raises glibc's thresholds (only ever raising them), and leaves glibc
+    alone under SWARMFD_MALLOC=system or glibc's own settings."""
+    import platform
+
+    from swarmfd.torch import _tensors
+
+    monkeypatch.setattr(_tensors, "_kept", {"mmap": 0, "trim": 0})
+    monkeypatch.setenv("SWARMFD_MALLOC", "system")
+    assert not _tensors.keep_freed(8 << 20, 40 << 20)
+    monkeypatch.delenv("SWARMFD_MALLOC")
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", str(64 << 20))
+    assert not _tensors.keep_freed(8 << 20, 40 << 20)
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
+    if platform.libc_ver()[0] != "glibc":
+        return
+    assert _tensors.keep_freed(8 << 20, 40 << 20)
+    assert _tensors._kept == {"mmap": 8 << 20, "trim": 40 << 20}
+    assert _tensors.keep_freed(1 << 30, 1)  # the mmap threshold stops at glibc's limit
+    assert _tensors._kept == {"mmap": 32 << 20, "trim": 40 << 20}
+
+
 def test_the_errors_name_what_is_wrong() -> None:
     x = torch.randn(2, 6, dtype=F64)
     # The root not sharded: its forward runs the units inside a module holding more.

@@ -19,16 +19,18 @@ What a unit holds, and when:
   that part (a piece may be empty), so ``model.parameters()`` hands an optimizer
   this rank's shards and the gradients it steps on are this rank's part of the mean.
 * **In forward** the unit's part is all-gathered into a full buffer before its
-  forward (the next unit's all-gather is issued asynchronously before this one
-  computes), the module computes with full-shape parameters that are views of it,
-  and after its forward the buffer's storage is released (``reshard_after_forward``;
-  the root and the forward's last unit keep theirs, which backward needs first).
-* **In backward** a hook on the unit's outputs gathers it again (and issues the
-  previous unit's all-gather); as each parameter's gradient is accumulated it is
-  copied into that parameter's own place in the full buffer (no longer read by this
-  backward), so the buffer ends as the unit's gradient, which is reduce-scattered
-  (mean) into the shards' ``.grad``, and released. No rank keeps the whole model or
-  its whole gradient: at most about two units' full parameters at a time.
+  forward (with ``overlap``, the next unit's all-gather is issued asynchronously
+  before this one computes), the module computes with full-shape parameters that are
+  views of it, and after its forward the buffer's storage is released
+  (``reshard_after_forward``; the root and the forward's last unit keep theirs, which
+  backward needs first).
+* **In backward** a hook on the unit's outputs gathers it again (with ``overlap``,
+  and issues the previous unit's all-gather); each parameter's gradient is kept where
+  autograd made it, and once all are in the gathered buffer is released and the
+  unit's gradient is reduce-scattered (mean) into the shards' ``.grad``, read from
+  those tensors in place (no copy into a flat buffer). No rank keeps the whole model
+  or its whole gradient: at most about two units' full parameters (or one's
+  parameters and its gradient) at a time.
 * ``reshard_after_forward=False`` is ZeRO-2: parameters kept from forward to
   backward, gradients and optimizer state sharded.
 
@@ -63,10 +65,11 @@ from torch.autograd import Variable
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import swarmfd as fd
+from swarmfd import _internal
 from swarmfd.config import usable_cores
 
 from . import _buckets
-from ._tensors import FLOAT_DTYPES, bits, check_cpu, memory
+from ._tensors import FLOAT_DTYPES, bits, check_cpu, keep_freed, memory
 
 #: The attribute of a wrapped module holding its unit.
 UNIT = "_swarmfd_fsdp_unit"
@@ -76,6 +79,10 @@ PIECE = "_swarmfd_fsdp_piece"
 #: name and unit, for messages. Its data is freed; an optimizer still holding it is an
 #: error at its step.
 MOVED = "_swarmfd_fsdp_moved"
+#: Units' worth of memory a backward frees and allocates again from one unit to the next
+#: (the gathered parameters, their gradients, the reduced part, the next unit's): what
+#: the C allocator keeps rather than return to the kernel (:func:`_tensors.keep_freed`).
+_WORKING_UNITS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,9 +252,12 @@ def fully_shard(module: torch.nn.Module, *, group: Any = None,
     Apply it to each block first, then to the root. Build the optimizer afterwards, on
     ``model.parameters()`` (this rank's shards). Group rank 0's values are every
     rank's starting point. See the module docstring for what is sharded when.
-    ``overlap`` (the root's counts, as DDP's): whether each unit's reduce-scatter runs
-    asynchronously while backward goes on; None: where every rank of the host has a
-    core for its progress thread.
+    ``overlap`` (the root's counts, as DDP's): whether the all-gather of the unit that
+    runs next is issued asynchronously before this one computes and each unit's
+    reduce-scatter runs asynchronously while backward goes on (else each collective
+    blocks when its result is needed: where the ranks outnumber the cores an async
+    collective only takes turns with the compute, at the cost of a progress thread's
+    wake-ups); None: where every rank of the host has a core for its progress thread.
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"fully_shard expects a torch.nn.Module, got {type(module).__name__}")
@@ -316,6 +326,9 @@ class _Unit:
         self._send: torch.Tensor | None = None  # its input, when cast to the compute dtype
         self._reset_backward()
         self.acc: torch.Tensor | None = None  # the unreduced gradient of no_sync passes
+        self.grads: list[torch.Tensor | None] = [None] * len(self.params)  # this pass's
+        self.kept = 0  # their bytes
+        self.pad = torch.zeros(self.padded - self.bucket.numel, dtype=self.reduce).numpy()
         self.awaiting_backward = False
         self.handles = [module.register_forward_pre_hook(self._pre_forward, prepend=True,
                                                          with_kwargs=True),
@@ -477,7 +490,7 @@ class _Unit:
         self.wait()
         self._use(sharded=False)
         nxt = len(ctx.ran)
-        if nxt < len(ctx.order) and ctx.order[nxt] is not self:
+        if ctx.overlap and nxt < len(ctx.order) and ctx.order[nxt] is not self:
             ctx.order[nxt].unshard(async_op=True)
         if self.mp.cast_forward_inputs and self.mp.param_dtype is not None:
             cast = _caster(self.mp.param_dtype)
@@ -540,6 +553,9 @@ class _Unit:
         ctx.order = list(units)
         ctx.overlap = self.overlap if self.overlap is not None else \
             2 * fd.host_group().size <= usable_cores()
+        largest = max((u.padded * max(u.full.element_size(), _size(u.reduce))
+                       for u in units), default=0)
+        keep_freed(largest, _WORKING_UNITS * largest)
         buffers = [bits(b) for b in module.buffers()]
         if buffers and self.size > 1:
             fd.broadcast(buffers, group=self.group, group_src=0)
@@ -550,7 +566,6 @@ class _Unit:
     def _reset_backward(self) -> None:
         self.backward_started = False
         self.reduced = False
-        self.gbuf: torch.Tensor | None = None  # the unsharded gradient, if not in full
         for prm in self.params:
             prm.ready = False
         self.pending = sum(p.requires_grad for p in self.params)
@@ -563,6 +578,8 @@ class _Unit:
         self.backward_started = True
         self.unshard(async_op=False)
         self.wait()
+        if not ctx.overlap:
+            return
         # The unit that ran before this one is the next to need its parameters (after
         # the forward's first unit, whose output is the last: the last one).
         i = len(ctx.ran) if ctx.ran and ctx.ran[0] is self else \
@@ -571,18 +588,6 @@ class _Unit:
             if u.awaiting_backward and not u.reduced:
                 u.unshard(async_op=True)
                 break
-
-    def _grad_buffer(self) -> np.ndarray | torch.Tensor:
-        """Where this backward's unsharded gradient goes: the gathered buffer itself
-        (each parameter's gradient in its own place) when the dtypes agree and no
-        unreduced gradient is kept, else a buffer of the reduce dtype."""
-        if (self.sync and self.acc is None and self.gbuf is None and self.gathered
-                and self.compute == self.reduce):
-            return memory(self.full)
-        if self.gbuf is None:
-            self.gbuf = torch.zeros(self.padded, dtype=self.reduce)
-            self.ctx.hold(self.gbuf.numel() * self.gbuf.element_size())
-        return self.gbuf
 
     def _on_grad(self, index: int) -> None:
         ctx = self.ctx
@@ -595,52 +600,71 @@ class _Unit:
                                "twice in one backward pass (backward through the same graph "
                                "twice?)")
         if grad is not None:
-            dst = self._grad_buffer()
-            view = dst[prm.offset:prm.offset + prm.numel]
-            if isinstance(view, np.ndarray):
-                np.copyto(view, bits(grad.reshape(-1)))
-            else:
-                with torch.no_grad():
-                    view.copy_(grad.reshape(-1))
+            self._keep(index, grad)
         prm.ready = True
         self.pending -= 1
         if self.pending == 0:
             self.finish_gradients()
 
+    def _keep(self, index: int, grad: torch.Tensor) -> None:
+        """Keep a parameter's gradient where autograd made it (in the reduce dtype): the
+        reduce-scatter reads it there, no copy into a flat buffer."""
+        flat = grad.detach().reshape(-1)
+        if flat.dtype != self.reduce:
+            flat = flat.to(self.reduce)
+        self.grads[index] = flat
+        self.kept += flat.numel() * flat.element_size()
+        self.ctx.hold(flat.numel() * flat.element_size())
+
     def finish_gradients(self) -> None:
-        """Every gradient of the unit is in (or the backward ended): reduce-scatter it,
-        or with synchronisation off keep it."""
+        """Every gradient of the unit is in (or the backward ended): the gathered
+        parameters go, and the gradient is reduce-scattered, or with synchronisation off
+        kept."""
         ctx = self.ctx
         self.reduced = True
         self.awaiting_backward = False
-        buf = self._grad_buffer()
-        for prm in self.params:  # no gradient: zeros (in full, the parameter's values)
-            if not prm.ready:
-                buf[prm.offset:prm.offset + prm.numel] = 0
-        if isinstance(buf, np.ndarray):  # the gradient is in the gathered buffer
-            src = self.full
-        else:
-            src = buf
-            self.reshard()  # the parameters are not needed any more
-        if not self.sync:  # keep it, unreduced
-            if self.acc is None:
-                self.acc, self.gbuf = buf, None
-            else:
-                self.acc += buf
-                self._drop_gbuf()
-            return
-        if self.acc is not None:
-            self.acc += src
-            self._drop_gbuf()
-            src = self.acc
+        self.reshard()  # the parameters are not needed any more
+        if not self.sync or self.acc is not None:  # add it to the unreduced gradient
+            self._accumulate()
+            if not self.sync:
+                return
         out = torch.empty(self.part, dtype=self.reduce)
-        work = fd.reduce_scatter(memory(src) if src is self.full else src.numpy(),
-                                 out=out.numpy(), op="mean", group=self.group,
-                                 async_op=ctx.overlap)
+        if self.acc is not None:
+            work = fd.reduce_scatter(self.acc.numpy(), out=out.numpy(), op="mean",
+                                     group=self.group, async_op=ctx.overlap)
+        else:
+            work = _internal.reduce_scatter_parts(
+                self._operands(), out.numpy(), op="mean", group=self.group,
+                async_op=ctx.overlap)
         ctx.reductions.append((self, work, out))
         # At most one reduction in flight: the previous one's memory goes now.
         while len(ctx.reductions) > (1 if ctx.overlap else 0):
             _finish_reduction(*ctx.reductions.pop(0))
+
+    def _accumulate(self) -> None:
+        """Add the kept gradients into the unreduced gradient of the passes without
+        synchronisation (made, zeros, by the first)."""
+        if self.acc is None:
+            self.acc = torch.zeros(self.padded, dtype=self.reduce)
+            self.ctx.hold(self.acc.numel() * self.acc.element_size())
+        with torch.no_grad():
+            for prm, g in zip(self.params, self.grads, strict=True):
+                if g is not None:
+                    self.acc[prm.offset:prm.offset + prm.numel].add_(g)
+        self._drop_kept()
+
+    def _operands(self) -> list[np.ndarray]:
+        """The unit's flat gradient as the arrays it is made of, in flat order: each
+        parameter's gradient where autograd put it (zeros for one without), then the
+        padding."""
+        arrays = []
+        for prm, g in zip(self.params, self.grads, strict=True):
+            if prm.numel:
+                arrays.append((g if g is not None else
+                               torch.zeros(prm.numel, dtype=self.reduce)).numpy())
+        if self.padded > self.bucket.numel:
+            arrays.append(self.pad)
+        return arrays
 
     def after_reduction(self, out: torch.Tensor) -> None:
         """The reduced part arrived: the shards' gradients, and the buffers go."""
@@ -657,15 +681,20 @@ class _Unit:
                 else:
                     piece.grad.add_(view)
         self.reshard()
-        self._drop_gbuf()
+        self._drop_grads()
+
+    def _drop_kept(self) -> None:
+        """Release the kept gradients."""
+        self.grads = [None] * len(self.params)
+        self.ctx.live -= self.kept
+        self.kept = 0
+
+    def _drop_grads(self) -> None:
+        """Release the kept gradients and the unreduced one."""
+        self._drop_kept()
         if self.acc is not None:
             self.ctx.live -= self.acc.numel() * self.acc.element_size()
             self.acc = None
-
-    def _drop_gbuf(self) -> None:
-        if self.gbuf is not None:
-            self.ctx.live -= self.gbuf.numel() * self.gbuf.element_size()
-            self.gbuf = None
 
 
 def _finish_reduction(unit: _Unit, work: Any, out: torch.Tensor) -> None:
@@ -708,7 +737,7 @@ def _recover(ctx: _Context) -> None:
     for u in ctx.units:
         with contextlib.suppress(Exception):
             u.reshard()
-        u._drop_gbuf()
+        u._drop_kept()
         u.awaiting_backward = False
         u._reset_backward()
     ctx.in_backward = False
@@ -731,6 +760,10 @@ def _pre_backward_hook(me: weakref.ref[_Unit]) -> Callable[[torch.Tensor], None]
             unit._pre_backward()
 
     return hook
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _top(unit: _Unit) -> _Unit:
