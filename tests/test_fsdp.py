@@ -96,9 +96,10 @@ def test_glibc_keeps_freed_units_unless_told_to_leave_it_alone(
     alone under SWARMFD_MALLOC=system or glibc's own settings."""
     import platform
 
+    from swarmfd.comm import malloc
     from swarmfd.torch import _tensors
 
-    monkeypatch.setattr(_tensors, "_kept", {"mmap": 0, "trim": 0})
+    monkeypatch.setattr(malloc, "_kept", {"mmap": 0, "trim": 0})
     monkeypatch.setenv("SWARMFD_MALLOC", "system")
     assert not _tensors.keep_freed(8 << 20, 40 << 20)
     monkeypatch.delenv("SWARMFD_MALLOC")
@@ -108,9 +109,9 @@ def test_glibc_keeps_freed_units_unless_told_to_leave_it_alone(
     if platform.libc_ver()[0] != "glibc":
         return
     assert _tensors.keep_freed(8 << 20, 40 << 20)
-    assert _tensors._kept == {"mmap": 8 << 20, "trim": 40 << 20}
+    assert malloc._kept == {"mmap": 8 << 20, "trim": 40 << 20}
     assert _tensors.keep_freed(1 << 30, 1)  # the mmap threshold stops at glibc's limit
-    assert _tensors._kept == {"mmap": 32 << 20, "trim": 40 << 20}
+    assert malloc._kept == {"mmap": 32 << 20, "trim": 40 << 20}
 
 
 def test_the_errors_name_what_is_wrong() -> None:

@@ -9,6 +9,8 @@ the adapting): at most TRIM_THRESHOLD stays mapped beyond use, within what glibc
 adapting (up to 32 MiB) gives anyway. Not on the socket plane, where it gained nothing.
 ``SWARMFD_MALLOC=system``, glibc's own settings (``MALLOC_TRIM_THRESHOLD_``,
 ``MALLOC_MMAP_THRESHOLD_``, ``GLIBC_TUNABLES``) or another C library leave glibc alone.
+:func:`keep` is the one place that sets them: fully_shard raises them further for the
+unit buffers it frees and allocates again unit after unit (swarmfd.torch._tensors).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import ctypes
 import platform
 
-__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "tune"]
+__all__ = ["MMAP_MAX", "MMAP_THRESHOLD", "TRIM_THRESHOLD", "keep", "tune"]
 
 #: Allocations up to this size come from the heap: four times the largest message piece.
 MMAP_THRESHOLD = 4 << 20
@@ -27,18 +29,24 @@ TRIM_THRESHOLD = 32 << 20
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 
+#: glibc's largest mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX): allocations
+#: above it are always mapped afresh.
+MMAP_MAX = 32 << 20
+
+#: The thresholds swarmfd set so far in this process (it only ever raises them).
+_kept: dict[str, int] = {"mmap": 0, "trim": 0}
 _tuned = False
 
 
-def tune(mode: str) -> bool:
-    """Fix glibc's thresholds once per process where ``mode`` is 'tuned' (see
-    swarmfd.config.Options); whether swarmfd set them."""
-    global _tuned
-    if _tuned:
+def keep(mmap: int, trim: int, mode: str) -> bool:
+    """Raise glibc's mmap threshold to ``mmap`` (at most MMAP_MAX) and its trim threshold
+    to ``trim``, never lowering what swarmfd set before, where ``mode`` is 'tuned' (see
+    swarmfd.config.Options) and the C library is glibc; whether they are now at least
+    these. Setting either stops glibc's adapting (docstring above)."""
+    mmap = min(mmap, MMAP_MAX)
+    if _kept["mmap"] >= mmap and _kept["trim"] >= trim:
         return True
-    if mode != "tuned":
-        return False
-    if platform.libc_ver()[0] != "glibc":
+    if mode != "tuned" or platform.libc_ver()[0] != "glibc":
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
@@ -46,6 +54,16 @@ def tune(mode: str) -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    _tuned = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
-        mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    mmap, trim = max(mmap, _kept["mmap"]), max(trim, _kept["trim"])
+    if not (mallopt(M_MMAP_THRESHOLD, mmap) and mallopt(M_TRIM_THRESHOLD, trim)):
+        return False
+    _kept.update(mmap=mmap, trim=trim)
+    return True
+
+
+def tune(mode: str) -> bool:
+    """Fix glibc's thresholds for message buffers (MMAP_THRESHOLD, TRIM_THRESHOLD) where
+    ``mode`` is 'tuned'; whether swarmfd set them."""
+    global _tuned
+    _tuned = _tuned or keep(MMAP_THRESHOLD, TRIM_THRESHOLD, mode)
     return _tuned

@@ -15,7 +15,6 @@ stays numpy-only:
 from __future__ import annotations
 
 import ctypes
-import platform
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -165,37 +164,15 @@ def memory(t: torch.Tensor) -> np.ndarray:
     return np.frombuffer(raw, dtype=dtype)
 
 
-#: glibc's largest mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX): allocations
-#: above it are always mapped afresh.
-_MMAP_MAX = 32 << 20
-#: What :func:`keep_freed` set so far (it only ever raises glibc's thresholds).
-_kept: dict[str, int] = {"mmap": 0, "trim": 0}
-
-
 def keep_freed(nbytes: int, working: int) -> bool:
-    """Let glibc keep freed blocks of up to ``nbytes`` (at most 32 MiB) on its heap and
-    up to ``working`` bytes free at its top, rather than return them to the kernel:
-    fully_shard frees a unit's gathered parameters and gradients after each unit and
-    allocates the next unit's at once, and glibc's adaptive thresholds (a trim at twice
-    the largest freed block) hand that memory back and fault it in again, zeroed, unit
-    after unit. The tensors still release their memory; the process keeps at most
-    ``working`` bytes more mapped than in use. Raises (never lowers) the thresholds
-    swarmfd's own tuning set (:mod:`swarmfd.comm.malloc`); leaves glibc alone under
-    ``SWARMFD_MALLOC=system``, glibc's own settings, or another C library. Whether the
-    thresholds are now at least these."""
-    mmap = min(max(nbytes, malloc.MMAP_THRESHOLD), _MMAP_MAX)
-    trim = max(working, malloc.TRIM_THRESHOLD)
-    if _kept["mmap"] >= mmap and _kept["trim"] >= trim:
-        return True
-    if options_from_env().malloc != "tuned" or platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    mmap, trim = max(mmap, _kept["mmap"]), max(trim, _kept["trim"])
-    if not (mallopt(malloc.M_MMAP_THRESHOLD, mmap) and mallopt(malloc.M_TRIM_THRESHOLD, trim)):
-        return False
-    _kept.update(mmap=mmap, trim=trim)
-    return True
+    """Let glibc keep freed blocks of up to ``nbytes`` on its heap and up to ``working``
+    bytes free at its top, rather than return them to the kernel: fully_shard frees a
+    unit's gathered parameters and gradients after each unit and allocates the next
+    unit's at once, and glibc's adaptive thresholds (a trim at twice the largest freed
+    block) hand that memory back and fault it in again, zeroed, unit after unit. The
+    tensors still release their memory; the process keeps at most ``working`` bytes more
+    mapped than in use. Never below swarmfd's own message-buffer tuning; nothing under
+    ``SWARMFD_MALLOC=system``, glibc's own settings, or another C library
+    (:func:`swarmfd.comm.malloc.keep`). Whether the thresholds are now at least these."""
+    return malloc.keep(max(nbytes, malloc.MMAP_THRESHOLD),
+                       max(working, malloc.TRIM_THRESHOLD), options_from_env().malloc)
