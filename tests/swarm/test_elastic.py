@@ -8,6 +8,7 @@ counts how many times each sample was processed in the committed history.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 import sys
@@ -39,22 +40,34 @@ def _tasks(swarm: Any, name: str) -> list[dict[str, Any]]:
     return swarm.api.tasks(filters={"service": services[0]["ID"]}) if services else []
 
 
-def _deploy(image: str, name: str, *args: str) -> subprocess.Popen[str]:
+@contextlib.contextmanager
+def _deploy(image: str, name: str, *args: str) -> Iterator[subprocess.Popen[str]]:
     """``deploy --elastic --keep`` of tests/launch_scripts/elastic_job.py (240 samples),
-    with ``args`` (ranks, environment)."""
-    return subprocess.Popen(
+    with ``args`` (ranks, environment); killed and reaped on exit if still running."""
+    deploy = subprocess.Popen(
         [sys.executable, "-m", "swarmfd", "deploy", image, "--elastic", "--keep", "--name",
          name, "--mount", f"type=bind,src={SCRIPTS},dst=/scripts,readonly", "-e",
          "SAMPLES=240", *args, "--", "python", "/scripts/elastic_job.py"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        yield deploy
+    finally:
+        if deploy.poll() is None:
+            deploy.kill()
+            deploy.communicate()
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """``swarmfd ARGS`` from the repository, output captured."""
+    return subprocess.run([sys.executable, "-m", "swarmfd", *args], capture_output=True,
+                          text=True, timeout=60, cwd=ROOT)
 
 
 def test_a_killed_container_is_replaced_and_the_job_finishes(
         swarm: Any, swarmfd_image: str, job_name: Callable[[str], str]) -> None:
     name = job_name("kill")
-    deploy = _deploy(swarmfd_image, name, "-n", "3", "--min-n", "2", "-e", "EPOCHS=3",
-                     "-e", "STEP_SLEEP=0.25", "-e", "KILL_DIR=/tmp")
-    try:
+    with _deploy(swarmfd_image, name, "-n", "3", "--min-n", "2", "-e", "EPOCHS=3",
+                 "-e", "STEP_SLEEP=0.25", "-e", "KILL_DIR=/tmp") as deploy:
         wait_until(lambda: deploy.poll() is not None or len(
             [t for t in _tasks(swarm, name) if t["Status"]["State"] == "running"]) == 3, 120,
                    "three running ranks")
@@ -65,10 +78,6 @@ def test_a_killed_container_is_replaced_and_the_job_finishes(
         victim = next(t for t in _tasks(swarm, name) if t["Slot"] == 2)
         swarm.api.kill(victim["Status"]["ContainerStatus"]["ContainerID"])
         out, err = deploy.communicate(timeout=240)
-    finally:
-        if deploy.poll() is None:
-            deploy.kill()
-            deploy.communicate()
     assert deploy.returncode == 0, out + err
     assert "rank 1 exited with code 137" in err, err
     results = [tuple(int(g) for g in m.groups()) for m in RESULT.finditer(out)]
@@ -80,8 +89,7 @@ def test_a_killed_container_is_replaced_and_the_job_finishes(
     slot2 = sorted((t for t in _tasks(swarm, name) if t["Slot"] == 2),
                    key=lambda t: t["CreatedAt"])
     assert len(slot2) >= 2 and slot2[-1]["ID"] != victim["ID"], slot2
-    ps = subprocess.run([sys.executable, "-m", "swarmfd", "ps", name], capture_output=True,
-                        text=True, timeout=60, cwd=ROOT)
+    ps = _cli("ps", name)
     assert ps.returncode == 0, ps.stderr
     row = next(line for line in ps.stdout.splitlines()[2:] if line.startswith("1 "))
     assert row.split()[1] == "complete" and slot2[-1]["ID"][:12] in row.split(), ps.stdout
@@ -93,8 +101,6 @@ def test_scale_grows_and_shrinks_a_running_elastic_job(
     task taken away leaves at its next commit (SIGTERM), without a rollback; the job
     finishes with every sample processed as often as without the changes."""
     name = job_name("scale")
-    deploy = _deploy(swarmfd_image, name, "-n", "2", "-e", "EPOCHS=4", "-e",
-                     "STEP_SLEEP=0.15")
 
     def logs() -> bytes:
         return b"".join(swarm.api.logs(t["Status"]["ContainerStatus"]["ContainerID"])
@@ -102,11 +108,11 @@ def test_scale_grows_and_shrinks_a_running_elastic_job(
                         if t["Status"].get("ContainerStatus", {}).get("ContainerID"))
 
     def scale(n: int) -> None:
-        out = subprocess.run([sys.executable, "-m", "swarmfd", "scale", name, str(n)],
-                             capture_output=True, text=True, timeout=60, cwd=ROOT)
+        out = _cli("scale", name, str(n))
         assert out.returncode == 0, out.stdout + out.stderr
 
-    try:
+    with _deploy(swarmfd_image, name, "-n", "2", "-e", "EPOCHS=4", "-e",
+                 "STEP_SLEEP=0.15") as deploy:
         wait_until(lambda: deploy.poll() is not None or b"first commit" in logs(), 120,
                    "the first commit")
         assert deploy.poll() is None, deploy.communicate()
@@ -115,10 +121,6 @@ def test_scale_grows_and_shrinks_a_running_elastic_job(
                    or b"this replacement joined the job" in logs(), 120, "the new rank joined")
         scale(2)
         out, err = deploy.communicate(timeout=240)
-    finally:
-        if deploy.poll() is None:
-            deploy.kill()
-            deploy.communicate()
     assert deploy.returncode == 0, out + err
     text = out + err
     assert "left the job at a commit, as asked" in text, text
