@@ -5,7 +5,8 @@ API does not say. Names here may change without notice.
 * :func:`all_reduce_in_place` / :func:`reduce_scatter_parts`: DDP's and ZeRO's buckets
   reduce their gradients where they are, without a copy into a bucket;
 * :func:`members_group`, :func:`choose_area` and the ids and areas they take: groups
-  made by their members alone (torch's ``new_group`` through the c10d backend).
+  made by their members alone (torch's ``new_group`` through the c10d backend);
+* :func:`options`: the running job's options, as init read them.
 """
 
 from __future__ import annotations
@@ -20,17 +21,25 @@ from .algorithms import select
 from .algorithms.base import Parts
 from .collectives import reduce_scatter_run
 from .comm.wire import Collective, ReduceOp
+from .config import Options
 from .group import (
     MEMBER_AREAS,
     MEMBERS_FIRST_GID,
     MEMBERS_MAX_GID,
     choose_area,
+    current,
     members_group,
     resolve_group,
 )
 
 __all__ = ["MEMBERS_FIRST_GID", "MEMBERS_MAX_GID", "MEMBER_AREAS", "all_reduce_in_place",
-           "choose_area", "members_group", "reduce_scatter_parts"]
+           "choose_area", "members_group", "options", "reduce_scatter_parts"]
+
+
+def options(what: str = "swarmfd.torch") -> Options:
+    """The running job's options (``SWARMFD_*``, read once at init); ``what`` names the
+    caller if the process group is not initialised."""
+    return current(what).config.options
 
 
 def all_reduce_in_place(group: Any, nbytes: int, count: int, arrays: int = 1) -> bool:

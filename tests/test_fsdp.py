@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+import swarmfd as fd
+
 from .support.harness import require
 
 torch = require("torch", "pip install torch==2.13.0, the CPU wheel")
@@ -93,24 +95,29 @@ def test_mixed_precision_computes_in_bfloat16_and_keeps_float32() -> None:
 def test_glibc_keeps_freed_units_unless_told_to_leave_it_alone(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """keep_freed raises glibc's thresholds (only ever raising them), and leaves glibc
-    alone under SWARMFD_MALLOC=system or glibc's own settings."""
+    alone under SWARMFD_MALLOC=system or glibc's own settings (as the job's init read
+    them: each case initialises the world of one again under its environment)."""
     import platform
 
     from swarmfd.comm import malloc
     from swarmfd.torch import _tensors
 
+    def keep_under(env: dict[str, str], nbytes: int, working: int) -> bool:
+        fd.cleanup()
+        with monkeypatch.context() as m:
+            for name, value in env.items():
+                m.setenv(name, value)
+            fd.init()
+        return _tensors.keep_freed(nbytes, working)
+
     monkeypatch.setattr(malloc, "_kept", {"mmap": 0, "trim": 0})
-    monkeypatch.setenv("SWARMFD_MALLOC", "system")
-    assert not _tensors.keep_freed(8 << 20, 40 << 20)
-    monkeypatch.delenv("SWARMFD_MALLOC")
-    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", str(64 << 20))
-    assert not _tensors.keep_freed(8 << 20, 40 << 20)
-    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
+    assert not keep_under({"SWARMFD_MALLOC": "system"}, 8 << 20, 40 << 20)
+    assert not keep_under({"MALLOC_TRIM_THRESHOLD_": str(64 << 20)}, 8 << 20, 40 << 20)
     if platform.libc_ver()[0] != "glibc":
         return
-    assert _tensors.keep_freed(8 << 20, 40 << 20)
+    assert keep_under({}, 8 << 20, 40 << 20)
     assert malloc._kept == {"mmap": 8 << 20, "trim": 40 << 20}
-    assert _tensors.keep_freed(1 << 30, 1)  # the mmap threshold stops at glibc's limit
+    assert keep_under({}, 1 << 30, 1)  # the mmap threshold stops at glibc's limit
     assert malloc._kept == {"mmap": 32 << 20, "trim": 40 << 20}
 
 

@@ -66,7 +66,7 @@ def test_the_user_s_own_glibc_settings_win(name: str) -> None:
 
 
 def _tuned(rank: int, world: int) -> bool:
-    return malloc._tuned
+    return malloc.tuned()
 
 
 @pytest.mark.parametrize("plane", ["socket", "zmq"])

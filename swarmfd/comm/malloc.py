@@ -18,7 +18,7 @@ from __future__ import annotations
 import ctypes
 import platform
 
-__all__ = ["MMAP_MAX", "MMAP_THRESHOLD", "TRIM_THRESHOLD", "keep", "tune"]
+__all__ = ["MMAP_MAX", "MMAP_THRESHOLD", "TRIM_THRESHOLD", "keep", "tune", "tuned"]
 
 #: Allocations up to this size come from the heap: four times the largest message piece.
 MMAP_THRESHOLD = 4 << 20
@@ -35,7 +35,6 @@ MMAP_MAX = 32 << 20
 
 #: The thresholds swarmfd set so far in this process (it only ever raises them).
 _kept: dict[str, int] = {"mmap": 0, "trim": 0}
-_tuned = False
 
 
 def keep(mmap: int, trim: int, mode: str) -> bool:
@@ -63,7 +62,10 @@ def keep(mmap: int, trim: int, mode: str) -> bool:
 
 def tune(mode: str) -> bool:
     """Fix glibc's thresholds for message buffers (MMAP_THRESHOLD, TRIM_THRESHOLD) where
-    ``mode`` is 'tuned'; whether swarmfd set them."""
-    global _tuned
-    _tuned = _tuned or keep(MMAP_THRESHOLD, TRIM_THRESHOLD, mode)
-    return _tuned
+    ``mode`` is 'tuned'; whether swarmfd set them (or higher ones)."""
+    return keep(MMAP_THRESHOLD, TRIM_THRESHOLD, mode)
+
+
+def tuned() -> bool:
+    """Whether swarmfd set glibc's thresholds in this process (at least tune's)."""
+    return _kept["mmap"] >= MMAP_THRESHOLD and _kept["trim"] >= TRIM_THRESHOLD

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from swarmfd import _internal
 from swarmfd.comm import malloc
-from swarmfd.config import options_from_env
 
 #: Floating dtypes gradients may have (bfloat16 is reduced in float32).
 FLOAT_DTYPES = (torch.float16, torch.float32, torch.float64, torch.bfloat16)
@@ -175,4 +175,4 @@ def keep_freed(nbytes: int, working: int) -> bool:
     ``SWARMFD_MALLOC=system``, glibc's own settings, or another C library
     (:func:`swarmfd.comm.malloc.keep`). Whether the thresholds are now at least these."""
     return malloc.keep(max(nbytes, malloc.MMAP_THRESHOLD),
-                       max(working, malloc.TRIM_THRESHOLD), options_from_env().malloc)
+                       max(working, malloc.TRIM_THRESHOLD), _internal.options().malloc)

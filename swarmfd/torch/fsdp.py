@@ -553,7 +553,7 @@ class _Unit:
         ctx.order = list(units)
         ctx.overlap = self.overlap if self.overlap is not None else \
             2 * fd.host_group().size <= usable_cores()
-        largest = max((u.padded * max(u.full.element_size(), _size(u.reduce))
+        largest = max((u.padded * max(u.full.element_size(), u.reduce.itemsize)
                        for u in units), default=0)
         keep_freed(largest, _WORKING_UNITS * largest)
         buffers = [bits(b) for b in module.buffers()]
@@ -613,8 +613,9 @@ class _Unit:
         if flat.dtype != self.reduce:
             flat = flat.to(self.reduce)
         self.grads[index] = flat
-        self.kept += flat.numel() * flat.element_size()
-        self.ctx.hold(flat.numel() * flat.element_size())
+        nbytes = flat.numel() * flat.element_size()
+        self.kept += nbytes
+        self.ctx.hold(nbytes)
 
     def finish_gradients(self) -> None:
         """Every gradient of the unit is in (or the backward ended): the gathered
@@ -760,10 +761,6 @@ def _pre_backward_hook(me: weakref.ref[_Unit]) -> Callable[[torch.Tensor], None]
             unit._pre_backward()
 
     return hook
-
-
-def _size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _top(unit: _Unit) -> _Unit:
