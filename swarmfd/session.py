@@ -477,8 +477,10 @@ def _elastic_start(config: Config, secret: str | bytes | None) -> Config:
     if _elastic is None:
         _elastic = _Elastic(_make_agent(config, opts, secret), opts, config, secret)
     ctx = _elastic
-    if opts.join == "auto" or config.options.swarm_task:  # (a task of a scaled-up
-        _leave_on_sigterm()                                 # service joins with "1")
+    # Every Swarm task leaves at a commit on SIGTERM: a task of a scaled-up service
+    # joins with "1", not "auto", and `swarmfd scale` down stops it the same way.
+    if opts.join == "auto" or config.options.swarm_task:
+        _leave_on_sigterm()
     start = time.monotonic()
     admitted = _await_admission(ctx, PROBE if opts.join == "auto" else None) \
         if opts.join else None
