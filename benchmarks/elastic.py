@@ -99,7 +99,8 @@ def elastic_worker(args: argparse.Namespace) -> None:
     def train(state: Any) -> None:
         first = True
         while state.step < args.steps:
-            variant = VARIANTS[(state.step // args.block) % 3] if args.block else "commit"
+            variant = VARIANTS[(state.step // args.block) % len(VARIANTS)] if args.block \
+                else "commit"
             t0 = time.perf_counter()
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
